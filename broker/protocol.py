@@ -1,0 +1,182 @@
+"""The wire format, version 1.
+
+A request is one stream entry per item with the fields:
+
+====== ==================================================================
+``v``        protocol version, ``"1"``
+``id``       request id (any string unique among the caller's in-flight requests)
+``reply``    the key (a Redis list) the reply is pushed to
+``timeout``  milliseconds; the item's deadline is the entry id's time plus this
+``data``     the item, encoded by :mod:`broker.codec`
+====== ==================================================================
+
+A reply is one msgpack map pushed (RPUSH) to the reply key, which then gets a TTL::
+
+    {"id": <request id>, "ok": true, "result": <value>}
+    {"id": <request id>, "ok": false, "error": {"type": <ErrorClass>, "message": <str>}}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from . import codec
+from .errors import CodecError, MicrobatchError, ProtocolError
+
+VERSION = "1"
+F_VERSION = b"v"
+F_ID = b"id"
+F_REPLY = b"reply"
+F_TIMEOUT = b"timeout"
+F_DATA = b"data"
+F_TRACE = b"traceparent"
+
+Fields = dict[bytes, bytes]
+
+
+def entry_time_ms(entry_id: str | bytes) -> int:
+    """The Redis server time (ms) at which a stream entry was added, read from its id."""
+    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    return int(text.split("-", 1)[0])
+
+
+def request_fields(
+    request_id: str, reply_key: str, timeout_ms: int, data: bytes, traceparent: str | None = None
+) -> dict[str, str | bytes]:
+    """The stream entry fields of one item."""
+    fields: dict[str, str | bytes] = {
+        "v": VERSION,
+        "id": request_id,
+        "reply": reply_key,
+        "timeout": str(int(timeout_ms)),
+        "data": data,
+    }
+    if traceparent:
+        fields["traceparent"] = traceparent
+    return fields
+
+
+@dataclass(frozen=True)
+class Request:
+    """One parsed stream entry."""
+
+    entry_id: str
+    request_id: str
+    reply_key: str
+    deadline_ms: int
+    data: bytes
+    traceparent: str | None = None
+
+
+class MalformedEntry(ProtocolError):
+    """A stream entry that is not a valid v1 request.
+
+    ``request_id`` and ``reply_key`` are set when they could be read, so the sender can be told.
+    """
+
+    def __init__(
+        self, message: str, *, request_id: str | None = None, reply_key: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.reply_key = reply_key
+
+    @property
+    def type(self) -> str:
+        return ProtocolError.__name__  # on the wire, callers see the public class
+
+
+def _text(fields: Fields, name: bytes) -> str | None:
+    value = fields.get(name)
+    if value is None:
+        return None
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
+def parse_request(entry_id: str | bytes, fields: Fields) -> Request:
+    """Parse one stream entry; raise :class:`MalformedEntry` if it is not a valid v1 request."""
+    entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    request_id = _text(fields, F_ID)
+    reply_key = _text(fields, F_REPLY)
+    if not request_id or not reply_key:
+        raise MalformedEntry(
+            "entry has no readable 'id' or 'reply' field",
+            request_id=request_id,
+            reply_key=reply_key if request_id else None,
+        )
+    version = _text(fields, F_VERSION)
+    if version != VERSION:
+        raise MalformedEntry(
+            f"unsupported protocol version {version!r} (this worker speaks {VERSION!r})",
+            request_id=request_id,
+            reply_key=reply_key,
+        )
+    timeout = _text(fields, F_TIMEOUT)
+    data = fields.get(F_DATA)
+    if timeout is None or not timeout.isdigit() or data is None:
+        raise MalformedEntry(
+            "entry lacks a valid 'timeout' or 'data' field",
+            request_id=request_id,
+            reply_key=reply_key,
+        )
+    return Request(
+        entry_id=entry,
+        request_id=request_id,
+        reply_key=reply_key,
+        deadline_ms=entry_time_ms(entry) + int(timeout),
+        data=data,
+        traceparent=_text(fields, F_TRACE),
+    )
+
+
+def encode_result(request_id: str, result: Any) -> bytes:
+    """A success reply. Raises :class:`CodecError` if the result cannot be encoded."""
+    return codec.encode({"id": request_id, "ok": True, "result": result})
+
+
+def encode_error(request_id: str, error: MicrobatchError | Exception) -> bytes:
+    """An error reply; non-microbatch exceptions travel as their class name and message."""
+    if isinstance(error, MicrobatchError):
+        type_name, message = error.type, error.message
+    else:
+        type_name, message = type(error).__name__, str(error)
+    packed: bytes = msgpack.packb(
+        {"id": request_id, "ok": False, "error": {"type": type_name, "message": message}},
+        use_bin_type=True,
+    )
+    return packed
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One decoded reply."""
+
+    request_id: str
+    ok: bool
+    result: Any = None
+    error_type: str = ""
+    error_message: str = ""
+
+
+def decode_reply(data: bytes) -> Reply:
+    """Decode a reply; raises :class:`CodecError` or :class:`ProtocolError` if malformed."""
+    message = codec.decode(data)
+    if not isinstance(message, dict) or not isinstance(message.get("id"), str):
+        raise ProtocolError("reply is not a map with a string 'id'")
+    if message.get("ok") is True:
+        return Reply(message["id"], True, result=message.get("result"))
+    error = message.get("error")
+    if not isinstance(error, dict):
+        raise CodecError("error reply without an 'error' map")
+    return Reply(
+        message["id"],
+        False,
+        error_type=str(error.get("type", "MicrobatchError")),
+        error_message=str(error.get("message", "")),
+    )

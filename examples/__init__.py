@@ -1,0 +1,1 @@
+"""Example models served by microbatch."""

@@ -1,0 +1,245 @@
+"""The batch loop: read up to ``batch_size`` entries, run the model once, reply, ack.
+
+Written once over :class:`broker.transport.Transport`, so the same loop serves Redis workers and
+the in-process LocalStreamer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from broker import codec
+from broker.errors import (
+    BrokerUnavailable,
+    CodecError,
+    DeadlineExceeded,
+    InvalidOutput,
+    MicrobatchError,
+    ModelError,
+)
+from broker.keys import ModelKeys
+from broker.protocol import (
+    MalformedEntry,
+    Request,
+    encode_error,
+    encode_result,
+    entry_time_ms,
+    parse_request,
+)
+from broker.transport import Entry, Transport
+
+log = logging.getLogger("microbatch.worker")
+
+PredictFn = Callable[[list[Any]], Sequence[Any]]
+
+
+@dataclass
+class BatchSettings:
+    """How a worker forms batches and answers."""
+
+    batch_size: int = 32
+    max_latency_s: float = 0.0
+    block_ms: int = 500
+    reply_ttl_s: int = 60
+    clock_sync_s: float = 30.0
+
+
+class BrokerClock:
+    """The broker's clock, estimated from one TIME round trip and refreshed now and then.
+
+    Deadlines are stamped by the broker (entry ids), so workers compare them with its clock.
+    """
+
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
+        self._offset_ms = 0.0
+        self._synced_at = float("-inf")
+
+    async def sync(self) -> None:
+        before = time.time()
+        server_ms = await self._transport.time_ms()
+        after = time.time()
+        self._offset_ms = server_ms - (before + after) * 500
+        self._synced_at = after
+
+    async def maybe_sync(self, every_s: float) -> None:
+        if time.time() - self._synced_at > every_s:
+            await self.sync()
+
+    def now_ms(self) -> float:
+        return time.time() * 1000 + self._offset_ms
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line description of a model exception (no traceback, no payload)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for CUDA (or other accelerator) out-of-memory errors, without importing torch."""
+    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()
+
+
+class BatchLoop:
+    """Consume one model's stream as ``consumer`` until :meth:`stop` is called."""
+
+    def __init__(
+        self,
+        predict: PredictFn,
+        transport: Transport,
+        keys: ModelKeys,
+        consumer: str,
+        settings: BatchSettings | None = None,
+    ) -> None:
+        self.predict_fn = predict
+        self.transport = transport
+        self.keys = keys
+        self.consumer = consumer
+        self.settings = settings or BatchSettings()
+        if self.settings.batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        self.clock = BrokerClock(transport)
+        self.batches = 0
+        self.items = 0
+        self._stopping = False
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="microbatch-model")
+
+    def stop(self) -> None:
+        """Stop reading; the batch in hand is finished and answered first."""
+        self._stopping = True
+
+    def close(self) -> None:
+        """Release the model thread."""
+        self._executor.shutdown(wait=False)
+
+    async def run(self) -> None:
+        """Serve until stopped. Survives broker outages by retrying with backoff."""
+        backoff = 0.05
+        ready = False
+        while not self._stopping:
+            try:
+                if not ready:
+                    await self.transport.ensure_group(self.keys.stream, self.keys.group)
+                    await self.clock.sync()
+                    ready = True
+                entries = await self.read_batch()
+                if entries:
+                    await self.process(entries)
+                else:
+                    await self.clock.maybe_sync(self.settings.clock_sync_s)
+                backoff = 0.05
+            except BrokerUnavailable as exc:
+                log.warning("broker unavailable (%s); retrying in %.2f s", exc, backoff)
+                ready = False
+                await asyncio.sleep(backoff)
+                backoff = min(2.0, backoff * 2)
+
+    async def read_batch(self) -> list[Entry]:
+        """Everything queued up to batch_size; wait for more only while max_latency allows."""
+        settings = self.settings
+        keys = self.keys
+        entries = await self.transport.read_batch(
+            keys.stream, keys.group, self.consumer, settings.batch_size, settings.block_ms
+        )
+        if not entries or settings.max_latency_s <= 0:
+            return entries
+        oldest_ms = entry_time_ms(entries[0][0])
+        wait_until_ms = oldest_ms + settings.max_latency_s * 1000
+        while len(entries) < settings.batch_size and not self._stopping:
+            remaining_ms = int(wait_until_ms - self.clock.now_ms())
+            if remaining_ms < 1:
+                break
+            entries += await self.transport.read_batch(
+                keys.stream, keys.group, self.consumer,
+                settings.batch_size - len(entries), remaining_ms,
+            )  # fmt: skip
+        return entries
+
+    async def process(self, entries: list[Entry]) -> None:
+        """Answer every entry of one batch: a result or a typed error each, then ack."""
+        replies: list[tuple[str, bytes]] = []
+        dead: list[Entry] = []
+        live: list[Request] = []
+        items: list[Any] = []
+        now_ms = self.clock.now_ms()
+        for entry_id, fields in entries:
+            try:
+                request = parse_request(entry_id, fields)
+            except MalformedEntry as exc:
+                if exc.request_id and exc.reply_key:
+                    replies.append((exc.reply_key, encode_error(exc.request_id, exc)))
+                else:
+                    dead.append((entry_id, fields))
+                log.warning("malformed entry %s on %s: %s", entry_id, self.keys.stream, exc)
+                continue
+            if request.deadline_ms <= now_ms:
+                error = DeadlineExceeded("deadline passed before the item was computed")
+                replies.append((request.reply_key, encode_error(request.request_id, error)))
+                continue
+            try:
+                items.append(codec.decode(request.data))
+            except CodecError as exc:
+                replies.append((request.reply_key, encode_error(request.request_id, exc)))
+                continue
+            live.append(request)
+
+        if items:
+            outcomes = await self.predict_robust(items)
+            for request, outcome in zip(live, outcomes, strict=True):
+                replies.append((request.reply_key, self._encode_outcome(request, outcome)))
+            self.batches += 1
+            self.items += len(items)
+
+        if dead:
+            await self.transport.dead_letter(
+                self.keys.stream, self.keys.group, self.keys.dead_letters, dead,
+                "malformed entry: no readable request id or reply key",
+            )  # fmt: skip
+        dead_ids = {entry_id for entry_id, _ in dead}
+        await self.transport.finish(
+            self.keys.stream, self.keys.group, replies,
+            [entry_id for entry_id, _ in entries if entry_id not in dead_ids],
+            self.settings.reply_ttl_s,
+        )  # fmt: skip
+
+    @staticmethod
+    def _encode_outcome(request: Request, outcome: Any) -> bytes:
+        if isinstance(outcome, MicrobatchError):
+            return encode_error(request.request_id, outcome)
+        try:
+            return encode_result(request.request_id, outcome)
+        except CodecError as exc:
+            return encode_error(request.request_id, InvalidOutput(f"cannot send output: {exc}"))
+
+    async def predict_robust(self, items: list[Any]) -> list[Any]:
+        """Run the model; on an exception, bisect so only the failing items get ModelError."""
+        loop = asyncio.get_running_loop()
+        try:
+            outputs = await loop.run_in_executor(self._executor, self.predict_fn, items)
+        except Exception as exc:
+            if len(items) == 1:
+                return [ModelError(describe(exc))]
+            kind = "out of memory" if is_out_of_memory(exc) else "failed"
+            log.warning("batch of %d %s (%s); splitting it", len(items), kind, describe(exc))
+            middle = len(items) // 2
+            return await self.predict_robust(items[:middle]) + await self.predict_robust(
+                items[middle:]
+            )
+        try:
+            count = len(outputs)
+        except TypeError:
+            count = -1
+        if count != len(items):
+            error = InvalidOutput(
+                f"model returned {count if count >= 0 else 'no list of'} outputs "
+                f"for a batch of {len(items)}"
+            )
+            return [error] * len(items)
+        return list(outputs)

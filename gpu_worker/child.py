@@ -1,0 +1,116 @@
+"""One worker process: load the model on its device, then run the batch loop over Redis.
+
+Started by the supervisor as ``python -m gpu_worker.child`` with its config in the environment
+and a pipe on which it reports ``ready`` or the reason it could not start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+CONFIG_ENV = "MICROBATCH_CHILD_CONFIG"
+STATUS_FD_ENV = "MICROBATCH_CHILD_STATUS_FD"
+DEVICE_ENV = "MICROBATCH_CHILD_DEVICE"
+
+log = logging.getLogger("microbatch.worker")
+
+
+def report(event: str, **fields: Any) -> None:
+    """Tell the supervisor about this child's state (one JSON line on the status pipe)."""
+    fd = os.environ.get(STATUS_FD_ENV)
+    if fd is None:
+        return
+    with contextlib.suppress(OSError):  # the supervisor is gone: nothing to tell
+        os.write(int(fd), (json.dumps({"event": event, **fields}) + "\n").encode())
+
+
+def consumer_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def check_device(device: str) -> None:
+    """Fail clearly if a CUDA worker does not see exactly the one device it was given."""
+    if device == "cpu":
+        return
+    from .devices import device_count
+
+    count = device_count()
+    if count != 1:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise RuntimeError(
+            f"worker pinned to CUDA_VISIBLE_DEVICES={visible} sees {count} devices, expected 1"
+        )
+
+
+async def serve(model: Any, config: Any, consumer: str) -> None:
+    from broker.keys import ModelKeys
+    from broker.redis_transport import RedisTransport
+
+    from .batching import BatchLoop, BatchSettings
+
+    settings = BatchSettings(
+        batch_size=config.batch_size or model.batch_size,
+        max_latency_s=config.max_latency if config.max_latency is not None else model.max_latency,
+    )
+    transport = RedisTransport(config.redis_url)
+    keys = ModelKeys(config.name or model.name, config.prefix)
+    batch_loop = BatchLoop(model.predict, transport, keys, consumer, settings)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, batch_loop.stop)
+    log.info(
+        "worker %s serving %s on %s (batch_size=%d, max_latency=%gs)",
+        consumer, keys.stream, model.device, settings.batch_size, settings.max_latency_s,
+    )  # fmt: skip
+    try:
+        await batch_loop.run()
+    finally:
+        batch_loop.close()
+        await transport.close()
+    log.info("worker %s stopped after %d batches", consumer, batch_loop.batches)
+
+
+def main() -> int:
+    from .config import WorkerConfig
+
+    config = WorkerConfig.from_json(os.environ[CONFIG_ENV])
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
+    )
+    device = os.environ.get(DEVICE_ENV, "cpu")
+    try:
+        from .model import load_model_class
+
+        check_device(device)
+        model = load_model_class(config.model)(device=device)
+        model.init_model()
+        model.warmup()
+    except BaseException as exc:
+        from .batching import describe
+
+        report("error", message=f"model {config.model} failed to start: {describe(exc)}")
+        log.debug("start-up failure", exc_info=True)
+        return 3
+    consumer = consumer_name()
+    report("ready", device=device, pid=os.getpid(), consumer=consumer)
+    from broker.loop_thread import new_event_loop
+
+    loop = new_event_loop()
+    try:
+        loop.run_until_complete(serve(model, config, consumer))
+    finally:
+        loop.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""`worker start`: a thin typer layer over WorkerConfig and Supervisor."""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated
+
+import typer
+
+from broker.client import DEFAULT_REDIS_URL
+from broker.keys import DEFAULT_PREFIX
+
+from .config import WorkerConfig
+from .devices import DeviceError, parse_cuda
+from .model import ModelLoadError
+
+app = typer.Typer(
+    help="Run GPU (or CPU) worker processes that serve a model from Redis streams.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+ENV = "MICROBATCH_WORKER_"
+
+
+@app.callback()
+def _root() -> None:
+    """microbatch workers."""
+
+
+@app.command()
+def start(
+    model: Annotated[
+        str,
+        typer.Option(
+            envvar=f"{ENV}MODEL",
+            help="Import path 'module:Class' of a ManagedModel subclass, e.g. examples.mlp:MLP.",
+        ),
+    ],
+    name: Annotated[
+        str | None,
+        typer.Option(
+            envvar=f"{ENV}NAME", help="Model name to serve under [default: the class's name]."
+        ),
+    ] = None,
+    cuda: Annotated[
+        str | None,
+        typer.Option(
+            envvar=f"{ENV}CUDA",
+            help="Comma-separated CUDA device indices (relative to the visible devices); one "
+            "process per device (times --workers-per-device). Omit to run on the CPU.",
+        ),
+    ] = None,
+    workers_per_device: Annotated[
+        int,
+        typer.Option(envvar=f"{ENV}WORKERS_PER_DEVICE", min=1, help="Processes per CUDA device."),
+    ] = 1,
+    workers: Annotated[
+        int,
+        typer.Option(envvar=f"{ENV}WORKERS", min=1, help="CPU worker processes (without --cuda)."),
+    ] = 1,
+    prefix: Annotated[
+        str,
+        typer.Option(envvar=f"{ENV}PREFIX", help="Key prefix: separates deployments in one Redis."),
+    ] = DEFAULT_PREFIX,
+    redis: Annotated[
+        str,
+        typer.Option(
+            envvar="REDIS_URL",
+            help="Redis URL: redis://[user:password@]host:port/db, or rediss:// for TLS.",
+        ),
+    ] = DEFAULT_REDIS_URL,
+    batch_size: Annotated[
+        int | None,
+        typer.Option(
+            envvar=f"{ENV}BATCH_SIZE",
+            min=1,
+            help="Most items per predict() call [default: the model's batch_size].",
+        ),
+    ] = None,
+    max_latency: Annotated[
+        float | None,
+        typer.Option(
+            envvar=f"{ENV}MAX_LATENCY",
+            min=0.0,
+            help="Seconds an item may wait for batch-mates, counted from its arrival; 0 never "
+            "waits [default: the model's max_latency].",
+        ),
+    ] = None,
+    start_timeout: Annotated[
+        float,
+        typer.Option(envvar=f"{ENV}START_TIMEOUT", help="Seconds to wait for workers to load."),
+    ] = 600.0,
+    graceful_timeout: Annotated[
+        float,
+        typer.Option(
+            envvar=f"{ENV}GRACEFUL_TIMEOUT",
+            help="Seconds a worker may take to finish its batch after SIGTERM before it is killed.",
+        ),
+    ] = 30.0,
+    log_level: Annotated[
+        str, typer.Option(envvar=f"{ENV}LOG_LEVEL", help="DEBUG, INFO, WARNING or ERROR.")
+    ] = "INFO",
+) -> None:
+    """Start worker processes serving MODEL until SIGTERM or Ctrl-C.
+
+    Every option also reads its environment variable (REDIS_URL for --redis, otherwise
+    MICROBATCH_WORKER_<OPTION>, e.g. MICROBATCH_WORKER_BATCH_SIZE).
+    """
+    from .supervisor import StartError, Supervisor
+
+    logging.basicConfig(
+        level=log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
+    )
+    try:
+        config = WorkerConfig(
+            model=model,
+            name=name,
+            cuda=parse_cuda(cuda) if cuda else None,
+            workers_per_device=workers_per_device,
+            workers=workers,
+            prefix=prefix,
+            redis_url=redis,
+            batch_size=batch_size,
+            max_latency=max_latency,
+            start_timeout=start_timeout,
+            graceful_timeout=graceful_timeout,
+            log_level=log_level,
+        )
+        supervisor = Supervisor(config)
+    except (ValueError, DeviceError, ModelLoadError) as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        code = supervisor.run()
+    except StartError as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(1) from None
+    raise typer.Exit(code)
+
+
+def main() -> None:
+    app(prog_name="worker")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""WorkerConfig: everything `worker start` is told, handed to the supervisor and its children."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from broker.client import DEFAULT_REDIS_URL
+from broker.keys import DEFAULT_PREFIX, check_name, check_prefix
+
+
+@dataclass
+class WorkerConfig:
+    """The settings of one `worker start`. The CLI mirrors these fields one for one."""
+
+    model: str
+    name: str | None = None
+    cuda: list[int] | None = None
+    workers_per_device: int = 1
+    workers: int = 1
+    prefix: str = DEFAULT_PREFIX
+    redis_url: str = DEFAULT_REDIS_URL
+    batch_size: int | None = None
+    max_latency: float | None = None
+    metrics_port: int | None = None
+    start_timeout: float = 600.0
+    graceful_timeout: float = 30.0
+    max_start_failures: int = 3
+    log_level: str = "INFO"
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Raise ValueError with a one-line reason for any bad setting."""
+        if self.name is not None:
+            check_name(self.name)
+        check_prefix(self.prefix)
+        if self.workers < 1:
+            raise ValueError("--workers must be at least 1")
+        if self.batch_size is not None and self.batch_size < 1:
+            raise ValueError("--batch-size must be at least 1")
+        if self.max_latency is not None and self.max_latency < 0:
+            raise ValueError("--max-latency cannot be negative")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerConfig:
+        return cls(**json.loads(text))

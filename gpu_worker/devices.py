@@ -1,0 +1,82 @@
+"""Device pinning: which CUDA device each worker process gets.
+
+``--cuda`` indices are relative to the devices this process can see, so they compose with a
+``CUDA_VISIBLE_DEVICES`` set by Kubernetes or Docker. Each child gets exactly one device through
+its own ``CUDA_VISIBLE_DEVICES``, set before its interpreter (and so torch) starts.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Overrides the device count (for tests, and for hosts where torch cannot count devices). A
+# child pinned to one device then sees a count of 1, as it would with a real driver.
+DEVICE_COUNT_ENV = "MICROBATCH_CUDA_DEVICE_COUNT"
+
+
+class DeviceError(ValueError):
+    """A requested device does not exist or cannot be used."""
+
+
+def device_count() -> int:
+    """How many CUDA devices this process can see."""
+    override = os.environ.get(DEVICE_COUNT_ENV)
+    if override is not None:
+        return int(override)
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return int(torch.cuda.device_count())
+
+
+def visible_devices() -> list[str]:
+    """The devices this process sees, as entries usable in a child's CUDA_VISIBLE_DEVICES."""
+    count = device_count()
+    preset = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if preset is None:
+        return [str(index) for index in range(count)]
+    entries = [entry.strip() for entry in preset.split(",") if entry.strip()]
+    return entries[:count]
+
+
+def parse_cuda(spec: str) -> list[int]:
+    """Parse ``--cuda 0,1`` into indices; raise DeviceError for anything else."""
+    indices = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part.isdigit():
+            raise DeviceError(f"--cuda takes device indices like '0,1', not {spec!r}")
+        indices.append(int(part))
+    if len(set(indices)) != len(indices):
+        raise DeviceError(f"--cuda lists a device twice: {spec!r}")
+    return indices
+
+
+def plan_devices(indices: list[int], workers_per_device: int = 1) -> list[str]:
+    """One CUDA_VISIBLE_DEVICES value per worker process, checked against what exists."""
+    if workers_per_device < 1:
+        raise DeviceError("--workers-per-device must be at least 1")
+    visible = visible_devices()
+    for index in indices:
+        if index >= len(visible):
+            seen = ", ".join(str(i) for i in range(len(visible))) or "none"
+            raise DeviceError(
+                f"CUDA device {index} does not exist: this process sees "
+                f"{len(visible)} device(s) ({seen})"
+            )
+    return [visible[index] for index in indices for _ in range(workers_per_device)]
+
+
+def child_environment(cuda_visible: str | None) -> dict[str, str]:
+    """The environment of a worker child pinned to ``cuda_visible`` (None: CPU only)."""
+    env = dict(os.environ)
+    if cuda_visible is None:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        if DEVICE_COUNT_ENV in env:
+            env[DEVICE_COUNT_ENV] = "0"
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible
+        if DEVICE_COUNT_ENV in env:
+            env[DEVICE_COUNT_ENV] = "1"
+    return env

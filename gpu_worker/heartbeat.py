@@ -1,0 +1,69 @@
+"""Heartbeats: the supervisor vouches for each live worker consumer in Redis.
+
+Each consumer has a key ``heartbeat`` with a short TTL and a member in the model's ``consumers``
+sorted set, scored by when its heartbeat expires. Readers (gateway readiness, `broker status`,
+takeover of a dead worker's entries) count a consumer as live while its score is in the future.
+The supervisor renews them from its own process, so a model that holds the GIL in a child cannot
+starve them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import redis
+
+from broker.keys import ModelKeys
+
+log = logging.getLogger("microbatch.heartbeat")
+
+DEFAULT_TTL_S = 5.0
+
+
+class Heartbeats:
+    """Renew and retire the heartbeats of a set of consumers of one model."""
+
+    def __init__(self, redis_url: str, keys: ModelKeys, ttl_s: float = DEFAULT_TTL_S) -> None:
+        self.client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+        self.keys = keys
+        self.ttl_ms = int(ttl_s * 1000)
+
+    def renew(self, consumers: Iterable[str]) -> bool:
+        """Vouch for ``consumers`` for another TTL; False (logged) if Redis is unreachable."""
+        consumers = list(consumers)
+        if not consumers:
+            return True
+        try:
+            seconds, micros = self.client.time()
+            expires_ms = seconds * 1000 + micros // 1000 + self.ttl_ms
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zadd(self.keys.consumers, dict.fromkeys(consumers, expires_ms))
+            for consumer in consumers:
+                pipe.set(self.keys.heartbeat(consumer), expires_ms, px=self.ttl_ms)
+            pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("cannot renew heartbeats: %s", exc)
+            return False
+        return True
+
+    def retire(self, consumer: str) -> None:
+        """Stop vouching for ``consumer`` (it exited)."""
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zrem(self.keys.consumers, consumer)
+            pipe.delete(self.keys.heartbeat(consumer))
+            pipe.execute()
+        except redis.RedisError as exc:
+            log.warning("cannot retire consumer %s: %s", consumer, exc)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def live_consumers(client: redis.Redis, keys: ModelKeys) -> list[str]:
+    """The consumers of a model whose heartbeat has not expired (by Redis' clock)."""
+    seconds, micros = client.time()
+    now_ms = seconds * 1000 + micros // 1000
+    members = client.zrangebyscore(keys.consumers, now_ms, "+inf")
+    return [member.decode() if isinstance(member, bytes) else member for member in members]

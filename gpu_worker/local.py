@@ -1,0 +1,64 @@
+"""LocalStreamer: the embedded default. The same API and batch loop as Streamer, no Redis."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from broker.client import DEFAULT_TIMEOUT_S, ClientCore, Streamer
+from broker.memory_transport import InMemoryTransport
+from broker.transport import Transport
+
+from .batching import BatchLoop, BatchSettings
+from .model import ManagedModel
+
+LOCAL_PREFIX = "local"
+
+
+class LocalStreamer(Streamer):
+    """Batch a model inside this process: callers' items are batched on a background thread.
+
+    ``LocalStreamer(MLP, batch_size=64)`` builds the model, runs ``init_model`` and ``warmup``
+    (errors surface here), and then serves ``predict``/``submit``/``apredict`` exactly like a
+    Streamer backed by Redis workers.
+    """
+
+    def __init__(
+        self,
+        model: type[ManagedModel] | ManagedModel,
+        batch_size: int | None = None,
+        max_latency: float | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        device: str = "cpu",
+    ) -> None:
+        instance = model(device=device) if isinstance(model, type) else model
+        super().__init__(instance.name, prefix=LOCAL_PREFIX, model=instance, timeout=timeout)
+        self.settings = BatchSettings(
+            batch_size=batch_size if batch_size is not None else instance.batch_size,
+            max_latency_s=max_latency if max_latency is not None else instance.max_latency,
+        )
+        self._batch_loop: BatchLoop | None = None
+        self._get_core()  # build the model now, so that its errors surface here
+
+    def _make_transport(self) -> Transport:
+        return InMemoryTransport()
+
+    def _on_core_start(self, core: ClientCore) -> Any:
+        model = self.model
+        model.init_model()
+        model.warmup()
+        self._batch_loop = BatchLoop(
+            model.predict, core.transport, core.keys, "local", self.settings
+        )
+        core.loop.create_task(self._batch_loop.run())
+
+    @property
+    def batches_run(self) -> int:
+        """How many batches the model has run in this process."""
+        return self._batch_loop.batches if self._batch_loop is not None else 0
+
+    def close(self) -> None:
+        if self._batch_loop is not None:
+            self._batch_loop.stop()
+            self._batch_loop.close()
+        super().close()

@@ -1,0 +1,144 @@
+"""What a user writes: a ManagedModel subclass with TensorSpecs. Light: never imports torch."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from broker.errors import InvalidInput
+from broker.keys import check_name
+
+# KServe v2 datatypes and the numpy dtypes they travel as (BYTES: str or bytes values).
+DATATYPES: dict[str, str | None] = {
+    "BOOL": "bool",
+    "UINT8": "uint8",
+    "UINT16": "uint16",
+    "UINT32": "uint32",
+    "UINT64": "uint64",
+    "INT8": "int8",
+    "INT16": "int16",
+    "INT32": "int32",
+    "INT64": "int64",
+    "FP16": "float16",
+    "FP32": "float32",
+    "FP64": "float64",
+    "BYTES": None,
+}
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One named input or output: a KServe datatype and a shape without the batch dimension.
+
+    A ``-1`` in ``shape`` means any length along that axis.
+    """
+
+    name: str
+    datatype: str
+    shape: Sequence[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.datatype not in DATATYPES:
+            known = ", ".join(DATATYPES)
+            raise ValueError(f"unknown datatype {self.datatype!r} for {self.name!r} ({known})")
+        object.__setattr__(self, "shape", [int(dim) for dim in self.shape])
+
+    @property
+    def numpy_dtype(self) -> np.dtype[Any] | None:
+        """The numpy dtype of this tensor (None for BYTES)."""
+        name = DATATYPES[self.datatype]
+        return None if name is None else np.dtype(name)
+
+    def shape_matches(self, shape: Sequence[int]) -> bool:
+        """True if ``shape`` (without the batch dimension) fits this spec."""
+        return len(shape) == len(self.shape) and all(
+            want in (-1, got) for want, got in zip(self.shape, shape, strict=True)
+        )
+
+    def coerce(self, value: Any) -> Any:
+        """Convert one item's value to this spec's dtype and check its shape.
+
+        Raises :class:`broker.errors.InvalidInput` when it does not fit.
+        """
+        dtype = self.numpy_dtype
+        if dtype is None:
+            if not isinstance(value, (str, bytes)):
+                raise InvalidInput(f"input {self.name!r} takes a string or bytes")
+            return value
+        try:
+            array = np.asarray(value, dtype=dtype)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidInput(f"input {self.name!r} is not {self.datatype}: {exc}") from exc
+        if not self.shape_matches(array.shape):
+            raise InvalidInput(
+                f"input {self.name!r} has shape {list(array.shape)}, expected {self.shape}"
+            )
+        return array
+
+
+class ManagedModel:
+    """Base class of a model served by microbatch.
+
+    Subclasses set ``name``, ``inputs`` and ``outputs`` and implement ``init_model`` and
+    ``predict``. Heavy imports (torch, ...) belong inside ``init_model``, so that gateways can
+    import the class without them. ``batch_size`` and ``max_latency`` (seconds) are defaults
+    that the worker's command-line flags override.
+    """
+
+    name: ClassVar[str] = ""
+    inputs: ClassVar[list[TensorSpec]] = []
+    outputs: ClassVar[list[TensorSpec]] = []
+    batch_size: ClassVar[int] = 32
+    max_latency: ClassVar[float] = 0.0
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.name = check_name(cls.__dict__.get("name") or cls.__name__.lower())
+
+    def __init__(self, device: str = "cpu") -> None:
+        self.device = device
+
+    def init_model(self) -> None:
+        """Load weights onto ``self.device``. Runs in the worker process, after pinning."""
+
+    def warmup(self) -> None:
+        """Optional: run before the worker starts consuming (compile kernels, fill caches)."""
+
+    def predict(self, batch: list[Any]) -> Sequence[Any]:
+        """Compute one batch; return exactly one output per item, in order."""
+        raise NotImplementedError(f"{type(self).__name__} must implement predict()")
+
+    def preprocess(self, item: Any) -> Any:
+        """Caller side (gateway or Streamer(model=...)), on the CPU: raw input -> model input."""
+        return item
+
+    def postprocess(self, output: Any) -> Any:
+        """Caller side: model output -> what the caller receives."""
+        return output
+
+
+class ModelLoadError(ValueError):
+    """A ``module:Class`` path that does not name a ManagedModel subclass."""
+
+
+def load_model_class(path: str) -> type[ManagedModel]:
+    """Import ``module:Class`` and check that it is a ManagedModel subclass."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ModelLoadError(f"--model {path!r} must look like 'package.module:ClassName'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelLoadError(f"cannot import module {module_name!r}: {exc}") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise ModelLoadError(f"module {module_name!r} has no attribute {attr!r}")
+    if not (isinstance(obj, type) and issubclass(obj, ManagedModel)):
+        raise ModelLoadError(f"{path!r} is not a ManagedModel subclass")
+    return obj

@@ -1,0 +1,240 @@
+"""The supervisor: spawn one child process per worker slot, watch them, restart, drain.
+
+Each child is a fresh interpreter (``python -m gpu_worker.child``) whose environment pins it to
+its device before torch can be imported. Children report ``ready`` (or why they could not
+start) over a pipe, so a broken model stops ``worker start`` with its reason at once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from types import FrameType
+
+from broker.keys import ModelKeys
+
+from .child import CONFIG_ENV, DEVICE_ENV, STATUS_FD_ENV
+from .config import WorkerConfig
+from .devices import child_environment, plan_devices
+from .heartbeat import Heartbeats
+from .model import load_model_class
+
+log = logging.getLogger("microbatch.supervisor")
+
+RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+HEALTHY_AFTER_S = 60.0
+HEARTBEAT_EVERY_S = 1.0
+
+
+class StartError(RuntimeError):
+    """Workers could not be started; the message says why."""
+
+
+@dataclass
+class Slot:
+    """One worker position: its device and the process currently filling it."""
+
+    index: int
+    cuda_visible: str | None
+    process: subprocess.Popen[bytes] | None = None
+    status_fd: int | None = None
+    buffer: bytes = b""
+    ready: bool = False
+    started_at: float = 0.0
+    failures: int = 0
+    restart_at: float | None = None
+    last_error: str = ""
+    restarts: int = 0
+    consumer: str | None = None
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.cuda_visible is None else "cuda:0"
+
+
+class Supervisor:
+    """Own the worker children of one `worker start`."""
+
+    def __init__(self, config: WorkerConfig) -> None:
+        config.validate()
+        self.config = config
+        self.model_class = load_model_class(config.model)  # light: fails fast on a bad path
+        if config.cuda:
+            devices: list[str | None] = list(plan_devices(config.cuda, config.workers_per_device))
+        else:
+            devices = [None] * config.workers
+        self.slots = [Slot(index, device) for index, device in enumerate(devices)]
+        self.keys = ModelKeys(config.name or self.model_class.name, config.prefix)
+        self.heartbeats = Heartbeats(config.redis_url, self.keys)
+        self._next_heartbeat = 0.0
+        self.selector = selectors.DefaultSelector()
+        self._stopping = False
+        self.all_ready_once = False
+
+    # -- children -----------------------------------------------------------------------------
+    def _spawn(self, slot: Slot) -> None:
+        read_fd, write_fd = os.pipe()
+        env = child_environment(slot.cuda_visible)
+        env[CONFIG_ENV] = self.config.to_json()
+        env[STATUS_FD_ENV] = str(write_fd)
+        env[DEVICE_ENV] = slot.device
+        slot.process = subprocess.Popen(
+            [sys.executable, "-m", "gpu_worker.child"], env=env, pass_fds=(write_fd,)
+        )
+        os.close(write_fd)
+        os.set_blocking(read_fd, False)
+        slot.status_fd, slot.buffer, slot.ready = read_fd, b"", False
+        slot.started_at, slot.restart_at = time.monotonic(), None
+        self.selector.register(read_fd, selectors.EVENT_READ, slot)
+        log.info(
+            "started worker %d (pid %d) on %s%s", slot.index, slot.process.pid, slot.device,
+            f" (CUDA_VISIBLE_DEVICES={slot.cuda_visible})" if slot.cuda_visible else "",
+        )  # fmt: skip
+
+    def _read_status(self, slot: Slot) -> None:
+        assert slot.status_fd is not None
+        try:
+            chunk = os.read(slot.status_fd, 65536)
+        except BlockingIOError:
+            return
+        if not chunk:
+            self._close_status(slot)
+            return
+        slot.buffer += chunk
+        while b"\n" in slot.buffer:
+            line, slot.buffer = slot.buffer.split(b"\n", 1)
+            try:
+                message = json.loads(line)
+            except ValueError:
+                continue
+            if message.get("event") == "ready":
+                slot.ready = True
+                slot.consumer = str(message.get("consumer"))
+                self._next_heartbeat = 0.0  # vouch for it at once
+                log.info("worker %d ready (pid %s)", slot.index, message.get("pid"))
+            elif message.get("event") == "error":
+                slot.last_error = str(message.get("message", "unknown error"))
+
+    def _close_status(self, slot: Slot) -> None:
+        if slot.status_fd is not None:
+            self.selector.unregister(slot.status_fd)
+            os.close(slot.status_fd)
+            slot.status_fd = None
+
+    def _reap(self, slot: Slot, now: float) -> None:
+        """Handle a child that exited: restart it with backoff, or give up."""
+        assert slot.process is not None
+        code = slot.process.returncode
+        if slot.status_fd is not None:
+            self._read_status(slot)
+            self._close_status(slot)
+        was_ready, slot.process = slot.ready, None
+        slot.ready = False
+        if slot.consumer is not None:
+            self.heartbeats.retire(slot.consumer)
+            slot.consumer = None
+        if self._stopping:
+            return
+        reason = slot.last_error or f"exited with code {code}"
+        if not self.all_ready_once:
+            raise StartError(f"worker {slot.index} could not start: {reason}")
+        if was_ready and now - slot.started_at > HEALTHY_AFTER_S:
+            slot.failures = 0
+        if not was_ready:
+            slot.failures += 1
+            if slot.failures >= self.config.max_start_failures:
+                raise StartError(
+                    f"worker {slot.index} failed to start {slot.failures} times: {reason}"
+                )
+        delay = RESTART_BACKOFF_S[min(slot.restarts, len(RESTART_BACKOFF_S) - 1)]
+        if was_ready and now - slot.started_at > HEALTHY_AFTER_S:
+            delay = RESTART_BACKOFF_S[0]
+        slot.restarts += 1
+        slot.restart_at = now + delay
+        slot.last_error = ""
+        log.warning("worker %d %s; restarting in %.1f s", slot.index, reason, delay)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def request_stop(self, signum: int = signal.SIGTERM, frame: FrameType | None = None) -> None:
+        """Begin a graceful stop: children finish their batch, answer it and exit."""
+        if not self._stopping:
+            log.info("stopping %d worker(s)", len(self.slots))
+        self._stopping = True
+        for slot in self.slots:
+            if slot.process is not None and slot.process.poll() is None:
+                slot.process.send_signal(signal.SIGTERM)
+
+    def _kill_all(self) -> None:
+        for slot in self.slots:
+            if slot.process is not None and slot.process.poll() is None:
+                slot.process.kill()
+                slot.process.wait()
+
+    def run(self) -> int:
+        """Serve until SIGTERM/SIGINT; return the exit code. Raises StartError if workers can't."""
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        start_deadline = time.monotonic() + self.config.start_timeout
+        try:
+            for slot in self.slots:
+                self._spawn(slot)
+            while not self._stopping:
+                self._step(start_deadline)
+            return self._drain()
+        except BaseException:
+            self._stopping = True
+            self.request_stop()
+            self._drain(grace=5.0)
+            raise
+
+    def _step(self, start_deadline: float) -> None:
+        for key, _ in self.selector.select(timeout=0.2):
+            self._read_status(key.data)
+        now = time.monotonic()
+        for slot in self.slots:
+            if slot.process is not None and slot.process.poll() is not None:
+                self._reap(slot, now)
+            elif slot.process is None and slot.restart_at is not None and now >= slot.restart_at:
+                self._spawn(slot)
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + HEARTBEAT_EVERY_S
+            self.heartbeats.renew(
+                slot.consumer for slot in self.slots if slot.ready and slot.consumer is not None
+            )
+        if not self.all_ready_once:
+            if all(slot.ready for slot in self.slots):
+                self.all_ready_once = True
+                log.info("all %d worker(s) ready", len(self.slots))
+            elif now > start_deadline:
+                raise StartError(
+                    f"workers not ready within {self.config.start_timeout:g} s (--start-timeout)"
+                )
+
+    def _drain(self, grace: float | None = None) -> int:
+        deadline = time.monotonic() + (self.config.graceful_timeout if grace is None else grace)
+        code = 0
+        for slot in self.slots:
+            process = slot.process
+            if process is None:
+                continue
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.error("worker %d did not stop in time; killing it", slot.index)
+                process.kill()
+                process.wait()
+                code = 1
+            if process.returncode not in (0, -signal.SIGTERM, -signal.SIGINT):
+                code = code or 1
+            self._close_status(slot)
+            if slot.consumer is not None:
+                self.heartbeats.retire(slot.consumer)
+        self.heartbeats.close()
+        return code

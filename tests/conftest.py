@@ -1,0 +1,78 @@
+"""Fixtures: a real redis-server on a free port, and real `worker start` processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import redis
+
+from broker.devserver import RedisServer
+from broker.keys import ModelKeys
+from gpu_worker.heartbeat import live_consumers
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One private redis-server for the session (tests isolate themselves by prefix)."""
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture
+def prefix() -> str:
+    """A prefix no other test uses."""
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+def wait_for_consumers(url: str, keys: ModelKeys, count: int, timeout: float = 60.0) -> None:
+    """Wait until ``count`` live workers are vouched for by their supervisor."""
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            if len(live_consumers(client, keys)) >= count:
+                return
+            time.sleep(0.05)
+    finally:
+        client.close()
+    raise TimeoutError(f"{count} consumer(s) did not appear on {keys.stream}")
+
+
+@contextmanager
+def worker_process(
+    redis_url: str,
+    model: str,
+    prefix: str,
+    *args: str,
+    env: dict[str, str] | None = None,
+    expect_consumers: int | None = 1,
+    name: str | None = None,
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run `worker start` as a real process; stop it with SIGTERM afterwards."""
+    command = [sys.executable, "-m", "gpu_worker.cli", "start", "--model", model]
+    command += ["--redis", redis_url, "--prefix", prefix, *args]
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    process = subprocess.Popen(command, cwd=ROOT, env=full_env)
+    try:
+        if expect_consumers:
+            model_name = name or model.rsplit(":", 1)[1].lower()
+            wait_for_consumers(redis_url, ModelKeys(model_name, prefix), expect_consumers)
+        yield process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

@@ -1,0 +1,101 @@
+"""Small models for tests: deterministic, light, each behaviour triggered by its input."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from typing import Any
+
+from gpu_worker import ManagedModel, TensorSpec
+
+RECORD_ENV = "MICROBATCH_TEST_RECORD_DIR"
+TAG_ENV = "MICROBATCH_TEST_TAG"
+
+
+def _record(kind: str, payload: Any) -> None:
+    directory = os.environ.get(RECORD_ENV)
+    if directory:
+        with open(os.path.join(directory, f"{kind}-{os.getpid()}.jsonl"), "a") as out:
+            out.write(json.dumps(payload) + "\n")
+
+
+class Toy(ManagedModel):
+    """Returns each item with the order it was computed in and the size of its batch.
+
+    ``{"fail": msg}`` makes predict raise ValueError(msg); ``{"sleep": s}`` sleeps s seconds
+    first. With MICROBATCH_TEST_RECORD_DIR set, every computed item is recorded per process.
+    """
+
+    name = "toy"
+    inputs = [TensorSpec("input", "BYTES", [])]
+    outputs = [TensorSpec("output", "BYTES", [])]
+    batch_size = 8
+
+    def init_model(self) -> None:
+        self.counter = itertools.count()
+        self.tag = os.environ.get(TAG_ENV, "")
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        for item in batch:
+            if isinstance(item, dict) and "fail" in item:
+                raise ValueError(item["fail"])
+        for item in batch:
+            if isinstance(item, dict) and "sleep" in item:
+                time.sleep(item["sleep"])
+        for item in batch:
+            _record("items", item)
+        return [
+            {
+                "item": item,
+                "seq": next(self.counter),
+                "batch": len(batch),
+                "tag": self.tag,
+                "pid": os.getpid(),
+            }
+            for item in batch
+        ]
+
+
+class DeviceProbe(ManagedModel):
+    """Records, at start, which device the worker process was given and what it can see."""
+
+    name = "probe"
+
+    def init_model(self) -> None:
+        from gpu_worker.devices import device_count
+
+        _record(
+            "device",
+            {
+                "pid": os.getpid(),
+                "device": self.device,
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "device_count": device_count(),
+            },
+        )
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        return [{"device": self.device, "pid": os.getpid()} for _ in batch]
+
+
+class BrokenInit(ManagedModel):
+    """A model whose init_model raises."""
+
+    name = "broken"
+
+    def init_model(self) -> None:
+        raise RuntimeError("weights file missing")
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        return batch
+
+
+class WrongCount(ManagedModel):
+    """A model that returns one output too few."""
+
+    name = "wrongcount"
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        return batch[:-1]

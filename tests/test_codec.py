@@ -1,0 +1,91 @@
+"""The codec: msgpack + arrays/tensors, zero-copy, allow-listed, never pickle."""
+
+from __future__ import annotations
+
+import pickle
+
+import msgpack
+import numpy as np
+import pytest
+
+from broker import codec
+from broker.errors import CodecError
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        "bool",
+        "int8",
+        "uint8",
+        "int16",
+        "int32",
+        "int64",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+    ],
+)
+def test_arrays_round_trip_with_dtype_and_shape(dtype: str) -> None:
+    array = (np.arange(24) % 5).astype(dtype).reshape(2, 3, 4)
+    decoded = codec.decode(codec.encode({"x": array, "n": 3}))
+    assert decoded["n"] == 3
+    out = decoded["x"]
+    assert out.dtype == np.dtype(dtype) and out.shape == (2, 3, 4)
+    np.testing.assert_array_equal(out, array)
+
+
+def test_decoded_arrays_are_read_only_views_of_the_message() -> None:
+    data = codec.encode(np.ones((1000,), dtype=np.float32))
+    out = codec.decode(data)
+    assert not out.flags.writeable
+    assert out.base is not None  # a view over the received bytes, not a copy
+
+
+def test_non_contiguous_big_endian_and_scalars() -> None:
+    array = np.arange(12, dtype=">i4").reshape(3, 4)[:, ::2]
+    np.testing.assert_array_equal(codec.decode(codec.encode(array)), array)
+    assert codec.decode(codec.encode([np.float32(1.5), np.int64(2)])) == [1.5, 2]
+    assert codec.decode(codec.encode(np.zeros((0, 3)))).shape == (0, 3)
+
+
+def test_torch_tensors_travel_as_arrays() -> None:
+    torch = pytest.importorskip("torch")
+    tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    out = codec.decode(codec.encode(tensor))
+    assert isinstance(out, np.ndarray)
+    np.testing.assert_array_equal(out, tensor.numpy())
+    bf16 = codec.decode(codec.encode(torch.ones(2, dtype=torch.bfloat16)))
+    assert bf16.dtype == np.float32
+
+
+def test_disallowed_values_are_refused() -> None:
+    for value in (object(), np.array(["a", "b"]), np.array([object()], dtype=object)):
+        with pytest.raises(CodecError):
+            codec.encode(value)
+
+
+def test_malformed_payloads_raise_codec_error() -> None:
+    header = bytes([3]) + b"<f4" + bytes([1]) + (10).to_bytes(8, "little")
+    cases = [
+        b"\xc1",  # never-used msgpack byte
+        msgpack.packb([1, 2])[:-1],  # truncated
+        pickle.dumps({"a": 1}),  # a pickle is not msgpack
+        msgpack.packb(msgpack.ExtType(1, header + b"\x00" * 8)),  # data shorter than shape
+        msgpack.packb(msgpack.ExtType(1, bytes([3]) + b"|O8" + bytes([0]))),  # object dtype
+        msgpack.packb(msgpack.ExtType(1, b"")),  # empty header
+        msgpack.packb(msgpack.ExtType(9, b"x")),  # unknown extension
+    ]
+    for data in cases:
+        with pytest.raises(CodecError):
+            codec.decode(data)
+
+
+def test_size_limit() -> None:
+    data = codec.encode(b"x" * 1000)
+    with pytest.raises(CodecError, match="limit"):
+        codec.decode(data, max_bytes=100)
+    with pytest.raises(CodecError, match="limit"):
+        codec.encode(b"x" * 1000, max_bytes=100)

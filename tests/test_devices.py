@@ -1,0 +1,125 @@
+"""Device pinning, checked through what each worker process was given and sees.
+
+The test machines have no GPU, so the device count is faked with MICROBATCH_CUDA_DEVICE_COUNT;
+everything else (the children's environment, the check a child makes) is the real code path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from broker.devserver import RedisServer
+from gpu_worker.devices import DEVICE_COUNT_ENV, DeviceError, parse_cuda, plan_devices
+from tests.conftest import ROOT, worker_process
+from tests.models import RECORD_ENV
+
+
+def probes(directory: Path) -> list[dict[str, object]]:
+    return [
+        json.loads(line)
+        for path in directory.glob("device-*.jsonl")
+        for line in path.read_text().splitlines()
+    ]
+
+
+def run_pinned(
+    redis_url: str, prefix: str, tmp_path: Path, args: list[str], env: dict[str, str], workers: int
+) -> list[dict[str, object]]:
+    with worker_process(
+        redis_url,
+        "tests.models:DeviceProbe",
+        prefix,
+        *args,
+        env={RECORD_ENV: str(tmp_path), **env},
+        expect_consumers=workers,
+        name="probe",
+    ):
+        pass
+    return probes(tmp_path)
+
+
+def test_one_process_per_listed_device(
+    redis_server: RedisServer, prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    seen = run_pinned(
+        redis_server.url, prefix, tmp_path, ["--cuda", "0,1"], {DEVICE_COUNT_ENV: "2"}, workers=2
+    )
+    assert sorted(p["cuda_visible_devices"] for p in seen) == ["0", "1"]
+    assert {p["device"] for p in seen} == {"cuda:0"}
+    assert {p["device_count"] for p in seen} == {1}  # each child sees exactly its one device
+    assert len({p["pid"] for p in seen}) == 2
+
+
+def test_workers_per_device(
+    redis_server: RedisServer, prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    args = ["--cuda", "1,2", "--workers-per-device", "2"]
+    seen = run_pinned(redis_server.url, prefix, tmp_path, args, {DEVICE_COUNT_ENV: "3"}, 4)
+    assert sorted(p["cuda_visible_devices"] for p in seen) == ["1", "1", "2", "2"]
+
+
+def test_indices_are_relative_to_a_preset_cuda_visible_devices(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    env = {DEVICE_COUNT_ENV: "2", "CUDA_VISIBLE_DEVICES": "5,7"}
+    seen = run_pinned(redis_server.url, prefix, tmp_path, ["--cuda", "1"], env, workers=1)
+    assert [p["cuda_visible_devices"] for p in seen] == ["7"]
+
+
+def test_cpu_workers_see_no_cuda_device(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    seen = run_pinned(
+        redis_server.url, prefix, tmp_path, ["--workers", "2"], {DEVICE_COUNT_ENV: "2"}, workers=2
+    )
+    assert [p["device"] for p in seen] == ["cpu", "cpu"]
+    assert {p["cuda_visible_devices"] for p in seen} == {""}
+
+
+def run_worker_cli(
+    *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpu_worker.cli", "start", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_device_that_does_not_exist_fails_at_start_with_a_clear_message() -> None:
+    result = run_worker_cli(
+        "--model",
+        "examples.mlp:MLP",
+        "--cuda",
+        "0,2",
+        "--redis",
+        "redis://127.0.0.1:1/0",
+        env={DEVICE_COUNT_ENV: "2"},
+    )
+    assert result.returncode != 0
+    assert "CUDA device 2 does not exist: this process sees 2 device(s) (0, 1)" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_plan_devices_and_parse_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DEVICE_COUNT_ENV, "4")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-a,GPU-b,GPU-c,GPU-d")
+    assert plan_devices([3, 0], 1) == ["GPU-d", "GPU-a"]
+    assert plan_devices([1], 3) == ["GPU-b"] * 3
+    assert parse_cuda("0, 1") == [0, 1]
+    for bad in ("a", "0,0", "-1", ""):
+        with pytest.raises(DeviceError):
+            parse_cuda(bad)
+    with pytest.raises(DeviceError, match="does not exist"):
+        plan_devices([4])

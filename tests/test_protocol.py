@@ -1,0 +1,69 @@
+"""Keys and wire v1."""
+
+from __future__ import annotations
+
+import pytest
+
+from broker import codec
+from broker.errors import DeadlineExceeded, ModelError, error_from_wire
+from broker.keys import ModelKeys
+from broker.protocol import (
+    MalformedEntry,
+    decode_reply,
+    encode_error,
+    encode_result,
+    parse_request,
+    request_fields,
+)
+
+
+def as_stream_fields(fields: dict[str, str | bytes]) -> dict[bytes, bytes]:
+    return {k.encode(): v if isinstance(v, bytes) else v.encode() for k, v in fields.items()}
+
+
+def test_keys_share_one_hash_slot_per_model_and_prefix() -> None:
+    keys = ModelKeys("mlp", "channel_1")
+    assert keys.stream == "mb:{channel_1:mlp}:requests"
+    assert keys.dead_letters == "mb:{channel_1:mlp}:dead"
+    assert keys.inbox("c1") == "mb:{channel_1:mlp}:inbox:c1"
+    assert keys.heartbeat("w1") == "mb:{channel_1:mlp}:heartbeat:w1"
+    tagged = [keys.stream, keys.dead_letters, keys.inbox("x"), keys.heartbeat("y"), keys.consumers]
+    assert {key.split("{")[1].split("}")[0] for key in tagged} == {"channel_1:mlp"}
+    for bad in ("MLP", "a b", "", "x{y}"):
+        with pytest.raises(ValueError):
+            ModelKeys(bad)
+    with pytest.raises(ValueError):
+        ModelKeys("mlp", "a{b}")
+
+
+def test_request_round_trip_and_deadline_from_entry_time() -> None:
+    fields = as_stream_fields(request_fields("r1", "inbox", 250, codec.encode([1, 2])))
+    request = parse_request("1700000000000-3", fields)
+    assert request.request_id == "r1" and request.reply_key == "inbox"
+    assert request.deadline_ms == 1700000000250
+    assert codec.decode(request.data) == [1, 2]
+
+
+def test_malformed_entries_say_where_to_answer_when_they_can() -> None:
+    good = as_stream_fields(request_fields("r1", "inbox", 250, b"\x90"))
+    with pytest.raises(MalformedEntry) as caught:
+        parse_request("1-0", {**good, b"v": b"2"})
+    assert caught.value.reply_key == "inbox" and "version" in str(caught.value)
+    assert caught.value.type == "ProtocolError"
+    with pytest.raises(MalformedEntry) as caught:
+        parse_request("1-0", {b"data": b"x"})
+    assert caught.value.reply_key is None
+    with pytest.raises(MalformedEntry):
+        parse_request("1-0", {**good, b"timeout": b"soon"})
+
+
+def test_replies() -> None:
+    ok = decode_reply(encode_result("r1", {"a": 1}))
+    assert ok.ok and ok.request_id == "r1" and ok.result == {"a": 1}
+    err = decode_reply(encode_error("r2", ModelError("ValueError: bad")))
+    assert not err.ok and err.error_type == "ModelError"
+    rebuilt = error_from_wire(err.error_type, err.error_message, index=3)
+    assert isinstance(rebuilt, ModelError) and rebuilt.index == 3
+    assert "item 3" in str(rebuilt)
+    assert isinstance(error_from_wire("DeadlineExceeded", "late"), DeadlineExceeded)
+    assert "Weird" in str(error_from_wire("Weird", "x"))

@@ -1,0 +1,194 @@
+"""Redis-only behaviour: sharing, isolation, malformed entries, coalescing, fork safety."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import threading
+from collections import Counter
+from pathlib import Path
+
+import msgpack
+import pytest
+import redis
+
+from broker import CodecError, ProtocolError, Streamer
+from broker.devserver import RedisServer
+from broker.keys import ModelKeys
+from broker.protocol import decode_reply, request_fields
+from tests.conftest import worker_process
+from tests.models import RECORD_ENV, TAG_ENV
+
+
+def read_records(directory: Path, kind: str) -> list[object]:
+    records = []
+    for path in directory.glob(f"{kind}-*.jsonl"):
+        records += [json.loads(line) for line in path.read_text().splitlines()]
+    return records
+
+
+def test_two_workers_and_two_clients_share_a_stream_with_nothing_lost_or_duplicated(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    env = {RECORD_ENV: str(tmp_path)}
+    args = ("--workers", "2", "--batch-size", "16")
+    with worker_process(
+        redis_server.url, "tests.models:Toy", prefix, *args, env=env, expect_consumers=2
+    ):
+        clients = [Streamer("toy", redis_url=redis_server.url, prefix=prefix) for _ in range(2)]
+        results: dict[int, list[list[dict[str, object]]]] = {0: [], 1: []}
+
+        def run(client_index: int) -> None:
+            client = clients[client_index]
+            futures = [
+                client.submit([f"c{client_index}-{call}-{i}" for i in range(5)])
+                for call in range(100)
+            ]
+            results[client_index] = [future.result(timeout=60) for future in futures]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for client in clients:
+            client.close()
+
+    sent = {f"c{c}-{call}-{i}" for c in range(2) for call in range(100) for i in range(5)}
+    answered = [out["item"] for c in range(2) for result in results[c] for out in result]
+    assert Counter(answered) == Counter(sent)  # every item answered once, with its own result
+    computed = Counter(read_records(tmp_path, "items"))
+    assert set(computed) == sent and max(computed.values()) == 1  # none computed twice
+    pids = {out["pid"] for c in range(2) for result in results[c] for out in result}
+    assert len(pids) == 2  # both workers took part
+    client = redis_server.client()
+    keys = ModelKeys("toy", prefix)
+    assert client.xlen(keys.stream) == 0  # answered entries are deleted
+    assert client.xpending(keys.stream, keys.group)["pending"] == 0
+
+
+def test_prefixes_and_models_never_see_each_others_requests(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    url = redis_server.url
+    other = prefix + "-b"
+    with (
+        worker_process(url, "tests.models:Toy", prefix, env={TAG_ENV: "A"}),
+        worker_process(url, "tests.models:Toy", other, env={TAG_ENV: "B"}),
+        worker_process(
+            url, "tests.models:Toy", prefix, "--name", "toy2", env={TAG_ENV: "C"}, name="toy2"
+        ),
+    ):
+        streamers = {
+            "A": Streamer("toy", redis_url=url, prefix=prefix),
+            "B": Streamer("toy", redis_url=url, prefix=other),
+            "C": Streamer("toy2", redis_url=url, prefix=prefix),
+        }
+        futures = {tag: s.submit([f"{tag}{i}" for i in range(60)]) for tag, s in streamers.items()}
+        for tag, future in futures.items():
+            outputs = future.result(timeout=30)
+            assert {out["tag"] for out in outputs} == {tag}
+            assert [out["item"] for out in outputs] == [f"{tag}{i}" for i in range(60)]
+        for streamer in streamers.values():
+            streamer.close()
+
+
+class _Exploit:
+    """Unpickling this would create a file: proof that a pickle was executed."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_malformed_entries_are_answered_or_dead_lettered_and_never_executed(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    client = redis_server.client()
+    keys = ModelKeys("toy", prefix)
+    marker = tmp_path / "pwned"
+    reply = keys.inbox("raw")
+
+    def add(**fields: object) -> None:
+        client.xadd(keys.stream, fields)  # type: ignore[arg-type]
+
+    with worker_process(redis_server.url, "tests.models:Toy", prefix):
+        good = request_fields("ok-before", reply, 10_000, msgpack.packb("fine"))
+        add(**good)
+        add(**request_fields("bad-msgpack", reply, 10_000, b"\xc1\xff\x00"))
+        add(**request_fields("pickle", reply, 10_000, pickle.dumps(_Exploit(marker))))
+        add(**{**request_fields("future", reply, 10_000, msgpack.packb("x")), "v": "99"})
+        add(**{"id": "no-reply-key", "data": b"x"})  # nowhere to answer: dead-lettered
+        add(junk=b"\x80\x04")  # not even an id: dead-lettered
+        add(**request_fields("ok-after", reply, 10_000, msgpack.packb("still fine")))
+
+        replies = {}
+        while len(replies) < 5:
+            popped = client.blpop([reply], timeout=20)
+            assert popped is not None, f"only got {sorted(replies)}"
+            decoded = decode_reply(popped[1])
+            replies[decoded.request_id] = decoded
+
+    assert replies["ok-before"].ok and replies["ok-before"].result["item"] == "fine"
+    assert replies["ok-after"].ok and replies["ok-after"].result["item"] == "still fine"
+    assert replies["bad-msgpack"].error_type == CodecError.__name__
+    assert replies["pickle"].error_type == CodecError.__name__
+    assert replies["future"].error_type == ProtocolError.__name__
+    assert "version" in replies["future"].error_message
+    assert not marker.exists()
+    dead = client.xrange(keys.dead_letters)
+    assert len(dead) == 2
+    assert all(b"dead_reason" in fields for _, fields in dead)
+    assert client.xlen(keys.stream) == 0
+
+
+def _command_calls(client: redis.Redis, command: str) -> int:
+    stats = client.info("commandstats")
+    return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+def test_concurrent_submits_are_coalesced_into_few_round_trips(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    admin = redis_server.client()
+    with worker_process(redis_server.url, "tests.models:Toy", prefix, "--batch-size", "64"):
+        streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix)
+        streamer.predict(["warm-up"])  # connections made, inbox reader running
+        connections_before = admin.info("stats")["total_connections_received"]
+        admin.config_resetstat()
+        n = 400
+        futures = [streamer.submit([f"item-{i}"]) for i in range(n)]
+        assert [f.result(timeout=30)[0]["item"] for f in futures] == [f"item-{i}" for i in range(n)]
+        xadds = _command_calls(admin, "xadd")
+        reply_reads = _command_calls(admin, "blmpop") + _command_calls(admin, "blpop")
+        new_connections = admin.info("stats")["total_connections_received"] - connections_before
+        streamer.close()
+    assert xadds == n
+    # one inbox per process: replies are read in bulk, not one blocking call per request
+    assert reply_reads <= n // 4
+    # n concurrent submits went over a handful of connections: pipelined, not one each
+    assert new_connections <= 4
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_client_shared_across_a_fork_works_in_the_child(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    with worker_process(redis_server.url, "tests.models:Toy", prefix):
+        streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix)
+        assert streamer.predict(["parent"])[0]["item"] == "parent"
+        pid = os.fork()
+        if pid == 0:  # the child: same Streamer object, fresh connections and loop
+            code = 1
+            try:
+                outputs = streamer.predict(["child-1", "child-2"], timeout=20)
+                code = 0 if [o["item"] for o in outputs] == ["child-1", "child-2"] else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert streamer.predict(["parent-again"])[0]["item"] == "parent-again"
+        streamer.close()

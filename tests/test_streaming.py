@@ -1,0 +1,130 @@
+"""The client contract, run over both transports: Redis (real worker processes) and in-memory."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from broker import DeadlineExceeded, ModelError, Streamer
+from broker.devserver import RedisServer
+from examples.mlp import MLP
+from gpu_worker import LocalStreamer, ManagedModel
+from tests.conftest import worker_process
+from tests.models import Toy
+
+MakeStreamer = Callable[..., Streamer]
+
+
+@pytest.fixture(params=["redis", "memory"])
+def make_streamer(
+    request: pytest.FixtureRequest, redis_server: RedisServer, prefix: str
+) -> Iterator[MakeStreamer]:
+    """Build a Streamer for a model class, served over the transport named by the param."""
+    with contextlib.ExitStack() as stack:
+
+        def make(model: type[ManagedModel], batch_size: int = 8, max_latency: float = 0.0):
+            if request.param == "memory":
+                streamer = LocalStreamer(model, batch_size=batch_size, max_latency=max_latency)
+            else:
+                path = f"{model.__module__}:{model.__name__}"
+                stack.enter_context(
+                    worker_process(
+                        redis_server.url,
+                        path,
+                        prefix,
+                        "--batch-size",
+                        str(batch_size),
+                        "--max-latency",
+                        str(max_latency),
+                        name=model.name,
+                    )
+                )
+                streamer = Streamer(model.name, redis_url=redis_server.url, prefix=prefix)
+            stack.callback(streamer.close)
+            return streamer
+
+        yield make
+
+
+def test_results_equal_the_model_called_directly(make_streamer: MakeStreamer) -> None:
+    streamer = make_streamer(MLP, batch_size=16)
+    inputs = list(np.random.default_rng(1).standard_normal((40, 256), dtype=np.float32))
+    model = MLP()
+    model.init_model()
+    expected = model.predict(inputs)
+
+    outputs = streamer.predict(inputs, timeout=30)
+
+    assert len(outputs) == len(inputs)
+    for got, want in zip(outputs, expected, strict=True):
+        assert got.shape == (16,) and got.dtype == np.float32
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # lists of floats are accepted as well as arrays
+    np.testing.assert_allclose(streamer.predict([inputs[0].tolist()])[0], expected[0], rtol=1e-5)
+
+
+def test_order_is_kept_inside_a_call(make_streamer: MakeStreamer) -> None:
+    streamer = make_streamer(Toy, batch_size=4)
+    items = [f"item-{i}" for i in range(25)]
+    outputs = streamer.predict(items)
+    assert [out["item"] for out in outputs] == items
+    assert max(out["batch"] for out in outputs) <= 4
+
+
+def test_calls_are_served_first_in_first_out(make_streamer: MakeStreamer) -> None:
+    streamer = make_streamer(Toy, batch_size=3)
+    futures = [streamer.submit([f"{call}-{i}" for i in range(5)]) for call in range(6)]
+    sequences = [[out["seq"] for out in future.result(timeout=30)] for future in futures]
+    for earlier, later in itertools.pairwise(sequences):
+        assert max(earlier) < min(later)
+
+
+def test_async_predict(make_streamer: MakeStreamer) -> None:
+    streamer = make_streamer(Toy)
+
+    async def main() -> list[list[dict[str, object]]]:
+        calls = [streamer.apredict([f"a{i}", f"b{i}"], timeout=30) for i in range(20)]
+        return await asyncio.gather(*calls)
+
+    results = asyncio.run(main())
+    assert [[out["item"] for out in result] for result in results] == [
+        [f"a{i}", f"b{i}"] for i in range(20)
+    ]
+
+
+def test_a_caller_whose_deadline_passes_gets_deadline_exceeded(
+    make_streamer: MakeStreamer,
+) -> None:
+    streamer = make_streamer(Toy, batch_size=1)
+    slow = streamer.submit([{"sleep": 1.5}], timeout=10)
+    with pytest.raises(DeadlineExceeded) as caught:
+        streamer.predict(["late"], timeout=0.3)
+    assert caught.value.index == 0
+    assert slow.result(timeout=10)[0]["item"] == {"sleep": 1.5}
+
+
+def test_a_failing_item_raises_its_typed_error_with_its_index(
+    make_streamer: MakeStreamer,
+) -> None:
+    streamer = make_streamer(Toy, batch_size=8)
+    batch = ["ok-0", "ok-1", {"fail": "bad input"}, "ok-3"]
+    with pytest.raises(ModelError) as caught:
+        streamer.predict(batch)
+    assert caught.value.index == 2
+    assert "ValueError: bad input" in str(caught.value)
+    # the other items of the batch were computed, and the model keeps serving
+    assert [out["item"] for out in streamer.predict(["ok-4", "ok-5"])] == ["ok-4", "ok-5"]
+
+
+def test_empty_batch_and_bad_arguments(make_streamer: MakeStreamer) -> None:
+    streamer = make_streamer(Toy)
+    assert streamer.predict([]) == []
+    with pytest.raises(TypeError):
+        streamer.predict("not a list")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        streamer.predict(["x"], timeout=0)

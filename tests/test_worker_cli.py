@@ -1,0 +1,66 @@
+"""`worker start` fails with one clear line for bad input, and drains on SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from broker import Streamer
+from broker.devserver import RedisServer
+from tests.conftest import worker_process
+from tests.test_devices import run_worker_cli
+
+
+def test_a_bad_model_path_gives_one_line() -> None:
+    result = run_worker_cli("--model", "examples.nope:Missing")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "Error: cannot import module 'examples.nope': No module named 'examples.nope'"
+    ]
+    result = run_worker_cli("--model", "examples.mlp")
+    assert "must look like 'package.module:ClassName'" in result.stderr
+    result = run_worker_cli("--model", "broker.client:Streamer")
+    assert "is not a ManagedModel subclass" in result.stderr
+
+
+def test_an_init_model_that_raises_stops_the_worker_with_its_reason(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    result = run_worker_cli(
+        "--model", "tests.models:BrokenInit", "--redis", redis_server.url, "--prefix", prefix
+    )
+    assert result.returncode == 1
+    assert "RuntimeError: weights file missing" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_options_read_their_environment_variables(redis_server: RedisServer, prefix: str) -> None:
+    env = {"MICROBATCH_WORKER_BATCH_SIZE": "0", "REDIS_URL": redis_server.url}
+    result = run_worker_cli("--model", "tests.models:Toy", env=env)
+    assert result.returncode == 2 and "batch-size" in result.stderr.lower()
+
+
+def test_sigterm_drains_and_exits_zero(redis_server: RedisServer, prefix: str) -> None:
+    with worker_process(redis_server.url, "tests.models:Toy", prefix, "--batch-size", "4") as proc:
+        streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix)
+        streamer.predict(["warm"])
+        future = streamer.submit([{"sleep": 1.0}, "a", "b"])
+        time.sleep(0.3)  # the worker is inside the slow batch when SIGTERM arrives
+        proc.send_signal(signal.SIGTERM)
+        outputs = future.result(timeout=20)
+        assert [out["item"] for out in outputs] == [{"sleep": 1.0}, "a", "b"]
+        assert {out["batch"] for out in outputs} == {3}
+        assert proc.wait(30) == 0
+        streamer.close()
+
+
+def test_a_model_returning_the_wrong_number_of_outputs_gets_a_clear_error() -> None:
+    import pytest
+
+    from broker import InvalidOutput
+    from gpu_worker import LocalStreamer
+    from tests.models import WrongCount
+
+    with LocalStreamer(WrongCount) as streamer, pytest.raises(InvalidOutput) as caught:
+        streamer.predict([1, 2, 3])
+    assert "2 outputs for a batch of 3" in str(caught.value)

@@ -1,0 +1,1 @@
+"""The stateless HTTP gateway (under construction: see the gateway issue)."""
