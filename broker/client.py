@@ -25,7 +25,7 @@ from .errors import BrokerUnavailable, DeadlineExceeded, MicrobatchError, error_
 from .keys import DEFAULT_PREFIX, ModelKeys
 from .loop_thread import LoopThread
 from .protocol import Reply, decode_reply, request_fields
-from .transport import Transport
+from .transport import UNBOUNDED, EntryFields, QueueBound, Transport
 
 log = logging.getLogger("microbatch.client")
 
@@ -57,14 +57,15 @@ class ClientCore:
         keys: ModelKeys,
         transport_factory: Callable[[], Transport],
         on_start: Callable[[ClientCore], Any] | None = None,
+        bound: QueueBound = UNBOUNDED,
     ) -> None:
         self.keys = keys
+        self.bound = bound
         self.client_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.inbox = keys.inbox(self.client_id)
         self._ids = itertools.count()
         self._pending: dict[str, tuple[_Call, int]] = {}
-        self._outbox: list[dict[str, str | bytes]] = []
-        self._outbox_calls: list[_Call] = []
+        self._outbox: list[tuple[_Call, list[EntryFields]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._reader: asyncio.Task[None] | None = None
         self.thread = LoopThread(name=f"microbatch-{keys.model}")
@@ -96,14 +97,13 @@ class ClientCore:
         return call.future
 
     # -- everything below runs on the loop thread -------------------------------------------
-    def _accept(self, call: _Call, entries: list[dict[str, str | bytes]], timeout_s: float) -> None:
+    def _accept(self, call: _Call, entries: list[EntryFields], timeout_s: float) -> None:
         if call.future.done():  # cancelled before it reached the loop
             return
         for index, rid in enumerate(call.ids):
             self._pending[rid] = (call, index)
         call.timer = self.loop.call_later(timeout_s, self._expire, call, timeout_s)
-        self._outbox.extend(entries)
-        self._outbox_calls.append(call)
+        self._outbox.append((call, entries))
         if self._flusher is None:
             self._flusher = self.loop.create_task(self._flush())
         if self._reader is None:
@@ -113,15 +113,22 @@ class ClientCore:
         # Everything submitted while one pipeline is in flight goes out together in the next.
         try:
             while self._outbox:
-                entries, calls = self._outbox, self._outbox_calls
-                self._outbox, self._outbox_calls = [], []
+                batch, self._outbox = self._outbox, []
+                calls = [call for call, _ in batch]
                 try:
-                    await self.transport.enqueue(self.keys.stream, entries)
+                    outcomes = await self.transport.enqueue(
+                        self.keys, [entries for _, entries in batch], self.bound
+                    )
                 except MicrobatchError as exc:
                     self._fail_calls(calls, exc)
+                    continue
                 except Exception as exc:
                     log.exception("submitting to %s failed", self.keys.stream)
                     self._fail_calls(calls, BrokerUnavailable(f"{type(exc).__name__}: {exc}"))
+                    continue
+                for call, outcome in zip(calls, outcomes, strict=True):
+                    if outcome is not None:
+                        self._fail_calls([call], outcome)
         finally:
             self._flusher = None
 
@@ -226,8 +233,10 @@ class Streamer:
     ``Streamer("mlp", redis_url=..., prefix=...)`` talks to every worker serving model ``mlp``
     under ``prefix``. With ``model=MLP`` (a ManagedModel class or instance) the model's
     ``preprocess`` runs on each item before it is sent and ``postprocess`` on each result, so
-    Python callers send the same raw inputs as HTTP callers. Safe to share between threads, and
-    across fork: each process makes its own connections on first use.
+    Python callers send the same raw inputs as HTTP callers. With ``max_queue_items`` or
+    ``max_queue_bytes``, a call that would take the model's queue over either bound is refused
+    at once with :class:`QueueFull` (checked atomically with the enqueue). Safe to share
+    between threads, and across fork: each process makes its own connections on first use.
     """
 
     def __init__(
@@ -238,8 +247,11 @@ class Streamer:
         model: Any = None,
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
+        max_queue_items: int = 0,
+        max_queue_bytes: int = 0,
     ) -> None:
         self.keys = ModelKeys(name, prefix)
+        self.bound = QueueBound(max_queue_items, max_queue_bytes)
         self.redis_url = redis_url or os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
         self.timeout = _check_timeout(timeout)
         self.model = model() if isinstance(model, type) else model
@@ -271,7 +283,7 @@ class Streamer:
                 core = self._core
                 if core is None:
                     core = self._core = ClientCore(
-                        self.keys, self._make_transport, self._on_core_start
+                        self.keys, self._make_transport, self._on_core_start, self.bound
                     )
         return core
 

@@ -19,6 +19,7 @@ INBOX_TEMPLATE = "mb:{{{prefix}:{model}}}:inbox:{client}"
 HEARTBEAT_TEMPLATE = "mb:{{{prefix}:{model}}}:heartbeat:{consumer}"
 CONSUMERS_TEMPLATE = "mb:{{{prefix}:{model}}}:consumers"
 CANCELLED_TEMPLATE = "mb:{{{prefix}:{model}}}:cancelled"
+QUEUED_BYTES_TEMPLATE = "mb:{{{prefix}:{model}}}:queued-bytes"
 
 NAME_PATTERN = re.compile(r"^[a-z0-9_-]+$")
 PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -73,6 +74,11 @@ class ModelKeys:
     def cancelled(self) -> str:
         """Sorted set of request ids whose callers gave up, scored by expiry (ms)."""
         return CANCELLED_TEMPLATE.format(prefix=self.prefix, model=self.model)
+
+    @property
+    def queued_bytes(self) -> str:
+        """Counter of the data bytes queued in the stream (for the byte bound)."""
+        return QUEUED_BYTES_TEMPLATE.format(prefix=self.prefix, model=self.model)
 
     def inbox(self, client: str) -> str:
         """The reply list of one client process (or one request, for simple callers)."""

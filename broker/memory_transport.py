@@ -8,17 +8,23 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
+from .errors import MicrobatchError, QueueFull
+from .keys import ModelKeys
 from .protocol import Fields
-from .transport import Entry
+from .transport import Entry, EntryFields, QueueBound, entry_data_size
 
 
 class _Stream:
     def __init__(self) -> None:
         self.new: deque[Entry] = deque()
         self.pending: dict[str, Fields] = {}
+        self.queued_bytes = 0
         self.changed = asyncio.Condition()
+
+    def __len__(self) -> int:
+        return len(self.new) + len(self.pending)
 
 
 class _List:
@@ -57,16 +63,30 @@ class InMemoryTransport:
             self._seq += 1
         return f"{self._last_ms}-{self._seq}"
 
-    async def enqueue(self, stream: str, entries: Sequence[Mapping[str, str | bytes]]) -> None:
-        target = self._stream(stream)
-        for fields in entries:
-            encoded = {
-                key.encode(): value if isinstance(value, bytes) else value.encode()
-                for key, value in fields.items()
-            }
-            target.new.append((self._next_id(), encoded))
+    async def enqueue(
+        self, keys: ModelKeys, calls: Sequence[Sequence[EntryFields]], bound: QueueBound
+    ) -> list[MicrobatchError | None]:
+        target = self._stream(keys.stream)
+        outcomes: list[MicrobatchError | None] = []
+        for entries in calls:
+            size = sum(entry_data_size(fields) for fields in entries)
+            if bound.max_items and len(target) + len(entries) > bound.max_items:
+                outcomes.append(QueueFull(f"queue is at its bound of {bound.max_items} items"))
+                continue
+            if bound.max_bytes and target.queued_bytes + size > bound.max_bytes:
+                outcomes.append(QueueFull(f"queue is at its bound of {bound.max_bytes} bytes"))
+                continue
+            for fields in entries:
+                encoded = {
+                    key.encode(): value if isinstance(value, bytes) else value.encode()
+                    for key, value in fields.items()
+                }
+                target.new.append((self._next_id(), encoded))
+            target.queued_bytes += size
+            outcomes.append(None)
         async with target.changed:
             target.changed.notify_all()
+        return outcomes
 
     async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:
         replies = self._list(inbox)
@@ -81,13 +101,13 @@ class InMemoryTransport:
             out.append(replies.items.popleft())
         return out
 
-    async def ensure_group(self, stream: str, group: str) -> None:
-        self._stream(stream)
+    async def ensure_group(self, keys: ModelKeys) -> None:
+        self._stream(keys.stream)
 
     async def read_batch(
-        self, stream: str, group: str, consumer: str, count: int, block_ms: int
+        self, keys: ModelKeys, consumer: str, count: int, block_ms: int
     ) -> list[Entry]:
-        source = self._stream(stream)
+        source = self._stream(keys.stream)
         if not source.new:
             async with source.changed:
                 try:
@@ -103,10 +123,9 @@ class InMemoryTransport:
 
     async def finish(
         self,
-        stream: str,
-        group: str,
+        keys: ModelKeys,
         replies: Sequence[tuple[str, bytes]],
-        entry_ids: Sequence[str],
+        entries: Sequence[Entry],
         reply_ttl_s: int,
     ) -> None:
         touched = set()
@@ -117,17 +136,17 @@ class InMemoryTransport:
             changed = self._lists[key].changed
             async with changed:
                 changed.notify_all()
-        source = self._stream(stream)
-        for entry_id in entry_ids:
-            source.pending.pop(entry_id, None)
+        self._remove(keys, entries)
 
-    async def dead_letter(
-        self, stream: str, group: str, dead_stream: str, entries: Sequence[Entry], reason: str
-    ) -> None:
-        source = self._stream(stream)
-        for entry in entries:
-            self.dead.setdefault(dead_stream, []).append((entry, reason))
-            source.pending.pop(entry[0], None)
+    def _remove(self, keys: ModelKeys, entries: Sequence[Entry]) -> None:
+        source = self._stream(keys.stream)
+        for entry_id, fields in entries:
+            if source.pending.pop(entry_id, None) is not None:
+                source.queued_bytes -= entry_data_size(fields)
+
+    async def dead_letter(self, keys: ModelKeys, entries: Sequence[Entry], reason: str) -> None:
+        self.dead.setdefault(keys.dead_letters, []).extend((entry, reason) for entry in entries)
+        self._remove(keys, entries)
 
     async def time_ms(self) -> int:
         return int(time.time() * 1000)

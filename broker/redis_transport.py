@@ -3,20 +3,42 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .errors import BrokerUnavailable
-from .transport import Entry
+from .errors import BrokerUnavailable, MicrobatchError, QueueFull
+from .keys import ModelKeys
+from .transport import Entry, EntryFields, QueueBound, entry_data_size
 
 log = logging.getLogger("microbatch.redis")
 
 UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+
+# Append one call's entries if they fit the bound, atomically (so many gateways cannot
+# overshoot it together). KEYS: stream, queued-bytes counter. ARGV: max items, max bytes
+# (0: no limit), entry count, data bytes, then per entry its field count and field/value pairs.
+# Returns 0 when queued, 1 when over the item bound, 2 when over the byte bound.
+ENQUEUE_LUA = """
+local max_items, max_bytes = tonumber(ARGV[1]), tonumber(ARGV[2])
+local count, size = tonumber(ARGV[3]), tonumber(ARGV[4])
+if max_items > 0 and redis.call('XLEN', KEYS[1]) + count > max_items then return 1 end
+if max_bytes > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') + size > max_bytes then
+  return 2
+end
+local pos = 5
+for _ = 1, count do
+  local nfields = tonumber(ARGV[pos])
+  redis.call('XADD', KEYS[1], '*', unpack(ARGV, pos + 1, pos + 2 * nfields))
+  pos = pos + 1 + 2 * nfields
+end
+if size > 0 then redis.call('INCRBY', KEYS[2], size) end
+return 0
+"""
 
 
 def connect(url: str, **options: Any) -> aioredis.Redis:
@@ -27,12 +49,17 @@ def connect(url: str, **options: Any) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, decode_responses=False, **options)
 
 
+def _unavailable(exc: BaseException) -> BrokerUnavailable:
+    return BrokerUnavailable(f"cannot reach Redis: {exc}")
+
+
 class RedisTransport:
     """:class:`broker.transport.Transport` over a Redis server (6.2 or later)."""
 
     def __init__(self, url: str, **options: Any) -> None:
         self.url = url
         self.redis = connect(url, **options)
+        self._enqueue_sha: str | None = None
         self._has_blmpop: bool | None = None
 
     async def _server_has_blmpop(self) -> bool:
@@ -43,15 +70,29 @@ class RedisTransport:
         return self._has_blmpop
 
     # -- caller side ----------------------------------------------------------------------
-    async def enqueue(self, stream: str, entries: Sequence[Mapping[str, str | bytes]]) -> None:
-        # MULTI/EXEC: a blocked worker wakes to all of the entries at once, not to the first.
+    async def enqueue(
+        self, keys: ModelKeys, calls: Sequence[Sequence[EntryFields]], bound: QueueBound
+    ) -> list[MicrobatchError | None]:
+        arguments = [_enqueue_arguments(entries, bound) for entries in calls]
         try:
-            async with self.redis.pipeline(transaction=len(entries) > 1) as pipe:
-                for fields in entries:
-                    pipe.xadd(stream, dict(fields))  # type: ignore[arg-type]
-                await pipe.execute()
+            for attempt in range(2):
+                if self._enqueue_sha is None:
+                    self._enqueue_sha = str(await self.redis.script_load(ENQUEUE_LUA))
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for args in arguments:
+                        pipe.evalsha(self._enqueue_sha, 2, keys.stream, keys.queued_bytes, *args)
+                    results = await pipe.execute(raise_on_error=False)
+                if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
+                    # The server restarted and lost its script cache; nothing ran: load, redo.
+                    self._enqueue_sha = None
+                    continue
+                break
         except UNAVAILABLE as exc:
-            raise BrokerUnavailable(f"cannot reach Redis: {exc}") from exc
+            raise _unavailable(exc) from exc
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return [_enqueue_outcome(int(code), bound) for code in results]
 
     async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:
         try:
@@ -66,44 +107,45 @@ class RedisTransport:
             more = await self.redis.lpop(inbox, count - 1) if count > 1 else None
             return [first[1], *(more or [])]
         except UNAVAILABLE as exc:
-            raise BrokerUnavailable(f"cannot reach Redis: {exc}") from exc
+            raise _unavailable(exc) from exc
 
     # -- worker side ----------------------------------------------------------------------
-    async def ensure_group(self, stream: str, group: str) -> None:
+    async def ensure_group(self, keys: ModelKeys) -> None:
         try:
-            await self.redis.xgroup_create(stream, group, id="0", mkstream=True)
+            await self.redis.xgroup_create(keys.stream, keys.group, id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
         except UNAVAILABLE as exc:
-            raise BrokerUnavailable(f"cannot reach Redis: {exc}") from exc
+            raise _unavailable(exc) from exc
 
     async def read_batch(
-        self, stream: str, group: str, consumer: str, count: int, block_ms: int
+        self, keys: ModelKeys, consumer: str, count: int, block_ms: int
     ) -> list[Entry]:
         try:
             got: Any = await self.redis.xreadgroup(
-                group, consumer, {stream: ">"}, count=count, block=max(1, block_ms)
+                keys.group, consumer, {keys.stream: ">"}, count=count, block=max(1, block_ms)
             )
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
             # The stream was deleted (FLUSHALL, a purge): recreate it and read again next time.
-            log.warning("consumer group %s vanished from %s; recreating it", group, stream)
-            await self.ensure_group(stream, group)
+            log.warning(
+                "consumer group %s vanished from %s; recreating it", keys.group, keys.stream
+            )
+            await self.ensure_group(keys)
             return []
         except UNAVAILABLE as exc:
-            raise BrokerUnavailable(f"cannot reach Redis: {exc}") from exc
+            raise _unavailable(exc) from exc
         if not got:
             return []
         return [(entry_id.decode(), fields or {}) for entry_id, fields in got[0][1]]
 
     async def finish(
         self,
-        stream: str,
-        group: str,
+        keys: ModelKeys,
         replies: Sequence[tuple[str, bytes]],
-        entry_ids: Sequence[str],
+        entries: Sequence[Entry],
         reply_ttl_s: int,
     ) -> None:
         by_key: dict[str, list[bytes]] = {}
@@ -114,16 +156,26 @@ class RedisTransport:
                 for key, payloads in by_key.items():
                     pipe.rpush(key, *payloads)
                     pipe.expire(key, reply_ttl_s)
-                if entry_ids:
-                    pipe.xack(stream, group, *entry_ids)
-                    pipe.xdel(stream, *entry_ids)
-                await pipe.execute()
+                self._remove(pipe, keys, entries)
+                results = await pipe.execute(raise_on_error=False)
         except UNAVAILABLE as exc:
-            raise BrokerUnavailable(f"cannot reach Redis: {exc}") from exc
+            raise _unavailable(exc) from exc
+        for result in results:
+            if isinstance(result, Exception):  # e.g. a reply key that is not a list
+                log.warning("a reply could not be delivered: %s", result)
 
-    async def dead_letter(
-        self, stream: str, group: str, dead_stream: str, entries: Sequence[Entry], reason: str
-    ) -> None:
+    @staticmethod
+    def _remove(pipe: Any, keys: ModelKeys, entries: Sequence[Entry]) -> None:
+        if not entries:
+            return
+        ids = [entry_id for entry_id, _ in entries]
+        pipe.xack(keys.stream, keys.group, *ids)
+        pipe.xdel(keys.stream, *ids)
+        size = sum(entry_data_size(fields) for _, fields in entries)
+        if size:
+            pipe.decrby(keys.queued_bytes, size)
+
+    async def dead_letter(self, keys: ModelKeys, entries: Sequence[Entry], reason: str) -> None:
         if not entries:
             return
         try:
@@ -132,19 +184,17 @@ class RedisTransport:
                     record: dict[Any, Any] = dict(fields)
                     record[b"dead_reason"] = reason
                     record[b"dead_entry"] = entry_id
-                    pipe.xadd(dead_stream, record)
-                ids = [entry_id for entry_id, _ in entries]
-                pipe.xack(stream, group, *ids)
-                pipe.xdel(stream, *ids)
+                    pipe.xadd(keys.dead_letters, record)
+                self._remove(pipe, keys, entries)
                 await pipe.execute()
         except UNAVAILABLE as exc:
-            raise BrokerUnavailable(f"cannot reach Redis: {exc}") from exc
+            raise _unavailable(exc) from exc
 
     async def time_ms(self) -> int:
         try:
             seconds, micros = await self.redis.time()
         except UNAVAILABLE as exc:
-            raise BrokerUnavailable(f"cannot reach Redis: {exc}") from exc
+            raise _unavailable(exc) from exc
         return int(seconds) * 1000 + int(micros) // 1000
 
     async def ping(self) -> bool:
@@ -155,3 +205,21 @@ class RedisTransport:
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+def _enqueue_arguments(entries: Sequence[EntryFields], bound: QueueBound) -> list[Any]:
+    size = sum(entry_data_size(fields) for fields in entries)
+    args: list[Any] = [bound.max_items, bound.max_bytes, len(entries), size]
+    for fields in entries:
+        args.append(len(fields))
+        for name, value in fields.items():
+            args += (name, value)
+    return args
+
+
+def _enqueue_outcome(code: int, bound: QueueBound) -> MicrobatchError | None:
+    if code == 0:
+        return None
+    if code == 1:
+        return QueueFull(f"queue is at its bound of {bound.max_items} items")
+    return QueueFull(f"queue is at its bound of {bound.max_bytes} bytes")

@@ -1,19 +1,36 @@
 """The transport interface: the Redis operations both ends need, as a small async protocol.
 
-:class:`broker.redis_transport.RedisTransport` implements it over Redis Streams; the in-memory
-transport of ``gpu_worker`` implements the same semantics inside one process, so the client and
-the batch loop are written once and run over either.
+:class:`broker.redis_transport.RedisTransport` implements it over Redis Streams;
+:class:`broker.memory_transport.InMemoryTransport` implements the same semantics inside one
+process, so the client and the batch loop are written once and run over either.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
+from .errors import MicrobatchError
+from .keys import ModelKeys
 from .protocol import Fields
 
 Entry = tuple[str, Fields]
 """A stream entry as the worker reads it: (entry id, fields)."""
+
+EntryFields = Mapping[str, str | bytes]
+"""A stream entry as the caller writes it."""
+
+
+@dataclass(frozen=True)
+class QueueBound:
+    """Refuse a call whose items would take the queue over either limit (0: no limit)."""
+
+    max_items: int = 0
+    max_bytes: int = 0
+
+
+UNBOUNDED = QueueBound()
 
 
 class Transport(Protocol):
@@ -23,8 +40,14 @@ class Transport(Protocol):
     """
 
     # -- caller side ----------------------------------------------------------------------
-    async def enqueue(self, stream: str, entries: Sequence[Mapping[str, str | bytes]]) -> None:
-        """Append entries to a stream, in order (one round trip where the broker allows)."""
+    async def enqueue(
+        self, keys: ModelKeys, calls: Sequence[Sequence[EntryFields]], bound: QueueBound
+    ) -> list[MicrobatchError | None]:
+        """Append each call's entries to the model's stream, in order, each call atomically.
+
+        Returns one outcome per call: None if queued, :class:`QueueFull` if its items would
+        take the queue over ``bound`` (then none of them is queued).
+        """
         ...
 
     async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:
@@ -32,30 +55,27 @@ class Transport(Protocol):
         ...
 
     # -- worker side ----------------------------------------------------------------------
-    async def ensure_group(self, stream: str, group: str) -> None:
-        """Create the stream and its consumer group if missing."""
+    async def ensure_group(self, keys: ModelKeys) -> None:
+        """Create the model's stream and its consumer group if missing."""
         ...
 
     async def read_batch(
-        self, stream: str, group: str, consumer: str, count: int, block_ms: int
+        self, keys: ModelKeys, consumer: str, count: int, block_ms: int
     ) -> list[Entry]:
         """Read up to ``count`` new entries for ``consumer``, waiting up to ``block_ms`` (>= 1)."""
         ...
 
     async def finish(
         self,
-        stream: str,
-        group: str,
+        keys: ModelKeys,
         replies: Sequence[tuple[str, bytes]],
-        entry_ids: Sequence[str],
+        entries: Sequence[Entry],
         reply_ttl_s: int,
     ) -> None:
         """Push each (reply key, reply) with a TTL, then acknowledge and delete the entries."""
         ...
 
-    async def dead_letter(
-        self, stream: str, group: str, dead_stream: str, entries: Sequence[Entry], reason: str
-    ) -> None:
+    async def dead_letter(self, keys: ModelKeys, entries: Sequence[Entry], reason: str) -> None:
         """Copy entries to the dead-letter stream with a reason, then ack and delete them."""
         ...
 
@@ -70,3 +90,9 @@ class Transport(Protocol):
     async def close(self) -> None:
         """Release connections."""
         ...
+
+
+def entry_data_size(fields: Mapping[Any, Any]) -> int:
+    """Bytes an entry counts for against a queue's byte bound: the size of its data field."""
+    value = fields.get(b"data", fields.get("data"))
+    return 0 if value is None else len(value)

@@ -126,7 +126,7 @@ class BatchLoop:
         while not self._stopping:
             try:
                 if not ready:
-                    await self.transport.ensure_group(self.keys.stream, self.keys.group)
+                    await self.transport.ensure_group(self.keys)
                     await self.clock.sync()
                     ready = True
                 entries = await self.read_batch()
@@ -146,7 +146,7 @@ class BatchLoop:
         settings = self.settings
         keys = self.keys
         entries = await self.transport.read_batch(
-            keys.stream, keys.group, self.consumer, settings.batch_size, settings.block_ms
+            keys, self.consumer, settings.batch_size, settings.block_ms
         )
         if not entries or settings.max_latency_s <= 0:
             return entries
@@ -157,9 +157,8 @@ class BatchLoop:
             if remaining_ms < 1:
                 break
             entries += await self.transport.read_batch(
-                keys.stream, keys.group, self.consumer,
-                settings.batch_size - len(entries), remaining_ms,
-            )  # fmt: skip
+                keys, self.consumer, settings.batch_size - len(entries), remaining_ms
+            )
         return entries
 
     async def process(self, entries: list[Entry]) -> None:
@@ -199,15 +198,11 @@ class BatchLoop:
 
         if dead:
             await self.transport.dead_letter(
-                self.keys.stream, self.keys.group, self.keys.dead_letters, dead,
-                "malformed entry: no readable request id or reply key",
-            )  # fmt: skip
+                self.keys, dead, "malformed entry: no readable request id or reply key"
+            )
         dead_ids = {entry_id for entry_id, _ in dead}
-        await self.transport.finish(
-            self.keys.stream, self.keys.group, replies,
-            [entry_id for entry_id, _ in entries if entry_id not in dead_ids],
-            self.settings.reply_ttl_s,
-        )  # fmt: skip
+        answered = [entry for entry in entries if entry[0] not in dead_ids]
+        await self.transport.finish(self.keys, replies, answered, self.settings.reply_ttl_s)
 
     @staticmethod
     def _encode_outcome(request: Request, outcome: Any) -> bytes:

@@ -30,9 +30,16 @@ class LocalStreamer(Streamer):
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         device: str = "cpu",
+        max_queue_items: int = 0,
     ) -> None:
         instance = model(device=device) if isinstance(model, type) else model
-        super().__init__(instance.name, prefix=LOCAL_PREFIX, model=instance, timeout=timeout)
+        super().__init__(
+            instance.name,
+            prefix=LOCAL_PREFIX,
+            model=instance,
+            timeout=timeout,
+            max_queue_items=max_queue_items,
+        )
         self.settings = BatchSettings(
             batch_size=batch_size if batch_size is not None else instance.batch_size,
             max_latency_s=max_latency if max_latency is not None else instance.max_latency,

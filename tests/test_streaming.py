@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from broker import DeadlineExceeded, ModelError, Streamer
+from broker import DeadlineExceeded, ModelError, QueueFull, Streamer
 from broker.devserver import RedisServer
 from examples.mlp import MLP
 from gpu_worker import LocalStreamer, ManagedModel
@@ -27,9 +27,19 @@ def make_streamer(
     """Build a Streamer for a model class, served over the transport named by the param."""
     with contextlib.ExitStack() as stack:
 
-        def make(model: type[ManagedModel], batch_size: int = 8, max_latency: float = 0.0):
+        def make(
+            model: type[ManagedModel],
+            batch_size: int = 8,
+            max_latency: float = 0.0,
+            max_queue_items: int = 0,
+        ) -> Streamer:
             if request.param == "memory":
-                streamer = LocalStreamer(model, batch_size=batch_size, max_latency=max_latency)
+                streamer = LocalStreamer(
+                    model,
+                    batch_size=batch_size,
+                    max_latency=max_latency,
+                    max_queue_items=max_queue_items,
+                )
             else:
                 path = f"{model.__module__}:{model.__name__}"
                 stack.enter_context(
@@ -44,7 +54,12 @@ def make_streamer(
                         name=model.name,
                     )
                 )
-                streamer = Streamer(model.name, redis_url=redis_server.url, prefix=prefix)
+                streamer = Streamer(
+                    model.name,
+                    redis_url=redis_server.url,
+                    prefix=prefix,
+                    max_queue_items=max_queue_items,
+                )
             stack.callback(streamer.close)
             return streamer
 
@@ -128,3 +143,13 @@ def test_empty_batch_and_bad_arguments(make_streamer: MakeStreamer) -> None:
         streamer.predict("not a list")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         streamer.predict(["x"], timeout=0)
+
+
+def test_a_call_over_the_queue_bound_is_refused_at_once(make_streamer: MakeStreamer) -> None:
+    streamer = make_streamer(Toy, batch_size=1, max_queue_items=3)
+    slow = streamer.submit([{"sleep": 0.5}, "q1", "q2"])  # fills the queue: 3 of 3
+    with pytest.raises(QueueFull) as caught:
+        streamer.predict(["one too many"], timeout=5)
+    assert caught.value.index == 0
+    assert len(slow.result(timeout=10)) == 3
+    assert streamer.predict(["fits again"])[0]["item"] == "fits again"
