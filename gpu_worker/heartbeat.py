@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
 
 import redis
 
@@ -60,11 +59,3 @@ class Heartbeats:
 
     def close(self) -> None:
         self.client.close()
-
-
-def live_consumers(client: redis.Redis, keys: ModelKeys) -> list[str]:
-    """The consumers of a model whose heartbeat has not expired (by Redis' clock)."""
-    seconds, micros = client.time()
-    now_ms = seconds * 1000 + micros // 1000
-    members: list[Any] = client.zrangebyscore(keys.consumers, now_ms, "+inf")
-    return [member.decode() if isinstance(member, bytes) else member for member in members]

@@ -16,7 +16,7 @@ import redis
 
 from broker.devserver import RedisServer
 from broker.keys import ModelKeys
-from gpu_worker.heartbeat import live_consumers
+from broker.liveness import live_consumers
 
 ROOT = Path(__file__).resolve().parent.parent
 
