@@ -38,10 +38,12 @@ REPLY_WAIT_S = 1.0
 class _Call:
     """One predict/submit call: N items, one future."""
 
-    __slots__ = ("errors", "future", "ids", "remaining", "results", "timer")
+    __slots__ = ("entries", "errors", "future", "ids", "remaining", "results", "sizes", "timer")
 
-    def __init__(self, ids: list[str]) -> None:
+    def __init__(self, ids: list[str], sizes: list[int]) -> None:
         self.ids = ids
+        self.sizes = sizes
+        self.entries: list[str] = []  # stream entry ids, once queued
         self.future: Future[list[Any]] = Future()
         self.results: list[Any] = [None] * len(ids)
         self.errors: dict[int, MicrobatchError] = {}
@@ -68,6 +70,7 @@ class ClientCore:
         self._outbox: list[tuple[_Call, list[EntryFields]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
         self.thread = LoopThread(name=f"microbatch-{keys.model}")
         self.transport: Transport = self.thread.submit(_make(transport_factory)).result()
         if on_start is not None:
@@ -83,7 +86,7 @@ class ClientCore:
 
     def start_call(self, payloads: Sequence[bytes], timeout_s: float) -> Future[list[Any]]:
         """Queue encoded items; the returned future gets the raw results (any thread)."""
-        call = _Call(self.new_request_ids(len(payloads)))
+        call = _Call(self.new_request_ids(len(payloads)), [len(p) for p in payloads])
         timeout_ms = max(1, int(timeout_s * 1000))
         entries = [
             request_fields(rid, self.inbox, timeout_ms, payload)
@@ -113,8 +116,13 @@ class ClientCore:
         # Everything submitted while one pipeline is in flight goes out together in the next.
         try:
             while self._outbox:
-                batch, self._outbox = self._outbox, []
+                batch = [
+                    (call, entries) for call, entries in self._outbox if not call.future.done()
+                ]
+                self._outbox = []
                 calls = [call for call, _ in batch]
+                if not batch:
+                    continue
                 try:
                     outcomes = await self.transport.enqueue(
                         self.keys, [entries for _, entries in batch], self.bound
@@ -127,8 +135,12 @@ class ClientCore:
                     self._fail_calls(calls, BrokerUnavailable(f"{type(exc).__name__}: {exc}"))
                     continue
                 for call, outcome in zip(calls, outcomes, strict=True):
-                    if outcome is not None:
+                    if isinstance(outcome, MicrobatchError):
                         self._fail_calls([call], outcome)
+                    else:
+                        call.entries = outcome
+                        if call.future.cancelled():  # cancelled while being queued
+                            self._withdraw(call)
         finally:
             self._flusher = None
 
@@ -197,10 +209,26 @@ class ClientCore:
         self._fail_items(call, lambda index: DeadlineExceeded(message, index=index))
 
     def _forget(self, call: _Call) -> None:
+        """The caller gave up on ``call``: drop it, and withdraw its items still queued."""
         if call.timer is not None:
             call.timer.cancel()
         for rid in call.ids:
             self._pending.pop(rid, None)
+        if call.entries:
+            self._withdraw(call)
+
+    def _withdraw(self, call: _Call) -> None:
+        entries = list(zip(call.entries, call.sizes, strict=True))
+        call.entries = []
+        task = self.loop.create_task(self._cancel_entries(entries))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _cancel_entries(self, entries: list[tuple[str, int]]) -> None:
+        try:
+            await self.transport.cancel(self.keys, entries)
+        except MicrobatchError as exc:  # best effort: the worker will answer into the void
+            log.info("could not withdraw %d cancelled item(s): %s", len(entries), exc)
 
     def _on_done(self, future: Future[list[Any]], call: _Call) -> None:
         if future.cancelled() and not self.thread.loop.is_closed():

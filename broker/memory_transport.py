@@ -65,9 +65,9 @@ class InMemoryTransport:
 
     async def enqueue(
         self, keys: ModelKeys, calls: Sequence[Sequence[EntryFields]], bound: QueueBound
-    ) -> list[MicrobatchError | None]:
+    ) -> list[list[str] | MicrobatchError]:
         target = self._stream(keys.stream)
-        outcomes: list[MicrobatchError | None] = []
+        outcomes: list[list[str] | MicrobatchError] = []
         for entries in calls:
             size = sum(entry_data_size(fields) for fields in entries)
             if bound.max_items and len(target) + len(entries) > bound.max_items:
@@ -76,17 +76,28 @@ class InMemoryTransport:
             if bound.max_bytes and target.queued_bytes + size > bound.max_bytes:
                 outcomes.append(QueueFull(f"queue is at its bound of {bound.max_bytes} bytes"))
                 continue
+            ids = []
             for fields in entries:
                 encoded = {
                     key.encode(): value if isinstance(value, bytes) else value.encode()
                     for key, value in fields.items()
                 }
-                target.new.append((self._next_id(), encoded))
+                ids.append(self._next_id())
+                target.new.append((ids[-1], encoded))
             target.queued_bytes += size
-            outcomes.append(None)
+            outcomes.append(ids)
         async with target.changed:
             target.changed.notify_all()
         return outcomes
+
+    async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, int]]) -> None:
+        source = self._stream(keys.stream)
+        withdrawn = {entry_id for entry_id, _ in entries}
+        kept = [entry for entry in source.new if entry[0] not in withdrawn]
+        for entry_id, fields in source.new:
+            if entry_id in withdrawn:
+                source.queued_bytes -= entry_data_size(fields)
+        source.new = deque(kept)
 
     async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:
         replies = self._list(inbox)

@@ -8,7 +8,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import BrokerUnavailable, MicrobatchError, QueueFull
@@ -22,22 +22,35 @@ UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 # Append one call's entries if they fit the bound, atomically (so many gateways cannot
 # overshoot it together). KEYS: stream, queued-bytes counter. ARGV: max items, max bytes
 # (0: no limit), entry count, data bytes, then per entry its field count and field/value pairs.
-# Returns 0 when queued, 1 when over the item bound, 2 when over the byte bound.
+# Returns {0, id...} when queued, {1} when over the item bound, {2} when over the byte bound.
 ENQUEUE_LUA = """
 local max_items, max_bytes = tonumber(ARGV[1]), tonumber(ARGV[2])
 local count, size = tonumber(ARGV[3]), tonumber(ARGV[4])
-if max_items > 0 and redis.call('XLEN', KEYS[1]) + count > max_items then return 1 end
+if max_items > 0 and redis.call('XLEN', KEYS[1]) + count > max_items then return {1} end
 if max_bytes > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') + size > max_bytes then
-  return 2
+  return {2}
 end
-local pos = 5
-for _ = 1, count do
+local out, pos = {0}, 5
+for i = 1, count do
   local nfields = tonumber(ARGV[pos])
-  redis.call('XADD', KEYS[1], '*', unpack(ARGV, pos + 1, pos + 2 * nfields))
+  out[i + 1] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, pos + 1, pos + 2 * nfields))
   pos = pos + 1 + 2 * nfields
 end
 if size > 0 then redis.call('INCRBY', KEYS[2], size) end
-return 0
+return out
+"""
+
+# Delete entries and release their bytes from the counter, once: whichever side (the worker
+# that answered, or the caller that withdrew it) deletes an entry first releases its bytes.
+# KEYS: stream, queued-bytes counter. ARGV: group ('' to skip XACK), then entry id/size pairs.
+REMOVE_LUA = """
+local released = 0
+for i = 2, #ARGV, 2 do
+  if ARGV[1] ~= '' then redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) end
+  if redis.call('XDEL', KEYS[1], ARGV[i]) == 1 then released = released + tonumber(ARGV[i + 1]) end
+end
+if released > 0 then redis.call('DECRBY', KEYS[2], released) end
+return released
 """
 
 
@@ -59,7 +72,6 @@ class RedisTransport:
     def __init__(self, url: str, **options: Any) -> None:
         self.url = url
         self.redis = connect(url, **options)
-        self._enqueue_sha: str | None = None
         self._has_blmpop: bool | None = None
 
     async def _server_has_blmpop(self) -> bool:
@@ -72,27 +84,29 @@ class RedisTransport:
     # -- caller side ----------------------------------------------------------------------
     async def enqueue(
         self, keys: ModelKeys, calls: Sequence[Sequence[EntryFields]], bound: QueueBound
-    ) -> list[MicrobatchError | None]:
-        arguments = [_enqueue_arguments(entries, bound) for entries in calls]
+    ) -> list[list[str] | MicrobatchError]:
+        # EVAL, not EVALSHA: Redis caches the compiled script by its hash either way, and EVAL
+        # never meets NOSCRIPT after a restart (which would leave a pipeline half-applied).
         try:
-            for attempt in range(2):
-                if self._enqueue_sha is None:
-                    self._enqueue_sha = str(await self.redis.script_load(ENQUEUE_LUA))
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    for args in arguments:
-                        pipe.evalsha(self._enqueue_sha, 2, keys.stream, keys.queued_bytes, *args)
-                    results = await pipe.execute(raise_on_error=False)
-                if attempt == 0 and any(isinstance(r, NoScriptError) for r in results):
-                    # The server restarted and lost its script cache; nothing ran: load, redo.
-                    self._enqueue_sha = None
-                    continue
-                break
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for entries in calls:
+                    args = _enqueue_arguments(entries, bound)
+                    pipe.eval(ENQUEUE_LUA, 2, keys.stream, keys.queued_bytes, *args)
+                results = await pipe.execute()
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
-        for result in results:
-            if isinstance(result, Exception):
-                raise result
-        return [_enqueue_outcome(int(code), bound) for code in results]
+        return [_enqueue_outcome(result, bound) for result in results]
+
+    async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, int]]) -> None:
+        if not entries:
+            return
+        args: list[Any] = [""]
+        for entry_id, size in entries:
+            args += (entry_id, size)
+        try:
+            await self.redis.eval(REMOVE_LUA, 2, keys.stream, keys.queued_bytes, *args)
+        except UNAVAILABLE as exc:
+            raise _unavailable(exc) from exc
 
     async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:
         try:
@@ -168,12 +182,10 @@ class RedisTransport:
     def _remove(pipe: Any, keys: ModelKeys, entries: Sequence[Entry]) -> None:
         if not entries:
             return
-        ids = [entry_id for entry_id, _ in entries]
-        pipe.xack(keys.stream, keys.group, *ids)
-        pipe.xdel(keys.stream, *ids)
-        size = sum(entry_data_size(fields) for _, fields in entries)
-        if size:
-            pipe.decrby(keys.queued_bytes, size)
+        args: list[Any] = [keys.group]
+        for entry_id, fields in entries:
+            args += (entry_id, entry_data_size(fields))
+        pipe.eval(REMOVE_LUA, 2, keys.stream, keys.queued_bytes, *args)
 
     async def dead_letter(self, keys: ModelKeys, entries: Sequence[Entry], reason: str) -> None:
         if not entries:
@@ -217,9 +229,10 @@ def _enqueue_arguments(entries: Sequence[EntryFields], bound: QueueBound) -> lis
     return args
 
 
-def _enqueue_outcome(code: int, bound: QueueBound) -> MicrobatchError | None:
+def _enqueue_outcome(result: Any, bound: QueueBound) -> list[str] | MicrobatchError:
+    code = int(result[0])
     if code == 0:
-        return None
+        return [entry_id.decode() for entry_id in result[1:]]
     if code == 1:
         return QueueFull(f"queue is at its bound of {bound.max_items} items")
     return QueueFull(f"queue is at its bound of {bound.max_bytes} bytes")

@@ -42,12 +42,16 @@ class Transport(Protocol):
     # -- caller side ----------------------------------------------------------------------
     async def enqueue(
         self, keys: ModelKeys, calls: Sequence[Sequence[EntryFields]], bound: QueueBound
-    ) -> list[MicrobatchError | None]:
+    ) -> list[list[str] | MicrobatchError]:
         """Append each call's entries to the model's stream, in order, each call atomically.
 
-        Returns one outcome per call: None if queued, :class:`QueueFull` if its items would
-        take the queue over ``bound`` (then none of them is queued).
+        Returns one outcome per call: the entry ids if queued, :class:`QueueFull` if its items
+        would take the queue over ``bound`` (then none of them is queued).
         """
+        ...
+
+    async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, int]]) -> None:
+        """Withdraw queued entries, given as (entry id, data size), that no worker took yet."""
         ...
 
     async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:

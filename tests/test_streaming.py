@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+import redis
 
 from broker import DeadlineExceeded, ModelError, QueueFull, Streamer
 from broker.devserver import RedisServer
@@ -153,3 +155,28 @@ def test_a_call_over_the_queue_bound_is_refused_at_once(make_streamer: MakeStrea
     assert caught.value.index == 0
     assert len(slow.result(timeout=10)) == 3
     assert streamer.predict(["fits again"])[0]["item"] == "fits again"
+
+
+def test_cancelled_calls_are_never_computed(make_streamer: MakeStreamer) -> None:
+    streamer = make_streamer(Toy, batch_size=1)
+    blocker = streamer.submit([{"sleep": 1.0}])
+    abandoned = streamer.submit(["abandoned-1", "abandoned-2"])
+    time.sleep(0.3)  # both calls are queued behind the slow batch
+
+    async def give_up() -> None:
+        task = asyncio.ensure_future(streamer.apredict(["abandoned-async"]))
+        await asyncio.sleep(0.2)
+        task.cancel()
+
+    asyncio.run(give_up())
+    assert abandoned.cancel()
+    time.sleep(0.2)
+    after = streamer.predict(["after"], timeout=10)
+    assert blocker.result(timeout=10)[0]["item"] == {"sleep": 1.0}
+    # "after" was computed right behind the slow batch: the abandoned items were skipped
+    assert after[0]["seq"] == blocker.result()[0]["seq"] + 1
+    if not isinstance(streamer, LocalStreamer):  # withdrawn bytes left the byte counter too
+        client = redis.Redis.from_url(streamer.redis_url)
+        assert int(client.get(streamer.keys.queued_bytes) or 0) == 0
+        assert client.xlen(streamer.keys.stream) == 0
+        client.close()
