@@ -1,1 +1,27 @@
-"""The stateless HTTP gateway (under construction: see the gateway issue)."""
+"""The stateless HTTP gateway: FastAPI app, KServe v2 routes, gunicorn config and CLI.
+
+``web_gateway.app.create_app(settings)`` builds the ASGI app; ``gateway start`` serves it under
+gunicorn. Importing this package imports no web framework (and never torch).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .app import create_app
+    from .settings import GatewaySettings
+
+__all__ = ["GatewaySettings", "create_app"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "create_app":
+        from .app import create_app
+
+        return create_app
+    if name == "GatewaySettings":
+        from .settings import GatewaySettings
+
+        return GatewaySettings
+    raise AttributeError(name)

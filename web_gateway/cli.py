@@ -1,8 +1,183 @@
-"""`gateway`: placeholder until the HTTP gateway lands."""
+"""`gateway start`: check the settings, then run gunicorn with uvicorn workers (uvloop).
 
+Every option is handed to the gunicorn master and its workers as its environment variable
+(``MICROBATCH_GATEWAY_<OPTION>``, ``REDIS_URL``), which is also where it can come from, so
+``gateway start`` and ``gunicorn -c deploy/gunicorn.conf.py`` read the same settings.
+"""
+
+from __future__ import annotations
+
+import os
 import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from broker.client import DEFAULT_REDIS_URL
+from broker.keys import DEFAULT_PREFIX
+
+ENV = "MICROBATCH_GATEWAY_"
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "deploy" / "gunicorn.conf.py"
+
+app = typer.Typer(
+    help="The microbatch HTTP gateway: FastAPI under gunicorn with uvicorn workers.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@app.callback()
+def _root() -> None:
+    """microbatch HTTP gateway."""
+
+
+@app.command()
+def start(
+    model: Annotated[
+        list[str],
+        typer.Option(
+            envvar=f"{ENV}MODEL",
+            help="Import path 'module:Class' of a ManagedModel subclass to serve; repeat for "
+            "several models (env: comma- or space-separated).",
+        ),
+    ],
+    prefix: Annotated[
+        str,
+        typer.Option(envvar=f"{ENV}PREFIX", help="Key prefix: the one the workers use."),
+    ] = DEFAULT_PREFIX,
+    redis: Annotated[
+        str,
+        typer.Option(
+            envvar="REDIS_URL",
+            help="Redis URL: redis://[user:password@]host:port/db, or rediss:// for TLS.",
+        ),
+    ] = DEFAULT_REDIS_URL,
+    host: Annotated[
+        str, typer.Option(envvar=f"{ENV}HOST", help="Address to listen on (0.0.0.0 for all).")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(envvar=f"{ENV}PORT", help="TCP port to listen on.")] = 8000,
+    workers: Annotated[
+        int,
+        typer.Option(
+            envvar=f"{ENV}WORKERS", min=1, help="gunicorn worker processes (about one per core)."
+        ),
+    ] = 1,
+    default_timeout: Annotated[
+        float,
+        typer.Option(
+            envvar=f"{ENV}DEFAULT_TIMEOUT",
+            min=0.001,
+            help="Seconds a request may wait for its result when it sends no X-Request-Timeout.",
+        ),
+    ] = 30.0,
+    max_timeout: Annotated[
+        float,
+        typer.Option(
+            envvar=f"{ENV}MAX_TIMEOUT", min=0.001, help="Cap on a request's X-Request-Timeout."
+        ),
+    ] = 300.0,
+    max_items: Annotated[
+        int,
+        typer.Option(envvar=f"{ENV}MAX_ITEMS", min=1, help="Most items in one request (413)."),
+    ] = 256,
+    max_body_bytes: Annotated[
+        int,
+        typer.Option(envvar=f"{ENV}MAX_BODY_BYTES", min=1, help="Largest request body (413)."),
+    ] = 16 * 1024 * 1024,
+    max_queue_items: Annotated[
+        int,
+        typer.Option(
+            envvar=f"{ENV}MAX_QUEUE_ITEMS",
+            min=0,
+            help="Per-model bound on queued items, checked atomically with the enqueue; over "
+            "it a request gets 503 at once (0: no bound).",
+        ),
+    ] = 0,
+    max_queue_bytes: Annotated[
+        int,
+        typer.Option(
+            envvar=f"{ENV}MAX_QUEUE_BYTES",
+            min=0,
+            help="Per-model bound on queued payload bytes (0: no bound).",
+        ),
+    ] = 0,
+    auth_tokens_file: Annotated[
+        Path | None,
+        typer.Option(
+            envvar=f"{ENV}AUTH_TOKENS_FILE",
+            help="File of bearer tokens, one per line; with it (or MICROBATCH_GATEWAY_AUTH_TOKENS)"
+            " every route except health needs 'Authorization: Bearer <token>'.",
+        ),
+    ] = None,
+    graceful_timeout: Annotated[
+        float,
+        typer.Option(
+            envvar=f"{ENV}GRACEFUL_TIMEOUT",
+            min=0,
+            help="Seconds in-flight requests get to finish after SIGTERM.",
+        ),
+    ] = 30.0,
+    log_level: Annotated[
+        str, typer.Option(envvar=f"{ENV}LOG_LEVEL", help="debug, info, warning or error.")
+    ] = "info",
+) -> None:
+    """Serve MODEL(s) over HTTP until SIGTERM or Ctrl-C.
+
+    Every option also reads its environment variable (REDIS_URL for --redis, otherwise
+    MICROBATCH_GATEWAY_<OPTION>, e.g. MICROBATCH_GATEWAY_MAX_QUEUE_ITEMS). Bearer tokens come
+    only from MICROBATCH_GATEWAY_AUTH_TOKENS or --auth-tokens-file, never from the command line.
+    """
+    models = [part for entry in model for part in entry.replace(",", " ").split()]
+    env = {
+        "MODEL": ",".join(models),
+        "PREFIX": prefix,
+        "HOST": host,
+        "PORT": str(port),
+        "WORKERS": str(workers),
+        "DEFAULT_TIMEOUT": str(default_timeout),
+        "MAX_TIMEOUT": str(max_timeout),
+        "MAX_ITEMS": str(max_items),
+        "MAX_BODY_BYTES": str(max_body_bytes),
+        "MAX_QUEUE_ITEMS": str(max_queue_items),
+        "MAX_QUEUE_BYTES": str(max_queue_bytes),
+        "GRACEFUL_TIMEOUT": str(graceful_timeout),
+        "LOG_LEVEL": log_level,
+    }
+    if auth_tokens_file is not None:
+        env["AUTH_TOKENS_FILE"] = str(auth_tokens_file)
+    for key, value in env.items():
+        os.environ[ENV + key] = value
+    os.environ["REDIS_URL"] = redis
+    os.environ.pop(f"{ENV}REDIS_URL", None)  # REDIS_URL, set just above, is the one to use
+
+    # Fail here, with a clear message, rather than in every gunicorn worker's boot.
+    from gpu_worker.model import ModelLoadError, load_model_class
+
+    from .settings import GatewaySettings
+
+    try:
+        settings = GatewaySettings()
+        settings.tokens()
+        names = [load_model_class(path).name for path in settings.model]
+        if len(set(names)) != len(names):
+            raise ValueError(f"two models have the same name: {names}")
+        if not names:
+            raise ValueError("give at least one --model")
+    except (ValueError, OSError, ModelLoadError) as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(2) from None
+
+    config = str(CONFIG) if CONFIG.exists() else "python:web_gateway.gunicorn_conf"
+    argv = [sys.executable, "-m", "gunicorn", "-c", config]
+    os.execv(sys.executable, argv)
 
 
 def main() -> None:
-    sys.stderr.write("gateway: the HTTP gateway is not built yet\n")
-    sys.exit(2)
+    app(prog_name="gateway")
+
+
+if __name__ == "__main__":
+    main()

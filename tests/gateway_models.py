@@ -1,0 +1,78 @@
+"""Models for the gateway tests: light, deterministic, behaviours triggered by marker inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import numpy as np
+
+from gpu_worker import ManagedModel, TensorSpec
+
+RECORD_ENV = "MICROBATCH_TEST_RECORD_DIR"
+
+FAIL = 7.0  # [-1, FAIL, *, *] makes predict raise; [-2, seconds, SLEEP, *] sleeps first
+SLEEP = 7.0
+
+
+def fail_item() -> list[float]:
+    return [-1.0, FAIL, 0.0, 0.0]
+
+
+def sleep_item(seconds: float, marker: float = 0.0) -> list[float]:
+    return [-2.0, seconds, SLEEP, marker]
+
+
+class Doubler(ManagedModel):
+    """FP32[4] -> FP32[4], each item times two. Records every computed item when asked to."""
+
+    name = "doubler"
+    inputs = [TensorSpec("input", "FP32", [4])]
+    outputs = [TensorSpec("output", "FP32", [4])]
+    batch_size = 8
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        directory = os.environ.get(RECORD_ENV)
+        if directory:
+            with open(os.path.join(directory, f"items-{os.getpid()}.jsonl"), "a") as out:
+                for item in batch:
+                    out.write(json.dumps([float(v) for v in item]) + "\n")
+        for item in batch:
+            if item[0] == -1.0 and item[1] == FAIL:
+                raise ValueError("doubler refuses the failure marker")
+        for item in batch:
+            if item[0] == -2.0 and item[2] == SLEEP:
+                time.sleep(min(float(item[1]), 5.0))
+        return [np.asarray(item, dtype=np.float32) * 2 for item in batch]
+
+
+class ByteStats(ManagedModel):
+    """Takes raw bytes (a file upload, or a string): preprocess -> [length, byte sum].
+
+    postprocess turns the model's FP64[2] into [length, checksum] as integers.
+    """
+
+    name = "bytestats"
+    inputs = [TensorSpec("stats", "FP64", [2])]
+    outputs = [TensorSpec("stats", "FP64", [2])]
+    batch_size = 8
+
+    def preprocess(self, item: Any) -> Any:
+        if isinstance(item, str):
+            item = item.encode()
+        if not isinstance(item, bytes):
+            raise TypeError("bytestats takes a file or a string")
+        data = np.frombuffer(item, dtype=np.uint8)
+        return np.array([len(item), int(data.sum(dtype=np.uint64))], dtype=np.float64)
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        return [np.asarray(item, dtype=np.float64) for item in batch]
+
+    def postprocess(self, output: Any) -> Any:
+        return [int(value) for value in output]
+
+    @staticmethod
+    def expected(data: bytes) -> list[int]:
+        return [len(data), sum(data)]

@@ -1,0 +1,121 @@
+"""HTTP errors: every failure becomes ``{"error": {"type": ..., "message": ...}}`` with its status.
+
+The mapping (see docs/gateway.md and ../shared/DESIGN.md):
+
+=========================  ======  ========================================================
+error                      status  when
+=========================  ======  ========================================================
+BadRequest                 400     malformed body, header or binary framing
+Unauthorized               401     bearer auth is on and the token is missing or wrong
+ModelNotFound / NotFound   404     unknown model or route
+PayloadTooLarge            413     body over ``max_body_bytes`` or more than ``max_items``
+InvalidInput, CodecError   422     input does not fit the model's declared inputs
+PoisonRequest              422     the item was dead-lettered: it kept killing the worker
+ModelError                 500     the model raised on this item (the model's message)
+InvalidOutput, Protocol..  500     the model or the deployment misbehaved (never the input)
+QueueFull                  503     the model's queue is at its bound (Retry-After)
+BrokerUnavailable          503     Redis cannot be reached (Retry-After)
+DeadlineExceeded           504     no result within the request's timeout
+=========================  ======  ========================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+
+from broker.errors import (
+    BrokerUnavailable,
+    CodecError,
+    DeadlineExceeded,
+    InvalidInput,
+    InvalidOutput,
+    MicrobatchError,
+    ModelError,
+    PoisonRequest,
+    ProtocolError,
+    QueueFull,
+)
+
+STATUS_BY_ERROR: dict[type[MicrobatchError], int] = {
+    InvalidInput: 422,
+    CodecError: 422,
+    PoisonRequest: 422,
+    ModelError: 500,
+    InvalidOutput: 500,
+    ProtocolError: 500,
+    QueueFull: 503,
+    BrokerUnavailable: 503,
+    DeadlineExceeded: 504,
+}
+
+
+class HTTPError(Exception):
+    """An error answered with ``status`` and a JSON body; raised anywhere in a request."""
+
+    def __init__(
+        self, status: int, type_: str, message: str, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.type = type_
+        self.message = message
+        self.headers = headers or {}
+
+
+def bad_request(message: str) -> HTTPError:
+    return HTTPError(400, "BadRequest", message)
+
+
+def too_large(message: str) -> HTTPError:
+    return HTTPError(413, "PayloadTooLarge", message)
+
+
+def invalid_input(message: str) -> HTTPError:
+    return HTTPError(422, "InvalidInput", message)
+
+
+def model_not_found(name: str) -> HTTPError:
+    return HTTPError(404, "ModelNotFound", f"no model named {name!r} is served here")
+
+
+def from_microbatch(exc: MicrobatchError, retry_after: int) -> HTTPError:
+    """The HTTP error for a typed broker error (503 ones carry Retry-After)."""
+    status = 500
+    for cls in type(exc).__mro__:
+        if cls in STATUS_BY_ERROR:
+            status = STATUS_BY_ERROR[cls]
+            break
+    headers = {"Retry-After": str(retry_after)} if status == 503 else None
+    return HTTPError(status, exc.type, str(exc), headers)
+
+
+def error_body(type_: str, message: str) -> dict[str, Any]:
+    return {"error": {"type": type_, "message": message}}
+
+
+def v2_error_body(type_: str, message: str) -> dict[str, Any]:
+    """The Open Inference Protocol's error body (``error`` is a string), plus the type."""
+    return {"error": f"{type_}: {message}", "type": type_}
+
+
+def error_response(error: HTTPError, v2: bool = False) -> Response:
+    body = v2_error_body if v2 else error_body
+    return Response(
+        orjson.dumps(body(error.type, error.message)),
+        status_code=error.status,
+        headers=error.headers,
+        media_type="application/json",
+    )
+
+
+HTTP_TYPES = {
+    400: "BadRequest",
+    401: "Unauthorized",
+    404: "NotFound",
+    405: "MethodNotAllowed",
+    413: "PayloadTooLarge",
+    422: "InvalidInput",
+}

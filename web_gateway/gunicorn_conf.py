@@ -1,0 +1,87 @@
+"""gunicorn settings for the gateway, read from the environment (``gateway start`` sets it).
+
+deploy/gunicorn.conf.py imports everything from here, so both of these work::
+
+    gateway start --model examples.mlp:MLP --workers 4
+    MICROBATCH_GATEWAY_MODEL=examples.mlp:MLP gunicorn -c deploy/gunicorn.conf.py
+
+Command-line flags given to gunicorn (``-b``, ``-w``, ...) win over these values, and an app
+named on gunicorn's command line wins over ``wsgi_app``.
+
+Metrics: prometheus-client's multiprocess mode needs ``PROMETHEUS_MULTIPROC_DIR`` set before
+any worker starts. If it is not set, a fresh temporary directory is made (and removed at exit);
+if it is set, stale files in it are removed at start. ``child_exit`` marks a dead worker's gauges.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "accesslog",
+    "backlog",
+    "bind",
+    "child_exit",
+    "control_socket_disable",
+    "graceful_timeout",
+    "keepalive",
+    "loglevel",
+    "on_exit",
+    "on_starting",
+    "proc_name",
+    "timeout",
+    "worker_class",
+    "workers",
+    "wsgi_app",
+]
+
+_ENV = "MICROBATCH_GATEWAY_"
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(_ENV + name, default)
+
+
+wsgi_app = "web_gateway.app:create_app()"
+worker_class = "web_gateway.workers.GatewayWorker"
+bind = [f"{_env('HOST', '127.0.0.1')}:{_env('PORT', '8000')}"]
+workers = int(_env("WORKERS", "1"))
+# SIGTERM: stop accepting, let in-flight requests finish for up to this long, then exit.
+graceful_timeout = int(float(_env("GRACEFUL_TIMEOUT", "30")))
+timeout = 60  # a worker whose event loop stops answering gunicorn for this long is restarted
+keepalive = 5
+backlog = 2048
+loglevel = _env("LOG_LEVEL", "info").lower()
+accesslog = None  # access logs name paths only; enable with --access-logfile if wanted
+proc_name = "microbatch-gateway"
+# gunicorn >= 24 opens a control socket at one fixed path per user, which several gateways on
+# one host would fight over; gateways are driven by signals instead.
+control_socket_disable = True
+
+_MULTIPROC = "PROMETHEUS_MULTIPROC_DIR"
+_OWN_DIR = False
+if not os.environ.get(_MULTIPROC):
+    os.environ[_MULTIPROC] = tempfile.mkdtemp(prefix="microbatch-gateway-metrics-")
+    _OWN_DIR = True
+
+
+def on_starting(server: Any) -> None:
+    directory = Path(os.environ[_MULTIPROC])
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob("*.db"):
+        stale.unlink()
+
+
+def child_exit(server: Any, worker: Any) -> None:
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(worker.pid)  # type: ignore[no-untyped-call]
+
+
+def on_exit(server: Any) -> None:
+    if _OWN_DIR:
+        shutil.rmtree(os.environ[_MULTIPROC], ignore_errors=True)

@@ -1,0 +1,342 @@
+"""The Open Inference Protocol (KServe v2) request/response bodies, with Triton's binary tensors.
+
+A request body is JSON, optionally followed by raw tensor bytes: the header
+``Inference-Header-Content-Length`` gives the JSON's length, and each input whose
+``parameters.binary_data_size`` is set takes that many bytes from what follows, in input order.
+BYTES elements travel as a 4-byte little-endian length then the bytes. A response puts an output
+in binary when the request asked for it (``parameters.binary_data_output`` for all outputs, or an
+output's ``parameters.binary_data``), and then sets the same header.
+
+Everything here raises :class:`web_gateway.errors.HTTPError` (400 for a malformed body, 422 for
+one that does not fit the model) and never touches the network.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import orjson
+
+from gpu_worker.model import DATATYPES, TensorSpec
+
+from .errors import HTTPError, bad_request, invalid_input
+
+HEADER_LENGTH = "inference-header-content-length"
+_U32 = struct.Struct("<I")
+
+NUMPY_TO_DATATYPE = {
+    np.dtype(dtype): datatype for datatype, dtype in DATATYPES.items() if dtype is not None
+}
+
+
+@dataclass
+class InferRequest:
+    """A parsed v2 inference request: its id, parameters, input tensors and requested outputs."""
+
+    id: str | None
+    parameters: dict[str, Any]
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    datatypes: dict[str, str] = field(default_factory=dict)
+    outputs: list[tuple[str, bool]] | None = None  # (name, binary) as requested
+
+    @property
+    def batch_size(self) -> int:
+        return int(next(iter(self.inputs.values())).shape[0])
+
+    def items(self) -> list[Any]:
+        """One item per row: the row itself for one input, else ``{name: row}``."""
+        rows = range(self.batch_size)
+        if len(self.inputs) == 1:
+            (array,) = self.inputs.values()
+            return [array[i] for i in rows]
+        return [{name: array[i] for name, array in self.inputs.items()} for i in rows]
+
+
+def _object(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise bad_request(f"{what} must be a JSON object")
+    return value
+
+
+def _shape(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(
+        isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 for dim in value
+    ):
+        raise bad_request(f"input {name!r}: shape must be a list of non-negative integers")
+    if not value:
+        raise bad_request(f"input {name!r}: shape needs a batch dimension")
+    return value
+
+
+def _flatten(data: Any) -> list[Any]:
+    if not isinstance(data, list):
+        return [data]
+    out: list[Any] = []
+    stack = [iter(data)]
+    while stack:
+        for value in stack[-1]:
+            if isinstance(value, list):
+                stack.append(iter(value))
+                break
+            out.append(value)
+        else:
+            stack.pop()
+    return out
+
+
+def _decode_bytes_elements(blob: bytes, count: int, name: str) -> list[bytes]:
+    out: list[bytes] = []
+    pos = 0
+    for _ in range(count):
+        if pos + 4 > len(blob):
+            raise bad_request(f"input {name!r}: binary BYTES data is truncated")
+        (size,) = _U32.unpack_from(blob, pos)
+        pos += 4
+        if pos + size > len(blob):
+            raise bad_request(f"input {name!r}: binary BYTES data is truncated")
+        out.append(blob[pos : pos + size])
+        pos += size
+    if pos != len(blob):
+        raise bad_request(f"input {name!r}: binary BYTES data has trailing bytes")
+    return out
+
+
+def encode_bytes_elements(values: Sequence[Any]) -> bytes:
+    parts = []
+    for value in values:
+        raw = value.encode() if isinstance(value, str) else bytes(value)
+        parts.append(_U32.pack(len(raw)))
+        parts.append(raw)
+    return b"".join(parts)
+
+
+def _tensor(spec: dict[str, Any], blob: bytes | None) -> tuple[str, str, np.ndarray]:
+    name = spec.get("name")
+    if not isinstance(name, str) or not name:
+        raise bad_request("every input needs a 'name'")
+    datatype = spec.get("datatype")
+    if datatype not in DATATYPES:
+        raise bad_request(f"input {name!r}: unknown datatype {datatype!r}")
+    shape = _shape(spec.get("shape"), name)
+    count = 1
+    for dim in shape:
+        count *= dim
+    if count > 1 << 31:
+        raise bad_request(f"input {name!r}: shape {shape} is too large")
+    dtype_name = DATATYPES[datatype]
+    if blob is not None:
+        if dtype_name is None:
+            array = np.empty(count, dtype=object)
+            array[:] = _decode_bytes_elements(blob, count, name)
+        else:
+            dtype = np.dtype(dtype_name).newbyteorder("<")
+            if len(blob) != count * dtype.itemsize:
+                raise bad_request(
+                    f"input {name!r}: {len(blob)} binary bytes do not match shape {shape} "
+                    f"of {datatype}"
+                )
+            array = np.frombuffer(blob, dtype=dtype)
+    else:
+        if "data" not in spec:
+            raise bad_request(f"input {name!r} has neither 'data' nor binary data")
+        flat = _flatten(spec["data"])
+        if len(flat) != count:
+            raise bad_request(
+                f"input {name!r}: {len(flat)} data elements do not match shape {shape}"
+            )
+        if dtype_name is None:
+            if not all(isinstance(value, str) for value in flat):
+                raise bad_request(f"input {name!r}: BYTES data must be strings")
+            array = np.empty(count, dtype=object)
+            array[:] = flat
+        else:
+            if not all(
+                isinstance(value, (int, float)) and (datatype == "BOOL") == isinstance(value, bool)
+                for value in flat
+            ):
+                raise bad_request(f"input {name!r}: data must be {datatype} numbers")
+            try:
+                array = np.asarray(flat, dtype=dtype_name)
+            except (OverflowError, ValueError, TypeError) as exc:
+                raise bad_request(f"input {name!r}: data does not fit {datatype}: {exc}") from exc
+    return name, datatype, array.reshape(shape)
+
+
+def parse_request(body: bytes, header_length: str | None) -> InferRequest:
+    """Parse a v2 infer body (JSON, or JSON + binary tensors); 400 when malformed."""
+    if header_length is not None:
+        try:
+            json_size = int(header_length)
+        except ValueError:
+            raise bad_request("Inference-Header-Content-Length must be an integer") from None
+        if not 0 < json_size <= len(body):
+            raise bad_request("Inference-Header-Content-Length is outside the body")
+        head, binary = body[:json_size], memoryview(body)[json_size:]
+    else:
+        head, binary = body, memoryview(b"")
+    try:
+        document = orjson.loads(head)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    document = _object(document, "the request body")
+    request_id = document.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise bad_request("'id' must be a string")
+    parameters = _object(document.get("parameters") or {}, "'parameters'")
+    inputs = document.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise bad_request("'inputs' must be a non-empty list of tensors")
+    request = InferRequest(request_id, parameters)
+    pos = 0
+    for raw in inputs:
+        spec = _object(raw, "each input")
+        params = _object(spec.get("parameters") or {}, "input 'parameters'")
+        blob: bytes | None = None
+        size = params.get("binary_data_size")
+        if size is not None:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise bad_request("binary_data_size must be a non-negative integer")
+            if pos + size > len(binary):
+                raise bad_request("binary tensor data is shorter than binary_data_size says")
+            blob = bytes(binary[pos : pos + size])
+            pos += size
+        name, datatype, array = _tensor(spec, blob)
+        if name in request.inputs:
+            raise bad_request(f"input {name!r} appears twice")
+        request.inputs[name] = array
+        request.datatypes[name] = datatype
+    if pos != len(binary):
+        raise bad_request("the body has binary data that no input claims")
+    sizes = {array.shape[0] for array in request.inputs.values()}
+    if len(sizes) != 1:
+        raise bad_request("all inputs must have the same batch size (first dimension)")
+    wanted = document.get("outputs")
+    if wanted is not None:
+        if not isinstance(wanted, list):
+            raise bad_request("'outputs' must be a list")
+        request.outputs = []
+        all_binary = bool(parameters.get("binary_data_output", False))
+        for raw in wanted:
+            out = _object(raw, "each requested output")
+            out_name = out.get("name")
+            if not isinstance(out_name, str):
+                raise bad_request("every requested output needs a 'name'")
+            out_params = _object(out.get("parameters") or {}, "output 'parameters'")
+            request.outputs.append((out_name, bool(out_params.get("binary_data", all_binary))))
+    return request
+
+
+def check_inputs(
+    request: InferRequest, specs: Sequence[TensorSpec], strict_datatypes: bool
+) -> None:
+    """422 unless the request's tensors are the model's declared inputs (names, rank, type)."""
+    if not specs:
+        return
+    declared = {spec.name: spec for spec in specs}
+    if set(request.inputs) != set(declared):
+        raise invalid_input(
+            f"inputs are {sorted(request.inputs)}, the model takes {sorted(declared)}"
+        )
+    if not strict_datatypes:
+        return
+    for name, array in request.inputs.items():
+        spec = declared[name]
+        if request.datatypes[name] != spec.datatype:
+            raise invalid_input(
+                f"input {name!r} is {request.datatypes[name]}, the model takes {spec.datatype}"
+            )
+        if not spec.shape_matches(array.shape[1:]):
+            raise invalid_input(
+                f"input {name!r} has shape {list(array.shape)}, the model takes {[-1, *spec.shape]}"
+            )
+
+
+def _datatype_of(array: np.ndarray) -> str:
+    if array.dtype == object or array.dtype.kind in "SU":
+        return "BYTES"
+    datatype = NUMPY_TO_DATATYPE.get(array.dtype.newbyteorder("="))
+    if datatype is None:
+        raise HTTPError(500, "InvalidOutput", f"outputs of dtype {array.dtype} cannot be sent")
+    return datatype
+
+
+def _stack(values: list[Any], spec: TensorSpec | None) -> np.ndarray:
+    if spec is not None and spec.datatype == "BYTES":
+        array = np.empty(len(values), dtype=object)
+        array[:] = values
+        return array
+    try:
+        array = np.stack([np.asarray(value) for value in values])
+        if spec is not None and spec.numpy_dtype is not None:
+            array = array.astype(spec.numpy_dtype, copy=False)
+    except (ValueError, TypeError) as exc:
+        raise HTTPError(500, "InvalidOutput", f"model outputs cannot form a tensor: {exc}") from exc
+    return array
+
+
+def build_response(
+    model_name: str,
+    request: InferRequest,
+    outputs: list[Any],
+    specs: Sequence[TensorSpec],
+) -> tuple[bytes, dict[str, str]]:
+    """The response body and its extra headers for the items' ``outputs``."""
+    if len(specs) > 1 or (not specs and outputs and isinstance(outputs[0], dict)):
+        names = [spec.name for spec in specs] or list(outputs[0])
+        by_name = {spec.name: spec for spec in specs}
+        try:
+            columns = {name: [output[name] for output in outputs] for name in names}
+        except (KeyError, TypeError) as exc:
+            raise HTTPError(500, "InvalidOutput", f"model output lacks {exc}") from exc
+        tensors = {name: _stack(values, by_name.get(name)) for name, values in columns.items()}
+    else:
+        spec = specs[0] if specs else None
+        tensors = {spec.name if spec else "output": _stack(outputs, spec)}
+    if request.outputs is None:
+        binary_all = bool(request.parameters.get("binary_data_output", False))
+        wanted = [(name, binary_all) for name in tensors]
+    else:
+        wanted = request.outputs
+        unknown = [name for name, _ in wanted if name not in tensors]
+        if unknown:
+            raise invalid_input(f"unknown outputs {unknown}; the model gives {sorted(tensors)}")
+    described = []
+    blobs: list[bytes] = []
+    for name, binary in wanted:
+        array = tensors[name]
+        datatype = _datatype_of(array)
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
+        if binary:
+            if datatype == "BYTES":
+                blob = encode_bytes_elements(array.reshape(-1).tolist())
+            else:
+                blob = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+            entry["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        elif datatype == "BYTES":
+            entry["data"] = [
+                value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+                for value in array.reshape(-1).tolist()
+            ]
+        else:
+            entry["data"] = array.reshape(-1).tolist()
+        described.append(entry)
+    document: dict[str, Any] = {"model_name": model_name, "model_version": "1"}
+    if request.id is not None:
+        document["id"] = request.id
+    document["outputs"] = described
+    head = orjson.dumps(document)
+    if not blobs:
+        return head, {}
+    return head + b"".join(blobs), {"Inference-Header-Content-Length": str(len(head))}
+
+
+def tensor_metadata(specs: Sequence[TensorSpec]) -> list[dict[str, Any]]:
+    """v2 metadata of declared tensors, with the batch dimension as -1."""
+    return [
+        {"name": spec.name, "datatype": spec.datatype, "shape": [-1, *spec.shape]} for spec in specs
+    ]
