@@ -1,10 +1,10 @@
 """The client: submit items, route replies back, raise typed errors.
 
-One :class:`ClientCore` per process and model does the I/O on a private event loop thread:
-concurrent submits are coalesced into one pipelined round trip, and every reply comes through one
-inbox list per process, routed to its call by request id. :class:`Streamer` is the public face
-(sync, futures and asyncio); it makes its core lazily in each process, so it is safe to create
-before gunicorn forks.
+A :class:`ClientCore` does the I/O of one Streamer on one event loop: concurrent submits are
+coalesced into one round trip, and every reply comes through one inbox list, routed to its call
+by request id. Synchronous callers share a core on a private loop thread; asyncio callers get a
+core on their own running loop, so ``apredict`` never crosses threads. :class:`Streamer` makes
+its cores lazily in each process, so it is safe to create before gunicorn forks.
 """
 
 from __future__ import annotations
@@ -34,17 +34,19 @@ DEFAULT_TIMEOUT_S = 30.0
 REPLY_BATCH = 1024
 REPLY_WAIT_S = 1.0
 
+AnyFuture = Future[list[Any]] | asyncio.Future[list[Any]]
+
 
 class _Call:
     """One predict/submit call: N items, one future."""
 
     __slots__ = ("entries", "errors", "future", "ids", "remaining", "results", "sizes", "timer")
 
-    def __init__(self, ids: list[str], sizes: list[int]) -> None:
+    def __init__(self, ids: list[str], sizes: list[int], future: AnyFuture) -> None:
         self.ids = ids
         self.sizes = sizes
+        self.future = future
         self.entries: list[str] = []  # stream entry ids, once queued
-        self.future: Future[list[Any]] = Future()
         self.results: list[Any] = [None] * len(ids)
         self.errors: dict[int, MicrobatchError] = {}
         self.remaining = len(ids)
@@ -52,16 +54,18 @@ class _Call:
 
 
 class ClientCore:
-    """The per-process I/O engine behind a Streamer. Only its loop thread touches its state."""
+    """The I/O engine of one Streamer on one event loop. Only that loop touches its state."""
 
     def __init__(
         self,
         keys: ModelKeys,
-        transport_factory: Callable[[], Transport],
-        on_start: Callable[[ClientCore], Any] | None = None,
+        transport: Transport,
+        loop: asyncio.AbstractEventLoop,
         bound: QueueBound = UNBOUNDED,
     ) -> None:
         self.keys = keys
+        self.transport = transport
+        self.loop = loop
         self.bound = bound
         self.client_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.inbox = keys.inbox(self.client_id)
@@ -71,35 +75,43 @@ class ClientCore:
         self._flusher: asyncio.Task[None] | None = None
         self._reader: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
-        self.thread = LoopThread(name=f"microbatch-{keys.model}")
-        self.transport: Transport = self.thread.submit(_make(transport_factory)).result()
-        if on_start is not None:
-            self.thread.submit(_call_async(on_start, self)).result()
+        self._closing = False
 
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return self.thread.loop
-
-    def new_request_ids(self, count: int) -> list[str]:
-        """Fresh request ids, unique within this process's inbox (thread-safe under the GIL)."""
-        return [f"{self.client_id}.{next(self._ids)}" for _ in range(count)]
-
-    def start_call(self, payloads: Sequence[bytes], timeout_s: float) -> Future[list[Any]]:
-        """Queue encoded items; the returned future gets the raw results (any thread)."""
-        call = _Call(self.new_request_ids(len(payloads)), [len(p) for p in payloads])
+    def _new_call(
+        self, payloads: Sequence[bytes], future: AnyFuture, timeout_s: float
+    ) -> tuple[_Call, list[EntryFields]]:
+        ids = [f"{self.client_id}.{next(self._ids)}" for _ in payloads]
+        call = _Call(ids, [len(payload) for payload in payloads], future)
         timeout_ms = max(1, int(timeout_s * 1000))
-        entries = [
+        entries: list[EntryFields] = [
             request_fields(rid, self.inbox, timeout_ms, payload)
-            for rid, payload in zip(call.ids, payloads, strict=True)
+            for rid, payload in zip(ids, payloads, strict=True)
         ]
-        if call.remaining == 0:
-            call.future.set_result([])
-            return call.future
-        self.thread.call_soon(self._accept, call, entries, timeout_s)
-        call.future.add_done_callback(lambda done: self._on_done(done, call))
-        return call.future
+        future.add_done_callback(lambda done: self._on_done(done, call))
+        return call, entries
 
-    # -- everything below runs on the loop thread -------------------------------------------
+    def start_call_threadsafe(
+        self, payloads: Sequence[bytes], timeout_s: float
+    ) -> Future[list[Any]]:
+        """Queue encoded items from any thread; the future gets the raw results."""
+        future: Future[list[Any]] = Future()
+        if not payloads:
+            future.set_result([])
+            return future
+        call, entries = self._new_call(payloads, future, timeout_s)
+        self.loop.call_soon_threadsafe(self._accept, call, entries, timeout_s)
+        return future
+
+    def start_call(self, payloads: Sequence[bytes], timeout_s: float) -> asyncio.Future[list[Any]]:
+        """Queue encoded items; must be called on this core's loop."""
+        future: asyncio.Future[list[Any]] = self.loop.create_future()
+        if not payloads:
+            future.set_result([])
+            return future
+        call, entries = self._new_call(payloads, future, timeout_s)
+        self._accept(call, entries, timeout_s)
+        return future
+
     def _accept(self, call: _Call, entries: list[EntryFields], timeout_s: float) -> None:
         if call.future.done():  # cancelled before it reached the loop
             return
@@ -113,41 +125,40 @@ class ClientCore:
             self._reader = self.loop.create_task(self._read_replies())
 
     async def _flush(self) -> None:
-        # Everything submitted while one pipeline is in flight goes out together in the next.
+        # Everything submitted while one round trip is in flight goes out together in the next.
         try:
             while self._outbox:
                 batch = [
                     (call, entries) for call, entries in self._outbox if not call.future.done()
                 ]
                 self._outbox = []
-                calls = [call for call, _ in batch]
-                if not batch:
-                    continue
-                try:
-                    outcomes = await self.transport.enqueue(
-                        self.keys, [entries for _, entries in batch], self.bound
-                    )
-                except MicrobatchError as exc:
-                    self._fail_calls(calls, exc)
-                    continue
-                except Exception as exc:
-                    log.exception("submitting to %s failed", self.keys.stream)
-                    self._fail_calls(calls, BrokerUnavailable(f"{type(exc).__name__}: {exc}"))
-                    continue
-                for call, outcome in zip(calls, outcomes, strict=True):
-                    if isinstance(outcome, MicrobatchError):
-                        self._fail_calls([call], outcome)
-                    else:
-                        call.entries = outcome
-                        if call.future.cancelled():  # cancelled while being queued
-                            self._withdraw(call)
+                if batch:
+                    await self._send([call for call, _ in batch], [entries for _, entries in batch])
         finally:
             self._flusher = None
+
+    async def _send(self, calls: list[_Call], entries: list[list[EntryFields]]) -> None:
+        try:
+            outcomes = await self.transport.enqueue(self.keys, entries, self.bound)
+        except MicrobatchError as exc:
+            self._fail_calls(calls, exc)
+            return
+        except Exception as exc:
+            log.exception("submitting to %s failed", self.keys.stream)
+            self._fail_calls(calls, BrokerUnavailable(f"{type(exc).__name__}: {exc}"))
+            return
+        for call, outcome in zip(calls, outcomes, strict=True):
+            if isinstance(outcome, MicrobatchError):
+                self._fail_calls([call], outcome)
+            else:
+                call.entries = outcome
+                if call.future.cancelled():  # cancelled while being queued
+                    self._withdraw(call)
 
     async def _read_replies(self) -> None:
         backoff = 0.05
         try:
-            while self._pending:
+            while self._pending and not self._closing:
                 try:
                     payloads = await self.transport.pop_replies(
                         self.inbox, REPLY_BATCH, REPLY_WAIT_S
@@ -167,7 +178,7 @@ class ClientCore:
                     self._resolve(reply)
         finally:
             self._reader = None
-            if self._pending:  # a call arrived as the reader was leaving
+            if self._pending and not self._closing:  # a call arrived as the reader left
                 self._reader = self.loop.create_task(self._read_replies())
 
     def _resolve(self, reply: Reply) -> None:
@@ -208,6 +219,14 @@ class ClientCore:
         message = f"no reply within {timeout_s:g} s"
         self._fail_items(call, lambda index: DeadlineExceeded(message, index=index))
 
+    def _on_done(self, future: AnyFuture, call: _Call) -> None:
+        if not future.cancelled() or self.loop.is_closed():
+            return
+        if isinstance(future, asyncio.Future):  # callbacks of these run on our loop already
+            self._forget(call)
+        else:
+            self.loop.call_soon_threadsafe(self._forget, call)
+
     def _forget(self, call: _Call) -> None:
         """The caller gave up on ``call``: drop it, and withdraw its items still queued."""
         if call.timer is not None:
@@ -230,29 +249,14 @@ class ClientCore:
         except MicrobatchError as exc:  # best effort: the worker will answer into the void
             log.info("could not withdraw %d cancelled item(s): %s", len(entries), exc)
 
-    def _on_done(self, future: Future[list[Any]], call: _Call) -> None:
-        if future.cancelled() and not self.thread.loop.is_closed():
-            self.thread.call_soon(self._forget, call)
-
-    def close(self) -> None:
-        """Close the transport and stop the loop thread."""
-        if self.thread.loop.is_closed():
-            return
-        try:
-            self.thread.submit(self.transport.close()).result(timeout=5)
-        except Exception:  # closing is best effort
-            log.debug("closing the transport failed", exc_info=True)
-        self.thread.stop()
-
-
-async def _make(factory: Callable[[], Transport]) -> Transport:
-    return factory()
-
-
-async def _call_async(func: Callable[[ClientCore], Any], core: ClientCore) -> None:
-    result = func(core)
-    if asyncio.iscoroutine(result):
-        await result
+    async def aclose(self) -> None:
+        """Stop reading replies and close the transport (on this core's loop)."""
+        self._closing = True
+        tasks = [t for t in (self._reader, self._flusher, *self._background) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self.transport.close()
 
 
 class Streamer:
@@ -266,6 +270,10 @@ class Streamer:
     at once with :class:`QueueFull` (checked atomically with the enqueue). Safe to share
     between threads, and across fork: each process makes its own connections on first use.
     """
+
+    # Whether apredict may run on the caller's loop (False where the transport lives on the
+    # private loop thread, as with the in-memory transport of LocalStreamer).
+    native_async = True
 
     def __init__(
         self,
@@ -283,9 +291,14 @@ class Streamer:
         self.redis_url = redis_url or os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
         self.timeout = _check_timeout(timeout)
         self.model = model() if isinstance(model, type) else model
-        self._core: ClientCore | None = None
+        self._reset_for_process()
+
+    def _reset_for_process(self) -> None:
         self._pid = os.getpid()
         self._lock = threading.Lock()
+        self._thread: LoopThread | None = None
+        self._thread_core: ClientCore | None = None
+        self._loop_cores: dict[asyncio.AbstractEventLoop, ClientCore] = {}
 
     @property
     def name(self) -> str:
@@ -297,22 +310,42 @@ class Streamer:
         return RedisTransport(self.redis_url)
 
     def _on_core_start(self, core: ClientCore) -> Any:
-        """Hook run once on the core's loop thread after it starts (used by LocalStreamer)."""
+        """Hook run once on the loop thread when its core starts (used by LocalStreamer)."""
         return None
 
-    def _get_core(self) -> ClientCore:
+    def _check_process(self) -> None:
         if self._pid != os.getpid():  # forked: the parent's loop thread does not exist here
-            self._lock = threading.Lock()
-            self._core = None
-            self._pid = os.getpid()
-        core = self._core
+            self._reset_for_process()
+
+    def _get_thread_core(self) -> ClientCore:
+        self._check_process()
+        core = self._thread_core
         if core is None:
             with self._lock:
-                core = self._core
+                core = self._thread_core
                 if core is None:
-                    core = self._core = ClientCore(
-                        self.keys, self._make_transport, self._on_core_start, self.bound
-                    )
+                    thread = LoopThread(name=f"microbatch-{self.name}")
+                    core = thread.submit(self._start_core(thread.loop)).result()
+                    self._thread, self._thread_core = thread, core
+        return core
+
+    async def _start_core(self, loop: asyncio.AbstractEventLoop) -> ClientCore:
+        core = ClientCore(self.keys, self._make_transport(), loop, self.bound)
+        started = self._on_core_start(core)
+        if asyncio.iscoroutine(started):
+            await started
+        return core
+
+    def _get_loop_core(self) -> ClientCore:
+        self._check_process()
+        loop = asyncio.get_running_loop()
+        core = self._loop_cores.get(loop)
+        if core is None:
+            for old in [old for old in self._loop_cores if old.is_closed()]:
+                del self._loop_cores[old]  # cores of loops that asyncio.run() already closed
+            core = self._loop_cores[loop] = ClientCore(
+                self.keys, self._make_transport(), loop, self.bound
+            )
         return core
 
     def _encode(self, batch: Sequence[Any]) -> list[bytes]:
@@ -336,7 +369,7 @@ class Streamer:
     def submit(self, batch: Sequence[Any], timeout: float | None = None) -> Future[list[Any]]:
         """Submit a list of items; the future's result is their outputs, in order."""
         timeout_s = self.timeout if timeout is None else _check_timeout(timeout)
-        raw = self._get_core().start_call(self._encode(batch), timeout_s)
+        raw = self._get_thread_core().start_call_threadsafe(self._encode(batch), timeout_s)
         if self.model is None:
             return raw
         result: Future[list[Any]] = Future()
@@ -362,28 +395,66 @@ class Streamer:
         Raises the typed error (ModelError, DeadlineExceeded, ...) of the first failing item.
         """
         timeout_s = self.timeout if timeout is None else _check_timeout(timeout)
-        future = self._get_core().start_call(self._encode(batch), timeout_s)
+        future = self._get_thread_core().start_call_threadsafe(self._encode(batch), timeout_s)
         return self._postprocess(future.result())
 
     async def apredict(self, batch: Sequence[Any], timeout: float | None = None) -> list[Any]:
-        """``predict`` for asyncio callers; cancelling the task abandons the call."""
+        """``predict`` for asyncio callers; cancelling the task withdraws the call's items."""
         timeout_s = self.timeout if timeout is None else _check_timeout(timeout)
-        future = self._get_core().start_call(self._encode(batch), timeout_s)
-        outputs = await asyncio.wrap_future(future)
+        payloads = self._encode(batch)
+        if self.native_async:
+            outputs = await self._get_loop_core().start_call(payloads, timeout_s)
+        else:
+            thread_core = self._get_thread_core()
+            future = thread_core.start_call_threadsafe(payloads, timeout_s)
+            outputs = await asyncio.wrap_future(future)
         return self._postprocess(outputs)
 
     def close(self) -> None:
         """Release this process's connections and loop thread (the Streamer can be reused)."""
+        if self._pid != os.getpid():
+            self._reset_for_process()
+            return
         with self._lock:
-            core, self._core = self._core, None
-        if core is not None and self._pid == os.getpid():
-            core.close()
+            thread, core = self._thread, self._thread_core
+            loop_cores, self._loop_cores = self._loop_cores, {}
+            self._thread = self._thread_core = None
+        if thread is not None and core is not None:
+            try:
+                thread.submit(core.aclose()).result(timeout=5)
+            except Exception:  # closing is best effort
+                log.debug("closing the client failed", exc_info=True)
+            thread.stop()
+        for loop, loop_core in loop_cores.items():
+            if loop.is_closed():
+                continue
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop:
+                loop.create_task(loop_core.aclose())
+            elif loop.is_running():
+                asyncio.run_coroutine_threadsafe(loop_core.aclose(), loop)
+
+    async def aclose(self) -> None:
+        """Close from asyncio code: the running loop's connections are closed before return."""
+        core = self._loop_cores.pop(asyncio.get_running_loop(), None)
+        if core is not None:
+            await core.aclose()
+        await asyncio.to_thread(self.close)
 
     def __enter__(self) -> Streamer:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    async def __aenter__(self) -> Streamer:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
 
 
 def _check_timeout(timeout: float) -> float:

@@ -20,6 +20,7 @@ class _Stream:
     def __init__(self) -> None:
         self.new: deque[Entry] = deque()
         self.pending: dict[str, Fields] = {}
+        self.withdrawn: set[str] = set()
         self.queued_bytes = 0
         self.changed = asyncio.Condition()
 
@@ -98,6 +99,10 @@ class InMemoryTransport:
             if entry_id in withdrawn:
                 source.queued_bytes -= entry_data_size(fields)
         source.new = deque(kept)
+        for entry_id, size in entries:  # read ahead by the worker, not yet computed
+            if entry_id in source.pending and entry_id not in source.withdrawn:
+                source.withdrawn.add(entry_id)
+                source.queued_bytes -= size
 
     async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:
         replies = self._list(inbox)
@@ -138,7 +143,8 @@ class InMemoryTransport:
         replies: Sequence[tuple[str, bytes]],
         entries: Sequence[Entry],
         reply_ttl_s: int,
-    ) -> None:
+        check: Sequence[str] = (),
+    ) -> set[str]:
         touched = set()
         for key, payload in replies:
             self._list(key).items.append(payload)
@@ -148,12 +154,22 @@ class InMemoryTransport:
             async with changed:
                 changed.notify_all()
         self._remove(keys, entries)
+        if check:
+            # Callers share this loop with the worker, whose model just blocked it: let their
+            # queued cancellations (a callback, then the task it starts) land before answering.
+            for _ in range(3):
+                await asyncio.sleep(0)
+        source = self._stream(keys.stream)
+        return {entry_id for entry_id in check if entry_id in source.withdrawn}
 
     def _remove(self, keys: ModelKeys, entries: Sequence[Entry]) -> None:
         source = self._stream(keys.stream)
         for entry_id, fields in entries:
             if source.pending.pop(entry_id, None) is not None:
-                source.queued_bytes -= entry_data_size(fields)
+                if entry_id in source.withdrawn:
+                    source.withdrawn.discard(entry_id)  # its bytes left when it was withdrawn
+                else:
+                    source.queued_bytes -= entry_data_size(fields)
 
     async def dead_letter(self, keys: ModelKeys, entries: Sequence[Entry], reason: str) -> None:
         self.dead.setdefault(keys.dead_letters, []).extend((entry, reason) for entry in entries)

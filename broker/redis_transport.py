@@ -13,45 +13,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import BrokerUnavailable, MicrobatchError, QueueFull
 from .keys import ModelKeys
+from .scripts import ENQUEUE_SCRIPT, REMOVE_SCRIPT, WITHDRAWN_SCRIPT, pack_args
 from .transport import Entry, EntryFields, QueueBound, entry_data_size
 
 log = logging.getLogger("microbatch.redis")
 
 UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError)
-
-# Append one call's entries if they fit the bound, atomically (so many gateways cannot
-# overshoot it together). KEYS: stream, queued-bytes counter. ARGV: max items, max bytes
-# (0: no limit), entry count, data bytes, then per entry its field count and field/value pairs.
-# Returns {0, id...} when queued, {1} when over the item bound, {2} when over the byte bound.
-ENQUEUE_LUA = """
-local max_items, max_bytes = tonumber(ARGV[1]), tonumber(ARGV[2])
-local count, size = tonumber(ARGV[3]), tonumber(ARGV[4])
-if max_items > 0 and redis.call('XLEN', KEYS[1]) + count > max_items then return {1} end
-if max_bytes > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') + size > max_bytes then
-  return {2}
-end
-local out, pos = {0}, 5
-for i = 1, count do
-  local nfields = tonumber(ARGV[pos])
-  out[i + 1] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, pos + 1, pos + 2 * nfields))
-  pos = pos + 1 + 2 * nfields
-end
-if size > 0 then redis.call('INCRBY', KEYS[2], size) end
-return out
-"""
-
-# Delete entries and release their bytes from the counter, once: whichever side (the worker
-# that answered, or the caller that withdrew it) deletes an entry first releases its bytes.
-# KEYS: stream, queued-bytes counter. ARGV: group ('' to skip XACK), then entry id/size pairs.
-REMOVE_LUA = """
-local released = 0
-for i = 2, #ARGV, 2 do
-  if ARGV[1] ~= '' then redis.call('XACK', KEYS[1], ARGV[1], ARGV[i]) end
-  if redis.call('XDEL', KEYS[1], ARGV[i]) == 1 then released = released + tonumber(ARGV[i + 1]) end
-end
-if released > 0 then redis.call('DECRBY', KEYS[2], released) end
-return released
-"""
 
 
 def connect(url: str, **options: Any) -> aioredis.Redis:
@@ -85,14 +52,18 @@ class RedisTransport:
     async def enqueue(
         self, keys: ModelKeys, calls: Sequence[Sequence[EntryFields]], bound: QueueBound
     ) -> list[list[str] | MicrobatchError]:
-        # EVAL, not EVALSHA: Redis caches the compiled script by its hash either way, and EVAL
-        # never meets NOSCRIPT after a restart (which would leave a pipeline half-applied).
+        blob = pack_args(
+            [
+                [
+                    sum(entry_data_size(fields) for fields in entries),
+                    *([item for pair in fields.items() for item in pair] for fields in entries),
+                ]
+                for entries in calls
+            ]
+        )
+        args = [bound.max_items, bound.max_bytes, blob]
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for entries in calls:
-                    args = _enqueue_arguments(entries, bound)
-                    pipe.eval(ENQUEUE_LUA, 2, keys.stream, keys.queued_bytes, *args)
-                results = await pipe.execute()
+            results = await ENQUEUE_SCRIPT.run(self.redis, [keys.stream, keys.queued_bytes], args)
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
         return [_enqueue_outcome(result, bound) for result in results]
@@ -100,11 +71,9 @@ class RedisTransport:
     async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, int]]) -> None:
         if not entries:
             return
-        args: list[Any] = [""]
-        for entry_id, size in entries:
-            args += (entry_id, size)
+        args = ["", pack_args([item for pair in entries for item in pair])]
         try:
-            await self.redis.eval(REMOVE_LUA, 2, keys.stream, keys.queued_bytes, *args)
+            await REMOVE_SCRIPT.run(self.redis, [keys.stream, keys.queued_bytes], args)
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
 
@@ -161,7 +130,8 @@ class RedisTransport:
         replies: Sequence[tuple[str, bytes]],
         entries: Sequence[Entry],
         reply_ttl_s: int,
-    ) -> None:
+        check: Sequence[str] = (),
+    ) -> set[str]:
         by_key: dict[str, list[bytes]] = {}
         for key, payload in replies:
             by_key.setdefault(key, []).append(payload)
@@ -170,22 +140,38 @@ class RedisTransport:
                 for key, payloads in by_key.items():
                     pipe.rpush(key, *payloads)
                     pipe.expire(key, reply_ttl_s)
-                self._remove(pipe, keys, entries)
+                remove_args = self._remove(pipe, keys, entries)
+                check_args = [pack_args(list(check))]
+                if check:
+                    WITHDRAWN_SCRIPT.queue(pipe, [keys.stream], check_args)
                 results = await pipe.execute(raise_on_error=False)
+                withdrawn: Any = results.pop() if check else []
+                if entries and REMOVE_SCRIPT.is_missing(results[-1]):  # Redis restarted
+                    results[-1] = await REMOVE_SCRIPT.run(
+                        self.redis, [keys.stream, keys.queued_bytes], remove_args
+                    )
+                if check and WITHDRAWN_SCRIPT.is_missing(withdrawn):
+                    withdrawn = await WITHDRAWN_SCRIPT.run(self.redis, [keys.stream], check_args)
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
         for result in results:
             if isinstance(result, Exception):  # e.g. a reply key that is not a list
                 log.warning("a reply could not be delivered: %s", result)
+        if isinstance(withdrawn, Exception):
+            log.warning("could not check for withdrawn entries: %s", withdrawn)
+            return set()
+        return {entry_id.decode() for entry_id in withdrawn}
 
     @staticmethod
-    def _remove(pipe: Any, keys: ModelKeys, entries: Sequence[Entry]) -> None:
-        if not entries:
-            return
-        args: list[Any] = [keys.group]
+    def _remove(pipe: Any, keys: ModelKeys, entries: Sequence[Entry]) -> list[Any]:
+        """Queue the ack-and-delete of ``entries`` on ``pipe``; return the script's arguments."""
+        pairs: list[Any] = []
         for entry_id, fields in entries:
-            args += (entry_id, entry_data_size(fields))
-        pipe.eval(REMOVE_LUA, 2, keys.stream, keys.queued_bytes, *args)
+            pairs += (entry_id, entry_data_size(fields))
+        args = [keys.group, pack_args(pairs)]
+        if entries:
+            REMOVE_SCRIPT.queue(pipe, [keys.stream, keys.queued_bytes], args)
+        return args
 
     async def dead_letter(self, keys: ModelKeys, entries: Sequence[Entry], reason: str) -> None:
         if not entries:
@@ -197,8 +183,12 @@ class RedisTransport:
                     record[b"dead_reason"] = reason
                     record[b"dead_entry"] = entry_id
                     pipe.xadd(keys.dead_letters, record)
-                self._remove(pipe, keys, entries)
-                await pipe.execute()
+                remove_args = self._remove(pipe, keys, entries)
+                results = await pipe.execute(raise_on_error=False)
+                if REMOVE_SCRIPT.is_missing(results[-1]):
+                    await REMOVE_SCRIPT.run(
+                        self.redis, [keys.stream, keys.queued_bytes], remove_args
+                    )
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
 
@@ -217,16 +207,6 @@ class RedisTransport:
 
     async def close(self) -> None:
         await self.redis.aclose()
-
-
-def _enqueue_arguments(entries: Sequence[EntryFields], bound: QueueBound) -> list[Any]:
-    size = sum(entry_data_size(fields) for fields in entries)
-    args: list[Any] = [bound.max_items, bound.max_bytes, len(entries), size]
-    for fields in entries:
-        args.append(len(fields))
-        for name, value in fields.items():
-            args += (name, value)
-    return args
 
 
 def _enqueue_outcome(result: Any, bound: QueueBound) -> list[str] | MicrobatchError:

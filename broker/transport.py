@@ -75,8 +75,13 @@ class Transport(Protocol):
         replies: Sequence[tuple[str, bytes]],
         entries: Sequence[Entry],
         reply_ttl_s: int,
-    ) -> None:
-        """Push each (reply key, reply) with a TTL, then acknowledge and delete the entries."""
+        check: Sequence[str] = (),
+    ) -> set[str]:
+        """Push each (reply key, reply) with a TTL, then acknowledge and delete the entries.
+
+        In the same round trip, return which of the entry ids in ``check`` (a batch read ahead)
+        their callers have withdrawn since, so that they are not computed.
+        """
         ...
 
     async def dead_letter(self, keys: ModelKeys, entries: Sequence[Entry], reason: str) -> None:

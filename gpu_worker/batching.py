@@ -10,7 +10,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,31 +108,45 @@ class BatchLoop:
         self.batches = 0
         self.items = 0
         self._stopping = False
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="microbatch-model")
+        self._prefetch: asyncio.Task[list[Entry]] | None = None
+        self._withdrawn: set[str] = set()  # read ahead, then withdrawn by their callers
 
     def stop(self) -> None:
         """Stop reading; the batch in hand is finished and answered first."""
         self._stopping = True
 
     def close(self) -> None:
-        """Release the model thread."""
-        self._executor.shutdown(wait=False)
+        """Release resources (nothing today; kept so callers need not change)."""
 
     async def run(self) -> None:
-        """Serve until stopped. Survives broker outages by retrying with backoff."""
+        """Serve until stopped. Survives broker outages by retrying with backoff.
+
+        The model runs on this thread, inline: no thread hand-off per batch. Before it runs,
+        the read of the next batch is already on its way to Redis, so fetching and decoding the
+        next batch overlaps the model call (at most one batch is prefetched).
+        """
         backoff = 0.05
         ready = False
-        while not self._stopping:
+        while True:
             try:
                 if not ready:
                     await self.transport.ensure_group(self.keys)
                     await self.clock.sync()
                     ready = True
-                entries = await self.read_batch()
-                if entries:
-                    await self.process(entries)
+                if self._prefetch is not None:
+                    task, self._prefetch = self._prefetch, None
+                    entries = await task
+                elif self._stopping:
+                    return
                 else:
+                    entries = await self.read_batch()
+                if not entries:
                     await self.clock.maybe_sync(self.settings.clock_sync_s)
+                    continue
+                if not self._stopping:
+                    self._prefetch = asyncio.ensure_future(self.read_batch())
+                    await asyncio.sleep(0)  # let the prefetch send its read before the model runs
+                await self.process(entries)
                 backoff = 0.05
             except BrokerUnavailable as exc:
                 log.warning("broker unavailable (%s); retrying in %.2f s", exc, backoff)
@@ -168,7 +181,10 @@ class BatchLoop:
         live: list[Request] = []
         items: list[Any] = []
         now_ms = self.clock.now_ms()
+        withdrawn, self._withdrawn = self._withdrawn, set()
         for entry_id, fields in entries:
+            if entry_id in withdrawn:  # its caller gave up: acknowledge, do not compute
+                continue
             try:
                 request = parse_request(entry_id, fields)
             except MalformedEntry as exc:
@@ -190,7 +206,7 @@ class BatchLoop:
             live.append(request)
 
         if items:
-            outcomes = await self.predict_robust(items)
+            outcomes = self.predict_robust(items)
             for request, outcome in zip(live, outcomes, strict=True):
                 replies.append((request.reply_key, self._encode_outcome(request, outcome)))
             self.batches += 1
@@ -202,7 +218,16 @@ class BatchLoop:
             )
         dead_ids = {entry_id for entry_id, _ in dead}
         answered = [entry for entry in entries if entry[0] not in dead_ids]
-        await self.transport.finish(self.keys, replies, answered, self.settings.reply_ttl_s)
+        self._withdrawn = await self.transport.finish(
+            self.keys, replies, answered, self.settings.reply_ttl_s, self._read_ahead_ids()
+        )
+
+    def _read_ahead_ids(self) -> list[str]:
+        """Ids of the batch read ahead while this one computed, if it has arrived."""
+        task = self._prefetch
+        if task is None or not task.done() or task.cancelled() or task.exception() is not None:
+            return []
+        return [entry_id for entry_id, _ in task.result()]
 
     @staticmethod
     def _encode_outcome(request: Request, outcome: Any) -> bytes:
@@ -213,20 +238,17 @@ class BatchLoop:
         except CodecError as exc:
             return encode_error(request.request_id, InvalidOutput(f"cannot send output: {exc}"))
 
-    async def predict_robust(self, items: list[Any]) -> list[Any]:
+    def predict_robust(self, items: list[Any]) -> list[Any]:
         """Run the model; on an exception, bisect so only the failing items get ModelError."""
-        loop = asyncio.get_running_loop()
         try:
-            outputs = await loop.run_in_executor(self._executor, self.predict_fn, items)
+            outputs = self.predict_fn(items)
         except Exception as exc:
             if len(items) == 1:
                 return [ModelError(describe(exc))]
             kind = "out of memory" if is_out_of_memory(exc) else "failed"
             log.warning("batch of %d %s (%s); splitting it", len(items), kind, describe(exc))
             middle = len(items) // 2
-            return await self.predict_robust(items[:middle]) + await self.predict_robust(
-                items[middle:]
-            )
+            return self.predict_robust(items[:middle]) + self.predict_robust(items[middle:])
         try:
             count = len(outputs)
         except TypeError:

@@ -75,7 +75,12 @@ async def serve(model: Any, config: Any, consumer: str) -> None:
     finally:
         batch_loop.close()
         await transport.close()
-    log.info("worker %s stopped after %d batches", consumer, batch_loop.batches)
+    log.info(
+        "worker %s stopped after %d batches (%d items)",
+        consumer,
+        batch_loop.batches,
+        batch_loop.items,
+    )
 
 
 def main() -> int:

