@@ -237,13 +237,13 @@ class ClientCore:
             self._withdraw(call)
 
     def _withdraw(self, call: _Call) -> None:
-        entries = list(zip(call.entries, call.sizes, strict=True))
+        entries = list(zip(call.entries, call.ids, call.sizes, strict=True))
         call.entries = []
         task = self.loop.create_task(self._cancel_entries(entries))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _cancel_entries(self, entries: list[tuple[str, int]]) -> None:
+    async def _cancel_entries(self, entries: list[tuple[str, str, int]]) -> None:
         try:
             await self.transport.cancel(self.keys, entries)
         except MicrobatchError as exc:  # best effort: the worker will answer into the void

@@ -91,18 +91,16 @@ class InMemoryTransport:
             target.changed.notify_all()
         return outcomes
 
-    async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, int]]) -> None:
+    async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, str, int]]) -> None:
         source = self._stream(keys.stream)
-        withdrawn = {entry_id for entry_id, _ in entries}
-        kept = [entry for entry in source.new if entry[0] not in withdrawn]
+        withdrawn = {entry_id for entry_id, _, _ in entries}
         for entry_id, fields in source.new:
             if entry_id in withdrawn:
                 source.queued_bytes -= entry_data_size(fields)
-        source.new = deque(kept)
-        for entry_id, size in entries:  # read ahead by the worker, not yet computed
-            if entry_id in source.pending and entry_id not in source.withdrawn:
-                source.withdrawn.add(entry_id)
-                source.queued_bytes -= size
+        source.new = deque(entry for entry in source.new if entry[0] not in withdrawn)
+        for entry_id, request_id, _ in entries:  # read ahead by the worker: it skips them
+            if entry_id in source.pending:
+                source.withdrawn.add(request_id)
 
     async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:
         replies = self._list(inbox)
@@ -160,16 +158,15 @@ class InMemoryTransport:
             for _ in range(3):
                 await asyncio.sleep(0)
         source = self._stream(keys.stream)
-        return {entry_id for entry_id in check if entry_id in source.withdrawn}
+        found = {request_id for request_id in check if request_id in source.withdrawn}
+        source.withdrawn -= found
+        return found
 
     def _remove(self, keys: ModelKeys, entries: Sequence[Entry]) -> None:
         source = self._stream(keys.stream)
         for entry_id, fields in entries:
             if source.pending.pop(entry_id, None) is not None:
-                if entry_id in source.withdrawn:
-                    source.withdrawn.discard(entry_id)  # its bytes left when it was withdrawn
-                else:
-                    source.queued_bytes -= entry_data_size(fields)
+                source.queued_bytes -= entry_data_size(fields)
 
     async def dead_letter(self, keys: ModelKeys, entries: Sequence[Entry], reason: str) -> None:
         self.dead.setdefault(keys.dead_letters, []).extend((entry, reason) for entry in entries)

@@ -13,12 +13,13 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import BrokerUnavailable, MicrobatchError, QueueFull
 from .keys import ModelKeys
-from .scripts import ENQUEUE_SCRIPT, REMOVE_SCRIPT, WITHDRAWN_SCRIPT, pack_args
+from .scripts import BOUNDED_ENQUEUE_SCRIPT, WITHDRAW_SCRIPT, pack_args
 from .transport import Entry, EntryFields, QueueBound, entry_data_size
 
 log = logging.getLogger("microbatch.redis")
 
 UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+CANCELLED_TTL_MS = 10 * 60 * 1000  # how long a withdrawal is remembered for workers to skip
 
 
 def connect(url: str, **options: Any) -> aioredis.Redis:
@@ -52,6 +53,29 @@ class RedisTransport:
     async def enqueue(
         self, keys: ModelKeys, calls: Sequence[Sequence[EntryFields]], bound: QueueBound
     ) -> list[list[str] | MicrobatchError]:
+        try:
+            if bound.max_items or bound.max_bytes:
+                return await self._enqueue_bounded(keys, calls, bound)
+            # MULTI/EXEC: a blocked worker wakes to all of the entries at once, not the first.
+            async with self.redis.pipeline(transaction=True) as pipe:
+                size = 0
+                for entries in calls:
+                    for fields in entries:
+                        pipe.xadd(keys.stream, fields)  # type: ignore[arg-type]
+                        size += entry_data_size(fields)
+                pipe.incrby(keys.queued_bytes, size)
+                ids = [entry_id.decode() for entry_id in (await pipe.execute())[:-1]]
+        except UNAVAILABLE as exc:
+            raise _unavailable(exc) from exc
+        outcomes: list[list[str] | MicrobatchError] = []
+        for entries in calls:
+            outcomes.append(ids[: len(entries)])
+            ids = ids[len(entries) :]
+        return outcomes
+
+    async def _enqueue_bounded(
+        self, keys: ModelKeys, calls: Sequence[Sequence[EntryFields]], bound: QueueBound
+    ) -> list[list[str] | MicrobatchError]:
         blob = pack_args(
             [
                 [
@@ -61,19 +85,25 @@ class RedisTransport:
                 for entries in calls
             ]
         )
-        args = [bound.max_items, bound.max_bytes, blob]
-        try:
-            results = await ENQUEUE_SCRIPT.run(self.redis, [keys.stream, keys.queued_bytes], args)
-        except UNAVAILABLE as exc:
-            raise _unavailable(exc) from exc
+        results = await BOUNDED_ENQUEUE_SCRIPT.run(
+            self.redis, [keys.stream, keys.queued_bytes], [bound.max_items, bound.max_bytes, blob]
+        )
         return [_enqueue_outcome(result, bound) for result in results]
 
-    async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, int]]) -> None:
+    async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, str, int]]) -> None:
         if not entries:
             return
-        args = ["", pack_args([item for pair in entries for item in pair])]
+        now_ms = await self.time_ms()
+        args = [
+            keys.group,
+            now_ms + CANCELLED_TTL_MS,
+            now_ms,
+            pack_args([item for entry in entries for item in entry]),
+        ]
         try:
-            await REMOVE_SCRIPT.run(self.redis, [keys.stream, keys.queued_bytes], args)
+            await WITHDRAW_SCRIPT.run(
+                self.redis, [keys.stream, keys.queued_bytes, keys.cancelled], args
+            )
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
 
@@ -140,38 +170,32 @@ class RedisTransport:
                 for key, payloads in by_key.items():
                     pipe.rpush(key, *payloads)
                     pipe.expire(key, reply_ttl_s)
-                remove_args = self._remove(pipe, keys, entries)
-                check_args = [pack_args(list(check))]
+                self._remove(pipe, keys, entries)
                 if check:
-                    WITHDRAWN_SCRIPT.queue(pipe, [keys.stream], check_args)
+                    pipe.zmscore(keys.cancelled, list(check))
                 results = await pipe.execute(raise_on_error=False)
-                withdrawn: Any = results.pop() if check else []
-                if entries and REMOVE_SCRIPT.is_missing(results[-1]):  # Redis restarted
-                    results[-1] = await REMOVE_SCRIPT.run(
-                        self.redis, [keys.stream, keys.queued_bytes], remove_args
-                    )
-                if check and WITHDRAWN_SCRIPT.is_missing(withdrawn):
-                    withdrawn = await WITHDRAWN_SCRIPT.run(self.redis, [keys.stream], check_args)
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
+        scores: Any = results.pop() if check else []
         for result in results:
             if isinstance(result, Exception):  # e.g. a reply key that is not a list
-                log.warning("a reply could not be delivered: %s", result)
-        if isinstance(withdrawn, Exception):
-            log.warning("could not check for withdrawn entries: %s", withdrawn)
+                log.warning("a reply could not be completed: %s", result)
+        if isinstance(scores, Exception):
+            log.warning("could not check for withdrawn requests: %s", scores)
             return set()
-        return {entry_id.decode() for entry_id in withdrawn}
+        return {request_id for request_id, score in zip(check, scores, strict=True) if score}
 
     @staticmethod
-    def _remove(pipe: Any, keys: ModelKeys, entries: Sequence[Entry]) -> list[Any]:
-        """Queue the ack-and-delete of ``entries`` on ``pipe``; return the script's arguments."""
-        pairs: list[Any] = []
-        for entry_id, fields in entries:
-            pairs += (entry_id, entry_data_size(fields))
-        args = [keys.group, pack_args(pairs)]
-        if entries:
-            REMOVE_SCRIPT.queue(pipe, [keys.stream, keys.queued_bytes], args)
-        return args
+    def _remove(pipe: Any, keys: ModelKeys, entries: Sequence[Entry]) -> None:
+        """Queue the ack, delete and byte release of entries this worker holds."""
+        if not entries:
+            return
+        ids = [entry_id for entry_id, _ in entries]
+        pipe.xack(keys.stream, keys.group, *ids)
+        pipe.xdel(keys.stream, *ids)
+        size = sum(entry_data_size(fields) for _, fields in entries)
+        if size:
+            pipe.decrby(keys.queued_bytes, size)
 
     async def dead_letter(self, keys: ModelKeys, entries: Sequence[Entry], reason: str) -> None:
         if not entries:
@@ -183,12 +207,8 @@ class RedisTransport:
                     record[b"dead_reason"] = reason
                     record[b"dead_entry"] = entry_id
                     pipe.xadd(keys.dead_letters, record)
-                remove_args = self._remove(pipe, keys, entries)
-                results = await pipe.execute(raise_on_error=False)
-                if REMOVE_SCRIPT.is_missing(results[-1]):
-                    await REMOVE_SCRIPT.run(
-                        self.redis, [keys.stream, keys.queued_bytes], remove_args
-                    )
+                self._remove(pipe, keys, entries)
+                await pipe.execute()
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
 

@@ -1,4 +1,13 @@
-"""The Lua scripts microbatch runs in Redis, and how they are called (EVALSHA, EVAL fallback)."""
+"""The Lua scripts microbatch runs in Redis, and how they are called (EVALSHA, EVAL fallback).
+
+Only two paths need a script: an enqueue that must respect a queue bound (checked atomically
+with the XADDs, so many gateways cannot overshoot it together) and a caller withdrawing its
+items. The hot paths (unbounded enqueue, a worker's ack and delete) are plain commands.
+
+Arguments travel as one msgpack blob (packed in C on the client, unpacked in C by Redis'
+cmsgpack) rather than as hundreds of separate arguments. cmsgpack predates msgpack's bin type,
+so blobs are packed with use_bin_type=False (bytes and str both become raw strings).
+"""
 
 from __future__ import annotations
 
@@ -8,58 +17,53 @@ from typing import Any
 import msgpack
 from redis.exceptions import NoScriptError
 
-# Arguments travel as one msgpack blob (packed in C on the client, unpacked in C by Redis'
-# cmsgpack) rather than as hundreds of separate arguments. cmsgpack predates msgpack's bin
-# type, so blobs are packed with use_bin_type=False (bytes and str both become raw strings).
-
-# Append calls' entries, each call only if it fits the bound, atomically (so many gateways
-# cannot overshoot the bound together, and a blocked worker wakes to a whole call at once).
+# Append calls' entries, each call only if it fits the bound.
 # KEYS: stream, queued-bytes counter. ARGV: max items, max bytes (0: no limit), blob of
 # [[data bytes, [field, value, ...], ...], ...] (one list per call, one list per entry).
 # Returns per call {0, id...} when queued, {1} over the item bound, {2} over the byte bound.
-ENQUEUE = """
+BOUNDED_ENQUEUE = """
 local max_items, max_bytes = tonumber(ARGV[1]), tonumber(ARGV[2])
-local results = {}
+local results, added = {}, 0
+local length = redis.call('XLEN', KEYS[1])
+local queued = max_bytes > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') or 0
 for c, call in ipairs(cmsgpack.unpack(ARGV[3])) do
   local count, size = #call - 1, call[1]
-  if max_items > 0 and redis.call('XLEN', KEYS[1]) + count > max_items then
+  if max_items > 0 and length + count > max_items then
     results[c] = {1}
-  elseif max_bytes > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') + size > max_bytes then
+  elseif max_bytes > 0 and queued + size > max_bytes then
     results[c] = {2}
   else
     local out = {0}
     for i = 2, #call do
       out[i] = redis.call('XADD', KEYS[1], '*', unpack(call[i]))
     end
-    if size > 0 then redis.call('INCRBY', KEYS[2], size) end
+    length, queued, added = length + count, queued + size, added + size
     results[c] = out
   end
 end
+if added > 0 then redis.call('INCRBY', KEYS[2], added) end
 return results
 """
 
-# Delete entries and release their bytes from the counter, once: whichever side (the worker
-# that answered, or the caller that withdrew it) deletes an entry first releases its bytes.
-# KEYS: stream, queued-bytes counter. ARGV: group ('' to skip XACK), blob of [id, size, ...].
-REMOVE = """
-local released, pairs_ = 0, cmsgpack.unpack(ARGV[2])
-for i = 1, #pairs_, 2 do
-  if ARGV[1] ~= '' then redis.call('XACK', KEYS[1], ARGV[1], pairs_[i]) end
-  if redis.call('XDEL', KEYS[1], pairs_[i]) == 1 then released = released + pairs_[i + 1] end
+# Withdraw entries whose caller gave up. One not yet delivered is deleted (no worker will read
+# it) and its bytes released; one a worker already read is marked in the cancelled set (scored
+# by expiry, ms) for the worker to skip, and the worker deletes it as usual. So an entry is
+# deleted, and its bytes released, exactly once, and the worker's own deletes need no script.
+# KEYS: stream, queued-bytes counter, cancelled set. ARGV: group, expiry (ms), now (ms),
+# blob of [entry id, request id, size, ...].
+WITHDRAW = """
+local released, items = 0, cmsgpack.unpack(ARGV[4])
+for i = 1, #items, 3 do
+  local id = items[i]
+  if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1) > 0 then
+    redis.call('ZADD', KEYS[3], ARGV[2], items[i + 1])
+  elseif redis.call('XDEL', KEYS[1], id) == 1 then
+    released = released + items[i + 2]
+  end
 end
 if released > 0 then redis.call('DECRBY', KEYS[2], released) end
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[3])
 return released
-"""
-
-
-# Which of the given entries were withdrawn (deleted by their caller) while a worker held them.
-# KEYS: stream. ARGV: blob of [id, ...]. Returns the ids no longer in the stream.
-WITHDRAWN = """
-local gone = {}
-for _, id in ipairs(cmsgpack.unpack(ARGV[1])) do
-  if #redis.call('XRANGE', KEYS[1], id, id) == 0 then gone[#gone + 1] = id end
-end
-return gone
 """
 
 
@@ -83,15 +87,6 @@ class LuaScript:
         except NoScriptError:
             return await client.eval(self.body, len(keys), *keys, *args)
 
-    def queue(self, pipe: Any, keys: list[str], args: list[Any]) -> None:
-        """Add to a pipeline; check its result with :meth:`is_missing` and :meth:`run` again."""
-        pipe.evalsha(self.sha, len(keys), *keys, *args)
 
-    @staticmethod
-    def is_missing(result: Any) -> bool:
-        return isinstance(result, NoScriptError)
-
-
-ENQUEUE_SCRIPT = LuaScript(ENQUEUE)
-REMOVE_SCRIPT = LuaScript(REMOVE)
-WITHDRAWN_SCRIPT = LuaScript(WITHDRAWN)
+BOUNDED_ENQUEUE_SCRIPT = LuaScript(BOUNDED_ENQUEUE)
+WITHDRAW_SCRIPT = LuaScript(WITHDRAW)

@@ -50,8 +50,11 @@ class Transport(Protocol):
         """
         ...
 
-    async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, int]]) -> None:
-        """Withdraw queued entries, given as (entry id, data size), that no worker took yet."""
+    async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, str, int]]) -> None:
+        """Withdraw entries, given as (entry id, request id, data size), whose caller gave up.
+
+        One no worker has read yet is deleted; one a worker holds is marked for it to skip.
+        """
         ...
 
     async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:
@@ -79,8 +82,8 @@ class Transport(Protocol):
     ) -> set[str]:
         """Push each (reply key, reply) with a TTL, then acknowledge and delete the entries.
 
-        In the same round trip, return which of the entry ids in ``check`` (a batch read ahead)
-        their callers have withdrawn since, so that they are not computed.
+        In the same round trip, return which of the request ids in ``check`` (of a batch read
+        ahead) their callers have withdrawn since, so that they are not computed.
         """
         ...
 

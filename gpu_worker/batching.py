@@ -24,6 +24,7 @@ from broker.errors import (
 )
 from broker.keys import ModelKeys
 from broker.protocol import (
+    F_ID,
     MalformedEntry,
     Request,
     encode_error,
@@ -183,8 +184,8 @@ class BatchLoop:
         now_ms = self.clock.now_ms()
         withdrawn, self._withdrawn = self._withdrawn, set()
         for entry_id, fields in entries:
-            if entry_id in withdrawn:  # its caller gave up: acknowledge, do not compute
-                continue
+            if withdrawn and fields.get(F_ID, b"").decode(errors="replace") in withdrawn:
+                continue  # its caller gave up while it was read ahead: ack, do not compute
             try:
                 request = parse_request(entry_id, fields)
             except MalformedEntry as exc:
@@ -223,11 +224,13 @@ class BatchLoop:
         )
 
     def _read_ahead_ids(self) -> list[str]:
-        """Ids of the batch read ahead while this one computed, if it has arrived."""
+        """Request ids of the batch read ahead while this one computed, if it has arrived."""
         task = self._prefetch
         if task is None or not task.done() or task.cancelled() or task.exception() is not None:
             return []
-        return [entry_id for entry_id, _ in task.result()]
+        return [
+            fields[F_ID].decode(errors="replace") for _, fields in task.result() if F_ID in fields
+        ]
 
     @staticmethod
     def _encode_outcome(request: Request, outcome: Any) -> bytes:
