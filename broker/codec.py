@@ -45,18 +45,33 @@ def _torch_to_numpy(obj: Any) -> np.ndarray | None:
     return np.asarray(tensor.cpu().numpy())
 
 
+_HEADERS: dict[tuple[np.dtype[Any], tuple[int, ...]], bytes] = {}
+_MAX_CACHED_HEADERS = 1024
+
+
+def _array_header(dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
+    header = _HEADERS.get((dtype, shape))
+    if header is None:
+        dtype_str = dtype.str
+        if dtype_str not in ALLOWED_DTYPES:
+            raise CodecError(f"arrays of dtype {dtype} cannot be sent")
+        if len(shape) > MAX_NDIM:
+            raise CodecError(f"arrays of more than {MAX_NDIM} dimensions cannot be sent")
+        dtype_bytes = dtype_str.encode("ascii")
+        header = bytes([len(dtype_bytes)]) + dtype_bytes + bytes([len(shape)])
+        header += b"".join(_U64.pack(dim) for dim in shape)
+        if len(_HEADERS) < _MAX_CACHED_HEADERS:
+            _HEADERS[(dtype, shape)] = header
+    return header
+
+
 def _pack_array(array: np.ndarray) -> msgpack.ExtType:
-    dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
-    dtype_str = np.dtype(dtype).str
-    if dtype_str not in ALLOWED_DTYPES:
-        raise CodecError(f"arrays of dtype {array.dtype} cannot be sent")
-    if array.ndim > MAX_NDIM:
-        raise CodecError(f"arrays of more than {MAX_NDIM} dimensions cannot be sent")
-    data = np.ascontiguousarray(array, dtype=dtype)
-    dtype_bytes = dtype_str.encode("ascii")
-    header = bytes([len(dtype_bytes)]) + dtype_bytes + bytes([data.ndim])
-    header += b"".join(_U64.pack(dim) for dim in data.shape)
-    return msgpack.ExtType(ARRAY_EXT_TYPE, header + data.tobytes())
+    dtype = array.dtype
+    if dtype.byteorder == ">":
+        dtype = dtype.newbyteorder("<")
+        array = array.astype(dtype)
+    header = _array_header(dtype, array.shape)
+    return msgpack.ExtType(ARRAY_EXT_TYPE, header + array.tobytes())  # tobytes: C order
 
 
 def _default(obj: Any) -> Any:
@@ -72,29 +87,46 @@ def _default(obj: Any) -> Any:
     raise CodecError(f"values of type {type(obj).__name__} cannot be sent")
 
 
-def _unpack_array(data: bytes) -> np.ndarray:
+_PARSED: dict[bytes, tuple[np.dtype[Any], tuple[int, ...], int]] = {}
+
+
+def _parse_header(header: bytes) -> tuple[np.dtype[Any], tuple[int, ...], int]:
+    """(dtype, shape, element count) of an array header, checked against the allow-list."""
+    parsed = _PARSED.get(header)
+    if parsed is not None:
+        return parsed
+    dtype_len = header[0]
     try:
-        view = memoryview(data)
-        dtype_len = view[0]
-        dtype_str = bytes(view[1 : 1 + dtype_len]).decode("ascii")
-        pos = 1 + dtype_len
-        ndim = view[pos]
-        pos += 1
-        if ndim > MAX_NDIM:
-            raise CodecError(f"array has {ndim} dimensions (most {MAX_NDIM})")
-        shape = tuple(_U64.unpack_from(data, pos + 8 * i)[0] for i in range(ndim))
-        pos += 8 * ndim
-    except (IndexError, struct.error, UnicodeDecodeError) as exc:
+        dtype_str = header[1 : 1 + dtype_len].decode("ascii")
+    except UnicodeDecodeError as exc:
         raise CodecError("malformed array header") from exc
+    ndim = header[1 + dtype_len]
+    if ndim > MAX_NDIM:
+        raise CodecError(f"array has {ndim} dimensions (most {MAX_NDIM})")
     if dtype_str not in ALLOWED_DTYPES:
         raise CodecError(f"array dtype {dtype_str!r} is not allowed")
-    dtype = np.dtype(dtype_str)
+    start = 2 + dtype_len
+    shape = tuple(_U64.unpack_from(header, start + 8 * i)[0] for i in range(ndim))
     count = 1
     for dim in shape:
         count *= dim
-    if count * dtype.itemsize != len(data) - pos:
+    parsed = (np.dtype(dtype_str), shape, count)
+    if len(_PARSED) < _MAX_CACHED_HEADERS:
+        _PARSED[header] = parsed
+    return parsed
+
+
+def _unpack_array(data: bytes) -> np.ndarray:
+    try:
+        header_len = 2 + data[0] + 8 * data[1 + data[0]]
+    except IndexError as exc:
+        raise CodecError("malformed array header") from exc
+    if header_len > len(data):
+        raise CodecError("malformed array header")
+    dtype, shape, count = _parse_header(data[:header_len])
+    if count * dtype.itemsize != len(data) - header_len:
         raise CodecError("array data does not match its shape and dtype")
-    return np.frombuffer(data, dtype=dtype, count=count, offset=pos).reshape(shape)
+    return np.frombuffer(data, dtype=dtype, count=count, offset=header_len).reshape(shape)
 
 
 def _ext_hook(code: int, data: bytes) -> Any:

@@ -1,8 +1,9 @@
 """The Lua scripts microbatch runs in Redis, and how they are called (EVALSHA, EVAL fallback).
 
-Only two paths need a script: an enqueue that must respect a queue bound (checked atomically
-with the XADDs, so many gateways cannot overshoot it together) and a caller withdrawing its
-items. The hot paths (unbounded enqueue, a worker's ack and delete) are plain commands.
+Two paths use a script: enqueue (one call per round trip, which checks the queue bounds
+atomically with the XADDs, so many gateways cannot overshoot them together, and wakes a blocked
+worker to a whole call at once) and a caller withdrawing its items. The worker's hot path (ack,
+delete, reply) is plain commands.
 
 Arguments travel as one msgpack blob (packed in C on the client, unpacked in C by Redis'
 cmsgpack) rather than as hundreds of separate arguments. cmsgpack predates msgpack's bin type,
@@ -17,14 +18,14 @@ from typing import Any
 import msgpack
 from redis.exceptions import NoScriptError
 
-# Append calls' entries, each call only if it fits the bound.
+# Append calls' entries, each call only if it fits the bounds.
 # KEYS: stream, queued-bytes counter. ARGV: max items, max bytes (0: no limit), blob of
 # [[data bytes, [field, value, ...], ...], ...] (one list per call, one list per entry).
 # Returns per call {0, id...} when queued, {1} over the item bound, {2} over the byte bound.
-BOUNDED_ENQUEUE = """
+ENQUEUE = """
 local max_items, max_bytes = tonumber(ARGV[1]), tonumber(ARGV[2])
 local results, added = {}, 0
-local length = redis.call('XLEN', KEYS[1])
+local length = max_items > 0 and redis.call('XLEN', KEYS[1]) or 0
 local queued = max_bytes > 0 and tonumber(redis.call('GET', KEYS[2]) or '0') or 0
 for c, call in ipairs(cmsgpack.unpack(ARGV[3])) do
   local count, size = #call - 1, call[1]
@@ -88,5 +89,5 @@ class LuaScript:
             return await client.eval(self.body, len(keys), *keys, *args)
 
 
-BOUNDED_ENQUEUE_SCRIPT = LuaScript(BOUNDED_ENQUEUE)
+ENQUEUE_SCRIPT = LuaScript(ENQUEUE)
 WITHDRAW_SCRIPT = LuaScript(WITHDRAW)
