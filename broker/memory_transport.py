@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from .errors import MicrobatchError, QueueFull
 from .keys import ModelKeys
 from .protocol import Fields
-from .transport import Entry, EntryFields, QueueBound, entry_data_size
+from .transport import Entry, EntryFields, QueueBound, Redelivery, entry_data_size
 
 
 class _Stream:
@@ -167,6 +167,11 @@ class InMemoryTransport:
         for entry_id, fields in entries:
             if source.pending.pop(entry_id, None) is not None:
                 source.queued_bytes -= entry_data_size(fields)
+
+    async def reclaim(
+        self, keys: ModelKeys, consumer: str, min_idle_ms: int, count: int, own: bool = False
+    ) -> list[Redelivery]:
+        return []  # one process, one consumer: nobody else's entries to take over
 
     async def dead_letter(self, keys: ModelKeys, entries: Sequence[Entry], reason: str) -> None:
         self.dead.setdefault(keys.dead_letters, []).extend((entry, reason) for entry in entries)

@@ -13,8 +13,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import BrokerUnavailable, MicrobatchError, QueueFull
 from .keys import ModelKeys
-from .scripts import ENQUEUE_SCRIPT, WITHDRAW_SCRIPT, pack_args
-from .transport import Entry, EntryFields, QueueBound, entry_data_size
+from .scripts import ENQUEUE_SCRIPT, RETIRE_CONSUMER_SCRIPT, WITHDRAW_SCRIPT, pack_args
+from .transport import Entry, EntryFields, QueueBound, Redelivery, entry_data_size
 
 log = logging.getLogger("microbatch.redis")
 
@@ -181,6 +181,67 @@ class RedisTransport:
         if size:
             pipe.decrby(keys.queued_bytes, size)
 
+    async def reclaim(
+        self, keys: ModelKeys, consumer: str, min_idle_ms: int, count: int, own: bool = False
+    ) -> list[Redelivery]:
+        try:
+            if own:
+                holders = [consumer]
+            else:
+                holders = await self._dead_consumers(keys, consumer)
+            taken: list[Redelivery] = []
+            for holder in holders:
+                if len(taken) < count:
+                    taken += await self._claim(
+                        keys, consumer, holder, min_idle_ms, count - len(taken), own
+                    )
+                if holder != consumer:
+                    await RETIRE_CONSUMER_SCRIPT.run(
+                        self.redis, [keys.stream, keys.heartbeat(holder)], [keys.group, holder]
+                    )
+            return taken
+        except UNAVAILABLE as exc:
+            raise _unavailable(exc) from exc
+
+    async def _dead_consumers(self, keys: ModelKeys, consumer: str) -> list[str]:
+        try:
+            consumers: Any = await self.redis.xinfo_consumers(keys.stream, keys.group)
+        except ResponseError:  # no stream or group yet
+            return []
+        others = [_text(info["name"]) for info in consumers]
+        others = [name for name in others if name != consumer]
+        if not others:
+            return []
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in others:
+                pipe.exists(keys.heartbeat(name))
+            alive = await pipe.execute()
+        return [name for name, exists in zip(others, alive, strict=True) if not exists]
+
+    async def _claim(
+        self, keys: ModelKeys, consumer: str, holder: str, min_idle_ms: int, count: int, own: bool
+    ) -> list[Redelivery]:
+        pending: Any = await self.redis.xpending_range(
+            keys.stream, keys.group, "-", "+", count, consumername=holder
+        )
+        if not pending:
+            return []
+        deliveries = {_text(p["message_id"]): int(p["times_delivered"]) for p in pending}
+        claimed: Any = await self.redis.xclaim(
+            keys.stream, keys.group, consumer, 0 if own else min_idle_ms, list(deliveries)
+        )
+        found = [(_text(entry_id), fields) for entry_id, fields in claimed if entry_id is not None]
+        # Entries deleted while pending (answered, then the ack was lost) come back empty.
+        gone = set(deliveries) - {entry_id for entry_id, _ in found}
+        if gone:
+            await self.redis.xack(keys.stream, keys.group, *gone)
+        if found:
+            log.warning(
+                "took over %d entr%s from %s consumer %s",
+                len(found), "y" if len(found) == 1 else "ies", "own" if own else "dead", holder,
+            )  # fmt: skip
+        return [((entry_id, fields), deliveries[entry_id]) for entry_id, fields in found]
+
     async def dead_letter(self, keys: ModelKeys, entries: Sequence[Entry], reason: str) -> None:
         if not entries:
             return
@@ -195,6 +256,19 @@ class RedisTransport:
                 await pipe.execute()
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
+
+    async def eviction_warning(self) -> str | None:
+        """A warning if Redis may evict keys (streams would lose requests), else None."""
+        try:
+            policy = _text((await self.redis.config_get("maxmemory-policy"))["maxmemory-policy"])
+        except (ResponseError, KeyError, *UNAVAILABLE):
+            return None  # CONFIG may be disabled (managed Redis, ACLs): nothing to check
+        if policy == "noeviction":
+            return None
+        return (
+            f"Redis runs with maxmemory-policy {policy}: under memory pressure it may evict "
+            "request streams and lose requests; set maxmemory-policy noeviction"
+        )
 
     async def time_ms(self) -> int:
         try:
@@ -211,6 +285,10 @@ class RedisTransport:
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _enqueue_outcome(result: Any, bound: QueueBound) -> list[str] | MicrobatchError:

@@ -68,6 +68,15 @@ return released
 """
 
 
+# Remove a dead consumer from the group, but only if it holds no entries and has no heartbeat.
+# KEYS: stream, the consumer's heartbeat key. ARGV: group, consumer.
+RETIRE_CONSUMER = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return 0 end
+return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+"""
+
+
 def pack_args(value: Any) -> bytes:
     """Pack a script argument blob for cmsgpack."""
     packed: bytes = msgpack.packb(value, use_bin_type=False)
@@ -91,3 +100,4 @@ class LuaScript:
 
 ENQUEUE_SCRIPT = LuaScript(ENQUEUE)
 WITHDRAW_SCRIPT = LuaScript(WITHDRAW)
+RETIRE_CONSUMER_SCRIPT = LuaScript(RETIRE_CONSUMER)

@@ -18,6 +18,10 @@ from .protocol import Fields
 Entry = tuple[str, Fields]
 """A stream entry as the worker reads it: (entry id, fields)."""
 
+Redelivery = tuple[Entry, int]
+"""An entry taken over from a dead consumer (or this one's, after an outage) and how many
+times it had been delivered before."""
+
 EntryFields = Mapping[str, str | bytes]
 """A stream entry as the caller writes it."""
 
@@ -84,6 +88,16 @@ class Transport(Protocol):
 
         In the same round trip, return which of the request ids in ``check`` (of a batch read
         ahead) their callers have withdrawn since, so that they are not computed.
+        """
+        ...
+
+    async def reclaim(
+        self, keys: ModelKeys, consumer: str, min_idle_ms: int, count: int, own: bool = False
+    ) -> list[Redelivery]:
+        """Take over up to ``count`` entries that dead consumers (no heartbeat) were holding.
+
+        With ``own``, take back this consumer's own unacknowledged entries instead (after a
+        broker outage). Dead consumers that hold nothing leave the group.
         """
         ...
 

@@ -21,6 +21,7 @@ from broker.errors import (
     InvalidOutput,
     MicrobatchError,
     ModelError,
+    PoisonRequest,
 )
 from broker.keys import ModelKeys
 from broker.protocol import (
@@ -48,6 +49,9 @@ class BatchSettings:
     block_ms: int = 500
     reply_ttl_s: int = 60
     clock_sync_s: float = 30.0
+    max_deliveries: int = 3
+    reclaim_every_s: float = 1.0
+    reclaim_min_idle_ms: int = 200
 
 
 class BrokerClock:
@@ -97,8 +101,10 @@ class BatchLoop:
         keys: ModelKeys,
         consumer: str,
         settings: BatchSettings | None = None,
+        on_batch: Callable[[bool], None] | None = None,
     ) -> None:
         self.predict_fn = predict
+        self.on_batch = on_batch  # called with True before the model runs, False after
         self.transport = transport
         self.keys = keys
         self.consumer = consumer
@@ -111,6 +117,9 @@ class BatchLoop:
         self._stopping = False
         self._prefetch: asyncio.Task[list[Entry]] | None = None
         self._withdrawn: set[str] = set()  # read ahead, then withdrawn by their callers
+        self._next_reclaim = 0.0
+        self.redelivered = 0
+        self.dead_lettered = 0
 
     def stop(self) -> None:
         """Stop reading; the batch in hand is finished and answered first."""
@@ -134,6 +143,10 @@ class BatchLoop:
                     await self.transport.ensure_group(self.keys)
                     await self.clock.sync()
                     ready = True
+                    # After a start or an outage: answer what this consumer still holds.
+                    await self.redeliver(own=True)
+                if time.monotonic() >= self._next_reclaim and self._prefetch is None:
+                    await self.redeliver(own=False)
                 if self._prefetch is not None:
                     task, self._prefetch = self._prefetch, None
                     entries = await task
@@ -153,7 +166,39 @@ class BatchLoop:
                 log.warning("broker unavailable (%s); retrying in %.2f s", exc, backoff)
                 ready = False
                 await asyncio.sleep(backoff)
-                backoff = min(2.0, backoff * 2)
+                backoff = min(1.0, backoff * 2)
+
+    async def redeliver(self, own: bool) -> None:
+        """Take over entries of dead consumers (or, with ``own``, this one's) and answer them.
+
+        Each runs alone, so that a request that kills its worker cannot take innocent
+        batch-mates down with it; one delivered ``max_deliveries`` times already is
+        dead-lettered and its caller gets PoisonRequest.
+        """
+        settings = self.settings
+        self._next_reclaim = time.monotonic() + settings.reclaim_every_s
+        taken = await self.transport.reclaim(
+            self.keys, self.consumer, settings.reclaim_min_idle_ms, settings.batch_size, own
+        )
+        for entry, deliveries in taken:
+            self.redelivered += 1
+            if deliveries >= settings.max_deliveries:
+                await self._dead_letter_poison(entry, deliveries)
+            else:
+                await self.process([entry])
+
+    async def _dead_letter_poison(self, entry: Entry, deliveries: int) -> None:
+        reason = f"delivered {deliveries} times without an answer"
+        await self.transport.dead_letter(self.keys, [entry], reason)
+        self.dead_lettered += 1
+        log.error("dead-lettered entry %s of %s: %s", entry[0], self.keys.stream, reason)
+        try:
+            request = parse_request(*entry)
+        except MalformedEntry:
+            return
+        error = PoisonRequest(f"request {reason}; it sits in the dead-letter stream")
+        reply = (request.reply_key, encode_error(request.request_id, error))
+        await self.transport.finish(self.keys, [reply], [], self.settings.reply_ttl_s)
 
     async def read_batch(self) -> list[Entry]:
         """Everything queued up to batch_size; wait for more only while max_latency allows."""
@@ -207,7 +252,13 @@ class BatchLoop:
             live.append(request)
 
         if items:
-            outcomes = self.predict_robust(items)
+            if self.on_batch is not None:
+                self.on_batch(True)
+            try:
+                outcomes = self.predict_robust(items)
+            finally:
+                if self.on_batch is not None:
+                    self.on_batch(False)
             for request, outcome in zip(live, outcomes, strict=True):
                 replies.append((request.reply_key, self._encode_outcome(request, outcome)))
             self.batches += 1

@@ -55,14 +55,27 @@ async def serve(model: Any, config: Any, consumer: str) -> None:
     from broker.redis_transport import RedisTransport
 
     from .batching import BatchLoop, BatchSettings
+    from .heartbeat import Heartbeats
 
     settings = BatchSettings(
         batch_size=config.batch_size or model.batch_size,
         max_latency_s=config.max_latency if config.max_latency is not None else model.max_latency,
+        max_deliveries=config.max_deliveries,
     )
     transport = RedisTransport(config.redis_url)
     keys = ModelKeys(config.name or model.name, config.prefix)
-    batch_loop = BatchLoop(model.predict, transport, keys, consumer, settings)
+    # Vouch for this consumer once before its first read; from then on the supervisor renews
+    # it, so that no one takes over entries from a worker that is starting up.
+    heartbeats = Heartbeats(config.redis_url, keys, config.heartbeat_ttl)
+    heartbeats.renew([consumer])
+    heartbeats.close()
+    warning = await transport.eviction_warning()
+    if warning:
+        log.warning("%s", warning)
+    batch_loop = BatchLoop(
+        model.predict, transport, keys, consumer, settings,
+        on_batch=lambda busy: report("busy" if busy else "idle"),
+    )  # fmt: skip
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, batch_loop.stop)
@@ -76,11 +89,10 @@ async def serve(model: Any, config: Any, consumer: str) -> None:
         batch_loop.close()
         await transport.close()
     log.info(
-        "worker %s stopped after %d batches (%d items)",
-        consumer,
-        batch_loop.batches,
-        batch_loop.items,
-    )
+        "worker %s stopped after %d batches (%d items, %d taken over, %d dead-lettered)",
+        consumer, batch_loop.batches, batch_loop.items, batch_loop.redelivered,
+        batch_loop.dead_lettered,
+    )  # fmt: skip
 
 
 def main() -> int:

@@ -100,6 +100,31 @@ def start(
             help="Seconds a worker may take to finish its batch after SIGTERM before it is killed.",
         ),
     ] = 30.0,
+    batch_timeout: Annotated[
+        float,
+        typer.Option(
+            envvar=f"{ENV}BATCH_TIMEOUT",
+            help="Seconds one batch may run before the watchdog kills the worker process; its "
+            "items are then recomputed by another worker, or dead-lettered.",
+        ),
+    ] = 300.0,
+    heartbeat_ttl: Annotated[
+        float,
+        typer.Option(
+            envvar=f"{ENV}HEARTBEAT_TTL",
+            help="Seconds a worker stays vouched for without renewal; after that, live workers "
+            "take over its unanswered items (a dead host is detected this fast).",
+        ),
+    ] = 5.0,
+    max_deliveries: Annotated[
+        int,
+        typer.Option(
+            envvar=f"{ENV}MAX_DELIVERIES",
+            min=1,
+            help="Deliveries after which an unanswered item is dead-lettered and its caller "
+            "gets PoisonRequest.",
+        ),
+    ] = 3,
     log_level: Annotated[
         str, typer.Option(envvar=f"{ENV}LOG_LEVEL", help="DEBUG, INFO, WARNING or ERROR.")
     ] = "INFO",
@@ -128,6 +153,9 @@ def start(
             max_latency=max_latency,
             start_timeout=start_timeout,
             graceful_timeout=graceful_timeout,
+            batch_timeout=batch_timeout,
+            heartbeat_ttl=heartbeat_ttl,
+            max_deliveries=max_deliveries,
             log_level=log_level,
         )
         supervisor = Supervisor(config)

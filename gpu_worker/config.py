@@ -26,6 +26,9 @@ class WorkerConfig:
     start_timeout: float = 600.0
     graceful_timeout: float = 30.0
     max_start_failures: int = 3
+    batch_timeout: float = 300.0
+    heartbeat_ttl: float = 5.0
+    max_deliveries: int = 3
     log_level: str = "INFO"
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -40,6 +43,10 @@ class WorkerConfig:
             raise ValueError("--batch-size must be at least 1")
         if self.max_latency is not None and self.max_latency < 0:
             raise ValueError("--max-latency cannot be negative")
+        if self.batch_timeout <= 0 or self.heartbeat_ttl <= 0:
+            raise ValueError("--batch-timeout and --heartbeat-ttl must be positive")
+        if self.max_deliveries < 1:
+            raise ValueError("--max-deliveries must be at least 1")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

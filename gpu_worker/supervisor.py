@@ -53,6 +53,7 @@ class Slot:
     last_error: str = ""
     restarts: int = 0
     consumer: str | None = None
+    busy_since: float | None = None
 
     @property
     def device(self) -> str:
@@ -72,7 +73,7 @@ class Supervisor:
             devices = [None] * config.workers
         self.slots = [Slot(index, device) for index, device in enumerate(devices)]
         self.keys = ModelKeys(config.name or self.model_class.name, config.prefix)
-        self.heartbeats = Heartbeats(config.redis_url, self.keys)
+        self.heartbeats = Heartbeats(config.redis_url, self.keys, config.heartbeat_ttl)
         self._next_heartbeat = 0.0
         self.selector = selectors.DefaultSelector()
         self._stopping = False
@@ -119,6 +120,10 @@ class Supervisor:
                 slot.consumer = str(message.get("consumer"))
                 self._next_heartbeat = 0.0  # vouch for it at once
                 log.info("worker %d ready (pid %s)", slot.index, message.get("pid"))
+            elif message.get("event") == "busy":
+                slot.busy_since = time.monotonic()
+            elif message.get("event") == "idle":
+                slot.busy_since = None
             elif message.get("event") == "error":
                 slot.last_error = str(message.get("message", "unknown error"))
 
@@ -136,7 +141,7 @@ class Supervisor:
             self._read_status(slot)
             self._close_status(slot)
         was_ready, slot.process = slot.ready, None
-        slot.ready = False
+        slot.ready, slot.busy_since = False, None
         if slot.consumer is not None:
             self.heartbeats.retire(slot.consumer)
             slot.consumer = None
@@ -203,10 +208,13 @@ class Supervisor:
                 self._reap(slot, now)
             elif slot.process is None and slot.restart_at is not None and now >= slot.restart_at:
                 self._spawn(slot)
+        self._watchdog(now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + HEARTBEAT_EVERY_S
             self.heartbeats.renew(
-                slot.consumer for slot in self.slots if slot.ready and slot.consumer is not None
+                slot.consumer
+                for slot in self.slots
+                if slot.ready and slot.consumer is not None and not self._overran(slot, now)
             )
         if not self.all_ready_once:
             if all(slot.ready for slot in self.slots):
@@ -216,6 +224,24 @@ class Supervisor:
                 raise StartError(
                     f"workers not ready within {self.config.start_timeout:g} s (--start-timeout)"
                 )
+
+    def _overran(self, slot: Slot, now: float) -> bool:
+        return slot.busy_since is not None and now - slot.busy_since > self.config.batch_timeout
+
+    def _watchdog(self, now: float) -> None:
+        """Kill a child whose batch has run past --batch-timeout; it is restarted and its
+        entries are taken over by live workers (or dead-lettered after --max-deliveries)."""
+        for slot in self.slots:
+            process = slot.process
+            if process is not None and process.poll() is None and self._overran(slot, now):
+                log.error(
+                    "worker %d (pid %d) has been in one batch for over %g s (--batch-timeout); "
+                    "killing it",
+                    slot.index, process.pid, self.config.batch_timeout,
+                )  # fmt: skip
+                slot.last_error = "killed by the watchdog: batch ran past --batch-timeout"
+                process.kill()
+                slot.busy_since = None
 
     def _drain(self, grace: float | None = None) -> int:
         deadline = time.monotonic() + (self.config.graceful_timeout if grace is None else grace)
