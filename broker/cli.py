@@ -1,8 +1,173 @@
-"""`broker`: inspect streams (placeholder until `broker status` lands)."""
+"""`broker`: look at queues and workers, and manage dead letters. A thin layer over admin."""
 
-import sys
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated
+
+import redis
+import typer
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from . import admin
+from .client import DEFAULT_REDIS_URL
+from .keys import DEFAULT_PREFIX, ModelKeys
+
+ENV = "MICROBATCH_BROKER_"
+
+app = typer.Typer(
+    help="Inspect microbatch queues and workers in Redis, and manage dead letters.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+dead_app = typer.Typer(
+    help="Requests that could not be answered normally (poison requests, malformed entries).",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(dead_app, name="dead-letters")
+
+RedisOption = Annotated[
+    str,
+    typer.Option(
+        "--redis",
+        envvar="REDIS_URL",
+        help="Redis URL: redis://[user:password@]host:port/db, or rediss:// for TLS.",
+    ),
+]
+NameOption = Annotated[
+    str, typer.Option("--name", envvar=f"{ENV}NAME", help="The model's name, e.g. mlp.")
+]
+PrefixOption = Annotated[
+    str, typer.Option("--prefix", envvar=f"{ENV}PREFIX", help="The deployment's key prefix.")
+]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+
+
+def _connect(url: str) -> redis.Redis:
+    client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        typer.echo(f"Error: cannot reach Redis: {exc}", err=True)
+        raise typer.Exit(1) from None
+    return client
+
+
+def _status_tables(models: list[admin.ModelStatus]) -> Group:
+    summary = Table(title="microbatch models", title_justify="left")
+    for column in ("prefix", "model", "queued", "pending", "queued bytes", "live workers",
+                   "dead letters"):  # fmt: skip
+        summary.add_column(column, justify="left" if column in ("prefix", "model") else "right")
+    workers = Table(title="workers", title_justify="left")
+    for column in ("prefix", "model", "consumer", "alive", "pending", "idle s", "heartbeat s"):
+        workers.add_column(column)
+    for model in models:
+        summary.add_row(
+            model.prefix, model.model, str(model.stream_length), str(model.pending),
+            str(model.queued_bytes), str(model.live_consumers), str(model.dead_letters),
+        )  # fmt: skip
+        for consumer in model.consumers:
+            expires = consumer.heartbeat_expires_in_ms
+            workers.add_row(
+                model.prefix, model.model, consumer.name, "yes" if consumer.alive else "no",
+                str(consumer.pending), f"{consumer.idle_ms / 1000:.1f}",
+                "-" if expires is None else f"{expires / 1000:+.1f}",
+            )  # fmt: skip
+    return Group(summary, workers)
+
+
+@app.command()
+def status(
+    redis_url: RedisOption = DEFAULT_REDIS_URL,
+    prefix: Annotated[
+        str | None,
+        typer.Option(envvar=f"{ENV}PREFIX", help="Only this prefix [default: every prefix]."),
+    ] = None,
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh every second.")] = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Each model's queue (stream length, pending, dead letters) and its workers."""
+    client = _connect(redis_url)
+    if as_json:
+        typer.echo(json.dumps([m.as_dict() for m in admin.status(client, prefix)], indent=2))
+        return
+    console = Console()
+    if not watch:
+        console.print(_status_tables(admin.status(client, prefix)))
+        return
+    with Live(_status_tables(admin.status(client, prefix)), console=console) as live:
+        try:
+            while True:
+                time.sleep(1.0)
+                live.update(_status_tables(admin.status(client, prefix)))
+        except KeyboardInterrupt:
+            pass
+
+
+@dead_app.command("list")
+def list_dead(
+    name: NameOption,
+    prefix: PrefixOption = DEFAULT_PREFIX,
+    redis_url: RedisOption = DEFAULT_REDIS_URL,
+    count: Annotated[int, typer.Option(help="Show at most this many.")] = 100,
+    as_json: JsonOption = False,
+) -> None:
+    """List dead letters (ids, reasons and sizes; never payloads)."""
+    letters = admin.dead_letters(_connect(redis_url), ModelKeys(name, prefix), count)
+    if as_json:
+        typer.echo(json.dumps([letter.__dict__ for letter in letters], indent=2))
+        return
+    table = Table(title=f"dead letters of {name} (prefix {prefix})", title_justify="left")
+    for column in ("dead id", "request id", "reason", "bytes", "age s"):
+        table.add_column(column)
+    for letter in letters:
+        table.add_row(letter.dead_id, letter.request_id, letter.reason,
+                      str(letter.data_bytes), f"{letter.age_s:.0f}")  # fmt: skip
+    Console().print(table)
+
+
+IdsOption = Annotated[
+    list[str] | None,
+    typer.Option("--id", help="Only this dead id (repeatable) [default: all]."),
+]
+
+
+@dead_app.command()
+def replay(
+    name: NameOption,
+    prefix: PrefixOption = DEFAULT_PREFIX,
+    redis_url: RedisOption = DEFAULT_REDIS_URL,
+    ids: IdsOption = None,
+) -> None:
+    """Queue dead letters again (after fixing the model); they leave the dead-letter stream."""
+    count = admin.replay_dead_letters(_connect(redis_url), ModelKeys(name, prefix), ids)
+    typer.echo(f"replayed {count} dead letter(s) of {name}")
+
+
+@dead_app.command()
+def purge(
+    name: NameOption,
+    prefix: PrefixOption = DEFAULT_PREFIX,
+    redis_url: RedisOption = DEFAULT_REDIS_URL,
+    ids: IdsOption = None,
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False,
+) -> None:
+    """Delete dead letters for good."""
+    if not yes and not typer.confirm(f"Delete dead letters of {name} (prefix {prefix})?"):
+        raise typer.Exit(1)
+    count = admin.purge_dead_letters(_connect(redis_url), ModelKeys(name, prefix), ids)
+    typer.echo(f"purged {count} dead letter(s) of {name}")
 
 
 def main() -> None:
-    sys.stderr.write("broker: commands are not built yet\n")
-    sys.exit(2)
+    app(prog_name="broker")
+
+
+if __name__ == "__main__":
+    main()

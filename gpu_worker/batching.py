@@ -131,9 +131,9 @@ class BatchLoop:
     async def run(self) -> None:
         """Serve until stopped. Survives broker outages by retrying with backoff.
 
-        The model runs on this thread, inline: no thread hand-off per batch. Before it runs,
-        the read of the next batch is already on its way to Redis, so fetching and decoding the
-        next batch overlaps the model call (at most one batch is prefetched).
+        The model runs on this thread, inline: no thread hand-off per batch. When a batch is
+        full (a backlog), the read of the next one is on its way to Redis before the model runs,
+        so fetching the next batch overlaps the model call (at most one batch is read ahead).
         """
         backoff = 0.05
         ready = False
@@ -157,7 +157,9 @@ class BatchLoop:
                 if not entries:
                     await self.clock.maybe_sync(self.settings.clock_sync_s)
                     continue
-                if not self._stopping:
+                if len(entries) >= self.settings.batch_size and not self._stopping:
+                    # A full batch means a backlog: read the next one while this one computes.
+                    # (After a short batch there is none; new arrivals are left to idle workers.)
                     self._prefetch = asyncio.ensure_future(self.read_batch())
                     await asyncio.sleep(0)  # let the prefetch send its read before the model runs
                 await self.process(entries)

@@ -1,0 +1,98 @@
+"""`broker status` and `broker dead-letters`, checked against what Redis holds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import msgpack
+
+from broker import Streamer
+from broker.devserver import RedisServer
+from broker.keys import ModelKeys
+from broker.protocol import decode_reply, request_fields
+from tests.conftest import ROOT, worker_process
+
+
+def broker_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "broker.cli", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_status_json_matches_redis(redis_server: RedisServer, prefix: str) -> None:
+    client = redis_server.client()
+    keys = ModelKeys("toy", prefix)
+    with worker_process(
+        redis_server.url, "tests.models:Toy", prefix, "--workers", "2", expect_consumers=2
+    ):
+        streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix)
+        streamer.predict(["a", "b", "c"])
+        blocker = streamer.submit([{"sleep": 0.15}] * 8)  # a full batch keeps a worker busy
+        queued = streamer.submit(["q1", "q2", "q3"])
+        client.xadd(keys.dead_letters, {"id": "x", "dead_reason": "test", "data": b"123"})
+        result = broker_cli("status", "--redis", redis_server.url, "--prefix", prefix, "--json")
+        assert result.returncode == 0, result.stderr
+        (model,) = json.loads(result.stdout)
+        assert (model["prefix"], model["model"]) == (prefix, "toy")
+        assert model["live_consumers"] == 2
+        assert model["dead_letters"] == 1 == client.xlen(keys.dead_letters)
+        assert model["stream_length"] == client.xlen(keys.stream) >= 3  # while the batch runs
+        assert {c["name"] for c in model["consumers"]} == {
+            name.decode() for name in client.zrange(keys.consumers, 0, -1)
+        }
+        assert [len(f.result(timeout=20)) for f in (blocker, queued)] == [8, 3]
+        streamer.close()
+    human = broker_cli("status", "--redis", redis_server.url, "--prefix", prefix)
+    assert human.returncode == 0 and "toy" in human.stdout
+
+
+def test_dead_letters_list_replay_purge(redis_server: RedisServer, prefix: str) -> None:
+    client = redis_server.client()
+    keys = ModelKeys("toy", prefix)
+    reply = keys.inbox("cli-test")
+    for i in range(2):
+        fields = request_fields(f"r{i}", reply, 30_000, msgpack.packb(f"item-{i}"))
+        client.xadd(keys.dead_letters, {**fields, "dead_reason": "poison", "dead_entry": "1-1"})
+    base = ("--name", "toy", "--prefix", prefix, "--redis", redis_server.url)
+
+    listed = broker_cli("dead-letters", "list", *base, "--json")
+    letters = json.loads(listed.stdout)
+    assert [letter["request_id"] for letter in letters] == ["r0", "r1"]
+    assert {letter["reason"] for letter in letters} == {"poison"}
+    assert "item-0" not in listed.stdout  # payloads are never shown
+
+    with worker_process(redis_server.url, "tests.models:Toy", prefix):
+        replayed = broker_cli("dead-letters", "replay", *base, "--id", letters[0]["dead_id"])
+        assert "replayed 1" in replayed.stdout
+        popped = client.blpop([reply], timeout=20)
+        assert popped is not None
+        answer = decode_reply(popped[1])
+        assert answer.ok and answer.request_id == "r0" and answer.result["item"] == "item-0"
+    assert client.xlen(keys.dead_letters) == 1
+
+    refused = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "dead-letters", "purge", *base],
+        cwd=ROOT,
+        input="n\n",
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode != 0 and client.xlen(keys.dead_letters) == 1
+    purged = broker_cli("dead-letters", "purge", *base, "--yes")
+    assert "purged 1" in purged.stdout and client.xlen(keys.dead_letters) == 0
+
+
+def test_unreachable_redis_is_one_clear_line() -> None:
+    result = broker_cli("status", "--redis", "redis://127.0.0.1:1/0")
+    assert result.returncode == 1
+    assert result.stderr.startswith("Error: cannot reach Redis")
+    assert "Traceback" not in result.stderr
