@@ -171,7 +171,7 @@ class WorkerProcess:
         """SIGTERM; return (batches, items) the worker ran."""
         self.process.terminate()
         _, stderr = self.process.communicate(timeout=60)
-        found = re.findall(r"stopped after (\d+) batches \((\d+) items\)", stderr)
+        found = re.findall(r"stopped after (\d+) batches \((\d+) items", stderr)
         return (int(found[-1][0]), int(found[-1][1])) if found else (0, 0)
 
 

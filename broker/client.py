@@ -78,37 +78,39 @@ class ClientCore:
         self._closing = False
 
     def _new_call(
-        self, payloads: Sequence[bytes], future: AnyFuture, timeout_s: float
+        self, payloads: Sequence[bytes], future: AnyFuture, timeout_s: float, trace: str | None
     ) -> tuple[_Call, list[EntryFields]]:
         ids = [f"{self.client_id}.{next(self._ids)}" for _ in payloads]
         call = _Call(ids, [len(payload) for payload in payloads], future)
         timeout_ms = max(1, int(timeout_s * 1000))
         entries: list[EntryFields] = [
-            request_fields(rid, self.inbox, timeout_ms, payload)
+            request_fields(rid, self.inbox, timeout_ms, payload, trace)
             for rid, payload in zip(ids, payloads, strict=True)
         ]
         future.add_done_callback(lambda done: self._on_done(done, call))
         return call, entries
 
     def start_call_threadsafe(
-        self, payloads: Sequence[bytes], timeout_s: float
+        self, payloads: Sequence[bytes], timeout_s: float, trace: str | None = None
     ) -> Future[list[Any]]:
         """Queue encoded items from any thread; the future gets the raw results."""
         future: Future[list[Any]] = Future()
         if not payloads:
             future.set_result([])
             return future
-        call, entries = self._new_call(payloads, future, timeout_s)
+        call, entries = self._new_call(payloads, future, timeout_s, trace)
         self.loop.call_soon_threadsafe(self._accept, call, entries, timeout_s)
         return future
 
-    def start_call(self, payloads: Sequence[bytes], timeout_s: float) -> asyncio.Future[list[Any]]:
+    def start_call(
+        self, payloads: Sequence[bytes], timeout_s: float, trace: str | None = None
+    ) -> asyncio.Future[list[Any]]:
         """Queue encoded items; must be called on this core's loop."""
         future: asyncio.Future[list[Any]] = self.loop.create_future()
         if not payloads:
             future.set_result([])
             return future
-        call, entries = self._new_call(payloads, future, timeout_s)
+        call, entries = self._new_call(payloads, future, timeout_s, trace)
         self._accept(call, entries, timeout_s)
         return future
 
@@ -237,13 +239,13 @@ class ClientCore:
             self._withdraw(call)
 
     def _withdraw(self, call: _Call) -> None:
-        entries = list(zip(call.entries, call.ids, call.sizes, strict=True))
+        entries = list(zip(call.entries, call.sizes, strict=True))
         call.entries = []
         task = self.loop.create_task(self._cancel_entries(entries))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _cancel_entries(self, entries: list[tuple[str, str, int]]) -> None:
+    async def _cancel_entries(self, entries: list[tuple[str, int]]) -> None:
         try:
             await self.transport.cancel(self.keys, entries)
         except MicrobatchError as exc:  # best effort: the worker will answer into the void
@@ -366,10 +368,14 @@ class Streamer:
             return outputs
         return [self.model.postprocess(output) for output in outputs]
 
-    def submit(self, batch: Sequence[Any], timeout: float | None = None) -> Future[list[Any]]:
+    def submit(
+        self, batch: Sequence[Any], timeout: float | None = None, *, traceparent: str | None = None
+    ) -> Future[list[Any]]:
         """Submit a list of items; the future's result is their outputs, in order."""
         timeout_s = self.timeout if timeout is None else _check_timeout(timeout)
-        raw = self._get_thread_core().start_call_threadsafe(self._encode(batch), timeout_s)
+        raw = self._get_thread_core().start_call_threadsafe(
+            self._encode(batch), timeout_s, traceparent
+        )
         if self.model is None:
             return raw
         result: Future[list[Any]] = Future()
@@ -389,24 +395,32 @@ class Streamer:
         result.add_done_callback(lambda f: raw.cancel() if f.cancelled() else None)
         return result
 
-    def predict(self, batch: Sequence[Any], timeout: float | None = None) -> list[Any]:
+    def predict(
+        self, batch: Sequence[Any], timeout: float | None = None, *, traceparent: str | None = None
+    ) -> list[Any]:
         """Run the model on a list of items and return one output per item, in order.
 
         Raises the typed error (ModelError, DeadlineExceeded, ...) of the first failing item.
+        ``traceparent`` (W3C) travels with the items and appears in the worker's log line for
+        their batch.
         """
         timeout_s = self.timeout if timeout is None else _check_timeout(timeout)
-        future = self._get_thread_core().start_call_threadsafe(self._encode(batch), timeout_s)
+        future = self._get_thread_core().start_call_threadsafe(
+            self._encode(batch), timeout_s, traceparent
+        )
         return self._postprocess(future.result())
 
-    async def apredict(self, batch: Sequence[Any], timeout: float | None = None) -> list[Any]:
+    async def apredict(
+        self, batch: Sequence[Any], timeout: float | None = None, *, traceparent: str | None = None
+    ) -> list[Any]:
         """``predict`` for asyncio callers; cancelling the task withdraws the call's items."""
         timeout_s = self.timeout if timeout is None else _check_timeout(timeout)
         payloads = self._encode(batch)
         if self.native_async:
-            outputs = await self._get_loop_core().start_call(payloads, timeout_s)
+            outputs = await self._get_loop_core().start_call(payloads, timeout_s, traceparent)
         else:
             thread_core = self._get_thread_core()
-            future = thread_core.start_call_threadsafe(payloads, timeout_s)
+            future = thread_core.start_call_threadsafe(payloads, timeout_s, traceparent)
             outputs = await asyncio.wrap_future(future)
         return self._postprocess(outputs)
 

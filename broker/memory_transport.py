@@ -91,16 +91,16 @@ class InMemoryTransport:
             target.changed.notify_all()
         return outcomes
 
-    async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, str, int]]) -> None:
+    async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, int]]) -> None:
         source = self._stream(keys.stream)
-        withdrawn = {entry_id for entry_id, _, _ in entries}
+        withdrawn = {entry_id for entry_id, _ in entries}
         for entry_id, fields in source.new:
             if entry_id in withdrawn:
                 source.queued_bytes -= entry_data_size(fields)
         source.new = deque(entry for entry in source.new if entry[0] not in withdrawn)
-        for entry_id, request_id, _ in entries:  # read ahead by the worker: it skips them
+        for entry_id, _ in entries:  # read ahead by the worker: it skips them
             if entry_id in source.pending:
-                source.withdrawn.add(request_id)
+                source.withdrawn.add(entry_id)
 
     async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:
         replies = self._list(inbox)
@@ -158,13 +158,16 @@ class InMemoryTransport:
             for _ in range(3):
                 await asyncio.sleep(0)
         source = self._stream(keys.stream)
-        found = {request_id for request_id in check if request_id in source.withdrawn}
-        source.withdrawn -= found
-        return found
+        return {entry_id for entry_id in check if entry_id in source.withdrawn}
+
+    async def withdrawn(self, keys: ModelKeys, entry_ids: Sequence[str]) -> set[str]:
+        source = self._stream(keys.stream)
+        return {entry_id for entry_id in entry_ids if entry_id in source.withdrawn}
 
     def _remove(self, keys: ModelKeys, entries: Sequence[Entry]) -> None:
         source = self._stream(keys.stream)
         for entry_id, fields in entries:
+            source.withdrawn.discard(entry_id)
             if source.pending.pop(entry_id, None) is not None:
                 source.queued_bytes -= entry_data_size(fields)
 

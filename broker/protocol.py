@@ -18,6 +18,7 @@ A reply is one msgpack map pushed (RPUSH) to the reply key, which then gets a TT
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +36,15 @@ F_DATA = b"data"
 F_TRACE = b"traceparent"
 
 Fields = dict[bytes, bytes]
+
+# W3C trace context: version-trace id-parent id-flags, lower-case hex. Anything else is dropped,
+# so that nothing a caller writes reaches a worker's log lines unchecked.
+TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+
+
+def valid_traceparent(value: str | None) -> str | None:
+    """``value`` if it is a W3C traceparent, else None."""
+    return value if value is not None and TRACEPARENT.fullmatch(value) else None
 
 
 def entry_time_ms(entry_id: str | bytes) -> int:
@@ -54,8 +64,8 @@ def request_fields(
         "timeout": str(int(timeout_ms)),
         "data": data,
     }
-    if traceparent:
-        fields["traceparent"] = traceparent
+    if valid_traceparent(traceparent):
+        fields["traceparent"] = traceparent  # type: ignore[assignment]
     return fields
 
 
@@ -119,7 +129,7 @@ def parse_request(entry_id: str | bytes, fields: Fields) -> Request:
         )
     timeout = _text(fields, F_TIMEOUT)
     data = fields.get(F_DATA)
-    if timeout is None or not timeout.isdigit() or data is None:
+    if timeout is None or not (timeout.isascii() and timeout.isdigit()) or data is None:
         raise MalformedEntry(
             "entry lacks a valid 'timeout' or 'data' field",
             request_id=request_id,
@@ -131,7 +141,7 @@ def parse_request(entry_id: str | bytes, fields: Fields) -> Request:
         reply_key=reply_key,
         deadline_ms=entry_time_ms(entry) + int(timeout),
         data=data,
-        traceparent=_text(fields, F_TRACE),
+        traceparent=valid_traceparent(_text(fields, F_TRACE)),
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -74,7 +75,7 @@ class RedisTransport:
             raise _unavailable(exc) from exc
         return [_enqueue_outcome(result, bound) for result in results]
 
-    async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, str, int]]) -> None:
+    async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, int]]) -> None:
         if not entries:
             return
         now_ms = await self.time_ms()
@@ -167,7 +168,24 @@ class RedisTransport:
         if isinstance(scores, Exception):
             log.warning("could not check for withdrawn requests: %s", scores)
             return set()
-        return {request_id for request_id, score in zip(check, scores, strict=True) if score}
+        if entries and isinstance(results[-1], int) and results[-1] < 0:
+            # A caller that XADDed without counting its bytes (see docs/protocol.md) drove the
+            # counter below zero: bring it back, so that it never loosens the byte bound.
+            await self._floor_queued_bytes(keys, results[-1])
+        return {entry_id for entry_id, score in zip(check, scores, strict=True) if score}
+
+    async def withdrawn(self, keys: ModelKeys, entry_ids: Sequence[str]) -> set[str]:
+        if not entry_ids:
+            return set()
+        try:
+            scores = await self.redis.zmscore(keys.cancelled, list(entry_ids))
+        except UNAVAILABLE as exc:
+            raise _unavailable(exc) from exc
+        return {entry_id for entry_id, score in zip(entry_ids, scores, strict=True) if score}
+
+    async def _floor_queued_bytes(self, keys: ModelKeys, value: int) -> None:
+        with contextlib.suppress(*UNAVAILABLE, ResponseError):
+            await self.redis.incrby(keys.queued_bytes, -value)
 
     @staticmethod
     def _remove(pipe: Any, keys: ModelKeys, entries: Sequence[Entry]) -> None:

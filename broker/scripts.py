@@ -51,15 +51,15 @@ return results
 # by expiry, ms) for the worker to skip, and the worker deletes it as usual. So an entry is
 # deleted, and its bytes released, exactly once, and the worker's own deletes need no script.
 # KEYS: stream, queued-bytes counter, cancelled set. ARGV: group, expiry (ms), now (ms),
-# blob of [entry id, request id, size, ...].
+# blob of [entry id, size, ...].
 WITHDRAW = """
 local released, items = 0, cmsgpack.unpack(ARGV[4])
-for i = 1, #items, 3 do
+for i = 1, #items, 2 do
   local id = items[i]
   if #redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1) > 0 then
-    redis.call('ZADD', KEYS[3], ARGV[2], items[i + 1])
+    redis.call('ZADD', KEYS[3], ARGV[2], id)
   elseif redis.call('XDEL', KEYS[1], id) == 1 then
-    released = released + items[i + 2]
+    released = released + items[i + 1]
   end
 end
 if released > 0 then redis.call('DECRBY', KEYS[2], released) end

@@ -54,8 +54,8 @@ class Transport(Protocol):
         """
         ...
 
-    async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, str, int]]) -> None:
-        """Withdraw entries, given as (entry id, request id, data size), whose caller gave up.
+    async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, int]]) -> None:
+        """Withdraw entries, given as (entry id, data size), whose caller gave up.
 
         One no worker has read yet is deleted; one a worker holds is marked for it to skip.
         """
@@ -86,9 +86,13 @@ class Transport(Protocol):
     ) -> set[str]:
         """Push each (reply key, reply) with a TTL, then acknowledge and delete the entries.
 
-        In the same round trip, return which of the request ids in ``check`` (of a batch read
+        In the same round trip, return which of the entry ids in ``check`` (of a batch read
         ahead) their callers have withdrawn since, so that they are not computed.
         """
+        ...
+
+    async def withdrawn(self, keys: ModelKeys, entry_ids: Sequence[str]) -> set[str]:
+        """Which of these entries (held by a worker) their callers have withdrawn."""
         ...
 
     async def reclaim(

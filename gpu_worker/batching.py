@@ -25,7 +25,6 @@ from broker.errors import (
 )
 from broker.keys import ModelKeys
 from broker.protocol import (
-    F_ID,
     MalformedEntry,
     Request,
     encode_error,
@@ -52,6 +51,30 @@ class BatchSettings:
     max_deliveries: int = 3
     reclaim_every_s: float = 1.0
     reclaim_min_idle_ms: int = 200
+
+
+class BatchObserver:
+    """What the batch loop reports as it works (metrics, the supervisor's watchdog, logs).
+
+    The base class ignores everything; subclasses override what they need. Calls are made on
+    the loop's thread and must be quick.
+    """
+
+    def batch_started(
+        self, size: int, queue_waits_s: Sequence[float], traces: Sequence[str]
+    ) -> None:
+        """The model is about to run on ``size`` items (their waits since arrival; the W3C
+        traceparents of those that carry one)."""
+
+    def batch_finished(self, size: int, inference_s: float) -> None:
+        """The model call (with any splitting after an exception) has returned."""
+
+    def answered(self, outcome: str, count: int = 1) -> None:
+        """``count`` items got their answer: ok, model_error, invalid_output, deadline,
+        codec_error, malformed, withdrawn or poison."""
+
+    def redelivered(self) -> None:
+        """An entry was taken over from a dead consumer (or this one's, after an outage)."""
 
 
 class BrokerClock:
@@ -101,10 +124,10 @@ class BatchLoop:
         keys: ModelKeys,
         consumer: str,
         settings: BatchSettings | None = None,
-        on_batch: Callable[[bool], None] | None = None,
+        observer: BatchObserver | None = None,
     ) -> None:
         self.predict_fn = predict
-        self.on_batch = on_batch  # called with True before the model runs, False after
+        self.observer = observer or BatchObserver()
         self.transport = transport
         self.keys = keys
         self.consumer = consumer
@@ -147,9 +170,11 @@ class BatchLoop:
                     await self.redeliver(own=True)
                 if time.monotonic() >= self._next_reclaim and self._prefetch is None:
                     await self.redeliver(own=False)
+                skip: set[str] = set()
                 if self._prefetch is not None:
                     task, self._prefetch = self._prefetch, None
                     entries = await task
+                    skip, self._withdrawn = self._withdrawn, set()
                 elif self._stopping:
                     return
                 else:
@@ -162,7 +187,7 @@ class BatchLoop:
                     # (After a short batch there is none; new arrivals are left to idle workers.)
                     self._prefetch = asyncio.ensure_future(self.read_batch())
                     await asyncio.sleep(0)  # let the prefetch send its read before the model runs
-                await self.process(entries)
+                await self.process(entries, skip)
                 backoff = 0.05
             except BrokerUnavailable as exc:
                 log.warning("broker unavailable (%s); retrying in %.2f s", exc, backoff)
@@ -173,26 +198,35 @@ class BatchLoop:
     async def redeliver(self, own: bool) -> None:
         """Take over entries of dead consumers (or, with ``own``, this one's) and answer them.
 
-        Each runs alone, so that a request that kills its worker cannot take innocent
-        batch-mates down with it; one delivered ``max_deliveries`` times already is
-        dead-lettered and its caller gets PoisonRequest.
+        Entries are claimed and answered one at a time: a request that kills its worker then
+        takes no innocent entry down with it (claiming counts as a delivery), and each runs
+        alone. One delivered ``max_deliveries`` times already is dead-lettered and its caller
+        gets PoisonRequest.
         """
         settings = self.settings
-        self._next_reclaim = time.monotonic() + settings.reclaim_every_s
-        taken = await self.transport.reclaim(
-            self.keys, self.consumer, settings.reclaim_min_idle_ms, settings.batch_size, own
-        )
-        for entry, deliveries in taken:
+        read_ahead = self._withdrawn
+        for _ in range(settings.batch_size):  # a bounded share per round; fresh work goes on
+            taken = await self.transport.reclaim(
+                self.keys, self.consumer, settings.reclaim_min_idle_ms, 1, own
+            )
+            if not taken:
+                break
+            ((entry, deliveries),) = taken
             self.redelivered += 1
-            if deliveries >= settings.max_deliveries:
+            self.observer.redelivered()
+            withdrawn = await self.transport.withdrawn(self.keys, [entry[0]])
+            if deliveries >= settings.max_deliveries and not withdrawn:
                 await self._dead_letter_poison(entry, deliveries)
             else:
-                await self.process([entry])
+                await self.process([entry], withdrawn)
+        self._withdrawn = read_ahead  # answering these must not forget the read-ahead checks
+        self._next_reclaim = time.monotonic() + settings.reclaim_every_s
 
     async def _dead_letter_poison(self, entry: Entry, deliveries: int) -> None:
         reason = f"delivered {deliveries} times without an answer"
         await self.transport.dead_letter(self.keys, [entry], reason)
         self.dead_lettered += 1
+        self.observer.answered("poison")
         log.error("dead-lettered entry %s of %s: %s", entry[0], self.keys.stream, reason)
         try:
             request = parse_request(*entry)
@@ -222,17 +256,21 @@ class BatchLoop:
             )
         return entries
 
-    async def process(self, entries: list[Entry]) -> None:
-        """Answer every entry of one batch: a result or a typed error each, then ack."""
+    async def process(self, entries: list[Entry], skip: set[str] | None = None) -> None:
+        """Answer every entry of one batch: a result or a typed error each, then ack.
+
+        Entries in ``skip`` were withdrawn by their callers: they are acknowledged, not computed.
+        """
+        observer = self.observer
         replies: list[tuple[str, bytes]] = []
         dead: list[Entry] = []
         live: list[Request] = []
         items: list[Any] = []
         now_ms = self.clock.now_ms()
-        withdrawn, self._withdrawn = self._withdrawn, set()
         for entry_id, fields in entries:
-            if withdrawn and fields.get(F_ID, b"").decode(errors="replace") in withdrawn:
-                continue  # its caller gave up while it was read ahead: ack, do not compute
+            if skip and entry_id in skip:
+                observer.answered("withdrawn")
+                continue
             try:
                 request = parse_request(entry_id, fields)
             except MalformedEntry as exc:
@@ -241,28 +279,37 @@ class BatchLoop:
                 else:
                     dead.append((entry_id, fields))
                 log.warning("malformed entry %s on %s: %s", entry_id, self.keys.stream, exc)
+                observer.answered("malformed")
                 continue
             if request.deadline_ms <= now_ms:
                 error = DeadlineExceeded("deadline passed before the item was computed")
                 replies.append((request.reply_key, encode_error(request.request_id, error)))
+                observer.answered("deadline")
                 continue
             try:
                 items.append(codec.decode(request.data))
             except CodecError as exc:
                 replies.append((request.reply_key, encode_error(request.request_id, exc)))
+                observer.answered("codec_error")
                 continue
             live.append(request)
 
         if items:
-            if self.on_batch is not None:
-                self.on_batch(True)
-            try:
-                outcomes = self.predict_robust(items)
-            finally:
-                if self.on_batch is not None:
-                    self.on_batch(False)
+            observer.batch_started(
+                len(items),
+                [(now_ms - entry_time_ms(r.entry_id)) / 1000 for r in live],
+                [r.traceparent for r in live if r.traceparent],
+            )
+            started = time.perf_counter()
+            outcomes = self.predict_robust(items)
+            observer.batch_finished(len(items), time.perf_counter() - started)
+            counts: dict[str, int] = {}
             for request, outcome in zip(live, outcomes, strict=True):
-                replies.append((request.reply_key, self._encode_outcome(request, outcome)))
+                reply, kind = self._encode_outcome(request, outcome)
+                replies.append((request.reply_key, reply))
+                counts[kind] = counts.get(kind, 0) + 1
+            for kind, count in counts.items():
+                observer.answered(kind, count)
             self.batches += 1
             self.items += len(items)
 
@@ -277,22 +324,23 @@ class BatchLoop:
         )
 
     def _read_ahead_ids(self) -> list[str]:
-        """Request ids of the batch read ahead while this one computed, if it has arrived."""
+        """Entry ids of the batch read ahead while this one computed, if it has arrived."""
         task = self._prefetch
         if task is None or not task.done() or task.cancelled() or task.exception() is not None:
             return []
-        return [
-            fields[F_ID].decode(errors="replace") for _, fields in task.result() if F_ID in fields
-        ]
+        return [entry_id for entry_id, _ in task.result()]
 
     @staticmethod
-    def _encode_outcome(request: Request, outcome: Any) -> bytes:
+    def _encode_outcome(request: Request, outcome: Any) -> tuple[bytes, str]:
+        """The reply to one computed item, and the name of its outcome."""
         if isinstance(outcome, MicrobatchError):
-            return encode_error(request.request_id, outcome)
+            kind = "model_error" if isinstance(outcome, ModelError) else "invalid_output"
+            return encode_error(request.request_id, outcome), kind
         try:
-            return encode_result(request.request_id, outcome)
+            return encode_result(request.request_id, outcome), "ok"
         except CodecError as exc:
-            return encode_error(request.request_id, InvalidOutput(f"cannot send output: {exc}"))
+            error = InvalidOutput(f"cannot send output: {exc}")
+            return encode_error(request.request_id, error), "invalid_output"
 
     def predict_robust(self, items: list[Any]) -> list[Any]:
         """Run the model; on an exception, bisect so only the failing items get ModelError."""

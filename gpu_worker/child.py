@@ -56,6 +56,7 @@ async def serve(model: Any, config: Any, consumer: str) -> None:
 
     from .batching import BatchLoop, BatchSettings
     from .heartbeat import Heartbeats
+    from .metrics import WorkerObserver
 
     settings = BatchSettings(
         batch_size=config.batch_size or model.batch_size,
@@ -72,10 +73,8 @@ async def serve(model: Any, config: Any, consumer: str) -> None:
     warning = await transport.eviction_warning()
     if warning:
         log.warning("%s", warning)
-    batch_loop = BatchLoop(
-        model.predict, transport, keys, consumer, settings,
-        on_batch=lambda busy: report("busy" if busy else "idle"),
-    )  # fmt: skip
+    observer = WorkerObserver(keys.model, consumer, report)
+    batch_loop = BatchLoop(model.predict, transport, keys, consumer, settings, observer)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, batch_loop.stop)

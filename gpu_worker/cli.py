@@ -89,6 +89,13 @@ def start(
             "waits [default: the model's max_latency].",
         ),
     ] = None,
+    metrics_port: Annotated[
+        int | None,
+        typer.Option(
+            envvar=f"{ENV}METRICS_PORT",
+            help="Serve Prometheus metrics of all this command's worker processes on this port.",
+        ),
+    ] = None,
     start_timeout: Annotated[
         float,
         typer.Option(envvar=f"{ENV}START_TIMEOUT", help="Seconds to wait for workers to load."),
@@ -151,6 +158,7 @@ def start(
             redis_url=redis,
             batch_size=batch_size,
             max_latency=max_latency,
+            metrics_port=metrics_port,
             start_timeout=start_timeout,
             graceful_timeout=graceful_timeout,
             batch_timeout=batch_timeout,

@@ -19,6 +19,7 @@ from broker.keys import ModelKeys
 log = logging.getLogger("microbatch.heartbeat")
 
 DEFAULT_TTL_S = 5.0
+FORGET_AFTER_MS = 3_600_000
 
 
 class Heartbeats:
@@ -39,6 +40,8 @@ class Heartbeats:
             expires_ms = seconds * 1000 + micros // 1000 + self.ttl_ms
             pipe = self.client.pipeline(transaction=False)
             pipe.zadd(self.keys.consumers, dict.fromkeys(consumers, expires_ms))
+            # forget consumers whose heartbeat lapsed long ago (their supervisor died)
+            pipe.zremrangebyscore(self.keys.consumers, "-inf", expires_ms - FORGET_AFTER_MS)
             for consumer in consumers:
                 pipe.set(self.keys.heartbeat(consumer), expires_ms, px=self.ttl_ms)
             pipe.execute()

@@ -11,12 +11,17 @@ import json
 import logging
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from types import FrameType
+from typing import Any
+
+import redis
 
 from broker.keys import ModelKeys
 
@@ -76,6 +81,9 @@ class Supervisor:
         self.heartbeats = Heartbeats(config.redis_url, self.keys, config.heartbeat_ttl)
         self._next_heartbeat = 0.0
         self.selector = selectors.DefaultSelector()
+        self.metrics: SupervisorMetrics | None = None
+        if config.metrics_port is not None:
+            self.metrics = SupervisorMetrics(config.metrics_port, self.keys, self.heartbeats)
         self._stopping = False
         self.all_ready_once = False
 
@@ -140,6 +148,8 @@ class Supervisor:
         if slot.status_fd is not None:
             self._read_status(slot)
             self._close_status(slot)
+        if self.metrics is not None:
+            self.metrics.process_gone(slot.process.pid)
         was_ready, slot.process = slot.ready, None
         slot.ready, slot.busy_since = False, None
         if slot.consumer is not None:
@@ -163,6 +173,8 @@ class Supervisor:
             delay = RESTART_BACKOFF_S[0]
         slot.restarts += 1
         slot.restart_at = now + delay
+        if self.metrics is not None:
+            self.metrics.restarted()
         slot.last_error = ""
         log.warning("worker %d %s; restarting in %.1f s", slot.index, reason, delay)
 
@@ -209,6 +221,8 @@ class Supervisor:
             elif slot.process is None and slot.restart_at is not None and now >= slot.restart_at:
                 self._spawn(slot)
         self._watchdog(now)
+        if self.metrics is not None:
+            self.metrics.maybe_sample(now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + HEARTBEAT_EVERY_S
             self.heartbeats.renew(
@@ -263,4 +277,63 @@ class Supervisor:
             if slot.consumer is not None:
                 self.heartbeats.retire(slot.consumer)
         self.heartbeats.close()
+        if self.metrics is not None:
+            self.metrics.close()
         return code
+
+
+class SupervisorMetrics:
+    """Serves the metrics of every process of this `worker start` on one port, and samples
+    the queue's depth for them."""
+
+    SAMPLE_EVERY_S = 2.0
+
+    def __init__(self, port: int, keys: ModelKeys, heartbeats: Heartbeats) -> None:
+        self.directory = tempfile.mkdtemp(prefix="microbatch-metrics-")
+        # Set before prometheus_client is imported here and before any child starts.
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.directory
+        from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+
+        from . import metrics
+
+        self._metrics = metrics
+        self._multiprocess = multiprocess
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        self.server, self.thread = start_http_server(port, registry=registry)
+        self.keys = keys
+        self.client = heartbeats.client
+        self._next_sample = 0.0
+        metrics.RESTARTS.labels(keys.model)  # exported as 0 from the start
+        log.info("metrics on http://0.0.0.0:%d/metrics", port)
+
+    def restarted(self) -> None:
+        self._metrics.RESTARTS.labels(self.keys.model).inc()
+
+    def process_gone(self, pid: int) -> None:
+        self._multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
+
+    def maybe_sample(self, now: float) -> None:
+        if now < self._next_sample:
+            return
+        self._next_sample = now + self.SAMPLE_EVERY_S
+        from broker.liveness import live_consumers
+
+        labels = (self.keys.model, self.keys.prefix)
+        try:
+            depth = self.client.xlen(self.keys.stream)
+            try:
+                pending: Any = self.client.xpending(self.keys.stream, self.keys.group)
+            except redis.ResponseError:
+                pending = {"pending": 0}
+            live = len(live_consumers(self.client, self.keys))
+        except redis.RedisError as exc:
+            log.debug("cannot sample the queue: %s", exc)
+            return
+        self._metrics.QUEUE_DEPTH.labels(*labels).set(depth)
+        self._metrics.QUEUE_PENDING.labels(*labels).set(int(pending["pending"]))
+        self._metrics.LIVE_WORKERS.labels(*labels).set(live)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        shutil.rmtree(self.directory, ignore_errors=True)

@@ -57,12 +57,17 @@ def worker_process(
     env: dict[str, str] | None = None,
     expect_consumers: int | None = 1,
     name: str | None = None,
+    log_path: Path | None = None,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Run `worker start` as a real process; stop it with SIGTERM afterwards."""
+    """Run `worker start` as a real process; stop it with SIGTERM afterwards.
+
+    With ``log_path``, its log (stderr) goes to that file.
+    """
     command = [sys.executable, "-m", "gpu_worker.cli", "start", "--model", model]
     command += ["--redis", redis_url, "--prefix", prefix, *args]
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    process = subprocess.Popen(command, cwd=ROOT, env=full_env)
+    log = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115
+    process = subprocess.Popen(command, cwd=ROOT, env=full_env, stderr=log)
     try:
         if expect_consumers:
             model_name = name or model.rsplit(":", 1)[1].lower()
@@ -76,3 +81,5 @@ def worker_process(
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        if log is not None:
+            log.close()

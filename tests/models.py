@@ -12,6 +12,7 @@ from gpu_worker import ManagedModel, TensorSpec
 
 RECORD_ENV = "MICROBATCH_TEST_RECORD_DIR"
 TAG_ENV = "MICROBATCH_TEST_TAG"
+DELAY_ENV = "MICROBATCH_TEST_BATCH_DELAY"
 
 
 def _record(kind: str, payload: Any) -> None:
@@ -35,7 +36,9 @@ class Toy(ManagedModel):
 
     def init_model(self) -> None:
         self.counter = itertools.count()
+        self.batches = itertools.count()
         self.tag = os.environ.get(TAG_ENV, "")
+        self.delay = float(os.environ.get(DELAY_ENV, "0"))
 
     def predict(self, batch: list[Any]) -> list[Any]:
         for item in batch:
@@ -44,8 +47,11 @@ class Toy(ManagedModel):
         for item in batch:
             if isinstance(item, dict) and "sleep" in item:
                 time.sleep(item["sleep"])
+        if self.delay:
+            time.sleep(self.delay)
         for item in batch:
             _record("items", item)
+        batch_no = next(self.batches)
         return [
             {
                 "item": item,
@@ -53,6 +59,7 @@ class Toy(ManagedModel):
                 "batch": len(batch),
                 "tag": self.tag,
                 "pid": os.getpid(),
+                "batch_no": batch_no,
             }
             for item in batch
         ]

@@ -67,3 +67,9 @@ def test_replies() -> None:
     assert "item 3" in str(rebuilt)
     assert isinstance(error_from_wire("DeadlineExceeded", "late"), DeadlineExceeded)
     assert "Weird" in str(error_from_wire("Weird", "x"))
+
+
+def test_a_non_ascii_digit_timeout_is_malformed_not_a_crash() -> None:
+    fields = as_stream_fields(request_fields("r1", "inbox", 250, b"\x90"))
+    with pytest.raises(MalformedEntry):
+        parse_request("1-0", {**fields, b"timeout": "²".encode()})

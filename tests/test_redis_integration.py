@@ -18,7 +18,7 @@ from broker.devserver import RedisServer
 from broker.keys import ModelKeys
 from broker.protocol import decode_reply, request_fields
 from tests.conftest import worker_process
-from tests.models import RECORD_ENV, TAG_ENV
+from tests.models import DELAY_ENV, RECORD_ENV, TAG_ENV
 
 
 def read_records(directory: Path, kind: str) -> list[object]:
@@ -31,7 +31,7 @@ def read_records(directory: Path, kind: str) -> list[object]:
 def test_two_workers_and_two_clients_share_a_stream_with_nothing_lost_or_duplicated(
     redis_server: RedisServer, prefix: str, tmp_path: Path
 ) -> None:
-    env = {RECORD_ENV: str(tmp_path)}
+    env = {RECORD_ENV: str(tmp_path), DELAY_ENV: "0.01"}  # a batch takes a while: both work
     args = ("--workers", "2", "--batch-size", "16")
     with worker_process(
         redis_server.url, "tests.models:Toy", prefix, *args, env=env, expect_consumers=2

@@ -26,6 +26,7 @@ from starlette.responses import Response
 
 from broker.errors import MicrobatchError
 from broker.liveness import alive_consumers
+from broker.protocol import valid_traceparent
 from broker.redis_transport import connect
 from gpu_worker.model import DATATYPES
 
@@ -186,7 +187,10 @@ class Gateway:
     ) -> list[Any]:
         """Submit ``items`` and wait; abandon them (withdrawn from the queue) if the client goes."""
         metrics.ITEMS.labels(served.name).inc(len(items))
-        call = asyncio.ensure_future(served.streamer.apredict(items, timeout=timeout))
+        trace = valid_traceparent(request.headers.get("traceparent"))
+        call = asyncio.ensure_future(
+            served.streamer.apredict(items, timeout=timeout, traceparent=trace)
+        )
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)

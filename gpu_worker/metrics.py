@@ -1,0 +1,114 @@
+"""Worker metrics (prometheus-client), aggregated over a `worker start`'s processes.
+
+The supervisor points ``PROMETHEUS_MULTIPROC_DIR`` at a fresh directory before it starts any
+child; every process writes its samples there, and the supervisor's ``--metrics-port`` serves
+them all as one endpoint. Names are documented in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from .batching import BatchObserver
+
+log = logging.getLogger("microbatch.worker")
+
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
+                   10, 30, 60)  # fmt: skip
+
+BATCHES = Counter("microbatch_worker_batches_total", "Batches the model ran.", ["model"])
+ITEMS = Counter(
+    "microbatch_worker_items_total",
+    "Items answered by workers, by outcome (ok, model_error, invalid_output, deadline, "
+    "codec_error, malformed, withdrawn, poison).",
+    ["model", "outcome"],
+)
+BATCH_SIZE = Histogram(
+    "microbatch_worker_batch_size", "Items per model call.", ["model"], buckets=BATCH_SIZE_BUCKETS
+)
+QUEUE_WAIT = Histogram(
+    "microbatch_worker_queue_wait_seconds",
+    "Time from an item's arrival in the stream to the start of its batch.",
+    ["model"],
+    buckets=SECONDS_BUCKETS,
+)
+INFERENCE = Histogram(
+    "microbatch_worker_inference_seconds",
+    "Time the model took per batch.",
+    ["model"],
+    buckets=SECONDS_BUCKETS,
+)
+REDELIVERIES = Counter(
+    "microbatch_worker_redeliveries_total",
+    "Entries taken over from dead consumers (or from the worker itself after an outage).",
+    ["model"],
+)
+DEAD_LETTERS = Counter(
+    "microbatch_worker_dead_letters_total", "Requests dead-lettered as poison.", ["model"]
+)
+RESTARTS = Counter(
+    "microbatch_worker_restarts_total", "Worker processes restarted by the supervisor.", ["model"]
+)
+QUEUE_DEPTH = Gauge(
+    "microbatch_queue_depth",
+    "Entries in the model's stream (waiting or being computed).",
+    ["model", "prefix"],
+    multiprocess_mode="mostrecent",
+)
+QUEUE_PENDING = Gauge(
+    "microbatch_queue_pending",
+    "Entries delivered to a worker and not yet answered.",
+    ["model", "prefix"],
+    multiprocess_mode="mostrecent",
+)
+LIVE_WORKERS = Gauge(
+    "microbatch_live_workers",
+    "Worker consumers with a live heartbeat.",
+    ["model", "prefix"],
+    multiprocess_mode="mostrecent",
+)
+
+
+class WorkerObserver(BatchObserver):
+    """Feeds the metrics, tells the supervisor when a batch starts and ends (its watchdog),
+    and logs the traceparent of traced requests with their batch."""
+
+    def __init__(self, model: str, consumer: str, report: Callable[[str], None]) -> None:
+        self.model = model
+        self.consumer = consumer
+        self.report = report
+        self.batch_size = BATCH_SIZE.labels(model)
+        self.queue_wait = QUEUE_WAIT.labels(model)
+        self.inference = INFERENCE.labels(model)
+        self.batches = BATCHES.labels(model)
+        self.redeliveries = REDELIVERIES.labels(model)
+
+    def batch_started(
+        self, size: int, queue_waits_s: Sequence[float], traces: Sequence[str]
+    ) -> None:
+        self.report("busy")
+        self.batch_size.observe(size)
+        for wait in queue_waits_s:
+            self.queue_wait.observe(max(0.0, wait))
+        if traces:
+            log.info(
+                "batch of %d on %s for %s; traceparent %s",
+                size, self.consumer, self.model, " ".join(traces),
+            )  # fmt: skip
+
+    def batch_finished(self, size: int, inference_s: float) -> None:
+        self.report("idle")
+        self.batches.inc()
+        self.inference.observe(inference_s)
+
+    def answered(self, outcome: str, count: int = 1) -> None:
+        ITEMS.labels(self.model, outcome).inc(count)
+        if outcome == "poison":
+            DEAD_LETTERS.labels(self.model).inc(count)
+
+    def redelivered(self) -> None:
+        self.redeliveries.inc()

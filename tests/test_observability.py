@@ -1,0 +1,99 @@
+"""Metrics and tracing, checked after real traffic through real processes."""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from broker import ModelError, Streamer
+from broker.devserver import RedisServer, free_port
+from tests.conftest import worker_process
+from tests.test_gateway import gateway_process
+
+TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text exposition (0 if absent)."""
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', line.split("}")[0]))
+        if all(found.get(k) == v for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def scrape(port: int) -> str:
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=2).text
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_worker_metrics_count_the_batches_the_workers_ran(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    port = free_port()
+    args = ("--workers", "2", "--batch-size", "4", "--metrics-port", str(port))
+    with worker_process(redis_server.url, "tests.models:Toy", prefix, *args, expect_consumers=2):
+        streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix)
+        futures = [streamer.submit([f"{call}-{i}" for i in range(3)]) for call in range(30)]
+        outputs = [out for future in futures for out in future.result(timeout=30)]
+        with pytest.raises(ModelError):
+            streamer.predict([{"fail": "boom"}])
+        streamer.close()
+        time.sleep(2.5)  # the supervisor samples the queue gauges every 2 s
+        text = scrape(port)
+
+    batches_run = len({(out["pid"], out["batch_no"]) for out in outputs}) + 1  # + the failing one
+    assert sample(text, "microbatch_worker_batch_size_count", model="toy") == batches_run
+    assert sample(text, "microbatch_worker_batches_total", model="toy") == batches_run
+    assert sample(text, "microbatch_worker_batch_size_sum", model="toy") == len(outputs) + 1
+    assert sample(text, "microbatch_worker_items_total", model="toy", outcome="ok") == 90
+    assert sample(text, "microbatch_worker_items_total", model="toy", outcome="model_error") == 1
+    assert sample(text, "microbatch_worker_queue_wait_seconds_count", model="toy") == 91
+    assert sample(text, "microbatch_worker_inference_seconds_count", model="toy") == batches_run
+    assert sample(text, "microbatch_live_workers", model="toy", prefix=prefix) == 2
+    assert "microbatch_queue_depth" in text and "microbatch_worker_restarts_total" in text
+
+
+def test_a_traced_request_is_found_in_the_workers_log_line_for_its_batch(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    log = tmp_path / "worker.log"
+    with (
+        worker_process(redis_server.url, "tests.models:Toy", prefix, log_path=log),
+        gateway_process(redis_server.url, ["tests.models:Toy"], prefix) as (base, _),
+    ):
+        streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix)
+        streamer.predict(["untraced"])
+        streamer.predict(["traced"], traceparent=TRACE)
+        streamer.close()
+        http_trace = TRACE.replace("00f067aa0ba902b7", "1111111111111111")
+        response = httpx.post(
+            f"{base}/v1/models/toy/predict",
+            json={"inputs": ["via http"]},
+            headers={"traceparent": http_trace},
+            timeout=10,
+        )
+        assert response.status_code == 200
+        forged = httpx.post(
+            f"{base}/v1/models/toy/predict",
+            json={"inputs": ["forged"]},
+            headers={"traceparent": "00-INJECTED-not-w3c"},
+            timeout=10,
+        )
+        assert forged.status_code == 200
+    lines = log.read_text().splitlines()
+    assert [line for line in lines if TRACE in line and "batch of 1" in line]
+    assert [line for line in lines if http_trace in line]
+    assert not [line for line in lines if "INJECTED" in line]
