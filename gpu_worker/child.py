@@ -95,13 +95,12 @@ async def serve(model: Any, config: Any, consumer: str) -> None:
 
 
 def main() -> int:
+    from broker.logs import configure_logging
+
     from .config import WorkerConfig
 
     config = WorkerConfig.from_json(os.environ[CONFIG_ENV])
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
-    )
+    configure_logging(config.log_level, config.log_format)
     device = os.environ.get(DEVICE_ENV, "cpu")
     try:
         from .model import load_model_class

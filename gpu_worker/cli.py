@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Annotated
 
 import typer
 
 from broker.client import DEFAULT_REDIS_URL
 from broker.keys import DEFAULT_PREFIX
+from broker.logs import configure_logging
 
 from .config import WorkerConfig
 from .devices import DeviceError, parse_cuda
@@ -135,6 +135,10 @@ def start(
     log_level: Annotated[
         str, typer.Option(envvar=f"{ENV}LOG_LEVEL", help="DEBUG, INFO, WARNING or ERROR.")
     ] = "INFO",
+    log_format: Annotated[
+        str,
+        typer.Option(envvar=f"{ENV}LOG_FORMAT", help="text, or json: one JSON object per line."),
+    ] = "text",
 ) -> None:
     """Start worker processes serving MODEL until SIGTERM or Ctrl-C.
 
@@ -143,11 +147,8 @@ def start(
     """
     from .supervisor import StartError, Supervisor
 
-    logging.basicConfig(
-        level=log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
-    )
     try:
+        configure_logging(log_level, log_format)
         config = WorkerConfig(
             model=model,
             name=name,
@@ -165,6 +166,7 @@ def start(
             heartbeat_ttl=heartbeat_ttl,
             max_deliveries=max_deliveries,
             log_level=log_level,
+            log_format=log_format,
         )
         supervisor = Supervisor(config)
     except (ValueError, DeviceError, ModelLoadError) as exc:

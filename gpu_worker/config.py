@@ -30,6 +30,7 @@ class WorkerConfig:
     heartbeat_ttl: float = 5.0
     max_deliveries: int = 3
     log_level: str = "INFO"
+    log_format: str = "text"
     extra: dict[str, str] = field(default_factory=dict)
 
     def validate(self) -> None:

@@ -48,8 +48,12 @@ def gateway_process(
     *args: str,
     env: dict[str, str] | None = None,
     workers: int = 1,
+    log_path: Path | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Run `gateway start` (gunicorn) on a free port; yield its base URL and process."""
+    """Run `gateway start` (gunicorn) on a free port; yield its base URL and process.
+
+    With ``log_path``, its log (stderr) goes to that file.
+    """
     port = free_port()
     command = [sys.executable, "-m", "web_gateway.cli", "start", "--redis", redis_url]
     for model in models:
@@ -59,7 +63,8 @@ def gateway_process(
     clean.pop("PROMETHEUS_MULTIPROC_DIR", None)
     full_env = {**clean, "PYTHONPATH": str(ROOT), "MICROBATCH_GATEWAY_LOG_LEVEL": "warning"}
     full_env.update(env or {})
-    process = subprocess.Popen(command, cwd=ROOT, env=full_env)
+    log = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115
+    process = subprocess.Popen(command, cwd=ROOT, env=full_env, stderr=log)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -81,6 +86,8 @@ def gateway_process(
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        if log is not None:
+            log.close()
 
 
 def check_error(response: httpx.Response, status: int, type_: str) -> dict[str, Any]:

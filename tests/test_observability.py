@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from pathlib import Path
@@ -97,3 +98,42 @@ def test_a_traced_request_is_found_in_the_workers_log_line_for_its_batch(
     assert [line for line in lines if TRACE in line and "batch of 1" in line]
     assert [line for line in lines if http_trace in line]
     assert not [line for line in lines if "INJECTED" in line]
+
+
+def test_json_logs_are_one_object_per_line(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    worker_log = tmp_path / "worker.log"
+    gateway_log = tmp_path / "gateway.log"
+    with (
+        worker_process(
+            redis_server.url,
+            "tests.models:Toy",
+            prefix,
+            "--log-format",
+            "json",
+            log_path=worker_log,
+        ),
+        gateway_process(
+            redis_server.url,
+            ["tests.models:Toy"],
+            prefix,
+            env={"MICROBATCH_GATEWAY_LOG_FORMAT": "json", "MICROBATCH_GATEWAY_LOG_LEVEL": "info"},
+            log_path=gateway_log,
+        ) as (base, _),
+    ):
+        response = httpx.post(
+            f"{base}/v1/models/toy/predict",
+            json={"inputs": ["secret-payload"]},
+            headers={"traceparent": TRACE},
+            timeout=10,
+        )
+        assert response.status_code == 200
+    for path in (worker_log, gateway_log):
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        assert lines, f"{path.name} is empty"
+        events = [json.loads(line) for line in lines]
+        assert all({"time", "level", "logger", "pid", "message"} <= set(e) for e in events)
+        assert "secret-payload" not in path.read_text()  # never payloads
+    worker_events = [json.loads(line) for line in worker_log.read_text().splitlines()]
+    assert any(TRACE in event["message"] for event in worker_events)

@@ -16,6 +16,7 @@ import typer
 
 from broker.client import DEFAULT_REDIS_URL
 from broker.keys import DEFAULT_PREFIX
+from broker.logs import FORMATS
 
 ENV = "MICROBATCH_GATEWAY_"
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,6 +124,10 @@ def start(
     log_level: Annotated[
         str, typer.Option(envvar=f"{ENV}LOG_LEVEL", help="debug, info, warning or error.")
     ] = "info",
+    log_format: Annotated[
+        str,
+        typer.Option(envvar=f"{ENV}LOG_FORMAT", help="text, or json: one JSON object per line."),
+    ] = "text",
 ) -> None:
     """Serve MODEL(s) over HTTP until SIGTERM or Ctrl-C.
 
@@ -145,6 +150,7 @@ def start(
         "MAX_QUEUE_BYTES": str(max_queue_bytes),
         "GRACEFUL_TIMEOUT": str(graceful_timeout),
         "LOG_LEVEL": log_level,
+        "LOG_FORMAT": log_format,
     }
     if auth_tokens_file is not None:
         env["AUTH_TOKENS_FILE"] = str(auth_tokens_file)
@@ -159,6 +165,8 @@ def start(
     from .settings import GatewaySettings
 
     try:
+        if log_format not in FORMATS:
+            raise ValueError(f"--log-format must be one of {FORMATS}, not {log_format!r}")
         settings = GatewaySettings()
         settings.tokens()
         names = [load_model_class(path).name for path in settings.model]

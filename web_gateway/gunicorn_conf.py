@@ -29,6 +29,7 @@ __all__ = [
     "control_socket_disable",
     "graceful_timeout",
     "keepalive",
+    "logconfig_dict",
     "loglevel",
     "on_exit",
     "on_starting",
@@ -56,6 +57,30 @@ timeout = 60  # a worker whose event loop stops answering gunicorn for this long
 keepalive = 5
 backlog = 2048
 loglevel = _env("LOG_LEVEL", "info").lower()
+# LOG_FORMAT=json: gunicorn's and the app's logs as one JSON object per line (broker.logs).
+logconfig_dict: dict[str, Any] = {}
+if _env("LOG_FORMAT", "text") == "json":
+    logconfig_dict = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"json": {"()": "broker.logs.JsonFormatter"}},
+        "handlers": {
+            "stderr": {
+                "class": "logging.StreamHandler",
+                "formatter": "json",
+                "stream": "ext://sys.stderr",
+            },
+        },
+        "root": {"level": loglevel.upper(), "handlers": ["stderr"]},
+        "loggers": {
+            "gunicorn.error": {
+                "level": loglevel.upper(),
+                "handlers": ["stderr"],
+                "propagate": False,
+            },
+            "gunicorn.access": {"level": "INFO", "handlers": ["stderr"], "propagate": False},
+        },
+    }
 accesslog = None  # access logs name paths only; enable with --access-logfile if wanted
 proc_name = "microbatch-gateway"
 # gunicorn >= 24 opens a control socket at one fixed path per user, which several gateways on
