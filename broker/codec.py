@@ -12,6 +12,7 @@ views the received bytes without a further copy. Torch tensors are encoded throu
 from __future__ import annotations
 
 import struct
+import threading
 from typing import Any
 
 import msgpack
@@ -135,13 +136,26 @@ def _ext_hook(code: int, data: bytes) -> Any:
     raise CodecError(f"unknown extension type {code}")
 
 
+_local = threading.local()
+
+
+def _packer() -> msgpack.Packer:
+    packer: msgpack.Packer | None = getattr(_local, "packer", None)
+    if packer is None:  # one per thread: a Packer is not thread-safe, and costs to create
+        packer = _local.packer = msgpack.Packer(default=_default, use_bin_type=True)
+    return packer
+
+
 def encode(obj: Any, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> bytes:
     """Encode a value (msgpack types, numpy arrays and scalars, torch tensors) to bytes."""
+    packer = _packer()
     try:
-        data: bytes = msgpack.packb(obj, default=_default, use_bin_type=True)
+        data: bytes = packer.pack(obj)
     except CodecError:
+        packer.reset()
         raise
     except (TypeError, ValueError, OverflowError) as exc:
+        packer.reset()
         raise CodecError(f"cannot encode value: {exc}") from exc
     if len(data) > max_bytes:
         raise CodecError(f"message of {len(data)} bytes is over the {max_bytes}-byte limit")

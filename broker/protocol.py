@@ -69,13 +69,14 @@ def request_fields(
     return fields
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Request:
     """One parsed stream entry."""
 
     entry_id: str
     request_id: str
     reply_key: str
+    arrival_ms: int
     deadline_ms: int
     data: bytes
     traceparent: str | None = None
@@ -109,9 +110,35 @@ def _text(fields: Fields, name: bytes) -> str | None:
         return None
 
 
+_VERSION_BYTES = VERSION.encode()
+
+
 def parse_request(entry_id: str | bytes, fields: Fields) -> Request:
     """Parse one stream entry; raise :class:`MalformedEntry` if it is not a valid v1 request."""
     entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    try:  # the common case, on the worker's hot path
+        timeout = fields[F_TIMEOUT]
+        request_id, reply_key = fields[F_ID].decode(), fields[F_REPLY].decode()
+        valid = fields[F_VERSION] == _VERSION_BYTES and timeout.isdigit()  # bytes: ASCII only
+        if valid and request_id and reply_key:
+            arrival_ms = entry_time_ms(entry)
+            trace = fields.get(F_TRACE)
+            return Request(
+                entry_id=entry,
+                request_id=request_id,
+                reply_key=reply_key,
+                arrival_ms=arrival_ms,
+                deadline_ms=arrival_ms + int(timeout),
+                data=fields[F_DATA],
+                traceparent=None if trace is None else valid_traceparent(_text(fields, F_TRACE)),
+            )
+    except (KeyError, UnicodeDecodeError, AttributeError):
+        pass
+    return _parse_carefully(entry, fields)
+
+
+def _parse_carefully(entry: str, fields: Fields) -> Request:
+    """The slow path of parse_request: find what is wrong, and who can be told."""
     request_id = _text(fields, F_ID)
     reply_key = _text(fields, F_REPLY)
     if not request_id or not reply_key:
@@ -135,13 +162,8 @@ def parse_request(entry_id: str | bytes, fields: Fields) -> Request:
             request_id=request_id,
             reply_key=reply_key,
         )
-    return Request(
-        entry_id=entry,
-        request_id=request_id,
-        reply_key=reply_key,
-        deadline_ms=entry_time_ms(entry) + int(timeout),
-        data=data,
-        traceparent=valid_traceparent(_text(fields, F_TRACE)),
+    raise MalformedEntry(  # pragma: no cover - every valid entry takes the fast path
+        "entry could not be parsed", request_id=request_id, reply_key=reply_key
     )
 
 
@@ -163,7 +185,7 @@ def encode_error(request_id: str, error: MicrobatchError | Exception) -> bytes:
     return packed
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Reply:
     """One decoded reply."""
 

@@ -168,7 +168,9 @@ class BatchLoop:
                     ready = True
                     # After a start or an outage: answer what this consumer still holds.
                     await self.redeliver(own=True)
-                if time.monotonic() >= self._next_reclaim and self._prefetch is None:
+                # Also with a batch read ahead: under a backlog there always is one, and a dead
+                # worker's entries must not wait for the backlog to drain.
+                if time.monotonic() >= self._next_reclaim and not self._stopping:
                     await self.redeliver(own=False)
                 skip: set[str] = set()
                 if self._prefetch is not None:
@@ -182,6 +184,9 @@ class BatchLoop:
                 if not entries:
                     await self.clock.maybe_sync(self.settings.clock_sync_s)
                     continue
+                if self.settings.max_latency_s > 0:
+                    # The batch formed over a wait: callers may have withdrawn items meanwhile.
+                    skip |= await self.transport.withdrawn(self.keys, [e[0] for e in entries])
                 if len(entries) >= self.settings.batch_size and not self._stopping:
                     # A full batch means a backlog: read the next one while this one computes.
                     # (After a short batch there is none; new arrivals are left to idle workers.)
@@ -297,7 +302,7 @@ class BatchLoop:
         if items:
             observer.batch_started(
                 len(items),
-                [(now_ms - entry_time_ms(r.entry_id)) / 1000 for r in live],
+                [(now_ms - r.arrival_ms) / 1000 for r in live],
                 [r.traceparent for r in live if r.traceparent],
             )
             started = time.perf_counter()

@@ -80,6 +80,8 @@ class Supervisor:
         self.keys = ModelKeys(config.name or self.model_class.name, config.prefix)
         self.heartbeats = Heartbeats(config.redis_url, self.keys, config.heartbeat_ttl)
         self._next_heartbeat = 0.0
+        # Renew well within the TTL: a renewal can come up to one select timeout late.
+        self._heartbeat_every = min(HEARTBEAT_EVERY_S, config.heartbeat_ttl / 3)
         self.selector = selectors.DefaultSelector()
         self.metrics: SupervisorMetrics | None = None
         if config.metrics_port is not None:
@@ -212,7 +214,7 @@ class Supervisor:
             raise
 
     def _step(self, start_deadline: float) -> None:
-        for key, _ in self.selector.select(timeout=0.2):
+        for key, _ in self.selector.select(timeout=min(0.2, self._heartbeat_every)):
             self._read_status(key.data)
         now = time.monotonic()
         for slot in self.slots:
@@ -224,7 +226,7 @@ class Supervisor:
         if self.metrics is not None:
             self.metrics.maybe_sample(now)
         if now >= self._next_heartbeat:
-            self._next_heartbeat = now + HEARTBEAT_EVERY_S
+            self._next_heartbeat = now + self._heartbeat_every
             self.heartbeats.renew(
                 slot.consumer
                 for slot in self.slots
