@@ -1,0 +1,337 @@
+"""gpu_worker.compat against the real service_streamer 0.1.2.
+
+The programs in tests/compat_programs/ use service_streamer the way its README does (a Flask app
+with ThreadedStreamer, the Future API, Streamer with a ManagedModel on cuda_devices and with a
+predict function, RedisStreamer with run_redis_workers_forever on two prefixes). Each runs
+twice: unchanged, under the real service_streamer 0.1.2 installed from PyPI into a virtualenv of
+its own (cached in .cache/, see ``service_streamer_python``), and with only its import line
+changed to ``gpu_worker.compat``, under this project. Their answers must be the same.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from broker.devserver import RedisServer, free_port
+from broker.errors import CodecError, DeadlineExceeded, ModelError
+from gpu_worker import compat
+from tests.conftest import ROOT
+
+PROGRAMS = Path(__file__).resolve().parent / "compat_programs"
+REAL = "service_streamer==0.1.2"
+VENV = ROOT / ".cache" / "service-streamer-0.1.2"
+IMPORT = "from service_streamer import"
+COMPAT_IMPORT = "from gpu_worker.compat import"
+
+
+# -- the two interpreters and the two copies of the programs ------------------------------------
+@pytest.fixture(scope="session")
+def service_streamer_python() -> str:
+    """A python with the real service_streamer 0.1.2, redis and flask (made once, then reused).
+
+    Built with ``python -m venv`` + ``pip install service_streamer==0.1.2 redis flask`` under
+    .cache/ (git-ignored); rebuilt when it does not import the real package.
+    """
+    python = VENV / "bin" / "python"
+    check = (
+        "import importlib.metadata as m, service_streamer, flask, redis; "
+        "assert m.version('service_streamer') == '0.1.2'"
+    )
+    if python.exists() and subprocess.run([python, "-c", check], timeout=60).returncode == 0:
+        return str(python)
+    shutil.rmtree(VENV, ignore_errors=True)
+    VENV.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True, timeout=120)
+    install = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    subprocess.run([*install, REAL, "redis", "flask"], check=True, timeout=600)
+    subprocess.run([python, "-c", check], check=True, timeout=60)
+    return str(python)
+
+
+@pytest.fixture(scope="session")
+def variants(
+    service_streamer_python: str, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[str, Path, dict[str, str]]]:
+    """name -> (python, directory of the programs, environment) for "real" and "compat"."""
+    real = tmp_path_factory.mktemp("real")
+    ours = tmp_path_factory.mktemp("compat")
+    for program in PROGRAMS.glob("*.py"):
+        source = program.read_text()
+        changed = source.replace(IMPORT, COMPAT_IMPORT)
+        # the one change: the import line (the programs are otherwise the same bytes)
+        differ = [
+            (a, b) for a, b in zip(source.splitlines(), changed.splitlines(), strict=True) if a != b
+        ]
+        assert all(a.startswith(IMPORT) and b.startswith(COMPAT_IMPORT) for a, b in differ)
+        (real / program.name).write_text(source)
+        (ours / program.name).write_text(changed)
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("MICROBATCH_", "PYTHON"))}
+    return {
+        "real": (service_streamer_python, real, base),
+        # On a host without GPUs, devices 0 and 1 are emulated (worker start's test hook);
+        # the real service_streamer does not check that they exist.
+        "compat": (
+            sys.executable,
+            ours,
+            {**base, "PYTHONPATH": str(ROOT), "MICROBATCH_CUDA_DEVICE_COUNT": "2"},
+        ),
+    }
+
+
+def run_program(
+    variant: tuple[str, Path, dict[str, str]], name: str, timeout: float = 120, **env: str
+) -> Any:
+    python, directory, base = variant
+    done = subprocess.run(
+        [python, name],
+        cwd=directory,
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@contextmanager
+def background(
+    variant: tuple[str, Path, dict[str, str]], name: str, **env: str
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run a program in its own process group; SIGTERM the group afterwards (its workers too)."""
+    python, directory, base = variant
+    process = subprocess.Popen(
+        [python, name], cwd=directory, env={**base, **env}, start_new_session=True
+    )
+    try:
+        yield process
+    finally:
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                process.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        deadline = time.monotonic() + 10  # spawned workers leave after their parent
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+
+
+def expected(sentence: str, suffix: str = "") -> str:
+    return f"{len(sentence.split())}:{sentence.upper()}{suffix}"
+
+
+# -- the programs, both ways ------------------------------------------------------------------
+def test_future_api_gives_the_same_results(variants: dict[str, Any]) -> None:
+    results = {name: run_program(variant, "future_api.py") for name, variant in variants.items()}
+    assert results["compat"] == results["real"]
+    head = [expected("How are you ?"), expected("Fine .")]
+    want = [[*head, expected(f"Thank you {i}")] for i in range(200)]
+    assert results["real"]["results"] == want
+    assert results["compat"]["batched"]  # 200 submits did not run one by one
+
+
+def test_streamer_with_managed_model_and_cuda_devices(
+    variants: dict[str, Any], tmp_path: Path
+) -> None:
+    outputs, gpu_ids = {}, {}
+    for name, variant in variants.items():
+        records = tmp_path / name
+        records.mkdir()
+        outputs[name] = run_program(variant, "managed_streamer.py", RECORD_DIR=str(records))
+        seen = [json.loads(path.read_text()) for path in records.glob("worker-*.json")]
+        gpu_ids[name] = sorted(worker["gpu_id"] for worker in seen)
+        if name == "compat":  # each worker process is pinned to its device before it starts
+            assert all(worker["visible"] == str(worker["gpu_id"]) for worker in seen)
+    assert outputs["compat"] == outputs["real"]
+    batch = ["twinkle twinkle little star", "Happy birthday to you", "the answer to life"]
+    assert outputs["real"]["outputs"] == [expected(s, "!") for s in batch]
+    assert outputs["real"]["futures"] == [
+        [expected(s, "!"), expected(s + " again", "!")] for s in batch * 10
+    ]
+    assert outputs["real"]["function"] == [expected(s, "~") for s in batch]
+    # worker_num=4 over cuda_devices=(0, 1): two workers per device, both ways
+    assert gpu_ids["compat"] == gpu_ids["real"] == [0, 0, 1, 1]
+
+
+def test_flask_app_with_threaded_streamer(variants: dict[str, Any]) -> None:
+    rng = np.random.default_rng(7)
+    words = ["deep", "learning", "service", "batch", "gpu", "web", "streamer", "flask"]
+    requests = [
+        [" ".join(rng.choice(words, size=int(rng.integers(1, 6)))) for _ in range(int(n))]
+        for n in rng.integers(1, 4, size=48)
+    ]
+    answers = {}
+    for name, variant in variants.items():
+        port = free_port()
+        with background(variant, "flask_threaded.py", PORT=str(port)):
+            base = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    if httpx.get(f"{base}/batches", timeout=1).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, f"{name}: the Flask app did not start"
+                time.sleep(0.1)
+            with httpx.Client(base_url=base, timeout=30) as http:
+
+                def ask(sentences: list[str], http: httpx.Client = http) -> Any:
+                    response = http.post("/stream", data={"s": sentences})
+                    assert response.status_code == 200, response.text
+                    return response.json()
+
+                with ThreadPoolExecutor(16) as pool:
+                    answers[name] = list(pool.map(ask, requests))
+                naive = http.post("/naive", data={"s": ["plain call"]}).json()
+                assert naive == [expected("plain call")]
+                assert http.get("/batches").json() > 1  # concurrent requests were batched
+    assert answers["compat"] == answers["real"]
+    assert answers["real"] == [[expected(s) for s in sentences] for sentences in requests]
+
+
+def test_redis_streamers_on_two_prefixes(variants: dict[str, Any], redis_server: Any) -> None:
+    broker = f"127.0.0.1:{redis_server.port}"
+    results = {}
+    for name, variant in variants.items():
+        run = uuid.uuid4().hex[:8]
+        one, two = f"channel_1_{run}", f"channel_2_{run}"
+        env = {"REDIS_BROKER": broker}
+        with (
+            background(variant, "redis_workers.py", PREFIX=one, MODEL_TAG="/one", **env),
+            background(variant, "redis_workers.py", PREFIX=two, MODEL_TAG="/two", **env),
+        ):
+            results[name] = run_program(
+                variant, "redis_client.py", PREFIX_1=one, PREFIX_2=two, **env
+            )
+    assert results["compat"] == results["real"]
+    batch = ["hello redis", "one two three", "service streamer"]
+    assert results["real"]["output_1"] == [expected(s, "/one") for s in batch]
+    assert results["real"]["output_2"] == [expected(s, "/two") for s in batch]
+    assert results["real"]["futures"] == [[expected(s, "/one")] for s in batch] + [
+        [expected(s, "/two")] for s in batch
+    ]
+
+
+# -- what microbatch changes: errors at once, never a 20 s hang ----------------------------------
+class Picky:
+    """A predict function's owner: fails on 'boom', sleeps on 'sleep'."""
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        if "sleep" in batch:
+            time.sleep(1.0)
+        if "boom" in batch:
+            raise ValueError("the model refuses 'boom'")
+        return [item if isinstance(item, list) else str(item).upper() for item in batch]
+
+
+class BrokenModel(compat.ManagedModel):
+    def init_model(self) -> None:
+        raise RuntimeError("no weights here")
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        return batch
+
+
+picky = Picky()
+
+
+def test_model_errors_are_raised_at_once_and_fail_only_their_item() -> None:
+    streamer = compat.ThreadedStreamer(picky.predict, batch_size=8, max_latency=0.05)
+    try:
+        started = time.monotonic()
+        with pytest.raises(ModelError, match="refuses 'boom'") as raised:
+            streamer.predict(["fine", "boom", "also fine"])
+        assert raised.value.index == 1
+        assert time.monotonic() - started < 5  # service_streamer: a 20 s hang, then TimeoutError
+        futures = [streamer.submit([word]) for word in ("a", "boom", "b")]
+        assert futures[0].result(5) == ["A"] and futures[2].result(5) == ["B"]
+        with pytest.raises(ModelError):
+            futures[1].result(5)
+        assert streamer.predict(["still", "serving"]) == ["STILL", "SERVING"]
+    finally:
+        streamer.destroy_workers()
+
+
+def test_values_travel_as_msgpack_never_pickle() -> None:
+    streamer = compat.ThreadedStreamer(picky.predict, batch_size=8, max_latency=0)
+    try:
+        assert streamer.predict([("a", "tuple")]) == [["a", "tuple"]]  # tuples come back as lists
+        with pytest.raises(CodecError, match="cannot be sent") as raised:
+            streamer.predict(["fine", object()])
+        assert raised.value.index == 1
+    finally:
+        streamer.destroy_workers()
+
+
+def test_timeouts_are_timeout_errors_and_destroyed_streamers_refuse() -> None:
+    streamer = compat.ThreadedStreamer(picky.predict, batch_size=8, max_latency=0)
+    with pytest.raises(TimeoutError) as raised:
+        streamer.predict(["sleep"], timeout=0.2)
+    assert isinstance(raised.value, DeadlineExceeded)
+    with pytest.raises(TimeoutError):
+        streamer.submit(["sleep"], timeout=0.2).result()
+    streamer.destroy_workers()
+    with pytest.raises(RuntimeError, match="destroy"):
+        streamer.predict(["late"])
+
+
+def test_streamer_refuses_what_workers_cannot_import_or_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(TypeError, match="by name"):
+        compat.Streamer(lambda batch: batch, 8)
+    local = Picky()
+    with pytest.raises(TypeError, match="module-level"):
+        compat.Streamer(local.predict, 8)
+    with pytest.raises(TypeError, match="JSON"):
+        compat.Streamer(BrokenModel, 8, model_init_args=[object()])
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="no weights here"):
+        compat.Streamer(BrokenModel, 8)
+    monkeypatch.setenv("MICROBATCH_CUDA_DEVICE_COUNT", "0")
+    with pytest.raises(RuntimeError, match="CUDA device 1 does not exist"):
+        compat.Streamer(picky.predict, 8, worker_num=2, cuda_devices=[1])
+    assert time.monotonic() - started < 60
+
+
+def test_redis_broker_addresses() -> None:
+    assert compat.redis_url("localhost:6379") == "redis://localhost:6379/0"
+    assert compat.redis_url("redis://:pw@h:1/2") == "redis://:pw@h:1/2"
+    with pytest.raises(ValueError):
+        compat.redis_url("localhost")
+    with pytest.raises(ValueError, match="prefix"):
+        compat.RedisStreamer(prefix="no spaces")
+
+
+def test_streamer_on_a_redis_of_your_own(redis_server: RedisServer) -> None:
+    streamer = compat.Streamer(picky.predict, 4, 0, worker_num=1, redis_url=redis_server.url)
+    try:
+        assert streamer.predict(["x", ["y"]]) == ["X", ["y"]]
+    finally:
+        streamer.destroy_workers()
