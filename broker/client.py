@@ -424,6 +424,13 @@ class Streamer:
             outputs = await asyncio.wrap_future(future)
         return self._postprocess(outputs)
 
+    async def aconnect(self) -> bool:
+        """Connect now from this event loop (so the first call does not pay for it).
+
+        Returns whether the broker answered; a broker that is down is not an error here.
+        """
+        return await self._get_loop_core().transport.ping()
+
     def close(self) -> None:
         """Release this process's connections and loop thread (the Streamer can be reused)."""
         if self._pid != os.getpid():

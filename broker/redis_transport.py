@@ -277,16 +277,7 @@ class RedisTransport:
 
     async def eviction_warning(self) -> str | None:
         """A warning if Redis may evict keys (streams would lose requests), else None."""
-        try:
-            policy = _text((await self.redis.config_get("maxmemory-policy"))["maxmemory-policy"])
-        except (ResponseError, KeyError, *UNAVAILABLE):
-            return None  # CONFIG may be disabled (managed Redis, ACLs): nothing to check
-        if policy == "noeviction":
-            return None
-        return (
-            f"Redis runs with maxmemory-policy {policy}: under memory pressure it may evict "
-            "request streams and lose requests; set maxmemory-policy noeviction"
-        )
+        return await eviction_warning(self.redis)
 
     async def time_ms(self) -> int:
         try:
@@ -303,6 +294,20 @@ class RedisTransport:
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+async def eviction_warning(client: aioredis.Redis) -> str | None:
+    """A warning if this Redis may evict keys (request streams would be lost), else None."""
+    try:
+        policy = _text((await client.config_get("maxmemory-policy"))["maxmemory-policy"])
+    except (ResponseError, KeyError, *UNAVAILABLE):
+        return None  # CONFIG may be disabled (managed Redis, ACLs): nothing to check
+    if policy == "noeviction":
+        return None
+    return (
+        f"Redis runs with maxmemory-policy {policy}: under memory pressure it may evict "
+        "request streams and lose requests; set maxmemory-policy noeviction"
+    )
 
 
 def _text(value: Any) -> str:

@@ -27,7 +27,7 @@ from starlette.responses import Response
 from broker.errors import MicrobatchError
 from broker.liveness import alive_consumers
 from broker.protocol import valid_traceparent
-from broker.redis_transport import connect
+from broker.redis_transport import connect, eviction_warning
 from gpu_worker.model import DATATYPES
 
 from . import kserve, metrics
@@ -89,6 +89,11 @@ class Gateway:
             self.settings.preprocess_threads, thread_name_prefix="gateway-cpu"
         )
         self.redis = connect(self.settings.redis_url, socket_timeout=PING_TIMEOUT_S)
+        warning = await eviction_warning(self.redis)
+        if warning:
+            log.warning("%s", warning)
+        for served in self.models.values():
+            await served.streamer.aconnect()  # the first request need not pay for connecting
 
     async def stop(self) -> None:
         loop = asyncio.get_running_loop()
