@@ -244,9 +244,24 @@ def test_compose_config_is_valid_and_env_example_holds_the_defaults(
     compose(files, "config", "-q", env_file=str(empty))
     compose(files, "config", "-q", env_file=str(ROOT / ".env.example"))
     # Every value in .env.example is the default the compose files apply without it.
-    assert compose(files, "config", env_file=str(empty)) == compose(
-        files, "config", env_file=str(ROOT / ".env.example")
+    merged = compose(files, "config", env_file=str(empty))
+    assert merged == compose(files, "config", env_file=str(ROOT / ".env.example"))
+    # `docker compose` v2 validates against the Compose Specification: so do the files as
+    # written and as merged and interpolated (check-jsonschema ships the spec's schema).
+    (tmp_path / "merged.yml").write_text(merged)
+    done = subprocess.run(
+        [
+            str(BIN / "check-jsonschema"),
+            "--builtin-schema",
+            "vendor.compose-spec",
+            *(str(ROOT / name) for name in files),
+            str(tmp_path / "merged.yml"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_compose_services(tmp_path: Path) -> None:
