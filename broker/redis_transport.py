@@ -297,11 +297,15 @@ class RedisTransport:
 
 
 async def eviction_warning(client: aioredis.Redis) -> str | None:
-    """A warning if this Redis may evict keys (request streams would be lost), else None."""
+    """A warning if this Redis may evict keys (request streams would be lost), else None.
+
+    Reads INFO (not CONFIG GET, which ACLs and managed services often refuse).
+    """
     try:
-        policy = _text((await client.config_get("maxmemory-policy"))["maxmemory-policy"])
-    except (ResponseError, KeyError, *UNAVAILABLE):
-        return None  # CONFIG may be disabled (managed Redis, ACLs): nothing to check
+        info = await client.info("memory")
+    except (ResponseError, *UNAVAILABLE):
+        return None  # nothing to check with
+    policy = _text(info.get("maxmemory_policy", "noeviction"))
     if policy == "noeviction":
         return None
     return (

@@ -195,6 +195,10 @@ class BatchLoop:
                 await self.process(entries, skip)
                 backoff = 0.05
             except BrokerUnavailable as exc:
+                if self._stopping:
+                    # What this worker still holds is taken over once its heartbeat lapses.
+                    log.warning("broker unavailable (%s) while stopping; stopping now", exc)
+                    return
                 log.warning("broker unavailable (%s); retrying in %.2f s", exc, backoff)
                 ready = False
                 await asyncio.sleep(backoff)
