@@ -86,6 +86,7 @@ class WorkerObserver(BatchObserver):
         self.inference = INFERENCE.labels(model)
         self.batches = BATCHES.labels(model)
         self.redeliveries = REDELIVERIES.labels(model)
+        self.dead_letters = DEAD_LETTERS.labels(model)  # exported as 0 until one happens
 
     def batch_started(
         self, size: int, queue_waits_s: Sequence[float], traces: Sequence[str]
@@ -108,7 +109,7 @@ class WorkerObserver(BatchObserver):
     def answered(self, outcome: str, count: int = 1) -> None:
         ITEMS.labels(self.model, outcome).inc(count)
         if outcome == "poison":
-            DEAD_LETTERS.labels(self.model).inc(count)
+            self.dead_letters.inc(count)
 
     def redelivered(self) -> None:
         self.redeliveries.inc()

@@ -12,7 +12,7 @@ import pytest
 
 from broker import ModelError, Streamer
 from broker.devserver import RedisServer, free_port
-from tests.conftest import worker_process
+from tests.conftest import ROOT, worker_process
 from tests.test_gateway import gateway_process
 
 TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -137,3 +137,26 @@ def test_json_logs_are_one_object_per_line(
         assert "secret-payload" not in path.read_text()  # never payloads
     worker_events = [json.loads(line) for line in worker_log.read_text().splitlines()]
     assert any(TRACE in event["message"] for event in worker_events)
+
+
+def test_every_metric_the_dashboard_queries_exists(redis_server: RedisServer, prefix: str) -> None:
+    dashboard = (ROOT / "deploy" / "grafana" / "microbatch.json").read_text()
+    queried = {
+        re.sub(r"_(bucket|sum|count)$", "", name)
+        for name in re.findall(r"\b(microbatch_[a-z_]+)", dashboard)
+    }
+    assert queried
+    port = free_port()
+    with (
+        worker_process(redis_server.url, "tests.models:Toy", prefix, "--metrics-port", str(port)),
+        gateway_process(redis_server.url, ["tests.models:Toy"], prefix) as (base, _),
+    ):
+        for i in range(5):
+            response = httpx.post(
+                f"{base}/v1/models/toy/predict", json={"inputs": [f"x{i}"]}, timeout=10
+            )
+            assert response.status_code == 200
+        time.sleep(2.5)  # queue gauges are sampled every 2 s
+        exposed = scrape(port) + httpx.get(f"{base}/metrics", timeout=5).text
+    declared = set(re.findall(r"^# TYPE (\w+) ", exposed, flags=re.MULTILINE))
+    assert queried <= declared, f"missing: {sorted(queried - declared)}"
