@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -42,6 +43,8 @@ class ConsumerStatus:
     idle_ms: int
     alive: bool
     heartbeat_expires_in_ms: int | None
+    current_batch: int = 0  # items in the batch it is computing (0: none)
+    current_batch_ms: int = 0  # for how long, as of its last heartbeat
 
 
 @dataclass
@@ -77,12 +80,14 @@ def model_status(client: redis.Redis, keys: ModelKeys) -> ModelStatus:
         infos: Any = client.xinfo_consumers(keys.stream, keys.group)
     except redis.ResponseError:  # no consumer group yet
         summary, infos = {"pending": 0}, []
-    names = {_text(info["name"]) for info in infos} | set(expiries)
+    names = sorted({_text(info["name"]) for info in infos} | set(expiries))
     by_name = {_text(info["name"]): info for info in infos}
+    beats: Any = client.mget([keys.heartbeat(name) for name in names]) if names else []
     consumers = []
-    for name in sorted(names):
+    for name, beat in zip(names, beats, strict=True):
         info = by_name.get(name, {})
         expiry = expiries.get(name)
+        state = _heartbeat_state(beat)
         consumers.append(
             ConsumerStatus(
                 name=name,
@@ -90,6 +95,8 @@ def model_status(client: redis.Redis, keys: ModelKeys) -> ModelStatus:
                 idle_ms=int(info.get("idle", 0)),
                 alive=expiry is not None and expiry > now_ms,
                 heartbeat_expires_in_ms=None if expiry is None else expiry - now_ms,
+                current_batch=int(state.get("batch", 0)),
+                current_batch_ms=int(state.get("batch_ms", 0)),
             )
         )
     return ModelStatus(
@@ -101,6 +108,17 @@ def model_status(client: redis.Redis, keys: ModelKeys) -> ModelStatus:
         dead_letters=int(dead),
         consumers=consumers,
     )
+
+
+def _heartbeat_state(value: Any) -> dict[str, Any]:
+    """The JSON a supervisor keeps in a heartbeat key (empty if absent or unreadable)."""
+    if not value:
+        return {}
+    try:
+        state = json.loads(value)
+    except ValueError:
+        return {}
+    return state if isinstance(state, dict) else {}
 
 
 def status(client: redis.Redis, prefix: str | None = None) -> list[ModelStatus]:

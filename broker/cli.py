@@ -61,24 +61,52 @@ def _connect(url: str) -> redis.Redis:
 
 def _status_tables(models: list[admin.ModelStatus]) -> Group:
     summary = Table(title="microbatch models", title_justify="left")
-    for column in ("prefix", "model", "queued", "pending", "queued bytes", "live workers",
-                   "dead letters"):  # fmt: skip
+    for column in (
+        "prefix",
+        "model",
+        "queued",
+        "pending",
+        "queued bytes",
+        "live workers",
+        "dead letters",
+    ):
         summary.add_column(column, justify="left" if column in ("prefix", "model") else "right")
     workers = Table(title="workers", title_justify="left")
-    for column in ("prefix", "model", "consumer", "alive", "pending", "idle s", "heartbeat s"):
+    for column in (
+        "prefix",
+        "model",
+        "consumer",
+        "alive",
+        "pending",
+        "idle s",
+        "heartbeat s",
+        "batch",
+        "batch s",
+    ):
         workers.add_column(column)
     for model in models:
         summary.add_row(
-            model.prefix, model.model, str(model.stream_length), str(model.pending),
-            str(model.queued_bytes), str(model.live_consumers), str(model.dead_letters),
-        )  # fmt: skip
+            model.prefix,
+            model.model,
+            str(model.stream_length),
+            str(model.pending),
+            str(model.queued_bytes),
+            str(model.live_consumers),
+            str(model.dead_letters),
+        )
         for consumer in model.consumers:
             expires = consumer.heartbeat_expires_in_ms
             workers.add_row(
-                model.prefix, model.model, consumer.name, "yes" if consumer.alive else "no",
-                str(consumer.pending), f"{consumer.idle_ms / 1000:.1f}",
+                model.prefix,
+                model.model,
+                consumer.name,
+                "yes" if consumer.alive else "no",
+                str(consumer.pending),
+                f"{consumer.idle_ms / 1000:.1f}",
                 "-" if expires is None else f"{expires / 1000:+.1f}",
-            )  # fmt: skip
+                str(consumer.current_batch) if consumer.current_batch else "-",
+                f"{consumer.current_batch_ms / 1000:.1f}" if consumer.current_batch else "-",
+            )
     return Group(summary, workers)
 
 
@@ -127,8 +155,13 @@ def list_dead(
     for column in ("dead id", "request id", "reason", "bytes", "age s"):
         table.add_column(column)
     for letter in letters:
-        table.add_row(letter.dead_id, letter.request_id, letter.reason,
-                      str(letter.data_bytes), f"{letter.age_s:.0f}")  # fmt: skip
+        table.add_row(
+            letter.dead_id,
+            letter.request_id,
+            letter.reason,
+            str(letter.data_bytes),
+            f"{letter.age_s:.0f}",
+        )
     Console().print(table)
 
 

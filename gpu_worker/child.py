@@ -68,7 +68,7 @@ async def serve(model: Any, config: Any, consumer: str) -> None:
     # Vouch for this consumer once before its first read; from then on the supervisor renews
     # it, so that no one takes over entries from a worker that is starting up.
     heartbeats = Heartbeats(config.redis_url, keys, config.heartbeat_ttl)
-    heartbeats.renew([consumer])
+    heartbeats.renew({consumer: {}})
     heartbeats.close()
     warning = await transport.eviction_warning()
     if warning:

@@ -9,8 +9,10 @@ starve them.
 
 from __future__ import annotations
 
+import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Mapping
+from typing import Any
 
 import redis
 
@@ -30,9 +32,13 @@ class Heartbeats:
         self.keys = keys
         self.ttl_ms = int(ttl_s * 1000)
 
-    def renew(self, consumers: Iterable[str]) -> bool:
-        """Vouch for ``consumers`` for another TTL; False (logged) if Redis is unreachable."""
-        consumers = list(consumers)
+    def renew(self, states: Mapping[str, Mapping[str, Any]]) -> bool:
+        """Vouch for consumers for another TTL; False (logged) if Redis is unreachable.
+
+        ``states`` maps each consumer to what `broker status` shows of it (its current batch);
+        the heartbeat key holds it as JSON, with the expiry.
+        """
+        consumers = list(states)
         if not consumers:
             return True
         try:
@@ -42,8 +48,9 @@ class Heartbeats:
             pipe.zadd(self.keys.consumers, dict.fromkeys(consumers, expires_ms))
             # forget consumers whose heartbeat lapsed long ago (their supervisor died)
             pipe.zremrangebyscore(self.keys.consumers, "-inf", expires_ms - FORGET_AFTER_MS)
-            for consumer in consumers:
-                pipe.set(self.keys.heartbeat(consumer), expires_ms, px=self.ttl_ms)
+            for consumer, state in states.items():
+                value = json.dumps({"expires_ms": expires_ms, **state})
+                pipe.set(self.keys.heartbeat(consumer), value, px=self.ttl_ms)
             pipe.execute()
         except redis.RedisError as exc:
             log.warning("cannot renew heartbeats: %s", exc)

@@ -77,7 +77,7 @@ class WorkerObserver(BatchObserver):
     """Feeds the metrics, tells the supervisor when a batch starts and ends (its watchdog),
     and logs the traceparent of traced requests with their batch."""
 
-    def __init__(self, model: str, consumer: str, report: Callable[[str], None]) -> None:
+    def __init__(self, model: str, consumer: str, report: Callable[..., None]) -> None:
         self.model = model
         self.consumer = consumer
         self.report = report
@@ -91,7 +91,7 @@ class WorkerObserver(BatchObserver):
     def batch_started(
         self, size: int, queue_waits_s: Sequence[float], traces: Sequence[str]
     ) -> None:
-        self.report("busy")
+        self.report("busy", size=size)
         self.batch_size.observe(size)
         for wait in queue_waits_s:
             self.queue_wait.observe(max(0.0, wait))

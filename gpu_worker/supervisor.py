@@ -59,6 +59,7 @@ class Slot:
     restarts: int = 0
     consumer: str | None = None
     busy_since: float | None = None
+    batch_items: int = 0
 
     @property
     def device(self) -> str:
@@ -132,6 +133,7 @@ class Supervisor:
                 log.info("worker %d ready (pid %s)", slot.index, message.get("pid"))
             elif message.get("event") == "busy":
                 slot.busy_since = time.monotonic()
+                slot.batch_items = int(message.get("size", 0))
             elif message.get("event") == "idle":
                 slot.busy_since = None
             elif message.get("event") == "error":
@@ -228,9 +230,11 @@ class Supervisor:
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self._heartbeat_every
             self.heartbeats.renew(
-                slot.consumer
-                for slot in self.slots
-                if slot.ready and slot.consumer is not None and not self._overran(slot, now)
+                {
+                    slot.consumer: self._state(slot, now)
+                    for slot in self.slots
+                    if slot.ready and slot.consumer is not None and not self._overran(slot, now)
+                }
             )
         if not self.all_ready_once:
             if all(slot.ready for slot in self.slots):
@@ -240,6 +244,13 @@ class Supervisor:
                 raise StartError(
                     f"workers not ready within {self.config.start_timeout:g} s (--start-timeout)"
                 )
+
+    @staticmethod
+    def _state(slot: Slot, now: float) -> dict[str, int]:
+        """What `broker status` shows of a worker: its current batch, if it is computing one."""
+        if slot.busy_since is None:
+            return {}
+        return {"batch": slot.batch_items, "batch_ms": int((now - slot.busy_since) * 1000)}
 
     def _overran(self, slot: Slot, now: float) -> bool:
         return slot.busy_since is not None and now - slot.busy_since > self.config.batch_timeout

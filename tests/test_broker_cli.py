@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import msgpack
 
@@ -35,7 +36,7 @@ def test_status_json_matches_redis(redis_server: RedisServer, prefix: str) -> No
     ):
         streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix)
         streamer.predict(["a", "b", "c"])
-        blocker = streamer.submit([{"sleep": 0.15}] * 8)  # a full batch keeps a worker busy
+        blocker = streamer.submit([{"sleep": 0.25}] * 8)  # a full batch keeps a worker busy
         queued = streamer.submit(["q1", "q2", "q3"])
         client.xadd(keys.dead_letters, {"id": "x", "dead_reason": "test", "data": b"123"})
         result = broker_cli("status", "--redis", redis_server.url, "--prefix", prefix, "--json")
@@ -45,6 +46,14 @@ def test_status_json_matches_redis(redis_server: RedisServer, prefix: str) -> No
         assert model["live_consumers"] == 2
         assert model["dead_letters"] == 1 == client.xlen(keys.dead_letters)
         assert model["stream_length"] == client.xlen(keys.stream) >= 3  # while the batch runs
+        # the supervisor reports the batch in hand with its next heartbeat (every second)
+        deadline, batches = time.monotonic() + 1.8, [0]
+        while max(batches) != 8 and time.monotonic() < deadline:
+            command = ("status", "--redis", redis_server.url, "--prefix", prefix, "--json")
+            batches = [
+                c["current_batch"] for c in json.loads(broker_cli(*command).stdout)[0]["consumers"]
+            ]
+        assert max(batches) == 8
         assert {c["name"] for c in model["consumers"]} == {
             name.decode() for name in client.zrange(keys.consumers, 0, -1)
         }
