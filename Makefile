@@ -68,8 +68,22 @@ typecheck: install
 test: lint typecheck
 	$(BIN)/python -m pytest -q
 
+# The benchmark harness (bench/harness.py): our scenarios and the alternatives (each built into its
+# own virtualenv under .cache/bench-venvs/ on first use), docs/benchmarks.md and its plots.
+# BENCH_ARGS passes options through, e.g. `make bench BENCH_ARGS=--quick`. HTTP arms need wrk.
+BENCH_ARGS ?=
 bench: install
-	$(BIN)/python -m bench.spine
+	@if command -v wrk >/dev/null 2>&1; then \
+		echo "wrk: $$(command -v wrk)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& DEBIAN_FRONTEND=noninteractive apt-get update -q \
+		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends wrk; then \
+		echo "wrk: installed with apt-get"; \
+	else \
+		echo "wrk: not on PATH and apt-get (as root) unavailable: the HTTP arms are skipped" >&2; \
+	fi
+	@echo "load average: $$(cut -d' ' -f1-3 /proc/loadavg) (the numbers are best below 1.0)"
+	$(BIN)/python -m bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,565 @@
+"""The benchmark harness: microbatch side by side with the alternatives, on this machine.
+
+    python -m bench                 # full: identity, mlp, heavy; every scenario; c = 1, 64, 256
+    python -m bench --quick         # < 1 minute, our own scenarios only (CI runs it)
+
+Scenarios (closed loop, fixed duration per window, one warm-up first, the median of --repeats
+windows reported; items/s, p50/p90/p99 latency, mean batch size the model ran):
+
+* ``direct, batched`` / ``direct, one at a time``: model.predict on full batches (the ceiling)
+  and on one item per call (the floor), in this process;
+* ``embedded (LocalStreamer)``: gpu_worker.LocalStreamer in the load process, asyncio callers;
+* ``redis, python client (asyncio)`` / ``(threads)``: one ``worker start`` process and a private
+  redis-server; the load in its own process: N asyncio tasks calling Streamer.apredict, or N
+  threads calling Streamer.predict;
+* ``http, gateway``: ``gateway start`` (gunicorn, 2 workers) + Redis + the worker, load from wrk
+  with a Lua script posting the JSON body;
+* the alternatives (full mode), each from its own virtualenv under .cache/bench-venvs/:
+  ``service_streamer RedisStreamer`` (threads, the same thread load generator as ours) with its
+  RedisWorker, and over HTTP with wrk: ``service_streamer ThreadedStreamer (Flask)``,
+  ``fastapi, per request``, ``litserve, batching``, ``mosec, batching``.
+
+Same payload (one 256-float vector per request; JSON ``{"inputs": [[...]]}`` over HTTP), same
+model code and weights (bench.models / examples.mlp), same torch thread count everywhere
+(--torch-threads: torch.set_num_threads and OMP_NUM_THREADS), max batch 64 and, for the
+alternatives that wait for batch-mates, a max wait of --max-wait-ms. Writes
+<output-dir>/harness.json (raw) and, unless --no-report, docs/benchmarks.md with PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+from bench import venvs
+from bench.load import BatchProbe, sample_input
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+MODELS = {
+    "identity": "bench.models:Identity",
+    "mlp": "examples.mlp:MLP",
+    "heavy": "bench.models:HeavyMLP",
+}
+OURS = [
+    "direct, batched",
+    "direct, one at a time",
+    "embedded (LocalStreamer)",
+    "redis, python client (asyncio)",
+    "redis, python client (threads)",
+    "http, gateway",
+]
+ALTERNATIVES = [
+    "service_streamer RedisStreamer (threads)",
+    "service_streamer ThreadedStreamer (Flask)",
+    "fastapi, per request",
+    "litserve, batching",
+    "mosec, batching",
+]
+UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3}
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Harness:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rows: list[dict[str, Any]] = []
+        self.tmp = Path(tempfile.mkdtemp(prefix="microbatch-bench-"))
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": str(args.torch_threads),
+            "MKL_NUM_THREADS": str(args.torch_threads),
+            "BENCH_TORCH_THREADS": str(args.torch_threads),
+            "BENCH_BATCH_SIZE": str(args.batch_size),
+            "BENCH_MAX_WAIT_MS": str(args.max_wait_ms),
+        }
+        body = json.dumps({"inputs": [[round(float(v), 6) for v in sample_input()]]})
+        self.body = body
+        self.lua = self.tmp / "post.lua"
+        self.lua.write_text(
+            'wrk.method = "POST"\n'
+            'wrk.headers["Content-Type"] = "application/json"\n'
+            f"wrk.body = {json.dumps(body)}\n"
+        )
+        self.memory: dict[str, dict[str, float]] = {}
+
+    # -- bookkeeping -------------------------------------------------------------------------
+
+    def record(
+        self, model: str, scenario: str, concurrency: int, windows: list[dict[str, Any]]
+    ) -> None:
+        def med(key: str) -> float | None:
+            values = [w[key] for w in windows if w.get(key) is not None]
+            return statistics.median(values) if values else None
+
+        row = {
+            "model": model,
+            "scenario": scenario,
+            "concurrency": concurrency,
+            "items_per_s": med("items_per_s"),
+            "p50_ms": med("p50_ms"),
+            "p90_ms": med("p90_ms"),
+            "p99_ms": med("p99_ms"),
+            "mean_batch": med("mean_batch"),
+            "errors": sum(int(w.get("errors") or 0) for w in windows),
+            "requests": sum(int(w.get("requests") or 0) for w in windows),
+            "windows": windows,
+        }
+        self.rows.append(row)
+        batch = f"{row['mean_batch']:.1f}" if row["mean_batch"] else "-"
+        log(
+            f"{model:8} {scenario:42} c={concurrency:<3} {row['items_per_s']:9,.0f} items/s "
+            f"p50 {row['p50_ms']:.2f} p99 {row['p99_ms']:.2f} ms batch {batch} "
+            f"errors {row['errors']}"
+        )
+
+    def failed(self, model: str, scenario: str, concurrency: int, error: str) -> None:
+        log(f"{model} {scenario} c={concurrency}: FAILED {error}")
+        self.rows.append(
+            {"model": model, "scenario": scenario, "concurrency": concurrency, "error": error}
+        )
+
+    def timing(self) -> dict[str, Any]:
+        a = self.args
+        return {"warmup": a.warmup, "duration": a.duration, "repeats": a.repeats}
+
+    # -- processes ---------------------------------------------------------------------------
+
+    @contextmanager
+    def process(
+        self, command: list[str], name: str, env: dict[str, str] | None = None
+    ) -> Iterator[subprocess.Popen[bytes]]:
+        logfile = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env={**self.env, **(env or {})},
+            stdout=logfile,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # so that its children (gunicorn workers, ...) end with it
+        )
+        try:
+            yield proc
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            except ProcessLookupError:
+                pass
+            logfile.close()
+
+    def load(self, python: str | Path, kind: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
+        spec = {**self.timing(), **spec}
+        timeout = 120 + spec["warmup"] + spec["repeats"] * spec["duration"] * 3
+        out = subprocess.run(
+            [str(python), "-m", "bench.load", kind, json.dumps(spec)],
+            cwd=ROOT,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr.strip()[-2000:])
+        result: list[dict[str, Any]] = json.loads(out.stdout.strip().splitlines()[-1])
+        return result
+
+    def wait_http(self, url: str, proc: subprocess.Popen[bytes], timeout: float = 180) -> None:
+        """Until a POST of the benchmark's body answers 200."""
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}")
+            try:
+                request = urllib.request.Request(
+                    url, self.body.encode(), {"Content-Type": "application/json"}
+                )
+                with urllib.request.urlopen(request, timeout=5) as response:
+                    if response.status == 200:
+                        json.loads(response.read())
+                        return
+            except Exception:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"{url} did not answer")
+
+    def wrk_once(self, url: str, concurrency: int, duration: float) -> dict[str, Any]:
+        threads = min(concurrency, 2)
+        command = ["wrk", f"-t{threads}", f"-c{concurrency}", f"-d{max(1, round(duration))}s"]
+        command += ["--latency", "--timeout", "30s", "-s", str(self.lua), url]
+        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+        def latency(q: int) -> float:
+            text = re.search(rf"\s{q}%\s+(\S+)", out).group(1)  # type: ignore[union-attr]
+            value = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text)
+            return float(value.group(1)) * UNITS[value.group(2)]  # type: ignore[union-attr]
+
+        bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+        socket_errors = re.search(
+            r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out
+        )
+        errors = int(bad.group(1)) if bad else 0
+        if socket_errors:
+            errors += sum(int(v) for v in socket_errors.groups())
+        return {
+            "items_per_s": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),  # type: ignore[union-attr]
+            "p50_ms": latency(50),
+            "p90_ms": latency(90),
+            "p99_ms": latency(99),
+            "requests": int(re.search(r"(\d+) requests in", out).group(1)),  # type: ignore[union-attr]
+            "errors": errors,
+        }
+
+    def wrk(self, url: str, concurrency: int, probe: BatchProbe) -> list[dict[str, Any]]:
+        a = self.args
+        self.wrk_once(url, concurrency, a.warmup)
+        windows = []
+        for _ in range(a.repeats):
+            before = probe.totals()
+            window = self.wrk_once(url, concurrency, a.duration)
+            window["mean_batch"] = probe.mean(before, probe.totals(), window["requests"])
+            windows.append(window)
+        return windows
+
+    def rss_mb(self, pid: int) -> float:
+        """Resident memory of a process and all its descendants, MB."""
+        total = 0.0
+        pids = [pid]
+        while pids:
+            current = pids.pop()
+            try:
+                status = Path(f"/proc/{current}/status").read_text()
+                total += int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024  # type: ignore[union-attr]
+                children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
+                pids += [int(c) for c in children]
+            except (OSError, AttributeError):
+                pass
+        return total
+
+    # -- scenarios ---------------------------------------------------------------------------
+
+    def direct(self, model: str) -> None:
+        from bench.spine import direct
+
+        for one, scenario in ((False, OURS[0]), (True, OURS[1])):
+            windows = []
+            direct(MODELS[model], self.args.batch_size, self.args.warmup, one)  # warm-up
+            for _ in range(self.args.repeats):
+                r = direct(MODELS[model], self.args.batch_size, self.args.duration, one)
+                windows.append(
+                    {
+                        "items_per_s": r.items_per_s,
+                        "p50_ms": r.p50_ms,
+                        "p90_ms": r.p90_ms,
+                        "p99_ms": r.p99_ms,
+                        "mean_batch": 1 if one else self.args.batch_size,
+                    }
+                )
+            self.record(model, scenario, 1, windows)
+
+    def embedded(self, model: str) -> None:
+        for c in self.args.concurrency:
+            spec = {
+                "concurrency": c,
+                "model": MODELS[model],
+                "batch_size": self.args.batch_size,
+                "torch_threads": self.args.torch_threads,
+            }
+            self.record(model, OURS[2], c, self.load(sys.executable, "local", spec))
+
+    def ours_served(self, model: str, redis_url: str) -> None:
+        a = self.args
+        prefix = f"bench{os.getpid()}"
+        metrics_port, gateway_port = free_port(), free_port()
+        worker = [sys.executable, "-m", "gpu_worker.cli", "start", "--model", MODELS[model]]
+        worker += ["--redis", redis_url, "--prefix", prefix, "--batch-size", str(a.batch_size)]
+        worker += ["--metrics-port", str(metrics_port), "--log-level", "WARNING"]
+        probe = BatchProbe(f"metrics:http://127.0.0.1:{metrics_port}/metrics")
+        with ExitStack() as stack:
+            worker_proc = stack.enter_context(self.process(worker, f"worker-{model}"))
+            self.wait_worker(redis_url, model, prefix, worker_proc)
+            base = {"name": model, "redis_url": redis_url, "prefix": prefix}
+            base["probe"] = probe.kind + ":" + probe.where
+            for kind, scenario in (("asyncio", OURS[3]), ("threads", OURS[4])):
+                for c in a.concurrency:
+                    self.record(
+                        model,
+                        scenario,
+                        c,
+                        self.load(sys.executable, kind, {**base, "concurrency": c}),
+                    )
+            self.memory.setdefault(model, {})["worker_rss_mb"] = self.rss_mb(worker_proc.pid)
+            if shutil.which("wrk") is None:
+                log("wrk is not on PATH (apt-get install wrk): skipping the HTTP scenarios")
+                return
+            gateway = [sys.executable, "-m", "web_gateway.cli", "start", "--model", MODELS[model]]
+            gateway += ["--redis", redis_url, "--prefix", prefix, "--port", str(gateway_port)]
+            gateway += ["--workers", str(a.gateway_workers), "--log-level", "warning"]
+            gateway_proc = stack.enter_context(self.process(gateway, f"gateway-{model}"))
+            url = f"http://127.0.0.1:{gateway_port}/v1/models/{model}/predict"
+            self.wait_http(url, gateway_proc)
+            for c in a.concurrency:
+                self.record(model, OURS[5], c, self.wrk(url, c, probe))
+            self.memory[model]["gateway_rss_mb"] = self.rss_mb(gateway_proc.pid)
+            self.memory[model]["gateway_processes"] = 1 + a.gateway_workers
+
+    def wait_worker(
+        self, redis_url: str, model: str, prefix: str, proc: subprocess.Popen[bytes]
+    ) -> None:
+        import redis
+
+        from broker.keys import ModelKeys
+        from broker.liveness import live_consumers
+
+        client = redis.Redis.from_url(redis_url)
+        keys = ModelKeys(model, prefix)
+        deadline = time.monotonic() + 180
+        while not live_consumers(client, keys):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("worker did not start: " + self.tail(f"worker-{model}"))
+            time.sleep(0.1)
+        client.close()
+
+    def tail(self, name: str) -> str:
+        try:
+            return (self.tmp / f"{name}.log").read_text(errors="replace")[-2000:]
+        except OSError:
+            return ""
+
+    def alternative(self, model: str, scenario: str, redis_port: int) -> None:
+        a = self.args
+        batch_log = self.tmp / f"batches-{model}-{ALTERNATIVES.index(scenario)}.log"
+        env = {"BENCH_MODEL": MODELS[model], "BENCH_BATCH_LOG": str(batch_log)}
+        probe = BatchProbe(f"file:{batch_log}")
+        port = free_port()
+        name = f"alt-{model}-{ALTERNATIVES.index(scenario)}"
+        if scenario == ALTERNATIVES[0]:
+            python = venvs.ensure("service_streamer")
+            prefix = f"ss{os.getpid()}"
+            broker = f"127.0.0.1:{redis_port}"
+            command = [str(python), "-m", "bench.alternatives.ss_redis_worker", broker, prefix]
+            with self.process(command, name, env) as proc:
+                # RedisWorker has no readiness signal: wait for its first batch
+                spec = {"concurrency": 1, "broker": broker, "prefix": prefix, "warmup": 0.0}
+                spec.update({"duration": 0.1, "repeats": 1})
+                deadline = time.monotonic() + 180
+                while probe.totals()[1] == 0:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError("RedisWorker did not start: " + self.tail(name))
+                    self.load(python, "ss-redis", {**spec, "probe": "none"})
+                for c in a.concurrency:
+                    spec = {"concurrency": c, "broker": broker, "prefix": prefix}
+                    spec["probe"] = f"file:{batch_log}"
+                    self.record(model, scenario, c, self.load(python, "ss-redis", spec))
+            return
+        if scenario == ALTERNATIVES[1]:
+            python = venvs.ensure("service_streamer")
+            command = [str(python), "-m", "bench.alternatives.ss_flask", str(port)]
+            url = f"http://127.0.0.1:{port}/predict"
+        elif scenario == ALTERNATIVES[2]:
+            python = venvs.ensure("fastapi")
+            command = [str(python), "-m", "uvicorn", "bench.naive_fastapi:app", "--port"]
+            command += [str(port), "--log-level", "warning", "--no-access-log"]
+            url = f"http://127.0.0.1:{port}/predict"
+            probe = BatchProbe("none")  # one item per call, by construction
+        elif scenario == ALTERNATIVES[3]:
+            python = venvs.ensure("litserve")
+            command = [str(python), "-m", "bench.alternatives.litserve_server", str(port)]
+            url = f"http://127.0.0.1:{port}/predict"
+        else:
+            python = venvs.ensure("mosec")
+            command = [str(python), "-m", "bench.alternatives.mosec_server", "--port", str(port)]
+            command += ["--timeout", "60000", "--log-level", "warning"]
+            url = f"http://127.0.0.1:{port}/inference"
+        with self.process(command, name, env) as proc:
+            try:
+                self.wait_http(url, proc)
+            except Exception as exc:
+                raise RuntimeError(f"{exc}: {self.tail(name)}") from exc
+            for c in a.concurrency:
+                windows = self.wrk(url, c, probe)
+                if scenario == ALTERNATIVES[2]:
+                    for w in windows:
+                        w["mean_batch"] = 1
+                self.record(model, scenario, c, windows)
+
+    # -- the run -----------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        import torch
+
+        from broker.devserver import RedisServer
+
+        torch.set_num_threads(self.args.torch_threads)
+        load_before = os.getloadavg()
+        started = time.time()
+        alternatives = [s for s in ALTERNATIVES if s in self.args.scenarios]
+        versions: dict[str, dict[str, str]] = {}
+        with RedisServer() as server:
+            for model in self.args.models:
+                log(f"model {model}")
+                steps: list[tuple[str, Any]] = [
+                    (OURS[0], lambda m=model: self.direct(m)),
+                    (OURS[2], lambda m=model: self.embedded(m)),
+                    (OURS[3], lambda m=model: self.ours_served(m, server.url)),
+                ]
+                for scenario, step in steps:
+                    if scenario in self.args.scenarios:
+                        try:
+                            step()
+                        except Exception as exc:
+                            self.failed(model, scenario, 0, repr(exc))
+                for scenario in alternatives:
+                    try:
+                        self.alternative(model, scenario, server.port)
+                    except Exception as exc:
+                        self.failed(model, scenario, 0, repr(exc)[-3000:])
+        for name in ("service_streamer", "fastapi", "litserve", "mosec"):
+            if venvs.python_of(name).exists() and alternatives:
+                with suppress(Exception):
+                    versions[name] = venvs.versions(name)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        return {
+            "command": " ".join(["python -m bench", *sys.argv[1:]]),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+            "elapsed_s": round(time.time() - started, 1),
+            "machine": machine(),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "python": platform.python_version(),
+            "versions": {"microbatch": our_versions(), **versions},
+            "settings": {
+                "torch_threads": self.args.torch_threads,
+                "batch_size": self.args.batch_size,
+                "max_wait_ms": self.args.max_wait_ms,
+                "gateway_workers": self.args.gateway_workers,
+                "duration_s": self.args.duration,
+                "warmup_s": self.args.warmup,
+                "repeats": self.args.repeats,
+                "concurrency": self.args.concurrency,
+                "wrk": wrk_version(),
+                "pinning": "none (2 cores: pinning would starve one side)",
+            },
+            "memory_mb": self.memory,
+            "results": self.rows,
+        }
+
+
+def machine() -> str:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model or platform.processor()}, {os.cpu_count()} cores, {platform.platform()}"
+
+
+def our_versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for dist in ("torch", "redis", "hiredis", "msgpack", "numpy", "fastapi", "uvicorn", "gunicorn"):
+        with suppress(md.PackageNotFoundError):
+            out[dist] = md.version(dist)
+    try:
+        server = subprocess.run(["redis-server", "--version"], capture_output=True, text=True)
+        out["redis-server"] = server.stdout.split()[2].removeprefix("v=")
+    except (OSError, IndexError):
+        pass
+    return out
+
+
+def wrk_version() -> str:
+    if shutil.which("wrk") is None:
+        return "not installed"
+    out = subprocess.run(["wrk", "-v"], capture_output=True, text=True)
+    return (out.stdout or out.stderr).splitlines()[0] if (out.stdout or out.stderr) else "wrk"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="< 1 minute, our scenarios only")
+    parser.add_argument("--models", help="comma-separated, of: identity,mlp,heavy")
+    parser.add_argument("--concurrency", help="comma-separated (default 1,64,256)")
+    parser.add_argument("--scenarios", help="comma-separated substrings of scenario names")
+    parser.add_argument("--no-alternatives", action="store_true")
+    parser.add_argument("--duration", type=float, help="seconds per measured window")
+    parser.add_argument("--warmup", type=float, help="seconds of warm-up per arm")
+    parser.add_argument("--repeats", type=int, help="measured windows per arm (median)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--max-wait-ms", type=float, default=5.0)
+    parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument("--gateway-workers", type=int, default=2)
+    parser.add_argument("--output-dir", type=Path, default=RESULTS)
+    parser.add_argument("--no-report", action="store_true", help="skip docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.models = (args.models or ("mlp" if quick else "identity,mlp,heavy")).split(",")
+    args.concurrency = [
+        int(c) for c in (args.concurrency or ("1,64" if quick else "1,64,256")).split(",")
+    ]
+    args.duration = args.duration or (0.5 if quick else 3.0)
+    args.warmup = args.warmup or (0.3 if quick else 1.0)
+    args.repeats = args.repeats or (1 if quick else 3)
+    every = OURS + ([] if (quick or args.no_alternatives) else ALTERNATIVES)
+    if args.scenarios:
+        wanted = [w.strip() for w in args.scenarios.split(",")]
+        every = [s for s in every if any(w in s for w in wanted)]
+    args.scenarios = every
+    for model in args.models:
+        if model not in MODELS:
+            parser.error(f"unknown model {model!r}: one of {', '.join(MODELS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    report = Harness(args).run()
+    report["quick"] = args.quick
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    name = "harness-quick.json" if args.quick else "harness.json"
+    path = args.output_dir / name
+    path.write_text(json.dumps(report, indent=2))
+    log(f"wrote {path}")
+    if not args.no_report and not args.quick:
+        from bench import report as report_module
+
+        report_module.write(report)
+
+
+if __name__ == "__main__":
+    main()
