@@ -186,7 +186,7 @@ class Embedder(ManagedModel):
         self.vocab_size = int(transformer.model.config.vocab_size)
 
     def warmup(self) -> None:
-        self.predict([self.tokenizer.encode("warm up"), self.tokenizer.encode("a b c " * 40)])
+        self.predict([self.preprocess("warm up"), self.preprocess("a b c " * 40)])
 
     def check(self, item: Any) -> np.ndarray:
         """One item as token ids; raises ValueError for ids the model cannot take."""
@@ -217,3 +217,85 @@ class Embedder(ManagedModel):
         with torch.inference_mode():
             embeddings = self.model(features)["sentence_embedding"]
         return list(embeddings.float().cpu().numpy())
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m examples.embedder``: the whole embedding service on this machine.
+
+    Starts a private redis-server (unless ``--redis`` names one), one ``worker start`` and one
+    ``gateway start`` serving this model, waits until the model is ready, prints a curl line,
+    and runs until Ctrl-C or SIGTERM.
+    """
+    import argparse
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    from contextlib import ExitStack
+
+    parser = argparse.ArgumentParser(prog="python -m examples.embedder", description=main.__doc__)
+    parser.add_argument("--port", type=int, default=8000, help="the gateway's port")
+    parser.add_argument("--host", default="127.0.0.1", help="the gateway's address")
+    parser.add_argument("--redis", help="a Redis URL (default: a private redis-server)")
+    parser.add_argument("--workers", type=int, default=1, help="model worker processes")
+    args = parser.parse_args(argv)
+    model = f"{__name__ if __name__ != '__main__' else 'examples.embedder'}:Embedder"
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    with ExitStack() as stack:
+        url = args.redis
+        if url is None:
+            from broker.devserver import RedisServer
+
+            url = stack.enter_context(RedisServer()).url
+        commands = [
+            ["gpu_worker.cli", "start", "--workers", str(args.workers)],
+            ["web_gateway.cli", "start", "--host", args.host, "--port", str(args.port)],
+        ]
+        processes = []
+        for command in commands:
+            full = [sys.executable, "-m", *command, "--model", model, "--redis", url]
+            process = subprocess.Popen(full)
+            stack.callback(_stop, process)
+            processes.append(process)
+        ready = f"http://127.0.0.1:{args.port}/v2/models/{Embedder.name}/ready"
+        while True:
+            if any(process.poll() is not None for process in processes):
+                print("the worker or the gateway exited; see above", file=sys.stderr)
+                return 1
+            try:
+                with urllib.request.urlopen(ready, timeout=1) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        base = f"http://{args.host}:{args.port}"
+        print(
+            f"\nembedding service ready on {base} (Ctrl-C stops it). Try:\n"
+            f"  curl -s {base}/v1/models/embedder/predict -H 'Content-Type: application/json' "
+            """-d '{"inputs": ["A man is eating food.", "Someone is having a meal."]}'\n""",
+            flush=True,
+        )
+        try:
+            while all(process.poll() is None for process in processes):
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+def _stop(process: Any) -> None:
+    import subprocess
+
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
