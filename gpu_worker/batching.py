@@ -201,6 +201,9 @@ class BatchLoop:
                     return
                 log.warning("broker unavailable (%s); retrying in %.2f s", exc, backoff)
                 ready = False
+                if self._prefetch is not None:  # what it read, if anything, is answered as own
+                    self._prefetch.cancel()
+                    self._prefetch = None
                 await asyncio.sleep(backoff)
                 backoff = min(1.0, backoff * 2)
 
@@ -210,24 +213,30 @@ class BatchLoop:
         Entries are claimed and answered one at a time: a request that kills its worker then
         takes no innocent entry down with it (claiming counts as a delivery), and each runs
         alone. One delivered ``max_deliveries`` times already is dead-lettered and its caller
-        gets PoisonRequest.
+        gets PoisonRequest. This worker's own entries (after an outage) are the exception:
+        none of them killed a worker (this one is alive), so they run together, as batches.
         """
         settings = self.settings
         read_ahead = self._withdrawn
-        for _ in range(settings.batch_size):  # a bounded share per round; fresh work goes on
+        # own: at most a batch in hand and one read ahead; else a bounded share per round
+        count, rounds = (settings.batch_size, 2) if own else (1, settings.batch_size)
+        for _ in range(rounds):
             taken = await self.transport.reclaim(
-                self.keys, self.consumer, settings.reclaim_min_idle_ms, 1, own
+                self.keys, self.consumer, settings.reclaim_min_idle_ms, count, own
             )
             if not taken:
                 break
-            ((entry, deliveries),) = taken
-            self.redelivered += 1
-            self.observer.redelivered()
-            withdrawn = await self.transport.withdrawn(self.keys, [entry[0]])
-            if deliveries >= settings.max_deliveries and not withdrawn:
-                await self._dead_letter_poison(entry, deliveries)
-            else:
-                await self.process([entry], withdrawn)
+            withdrawn = await self.transport.withdrawn(self.keys, [e[0] for e, _ in taken])
+            batch = []
+            for entry, deliveries in taken:
+                self.redelivered += 1
+                self.observer.redelivered()
+                if deliveries >= settings.max_deliveries and entry[0] not in withdrawn:
+                    await self._dead_letter_poison(entry, deliveries)
+                else:
+                    batch.append(entry)
+            if batch:
+                await self.process(batch, withdrawn)
         self._withdrawn = read_ahead  # answering these must not forget the read-ahead checks
         self._next_reclaim = time.monotonic() + settings.reclaim_every_s
 
