@@ -249,10 +249,18 @@ class RedisTransport:
             keys.stream, keys.group, consumer, 0 if own else min_idle_ms, list(deliveries)
         )
         found = [(_text(entry_id), fields) for entry_id, fields in claimed if entry_id is not None]
-        # Entries deleted while pending (answered, then the ack was lost) come back empty.
-        gone = set(deliveries) - {entry_id for entry_id, _ in found}
-        if gone:
-            await self.redis.xack(keys.stream, keys.group, *gone)
+        # Not claimed: deleted while pending (answered, then the ack was lost), or not idle for
+        # min_idle_ms (read just before its worker died, or just claimed by another worker).
+        # Only the deleted ones may be acknowledged: acking the others would lose them.
+        missed = sorted(set(deliveries) - {entry_id for entry_id, _ in found})
+        if missed:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for entry_id in missed:
+                    pipe.xrange(keys.stream, entry_id, entry_id)
+                rows = await pipe.execute()
+            gone = [entry_id for entry_id, row in zip(missed, rows, strict=True) if not row]
+            if gone:
+                await self.redis.xack(keys.stream, keys.group, *gone)
         if found:
             log.warning(
                 "took over %d entr%s from %s consumer %s",

