@@ -251,14 +251,19 @@ class RedisTransport:
         found = [(_text(entry_id), fields) for entry_id, fields in claimed if entry_id is not None]
         # Not claimed: deleted while pending (answered, then the ack was lost), or not idle for
         # min_idle_ms (read just before its worker died, or just claimed by another worker).
-        # Only the deleted ones may be acknowledged: acking the others would lose them.
+        # Only the deleted ones may be acknowledged: acking the others would lose them. Redis 7
+        # drops deleted entries from the group itself; Redis 6.2 hands them to the claimer.
         missed = sorted(set(deliveries) - {entry_id for entry_id, _ in found})
         if missed:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for entry_id in missed:
-                    pipe.xrange(keys.stream, entry_id, entry_id)
-                rows = await pipe.execute()
-            gone = [entry_id for entry_id, row in zip(missed, rows, strict=True) if not row]
+                    pipe.xpending_range(keys.stream, keys.group, entry_id, entry_id, 1)
+                owners: Any = await pipe.execute()
+            gone = [
+                entry_id
+                for entry_id, rows in zip(missed, owners, strict=True)
+                if rows and _text(rows[0]["consumer"]) == consumer
+            ]
             if gone:
                 await self.redis.xack(keys.stream, keys.group, *gone)
         if found:
