@@ -43,6 +43,7 @@ class InMemoryTransport:
         self._last_ms = 0
         self._seq = 0
         self.dead: dict[str, list[tuple[Entry, str]]] = {}
+        self.cancellations_pending = True
 
     def _stream(self, key: str) -> _Stream:
         stream = self._streams.get(key)
@@ -158,6 +159,7 @@ class InMemoryTransport:
             for _ in range(3):
                 await asyncio.sleep(0)
         source = self._stream(keys.stream)
+        self.cancellations_pending = bool(source.withdrawn)
         return {entry_id for entry_id in check if entry_id in source.withdrawn}
 
     async def withdrawn(self, keys: ModelKeys, entry_ids: Sequence[str]) -> set[str]:

@@ -42,6 +42,7 @@ class RedisTransport:
         self.url = url
         self.redis = connect(url, **options)
         self._has_blmpop: bool | None = None
+        self.cancellations_pending = True  # as of the last finish(); True until known
 
     async def _server_has_blmpop(self) -> bool:
         if self._has_blmpop is None:
@@ -158,9 +159,12 @@ class RedisTransport:
                 self._remove(pipe, keys, entries)
                 if check:
                     pipe.zmscore(keys.cancelled, list(check))
+                pipe.zcard(keys.cancelled)
                 results = await pipe.execute(raise_on_error=False)
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
+        pending = results.pop()
+        self.cancellations_pending = not isinstance(pending, int) or pending > 0
         scores: Any = results.pop() if check else []
         for result in results:
             if isinstance(result, Exception):  # e.g. a reply key that is not a list

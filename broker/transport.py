@@ -43,6 +43,9 @@ class Transport(Protocol):
     Every method raises :class:`broker.errors.BrokerUnavailable` when the broker cannot be reached.
     """
 
+    cancellations_pending: bool
+    """Whether callers had withdrawn entries that workers still held, as of the last finish()."""
+
     # -- caller side ----------------------------------------------------------------------
     async def enqueue(
         self, keys: ModelKeys, calls: Sequence[Sequence[EntryFields]], bound: QueueBound

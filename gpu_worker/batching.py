@@ -36,6 +36,9 @@ from broker.transport import Entry, Transport
 
 log = logging.getLogger("microbatch.worker")
 
+# Event-loop turns redis-py needs to take a connection and write a command (measured: 2).
+PREFETCH_TURNS = 3
+
 PredictFn = Callable[[list[Any]], Sequence[Any]]
 
 
@@ -140,6 +143,7 @@ class BatchLoop:
         self._stopping = False
         self._prefetch: asyncio.Task[list[Entry]] | None = None
         self._withdrawn: set[str] = set()  # read ahead, then withdrawn by their callers
+        self._checked: set[str] = set()  # read-ahead ids the last finish() checked
         self._next_reclaim = 0.0
         self.redelivered = 0
         self.dead_lettered = 0
@@ -178,6 +182,11 @@ class BatchLoop:
                     task, self._prefetch = self._prefetch, None
                     entries = await task
                     skip, self._withdrawn = self._withdrawn, set()
+                    # A read ahead usually completes after the last check was sent (the model
+                    # held the loop): check what was not checked, if anything is withdrawn.
+                    unchecked = [e[0] for e in entries if e[0] not in self._checked]
+                    if unchecked and self.transport.cancellations_pending:
+                        skip |= await self.transport.withdrawn(self.keys, unchecked)
                 elif self._stopping:
                     return
                 else:
@@ -192,7 +201,8 @@ class BatchLoop:
                     # A full batch means a backlog: read the next one while this one computes.
                     # (After a short batch there is none; new arrivals are left to idle workers.)
                     self._prefetch = asyncio.ensure_future(self.read_batch())
-                    await asyncio.sleep(0)  # let the prefetch send its read before the model runs
+                    for _ in range(PREFETCH_TURNS):  # let the read go out before the model runs
+                        await asyncio.sleep(0)
                 await self.process(entries, skip)
                 backoff = 0.05
             except BrokerUnavailable as exc:
@@ -339,8 +349,13 @@ class BatchLoop:
         dead_ids = {entry_id for entry_id, _ in dead}
         answered = [entry for entry in entries if entry[0] not in dead_ids]
         self._withdrawn = await self.transport.finish(
-            self.keys, replies, answered, self.settings.reply_ttl_s, self._read_ahead_ids()
+            self.keys, replies, answered, self.settings.reply_ttl_s, self._note_checked()
         )
+
+    def _note_checked(self) -> list[str]:
+        ids = self._read_ahead_ids()
+        self._checked = set(ids)
+        return ids
 
     def _read_ahead_ids(self) -> list[str]:
         """Entry ids of the batch read ahead while this one computed, if it has arrived."""
