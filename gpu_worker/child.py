@@ -54,6 +54,7 @@ async def serve(model: Any, config: Any, consumer: str) -> None:
     from broker.keys import ModelKeys
     from broker.redis_transport import RedisTransport
 
+    from .batch_state import STATE_FILE_ENV, BatchState
     from .batching import BatchLoop, BatchSettings
     from .heartbeat import Heartbeats
     from .metrics import WorkerObserver
@@ -73,7 +74,8 @@ async def serve(model: Any, config: Any, consumer: str) -> None:
     warning = await transport.eviction_warning()
     if warning:
         log.warning("%s", warning)
-    observer = WorkerObserver(keys.model, consumer, report)
+    state_file = os.environ.get(STATE_FILE_ENV)
+    observer = WorkerObserver(keys.model, consumer, BatchState(state_file) if state_file else None)
     batch_loop = BatchLoop(model.predict, transport, keys, consumer, settings, observer)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -8,10 +8,11 @@ them all as one endpoint. Names are documented in docs/metrics.md.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from .batch_state import BatchState
 from .batching import BatchObserver
 
 log = logging.getLogger("microbatch.worker")
@@ -77,10 +78,10 @@ class WorkerObserver(BatchObserver):
     """Feeds the metrics, tells the supervisor when a batch starts and ends (its watchdog),
     and logs the traceparent of traced requests with their batch."""
 
-    def __init__(self, model: str, consumer: str, report: Callable[..., None]) -> None:
+    def __init__(self, model: str, consumer: str, state: BatchState | None = None) -> None:
         self.model = model
         self.consumer = consumer
-        self.report = report
+        self.state = state
         self.batch_size = BATCH_SIZE.labels(model)
         self.queue_wait = QUEUE_WAIT.labels(model)
         self.inference = INFERENCE.labels(model)
@@ -91,7 +92,8 @@ class WorkerObserver(BatchObserver):
     def batch_started(
         self, size: int, queue_waits_s: Sequence[float], traces: Sequence[str]
     ) -> None:
-        self.report("busy", size=size)
+        if self.state is not None:
+            self.state.busy(size)
         self.batch_size.observe(size)
         for wait in queue_waits_s:
             self.queue_wait.observe(max(0.0, wait))
@@ -102,7 +104,8 @@ class WorkerObserver(BatchObserver):
             )  # fmt: skip
 
     def batch_finished(self, size: int, inference_s: float) -> None:
-        self.report("idle")
+        if self.state is not None:
+            self.state.idle()
         self.batches.inc()
         self.inference.observe(inference_s)
 

@@ -25,6 +25,7 @@ import redis
 
 from broker.keys import ModelKeys
 
+from .batch_state import STATE_FILE_ENV, BatchState
 from .child import CONFIG_ENV, DEVICE_ENV, STATUS_FD_ENV
 from .config import WorkerConfig
 from .devices import child_environment, plan_devices
@@ -60,6 +61,7 @@ class Slot:
     consumer: str | None = None
     busy_since: float | None = None
     batch_items: int = 0
+    state: BatchState | None = None
 
     @property
     def device(self) -> str:
@@ -96,6 +98,10 @@ class Supervisor:
         env = child_environment(slot.cuda_visible)
         env[CONFIG_ENV] = self.config.to_json()
         env[STATUS_FD_ENV] = str(write_fd)
+        if slot.state is None:
+            slot.state = BatchState.create()
+        slot.state.idle()
+        env[STATE_FILE_ENV] = slot.state.path
         env[DEVICE_ENV] = slot.device
         slot.process = subprocess.Popen(
             [sys.executable, "-m", "gpu_worker.child"], env=env, pass_fds=(write_fd,)
@@ -131,11 +137,6 @@ class Supervisor:
                 slot.consumer = str(message.get("consumer"))
                 self._next_heartbeat = 0.0  # vouch for it at once
                 log.info("worker %d ready (pid %s)", slot.index, message.get("pid"))
-            elif message.get("event") == "busy":
-                slot.busy_since = time.monotonic()
-                slot.batch_items = int(message.get("size", 0))
-            elif message.get("event") == "idle":
-                slot.busy_since = None
             elif message.get("event") == "error":
                 slot.last_error = str(message.get("message", "unknown error"))
 
@@ -224,6 +225,9 @@ class Supervisor:
                 self._reap(slot, now)
             elif slot.process is None and slot.restart_at is not None and now >= slot.restart_at:
                 self._spawn(slot)
+        for slot in self.slots:
+            if slot.state is not None and slot.process is not None:
+                slot.batch_items, slot.busy_since = slot.state.read()
         self._watchdog(now)
         if self.metrics is not None:
             self.metrics.maybe_sample(now)
@@ -269,6 +273,8 @@ class Supervisor:
                 slot.last_error = "killed by the watchdog: batch ran past --batch-timeout"
                 process.kill()
                 slot.busy_since = None
+                if slot.state is not None:
+                    slot.state.idle()
 
     def _drain(self, grace: float | None = None) -> int:
         deadline = time.monotonic() + (self.config.graceful_timeout if grace is None else grace)
@@ -289,6 +295,8 @@ class Supervisor:
             self._close_status(slot)
             if slot.consumer is not None:
                 self.heartbeats.retire(slot.consumer)
+            if slot.state is not None:
+                slot.state.close(unlink=True)
         self.heartbeats.close()
         if self.metrics is not None:
             self.metrics.close()
