@@ -558,7 +558,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args.no_report and not args.quick:
         from bench import report as report_module
 
-        report_module.write(report)
+        report_module.main(path)
 
 
 if __name__ == "__main__":

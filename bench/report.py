@@ -23,6 +23,13 @@ BATCHED, ONE = "direct, batched", "direct, one at a time"
 REDIS_ASYNC, HTTP = "redis, python client (asyncio)", "http, gateway"
 SS_REDIS = "service_streamer RedisStreamer (threads)"
 MOSEC = "mosec, batching"
+ALTERNATIVE_SCENARIOS = [
+    SS_REDIS,
+    "service_streamer ThreadedStreamer (Flask)",
+    "fastapi, per request",
+    "litserve, batching",
+    MOSEC,
+]
 HTTP_ALTERNATIVES = [
     "service_streamer ThreadedStreamer (Flask)",
     "fastapi, per request",
@@ -152,7 +159,8 @@ def targets(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
             best = max(others, key=lambda r: r["items_per_s"])
             out.append(
                 (
-                    "mlp over HTTP, c=64: well ahead of LitServe, service_streamer, FastAPI",
+                    "mlp over HTTP, c=64: well ahead (here: >= 1.5x) of LitServe, "
+                    "service_streamer, FastAPI",
                     f"{gateway['items_per_s']:,.0f} vs best of them {best['items_per_s']:,.0f} "
                     f"({best['scenario']}): {gateway['items_per_s'] / best['items_per_s']:.1f}x",
                     verdict(gateway["items_per_s"] >= 1.5 * best["items_per_s"]),
@@ -177,7 +185,7 @@ def plot(report: dict[str, Any], model: str, path: Path) -> None:
         points = sorted((r["concurrency"], r) for r in rows if r["scenario"] == scenario)
         xs = [c for c, _ in points]
         style = {"marker": markers[i % len(markers)], "label": scenario}
-        style["linestyle"] = "-" if "alternative" not in scenario and i < 4 else "--"
+        style["linestyle"] = "--" if scenario in ALTERNATIVE_SCENARIOS else "-"
         ax1.plot(xs, [r["items_per_s"] for _, r in points], **style)
         ax2.plot(xs, [r["p50_ms"] for _, r in points], **style)
         ax3.plot(xs, [r["p99_ms"] for _, r in points], **style)
@@ -189,9 +197,12 @@ def plot(report: dict[str, Any], model: str, path: Path) -> None:
     ax2.set(title=f"{model}: p50 latency", xlabel="concurrency", ylabel="ms")
     ax3.set(title=f"{model}: p99 latency", xlabel="concurrency", ylabel="ms")
     for ax in (ax1, ax2, ax3):
-        ax.set_xscale("symlog", linthresh=1)
-        ax.set_xticks(report["settings"]["concurrency"])
-        ax.set_xticklabels([str(c) for c in report["settings"]["concurrency"]])
+        ax.set_xscale("log")
+        levels = report["settings"]["concurrency"]
+        ax.set_xlim(min(levels) / 1.5, max(levels) * 1.5)
+        ax.set_xticks(levels)
+        ax.set_xticks([], minor=True)
+        ax.set_xticklabels([str(c) for c in levels])
         ax.grid(True, alpha=0.3)
     ax1.set_yscale("log")
     ax2.set_yscale("log")
@@ -203,7 +214,9 @@ def plot(report: dict[str, Any], model: str, path: Path) -> None:
     plt.close(fig)
 
 
-def write(report: dict[str, Any], doc: Path = DOC) -> None:
+def write(
+    report: dict[str, Any], doc: Path = DOC, extras: list[dict[str, Any]] | None = None
+) -> None:
     rows = report["results"]
     models = list(dict.fromkeys(r["model"] for r in rows))
     s = report["settings"]
@@ -244,8 +257,8 @@ def write(report: dict[str, Any], doc: Path = DOC) -> None:
         f"{s['max_wait_ms']:g} ms (service_streamer max_latency, LitServe batch_timeout, mosec "
         "max_wait_time); our worker runs with its default `--max-latency 0` (it takes what is "
         "queued and never waits).",
-        f"- Closed loop: {s['warmup']:g} s warm-up, then {s['repeats']} windows of "
-        f"{s['duration']:g} s per arm and concurrency; each figure is the median of the windows. "
+        f"- Closed loop: {s['warmup_s']:g} s warm-up, then {s['repeats']} windows of "
+        f"{s['duration_s']:g} s per arm and concurrency; each figure is the median of the windows. "
         "Mean batch: our worker's `microbatch_worker_batch_size_sum / _count` (its "
         "`--metrics-port`), the alternatives' own batch log (one line per model call).",
         f"- Load generators: HTTP arms `{s['wrk']}` (2 threads, c connections, a Lua script "
@@ -297,14 +310,41 @@ def write(report: dict[str, Any], doc: Path = DOC) -> None:
             per = f" ({gw / m['gateway_processes']:.0f} per process)" if gw else ""
             parts.append(f"| {model} | {fmt(m.get('worker_rss_mb'), 0)} | {fmt(gw, 0)}{per} |")
         parts.append("")
+    for extra in extras or []:
+        load = ", ".join(f"{v:.2f}" for v in extra["load_average_before"])
+        parts += [
+            f"## Re-run at low load: `{extra['command']}`",
+            "",
+            f"Started {extra['started']}, load average before {load}; same settings. Ratios "
+            "below are within this re-run.",
+            "",
+            "| target | measured (this re-run) | |",
+            "|---|---|---|",
+        ]
+        parts += [f"| {t} | {m} | {v} |" for t, m, v in targets(extra["results"])]
+        if find(extra["results"], "mlp", BATCHED):
+            parts += ["", "Spine table (re-run):", "", spine_table(extra["results"], "mlp")]
+        for model in dict.fromkeys(r["model"] for r in extra["results"]):
+            parts += ["", f"### {model} (re-run)", "", model_table(extra["results"], model)]
+        parts.append("")
     if ANALYSIS.exists():
         parts += [ANALYSIS.read_text().strip(), ""]
     doc.write_text("\n".join(parts))
 
 
-def main() -> None:
-    path = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "bench" / "results" / "harness.json"
-    write(json.loads(path.read_text()))
+def main(path: Path | None = None) -> None:
+    if path is None:
+        path = (
+            Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "bench" / "results" / "harness.json"
+        )
+    # further runs kept beside it (bench/results/harness-*.json, e.g. a re-run of one model at
+    # low load) get a section of their own; the quick run's JSON is not one of them
+    extras = [
+        json.loads(extra.read_text())
+        for extra in sorted(path.parent.glob("harness-*.json"))
+        if extra.name != "harness-quick.json"
+    ]
+    write(json.loads(path.read_text()), extras=extras)
     print(f"wrote {DOC}")
 
 
