@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 IMG = ROOT / "docs" / "img"
 ANALYSIS = ROOT / "bench" / "analysis.md"
+SPINE_NOTES = ROOT / "bench" / "spine_notes.md"  # the spine script's own earlier write-up
 
 BATCHED, ONE = "direct, batched", "direct, one at a time"
 REDIS_ASYNC, HTTP = "redis, python client (asyncio)", "http, gateway"
@@ -327,8 +328,9 @@ def write(
         for model in dict.fromkeys(r["model"] for r in extra["results"]):
             parts += ["", f"### {model} (re-run)", "", model_table(extra["results"], model)]
         parts.append("")
-    if ANALYSIS.exists():
-        parts += [ANALYSIS.read_text().strip(), ""]
+    for notes in (ANALYSIS, SPINE_NOTES):
+        if notes.exists():
+            parts += [notes.read_text().strip(), ""]
     doc.write_text("\n".join(parts))
 
 
