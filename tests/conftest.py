@@ -48,6 +48,17 @@ def wait_for_consumers(url: str, keys: ModelKeys, count: int, timeout: float = 6
     raise TimeoutError(f"{count} consumer(s) did not appear on {keys.stream}")
 
 
+def stop_process(process: subprocess.Popen[bytes], grace: float = 30.0) -> None:
+    """SIGTERM a process we started; SIGKILL it if it is not gone within ``grace`` seconds."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 @contextmanager
 def worker_process(
     redis_url: str,
@@ -74,12 +85,6 @@ def worker_process(
             wait_for_consumers(redis_url, ModelKeys(model_name, prefix), expect_consumers)
         yield process
     finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process)
         if log is not None:
             log.close()

@@ -55,7 +55,7 @@ from broker.errors import MicrobatchError
 from broker.keys import ModelKeys
 from broker.liveness import alive_consumers, live_consumers
 from broker.protocol import Reply, decode_reply, request_fields
-from tests.conftest import ROOT, wait_for_consumers
+from tests.conftest import ROOT, stop_process, wait_for_consumers
 from tests.fault_models import BATCH_SLEEP_ENV, FIXED_ENV, GIL_SECONDS_ENV, RECORD_ENV
 from tests.test_gateway import check_error, gateway_process
 
@@ -95,13 +95,7 @@ def worker(
             raise
         yield process
     finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process)
 
 
 def group_exists(redis_url: str, keys: ModelKeys) -> bool:

@@ -28,7 +28,7 @@ import redis
 
 from broker.devserver import RedisServer, free_port
 from broker.keys import ModelKeys
-from tests.conftest import ROOT, worker_process
+from tests.conftest import ROOT, stop_process, worker_process
 from tests.gateway_models import RECORD_ENV, ByteStats, fail_item, sleep_item
 
 TOKEN = "test-token-" + uuid.uuid4().hex
@@ -79,13 +79,7 @@ def gateway_process(
             time.sleep(0.1)
         yield base, process
     finally:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        stop_process(process)
         if log is not None:
             log.close()
 
