@@ -36,6 +36,18 @@ REPLY_WAIT_S = 1.0
 
 AnyFuture = Future[list[Any]] | asyncio.Future[list[Any]]
 
+# Bumped in a forked child: a Streamer made before the fork must not use its parent's loop
+# thread or connections. (Cheaper than comparing os.getpid(), a system call, on every call.)
+_fork_generation = 0
+
+
+def _forked() -> None:
+    global _fork_generation
+    _fork_generation += 1
+
+
+os.register_at_fork(after_in_child=_forked)
+
 
 class _Call:
     """One predict/submit call: N items, one future."""
@@ -296,7 +308,7 @@ class Streamer:
         self._reset_for_process()
 
     def _reset_for_process(self) -> None:
-        self._pid = os.getpid()
+        self._generation = _fork_generation
         self._lock = threading.Lock()
         self._thread: LoopThread | None = None
         self._thread_core: ClientCore | None = None
@@ -316,7 +328,7 @@ class Streamer:
         return None
 
     def _check_process(self) -> None:
-        if self._pid != os.getpid():  # forked: the parent's loop thread does not exist here
+        if self._generation != _fork_generation:  # forked: the parent's loop thread is not here
             self._reset_for_process()
 
     def _get_thread_core(self) -> ClientCore:
@@ -433,7 +445,7 @@ class Streamer:
 
     def close(self) -> None:
         """Release this process's connections and loop thread (the Streamer can be reused)."""
-        if self._pid != os.getpid():
+        if self._generation != _fork_generation:
             self._reset_for_process()
             return
         with self._lock:

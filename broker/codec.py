@@ -66,13 +66,47 @@ def _array_header(dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
     return header
 
 
-def _pack_array(array: np.ndarray) -> msgpack.ExtType:
+def _array_body(array: np.ndarray) -> bytes:
+    """The extension type's data: header, then the raw C-order bytes (little-endian)."""
     dtype = array.dtype
     if dtype.byteorder == ">":
         dtype = dtype.newbyteorder("<")
         array = array.astype(dtype)
-    header = _array_header(dtype, array.shape)
-    return msgpack.ExtType(ARRAY_EXT_TYPE, header + array.tobytes())  # tobytes: C order
+    return _array_header(dtype, array.shape) + array.tobytes()  # tobytes: C order
+
+
+def _pack_array(array: np.ndarray) -> msgpack.ExtType:
+    return msgpack.ExtType(ARRAY_EXT_TYPE, _array_body(array))
+
+
+# msgpack's ext 8/16/32 headers: marker, big-endian length, then the type byte. (Bodies of 1,
+# 2, 4, 8 or 16 bytes would use the fixext formats instead: left to msgpack.)
+_EXT_FORMATS = ((0xFF, b"\xc7", 1), (0xFFFF, b"\xc8", 2), (0xFFFFFFFF, b"\xc9", 4))
+_EXT_HEADER_SIZES = {0xC7: 3, 0xC8: 4, 0xC9: 6}
+_FIXEXT_SIZES = frozenset((1, 2, 4, 8, 16))
+
+
+def pack_array(array: np.ndarray) -> bytes | None:
+    """An array packed exactly as :func:`encode` packs it, without msgpack's per-object hooks
+    (the hot path of requests and replies); None where msgpack must do it."""
+    body = _array_body(array)
+    size = len(body)
+    if size in _FIXEXT_SIZES:
+        return None
+    for limit, marker, width in _EXT_FORMATS:
+        if size <= limit:
+            return b"".join((marker, size.to_bytes(width, "big"), b"\x01", body))
+    return None
+
+
+def _unpack_bare_array(data: bytes) -> np.ndarray | None:
+    """Decode a payload that is exactly one array (the common case), else None."""
+    start = _EXT_HEADER_SIZES.get(data[0]) if data else None
+    if start is None or len(data) <= start or data[start - 1] != ARRAY_EXT_TYPE:
+        return None
+    if int.from_bytes(data[1 : start - 1], "big") != len(data) - start:
+        return None
+    return _unpack_array(data, start)
 
 
 def _default(obj: Any) -> Any:
@@ -117,17 +151,19 @@ def _parse_header(header: bytes) -> tuple[np.dtype[Any], tuple[int, ...], int]:
     return parsed
 
 
-def _unpack_array(data: bytes) -> np.ndarray:
+def _unpack_array(data: bytes, start: int = 0) -> np.ndarray:
+    """The array whose extension data begins at ``data[start]`` and runs to the end."""
     try:
-        header_len = 2 + data[0] + 8 * data[1 + data[0]]
+        header_len = 2 + data[start] + 8 * data[start + 1 + data[start]]
     except IndexError as exc:
         raise CodecError("malformed array header") from exc
-    if header_len > len(data):
+    end = start + header_len
+    if end > len(data):
         raise CodecError("malformed array header")
-    dtype, shape, count = _parse_header(data[:header_len])
-    if count * dtype.itemsize != len(data) - header_len:
+    dtype, shape, count = _parse_header(data[start:end])
+    if count * dtype.itemsize != len(data) - end:
         raise CodecError("array data does not match its shape and dtype")
-    return np.frombuffer(data, dtype=dtype, count=count, offset=header_len).reshape(shape)
+    return np.frombuffer(data, dtype=dtype, count=count, offset=end).reshape(shape)
 
 
 def _ext_hook(code: int, data: bytes) -> Any:
@@ -148,6 +184,11 @@ def _packer() -> msgpack.Packer:
 
 def encode(obj: Any, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> bytes:
     """Encode a value (msgpack types, numpy arrays and scalars, torch tensors) to bytes."""
+    packed = pack_array(obj) if type(obj) is np.ndarray else None
+    if packed is not None:
+        if len(packed) > max_bytes:
+            raise CodecError(f"message of {len(packed)} bytes is over the {max_bytes}-byte limit")
+        return packed
     packer = _packer()
     try:
         data: bytes = packer.pack(obj)
@@ -166,6 +207,9 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:
     """Decode bytes made by :func:`encode`; raises :class:`CodecError` for anything malformed."""
     if len(data) > max_bytes:
         raise CodecError(f"message of {len(data)} bytes is over the {max_bytes}-byte limit")
+    array = _unpack_bare_array(data)
+    if array is not None:
+        return array
     try:
         return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
     except CodecError:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from . import codec
 from .errors import CodecError, MicrobatchError, ProtocolError
@@ -167,8 +168,18 @@ def _parse_carefully(entry: str, fields: Fields) -> Request:
     )
 
 
+_RESULT_HEAD = b"\x83\xa2id"  # a map of 3; "id"
+_RESULT_OK = b"\xa2ok\xc3\xa6result"  # "ok": true, "result"
+
+
 def encode_result(request_id: str, result: Any) -> bytes:
     """A success reply. Raises :class:`CodecError` if the result cannot be encoded."""
+    if type(result) is np.ndarray:  # the common case, packed without msgpack's hooks
+        array = codec.pack_array(result)
+        rid = request_id.encode()
+        if array is not None and len(rid) < 256:
+            head = bytes((0xA0 | len(rid),)) if len(rid) < 32 else bytes((0xD9, len(rid)))
+            return b"".join((_RESULT_HEAD, head, rid, _RESULT_OK, array))
     return codec.encode({"id": request_id, "ok": True, "result": result})
 
 

@@ -14,6 +14,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import BrokerUnavailable, MicrobatchError, QueueFull
 from .keys import ModelKeys
+from .resp_packing import use_hiredis_packing
 from .scripts import ENQUEUE_SCRIPT, RETIRE_CONSUMER_SCRIPT, WITHDRAW_SCRIPT, pack_args
 from .transport import Entry, EntryFields, QueueBound, Redelivery, entry_data_size
 
@@ -28,7 +29,7 @@ def connect(url: str, **options: Any) -> aioredis.Redis:
     options.setdefault("socket_connect_timeout", 2.0)
     options.setdefault("socket_keepalive", True)
     options.setdefault("health_check_interval", 15)
-    return aioredis.Redis.from_url(url, decode_responses=False, **options)
+    return use_hiredis_packing(aioredis.Redis.from_url(url, decode_responses=False, **options))
 
 
 def _unavailable(exc: BaseException) -> BrokerUnavailable:

@@ -144,6 +144,7 @@ class BatchLoop:
         self._prefetch: asyncio.Task[list[Entry]] | None = None
         self._withdrawn: set[str] = set()  # read ahead, then withdrawn by their callers
         self._checked: set[str] = set()  # read-ahead ids the last finish() checked
+        self._finishing: asyncio.Task[set[str]] | None = None  # replies on their way
         self._next_reclaim = 0.0
         self.redelivered = 0
         self.dead_lettered = 0
@@ -188,6 +189,7 @@ class BatchLoop:
                     if unchecked and self.transport.cancellations_pending:
                         skip |= await self.transport.withdrawn(self.keys, unchecked)
                 elif self._stopping:
+                    await self._settle_finish()
                     return
                 else:
                     entries = await self.read_batch()
@@ -212,9 +214,13 @@ class BatchLoop:
                     return
                 log.warning("broker unavailable (%s); retrying in %.2f s", exc, backoff)
                 ready = False
-                if self._prefetch is not None:  # what it read, if anything, is answered as own
+                # What these read or answered without an ack is taken back as own, once Redis
+                # is back (a reply sent twice is ignored by its caller).
+                if self._prefetch is not None:
                     self._prefetch.cancel()
-                    self._prefetch = None
+                if self._finishing is not None:
+                    self._finishing.cancel()
+                self._prefetch = self._finishing = None
                 await asyncio.sleep(backoff)
                 backoff = min(1.0, backoff * 2)
 
@@ -348,9 +354,34 @@ class BatchLoop:
             )
         dead_ids = {entry_id for entry_id, _ in dead}
         answered = [entry for entry in entries if entry[0] not in dead_ids]
-        self._withdrawn = await self.transport.finish(
-            self.keys, replies, answered, self.settings.reply_ttl_s, self._note_checked()
+        await self._send_answers(replies, answered)
+
+    async def _send_answers(self, replies: list[tuple[str, bytes]], answered: list[Entry]) -> None:
+        """Reply, ack and delete; usually without waiting, so the next batch can start.
+
+        At most one finish is in flight, and it is sent before the next batch computes. When
+        callers have withdrawn entries lately, wait instead for the same round trip to say which
+        items of the batch read ahead were withdrawn, so that those are not computed.
+        """
+        await self._settle_finish()
+        ttl = self.settings.reply_ttl_s
+        if self.transport.cancellations_pending:
+            self._withdrawn = await self.transport.finish(
+                self.keys, replies, answered, ttl, self._note_checked()
+            )
+            return
+        self._checked = set()
+        self._finishing = asyncio.ensure_future(
+            self.transport.finish(self.keys, replies, answered, ttl)
         )
+        for _ in range(PREFETCH_TURNS):  # let the replies go out before the model runs again
+            await asyncio.sleep(0)
+
+    async def _settle_finish(self) -> None:
+        """Wait for the replies in flight (raises BrokerUnavailable if they could not go)."""
+        task, self._finishing = self._finishing, None
+        if task is not None:
+            await task
 
     def _note_checked(self) -> list[str]:
         ids = self._read_ahead_ids()

@@ -7,8 +7,10 @@ them all as one endpoint. Names are documented in docs/metrics.md.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -95,8 +97,7 @@ class WorkerObserver(BatchObserver):
         if self.state is not None:
             self.state.busy(size)
         self.batch_size.observe(size)
-        for wait in queue_waits_s:
-            self.queue_wait.observe(max(0.0, wait))
+        observe_many(self.queue_wait, [max(0.0, wait) for wait in queue_waits_s])
         if traces:
             log.info(
                 "batch of %d on %s for %s; traceparent %s",
@@ -116,3 +117,26 @@ class WorkerObserver(BatchObserver):
 
     def redelivered(self) -> None:
         self.redeliveries.inc()
+
+
+def observe_many(histogram: Any, values: Sequence[float]) -> None:
+    """``histogram.observe(v)`` for each value, with one update per bucket touched.
+
+    In multi-process mode every update is a locked write to a memory-mapped file; a batch's
+    queue waits would otherwise cost one per item. prometheus-client has no bulk observe, so
+    this uses its histogram child's bucket values, falling back to observe() if they change.
+    """
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for value in values:
+            histogram.observe(value)
+        return
+    counts: dict[int, int] = {}
+    for value in values:
+        index = bisect.bisect_left(bounds, value)  # the first bucket with value <= bound
+        counts[index] = counts.get(index, 0) + 1
+    total.inc(sum(values))
+    for index, count in counts.items():
+        buckets[index].inc(count)

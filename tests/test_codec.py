@@ -89,3 +89,25 @@ def test_size_limit() -> None:
         codec.decode(data, max_bytes=100)
     with pytest.raises(CodecError, match="limit"):
         codec.encode(b"x" * 1000, max_bytes=100)
+
+
+@pytest.mark.parametrize(
+    "array",
+    [
+        np.zeros(0, dtype=np.float32),
+        np.arange(3, dtype=np.uint8),  # a 16-byte body: msgpack's fixext 16
+        np.arange(4, dtype=np.uint8),
+        np.arange(256, dtype=np.float32),  # ext 16, the common request
+        np.arange(60, dtype=np.uint8),  # ext 8
+        np.arange(70_000, dtype=np.uint8),  # ext 32
+        np.arange(12, dtype=">i4").reshape(3, 4)[:, ::2],  # big-endian, not contiguous
+        np.zeros((2, 0, 3), dtype=np.float16),
+    ],
+    ids=lambda a: f"{a.dtype}{a.shape}",
+)
+def test_the_array_fast_path_packs_exactly_what_msgpack_packs(array: np.ndarray) -> None:
+    generic = msgpack.packb(array, default=codec._default, use_bin_type=True)
+    assert codec.encode(array) == generic
+    decoded = codec.decode(generic)
+    assert decoded.shape == array.shape
+    np.testing.assert_array_equal(decoded, array)

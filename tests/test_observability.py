@@ -160,3 +160,26 @@ def test_every_metric_the_dashboard_queries_exists(redis_server: RedisServer, pr
         exposed = scrape(port) + httpx.get(f"{base}/metrics", timeout=5).text
     declared = set(re.findall(r"^# TYPE (\w+) ", exposed, flags=re.MULTILINE))
     assert queried <= declared, f"missing: {sorted(queried - declared)}"
+
+
+def test_bulk_observations_equal_one_observe_per_value() -> None:
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from gpu_worker.metrics import SECONDS_BUCKETS, observe_many
+
+    values = [0.0, 0.0005, 0.0007, 0.001, 0.3, 2.5, 59.0, 60.0, 61.0, 1e9] * 3
+
+    def exposition(bulk: bool) -> list[str]:
+        registry = CollectorRegistry()
+        histogram = Histogram("wait", "w", ["model"], buckets=SECONDS_BUCKETS, registry=registry)
+        child = histogram.labels("m")
+        if bulk:
+            observe_many(child, values)
+        else:
+            for value in values:
+                child.observe(value)
+        text = generate_latest(registry).decode()
+        return [line for line in text.splitlines() if "_created" not in line]
+
+    assert exposition(bulk=True) == exposition(bulk=False)
+    assert "wait_count" in "\n".join(exposition(bulk=True))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from broker import codec
@@ -73,3 +74,16 @@ def test_a_non_ascii_digit_timeout_is_malformed_not_a_crash() -> None:
     fields = as_stream_fields(request_fields("r1", "inbox", 250, b"\x90"))
     with pytest.raises(MalformedEntry):
         parse_request("1-0", {**fields, b"timeout": "²".encode()})
+
+
+@pytest.mark.parametrize("id_length", [1, 31, 32, 255, 256])
+@pytest.mark.parametrize("result", [np.arange(16, dtype=np.float32), np.arange(3, dtype=np.uint8)])
+def test_result_replies_of_arrays_are_packed_as_the_generic_encoder_packs_them(
+    id_length: int, result: np.ndarray
+) -> None:
+    request_id = "r" * id_length
+    fast = encode_result(request_id, result)
+    assert fast == codec.encode({"id": request_id, "ok": True, "result": result})
+    reply = decode_reply(fast)
+    assert reply.ok and reply.request_id == request_id
+    np.testing.assert_array_equal(reply.result, result)
