@@ -84,6 +84,7 @@ def _pack_array(array: np.ndarray) -> msgpack.ExtType:
 _EXT_FORMATS = ((0xFF, b"\xc7", 1), (0xFFFF, b"\xc8", 2), (0xFFFFFFFF, b"\xc9", 4))
 _EXT_HEADER_SIZES = {0xC7: 3, 0xC8: 4, 0xC9: 6}
 _FIXEXT_SIZES = frozenset((1, 2, 4, 8, 16))
+_ARRAY_EXT_TYPE_BYTE = bytes((ARRAY_EXT_TYPE,))
 
 
 def pack_array(array: np.ndarray) -> bytes | None:
@@ -95,7 +96,7 @@ def pack_array(array: np.ndarray) -> bytes | None:
         return None
     for limit, marker, width in _EXT_FORMATS:
         if size <= limit:
-            return b"".join((marker, size.to_bytes(width, "big"), b"\x01", body))
+            return b"".join((marker, size.to_bytes(width, "big"), _ARRAY_EXT_TYPE_BYTE, body))
     return None
 
 
@@ -182,13 +183,7 @@ def _packer() -> msgpack.Packer:
     return packer
 
 
-def encode(obj: Any, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> bytes:
-    """Encode a value (msgpack types, numpy arrays and scalars, torch tensors) to bytes."""
-    packed = pack_array(obj) if type(obj) is np.ndarray else None
-    if packed is not None:
-        if len(packed) > max_bytes:
-            raise CodecError(f"message of {len(packed)} bytes is over the {max_bytes}-byte limit")
-        return packed
+def _pack_with_msgpack(obj: Any) -> bytes:
     packer = _packer()
     try:
         data: bytes = packer.pack(obj)
@@ -198,6 +193,14 @@ def encode(obj: Any, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> bytes:
     except (TypeError, ValueError, OverflowError) as exc:
         packer.reset()
         raise CodecError(f"cannot encode value: {exc}") from exc
+    return data
+
+
+def encode(obj: Any, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> bytes:
+    """Encode a value (msgpack types, numpy arrays and scalars, torch tensors) to bytes."""
+    data = pack_array(obj) if type(obj) is np.ndarray else None
+    if data is None:
+        data = _pack_with_msgpack(obj)
     if len(data) > max_bytes:
         raise CodecError(f"message of {len(data)} bytes is over the {max_bytes}-byte limit")
     return data

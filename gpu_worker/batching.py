@@ -39,6 +39,14 @@ log = logging.getLogger("microbatch.worker")
 # Event-loop turns redis-py needs to take a connection and write a command (measured: 2).
 PREFETCH_TURNS = 3
 
+
+async def _let_writes_go_out() -> None:
+    """Yield so that a command just started as a task is written before the model holds the
+    loop (a read ahead, or the replies of the last batch)."""
+    for _ in range(PREFETCH_TURNS):
+        await asyncio.sleep(0)
+
+
 PredictFn = Callable[[list[Any]], Sequence[Any]]
 
 
@@ -203,8 +211,7 @@ class BatchLoop:
                     # A full batch means a backlog: read the next one while this one computes.
                     # (After a short batch there is none; new arrivals are left to idle workers.)
                     self._prefetch = asyncio.ensure_future(self.read_batch())
-                    for _ in range(PREFETCH_TURNS):  # let the read go out before the model runs
-                        await asyncio.sleep(0)
+                    await _let_writes_go_out()
                 await self.process(entries, skip)
                 backoff = 0.05
             except BrokerUnavailable as exc:
@@ -374,8 +381,7 @@ class BatchLoop:
         self._finishing = asyncio.ensure_future(
             self.transport.finish(self.keys, replies, answered, ttl)
         )
-        for _ in range(PREFETCH_TURNS):  # let the replies go out before the model runs again
-            await asyncio.sleep(0)
+        await _let_writes_go_out()
 
     async def _settle_finish(self) -> None:
         """Wait for the replies in flight (raises BrokerUnavailable if they could not go)."""
