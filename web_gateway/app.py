@@ -7,6 +7,7 @@ Run it under gunicorn with ``deploy/gunicorn.conf.py`` (``gateway start`` does),
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
 import math
@@ -95,6 +96,11 @@ class Gateway:
             log.warning("%s", warning)
         for served in self.models.values():
             await served.streamer.aconnect()  # the first request need not pay for connecting
+        # Everything loaded so far (FastAPI, pydantic, the model classes) lives as long as the
+        # process: frozen out of the collector, a full collection no longer walks it (it took
+        # 30-40 ms, twice a second under load: the gateway's p99).
+        gc.collect()
+        gc.freeze()
 
     async def stop(self) -> None:
         loop = asyncio.get_running_loop()
