@@ -198,24 +198,23 @@ class Gateway:
         self, request: Request, served: ServedModel, items: list[Any], timeout: float
     ) -> list[Any]:
         """Submit ``items`` and wait; abandon them (withdrawn from the queue) if the client goes."""
-        metrics.ITEMS.labels(served.name).inc(len(items))
+        served.metrics.items.inc(len(items))
         trace = valid_traceparent(request.headers.get("traceparent"))
-        call = asyncio.ensure_future(
-            served.streamer.apredict(items, timeout=timeout, traceparent=trace)
-        )
-        gone = asyncio.ensure_future(_disconnected(request))
+        loop = asyncio.get_running_loop()
+        call = loop.create_task(served.streamer.apredict(items, timeout=timeout, traceparent=trace))
+        gone = loop.create_task(_disconnected(request))
+        # The client left: cancelling the call withdraws its items from the queue.
+        gone.add_done_callback(lambda _: call.cancel())
         try:
-            await asyncio.wait({call, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not call.done():
-                call.cancel()  # the client left (or we are cancelled): withdraw the items
-            gone.cancel()
-        if not call.done() or call.cancelled():
-            raise ClientGone
-        try:
-            return call.result()
+            return await call
+        except asyncio.CancelledError:
+            if gone.done() and not gone.cancelled():
+                raise ClientGone from None
+            raise  # we are cancelled ourselves (the call is cancelled with us)
         except MicrobatchError as exc:
             raise from_microbatch(exc, self.settings.retry_after) from None
+        finally:
+            gone.cancel()
 
 
 async def _disconnected(request: Request) -> None:
@@ -436,7 +435,7 @@ def create_app(settings: GatewaySettings | None = None) -> GatewayApp:
     async def observed(served: ServedModel, route: str, handler: Callable[[], Any]) -> Response:
         """Run a request handler with metrics; map errors to responses."""
         started = time.perf_counter()
-        metrics.IN_FLIGHT.labels(served.name).inc()
+        served.metrics.in_flight.inc()
         outcome = "ok"
         try:
             response: Response = await handler()
@@ -449,9 +448,8 @@ def create_app(settings: GatewaySettings | None = None) -> GatewayApp:
             log.info("client left; its %s request was withdrawn", served.name)
             return Response(status_code=CLIENT_CLOSED)
         finally:
-            metrics.IN_FLIGHT.labels(served.name).dec()
-            metrics.REQUESTS.labels(served.name, route, outcome).inc()
-            metrics.LATENCY.labels(served.name, route).observe(time.perf_counter() - started)
+            served.metrics.in_flight.dec()
+            served.metrics.answered(route, outcome, time.perf_counter() - started)
 
     # -- the v1 API ---------------------------------------------------------------------------
     @app.get("/v1/models", tags=["v1"])

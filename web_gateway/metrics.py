@@ -8,6 +8,7 @@ without it (a single process, e.g. uvicorn alone) the default registry is served
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -43,6 +44,29 @@ IN_FLIGHT = Gauge(
     ["model"],
     multiprocess_mode="livesum",
 )
+
+
+class ModelMetrics:
+    """One model's metric children, looked up once (``labels()`` takes a lock and builds a key:
+    per request, that was a few percent of the gateway's CPU)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.in_flight = IN_FLIGHT.labels(model)
+        self.items = ITEMS.labels(model)
+        self._latency: dict[str, Any] = {}
+        self._requests: dict[tuple[str, str], Any] = {}
+
+    def answered(self, route: str, outcome: str, seconds: float) -> None:
+        """One request on ``route`` ended with ``outcome`` after ``seconds``."""
+        requests = self._requests.get((route, outcome))
+        if requests is None:
+            requests = self._requests[route, outcome] = REQUESTS.labels(self.model, route, outcome)
+        requests.inc()
+        latency = self._latency.get(route)
+        if latency is None:
+            latency = self._latency[route] = LATENCY.labels(self.model, route)
+        latency.observe(seconds)
 
 
 def render() -> tuple[bytes, str]:

@@ -19,6 +19,7 @@ from broker.errors import InvalidInput, MicrobatchError
 from gpu_worker.model import ManagedModel, TensorSpec, load_model_class
 
 from .errors import invalid_input
+from .metrics import ModelMetrics
 from .settings import GatewaySettings
 
 
@@ -37,6 +38,7 @@ class ServedModel:
         self.outputs: list[TensorSpec] = list(cls.outputs)
         self.has_preprocess = _overrides(cls, "preprocess")
         self.has_postprocess = _overrides(cls, "postprocess")
+        self.metrics = ModelMetrics(self.name)
         self.streamer = Streamer(
             self.name,
             redis_url=settings.redis_url,
