@@ -14,6 +14,7 @@ the alternatives' servers append to, one line per model call) or ``none``.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -85,6 +86,10 @@ def windows(
 ) -> list[dict[str, Any]]:
     """Warm up, then REPEATS measured windows; run_window(seconds) -> (done, latencies, errors)."""
     run_window(warmup)
+    # Every arm's load process alike: what exists now lives until the end, so a full collection
+    # need not walk it (its pauses would show up as the served arms' tail latency).
+    gc.collect()
+    gc.freeze()
     out = []
     for _ in range(repeats):
         before = probe.totals()
