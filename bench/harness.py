@@ -253,19 +253,7 @@ class Harness:
         return windows
 
     def rss_mb(self, pid: int) -> float:
-        """Resident memory of a process and all its descendants, MB."""
-        total = 0.0
-        pids = [pid]
-        while pids:
-            current = pids.pop()
-            try:
-                status = Path(f"/proc/{current}/status").read_text()
-                total += int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024  # type: ignore[union-attr]
-                children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
-                pids += [int(c) for c in children]
-            except (OSError, AttributeError):
-                pass
-        return total
+        return tree_rss_mb(pid)
 
     # -- scenarios ---------------------------------------------------------------------------
 
@@ -476,6 +464,22 @@ class Harness:
         }
 
 
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of a process and all its descendants, MB."""
+    total = 0.0
+    pids = [pid]
+    while pids:
+        current = pids.pop()
+        try:
+            status = Path(f"/proc/{current}/status").read_text()
+            total += int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024  # type: ignore[union-attr]
+            children = Path(f"/proc/{current}/task/{current}/children").read_text().split()
+            pids += [int(c) for c in children]
+        except (OSError, AttributeError):
+            pass
+    return total
+
+
 def machine() -> str:
     model = ""
     try:
@@ -523,7 +527,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--max-wait-ms", type=float, default=5.0)
     parser.add_argument("--torch-threads", type=int, default=1)
-    parser.add_argument("--gateway-workers", type=int, default=2)
+    # one gateway process: on 2 cores shared with wrk, Redis and the model worker, a second one
+    # only adds contention (measured: 6.5-6.9k req/s, p99 15 ms with 1; 5.1-5.9k, 20-24 ms with 2)
+    parser.add_argument("--gateway-workers", type=int, default=1)
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
     parser.add_argument("--no-report", action="store_true", help="skip docs/benchmarks.md")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """HTTP benchmark: MLP through gateway + Redis + worker vs the naive FastAPI server.
 
-    .venv/bin/python bench/http_bench.py --duration 10 --gateway-workers 2
+    .venv/bin/python bench/http_bench.py --duration 10 --gateway-workers 1
 
 Starts a private redis-server, `worker start --model examples.mlp:MLP`, `gateway start` (gunicorn)
 and `uvicorn bench.naive_fastapi:app`, all on this machine, checks that both servers give the
@@ -121,7 +121,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--duration", type=int, default=10, help="seconds per wrk run")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--gateway-workers", type=int, default=2)
+    parser.add_argument("--gateway-workers", type=int, default=1)
     parser.add_argument("--model-workers", type=int, default=1, help="worker processes")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--json", type=Path, help="also write the results here")

@@ -19,11 +19,13 @@ DOC = ROOT / "docs" / "benchmarks.md"
 IMG = ROOT / "docs" / "img"
 ANALYSIS = ROOT / "bench" / "analysis.md"
 SPINE_NOTES = ROOT / "bench" / "spine_notes.md"  # the spine script's own earlier write-up
+SOAK = ROOT / "bench" / "results" / "soak.json"  # python -m bench.soak
 
 BATCHED, ONE = "direct, batched", "direct, one at a time"
 REDIS_ASYNC, HTTP = "redis, python client (asyncio)", "http, gateway"
 SS_REDIS = "service_streamer RedisStreamer (threads)"
 MOSEC = "mosec, batching"
+NAIVE = "fastapi, per request"  # bench/naive_fastapi.py: the server issue 3 compares with
 ALTERNATIVE_SCENARIOS = [
     SS_REDIS,
     "service_streamer ThreadedStreamer (Flask)",
@@ -91,7 +93,7 @@ def spine_table(rows: list[dict[str, Any]], model: str) -> str:
 
 
 def targets(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
-    """(target, measured, verdict) for each of issue 5's targets this run can check."""
+    """(target, measured, verdict) for each of issue 3's and 5's targets this run can check."""
     out: list[tuple[str, str, str]] = []
 
     def verdict(ok: bool) -> str:
@@ -138,6 +140,24 @@ def targets(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
                 )
             )
     gateway, mosec = find(rows, "mlp", HTTP, 64), find(rows, "mlp", MOSEC, 64)
+    naive = find(rows, "mlp", NAIVE, 64)
+    if gateway and naive:
+        ratio = gateway["items_per_s"] / naive["items_per_s"]
+        out.append(
+            (
+                "issue 3: mlp over HTTP, c=64: >= 3x the naive FastAPI server's requests/s",
+                f"{gateway['items_per_s']:,.0f} / {naive['items_per_s']:,.0f} = {ratio:.1f}x",
+                verdict(ratio >= 3),
+            )
+        )
+        tail = gateway["p99_ms"] / naive["p99_ms"]
+        out.append(
+            (
+                "issue 3: mlp over HTTP, c=64: p99 under a tenth of the naive server's",
+                f"{gateway['p99_ms']:.1f} / {naive['p99_ms']:.1f} ms = {tail:.2f}",
+                verdict(tail < 0.1),
+            )
+        )
     if gateway and mosec:
         ratio = gateway["items_per_s"] / mosec["items_per_s"]
         out.append(
@@ -215,6 +235,49 @@ def plot(report: dict[str, Any], model: str, path: Path) -> None:
     plt.close(fig)
 
 
+def soak_section(path: Path) -> list[str]:
+    """The memory soak's summary (bench/soak.py), if it has been run."""
+    if not path.exists():
+        return []
+    soak = json.loads(path.read_text())
+    load = f"{soak['client_concurrency']} asyncio Python-client tasks"
+    if soak.get("http_concurrency"):
+        load += f" and wrk with {soak['http_concurrency']} connections on the gateway"
+    parts = [
+        f"## Memory soak: `{soak['command']}`",
+        "",
+        f"Started {soak['started']}: {soak['duration_s'] / 60:g} minutes of {load} (MLP, one "
+        f"`worker start` process, `gateway start --workers {soak['gateway_workers']}`); memory "
+        "sampled every few seconds. "
+        f"Requests answered: {soak['client_answered']:,} by the Python client "
+        f"({soak['client_failed']} failed)"
+        + (
+            f", {soak['wrk']['requests']:,} over HTTP ({soak['wrk']['non_2xx']} non-2xx)"
+            if soak.get("wrk")
+            else ""
+        )
+        + f". Growth is counted from the first sample after {soak['warmup_s']:g} s of warm-up.",
+        "",
+        "| process | after warm-up MB | last MB | max MB | growth MB | slope, 2nd half (MB/min) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    names = {
+        "worker_mb": "worker (supervisor + model process, RSS)",
+        "gateway_mb": "gateway (gunicorn master + workers, RSS)",
+        "redis_mb": "redis-server used_memory",
+    }
+    for key, name in names.items():
+        m = soak["summary"][key]
+        parts.append(
+            f"| {name} | {m['first']:,.1f} | {m['last']:,.1f} | {m['max']:,.1f} | "
+            f"{m['growth']:+,.1f} | {m['slope_second_half_mb_per_min']:+.3f} |"
+        )
+    picture = IMG / "soak.png"
+    if picture.exists():
+        parts += ["", f"![memory soak](img/{picture.name})"]
+    return [*parts, ""]
+
+
 def write(
     report: dict[str, Any], doc: Path = DOC, extras: list[dict[str, Any]] | None = None
 ) -> None:
@@ -281,7 +344,7 @@ def write(
         "python -m bench.report         # docs/benchmarks.md + docs/img/*.png from the JSON",
         "```",
         "",
-        "## Targets (issue 5)",
+        "## Targets (issues 3 and 5)",
         "",
         "| target | measured (same run) | |",
         "|---|---|---|",
@@ -311,6 +374,7 @@ def write(
             per = f" ({gw / m['gateway_processes']:.0f} per process)" if gw else ""
             parts.append(f"| {model} | {fmt(m.get('worker_rss_mb'), 0)} | {fmt(gw, 0)}{per} |")
         parts.append("")
+    parts += soak_section(SOAK)
     for extra in extras or []:
         load = ", ".join(f"{v:.2f}" for v in extra["load_average_before"])
         parts += [

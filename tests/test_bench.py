@@ -39,3 +39,23 @@ def test_quick_harness_reports_every_scenario(tmp_path: Path) -> None:
             assert 0 < r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"], r
             assert r["mean_batch"] is not None and r["mean_batch"] >= 1, r
     assert {r["model"] for r in rows} == {"mlp"}
+
+
+@pytest.mark.timeout(300)
+def test_soak_samples_memory_under_load(tmp_path: Path) -> None:
+    """A short soak (the published one runs 10 minutes): samples and a summary come back."""
+    output, picture = tmp_path / "soak.json", tmp_path / "soak.png"
+    command = [sys.executable, "-m", "bench.soak", "--duration", "6", "--interval", "1"]
+    command += ["--warmup", "2", "--client-concurrency", "4", "--http-concurrency", "4"]
+    command += ["--output", str(output), "--plot", str(picture)]
+    subprocess.run(command, cwd=ROOT, check=True, timeout=240, capture_output=True)
+    report = json.loads(output.read_text())
+    assert len(report["samples"]) >= 4
+    assert report["client_answered"] > 0 and report["client_failed"] == 0
+    if shutil.which("wrk"):
+        assert report["wrk"]["requests"] > 0 and report["wrk"]["non_2xx"] == 0
+    for key in ("worker_mb", "gateway_mb", "redis_mb"):
+        summary = report["summary"][key]
+        assert summary["first"] > 0 and summary["max"] > 0
+    assert report["summary"]["worker_mb"]["first"] > 50  # torch and the model are resident
+    assert picture.stat().st_size > 1000

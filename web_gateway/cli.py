@@ -63,7 +63,10 @@ def start(
     workers: Annotated[
         int,
         typer.Option(
-            envvar=f"{ENV}WORKERS", min=1, help="gunicorn worker processes (about one per core)."
+            envvar=f"{ENV}WORKERS",
+            min=1,
+            help="gunicorn worker processes: about one per core left over by the model workers "
+            "and Redis (on a small shared box, 1 does best).",
         ),
     ] = 1,
     default_timeout: Annotated[

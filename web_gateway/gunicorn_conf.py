@@ -87,6 +87,11 @@ proc_name = "microbatch-gateway"
 # one host would fight over; gateways are driven by signals instead.
 control_socket_disable = True
 
+# With several workers, uvloop (libuv) accepts every pending connection in one go: whichever
+# worker wakes first takes a burst of new connections (seen: 48 of 64 in one of two workers),
+# and its clients wait longer. One accept per wake-up spreads them over the workers.
+os.environ.setdefault("UV_TCP_SINGLE_ACCEPT", "1")
+
 _MULTIPROC = "PROMETHEUS_MULTIPROC_DIR"
 _OWN_DIR = False
 if not os.environ.get(_MULTIPROC):
