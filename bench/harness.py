@@ -308,6 +308,11 @@ class Harness:
                         self.load(sys.executable, kind, {**base, "concurrency": c}),
                     )
             self.memory.setdefault(model, {})["worker_rss_mb"] = self.rss_mb(worker_proc.pid)
+            from bench.memory import bare_model_rss_mb  # (bench.memory imports this module)
+
+            self.memory[model]["bare_model_rss_mb"] = bare_model_rss_mb(
+                MODELS[model], a.torch_threads
+            )
             if shutil.which("wrk") is None:
                 log("wrk is not on PATH (apt-get install wrk): skipping the HTTP scenarios")
                 return

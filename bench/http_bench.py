@@ -40,12 +40,15 @@ UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3}
 
 
 @contextmanager
-def process(command: list[str], env: dict[str, str] | None = None) -> Iterator[None]:
+def process(
+    command: list[str], env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``command`` (output discarded) for the ``with`` block; SIGTERM it, then SIGKILL."""
     proc = subprocess.Popen(
         command, cwd=ROOT, env=env or ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
-        yield
+        yield proc
     finally:
         proc.terminate()
         try:
@@ -124,8 +127,16 @@ def main() -> None:
     parser.add_argument("--gateway-workers", type=int, default=1)
     parser.add_argument("--model-workers", type=int, default=1, help="worker processes")
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch threads of the model worker and of the naive server alike (OMP_NUM_THREADS)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
+    threads = str(args.torch_threads)
+    ENV.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, BENCH_TORCH_THREADS=threads)
     if shutil.which("wrk") is None:
         sys.exit("wrk is not on PATH: apt-get install wrk")
 
@@ -176,7 +187,8 @@ def main() -> None:
     print(
         f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}; "
         f"gateway: {args.gateway_workers} gunicorn workers, {args.model_workers} model worker "
-        f"process(es), batch size {args.batch_size}; naive: 1 uvicorn process; "
+        f"process(es), batch size {args.batch_size}; naive: 1 uvicorn process; torch threads "
+        f"{args.torch_threads} in both; "
         f"wrk, {args.duration} s per run"
     )
     print()

@@ -368,12 +368,28 @@ def write(
     memory = report.get("memory_mb") or {}
     if memory:
         parts += ["## Memory (RSS, MB, at the end of the model's run)", ""]
-        parts += ["| model | worker process tree | gateway (all processes) |", "|---|---:|---:|"]
+        parts += [
+            "| model | worker process tree | the model loaded alone | worker over the bare "
+            "model | gateway (all processes) |",
+            "|---|---:|---:|---:|---:|",
+        ]
         for model, m in memory.items():
             gw = m.get("gateway_rss_mb")
             per = f" ({gw / m['gateway_processes']:.0f} per process)" if gw else ""
-            parts.append(f"| {model} | {fmt(m.get('worker_rss_mb'), 0)} | {fmt(gw, 0)}{per} |")
-        parts.append("")
+            worker, bare = m.get("worker_rss_mb"), m.get("bare_model_rss_mb")
+            over = f"{worker - bare:+,.0f}" if worker and bare else "-"
+            parts.append(
+                f"| {model} | {fmt(worker, 0)} | {fmt(bare, 0)} | {over} | {fmt(gw, 0)}{per} |"
+            )
+        parts += [
+            "",
+            "The worker process tree is the `worker start` supervisor (no torch) and its model "
+            "process; the model alone is a Python process that has only run the model's "
+            "`init_model` (which imports torch, for the MLPs) and `warmup` "
+            "(`python -m bench.memory`). The difference is about 55 MB for the supervisor "
+            "and ~20 MB for the model process's Redis client, asyncio and metrics.",
+            "",
+        ]
     parts += soak_section(SOAK)
     for extra in extras or []:
         load = ", ".join(f"{v:.2f}" for v in extra["load_average_before"])

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from bench.harness import free_port, tree_rss_mb
-from bench.http_bench import wait_http, wait_workers
+from bench.http_bench import process, wait_http, wait_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -84,6 +84,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from broker.keys import ModelKeys
 
     keys = ModelKeys(NAME, PREFIX)
+    begun = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     samples: list[dict[str, float]] = []
     counts = [0, 0]  # python client: answered, failed
     wrk_out = ""
@@ -92,14 +93,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server = stack.enter_context(RedisServer())
         worker = [sys.executable, "-m", "gpu_worker.cli", "start", "--model", MODEL]
         worker += ["--redis", server.url, "--prefix", PREFIX, "--log-level", "WARNING"]
-        worker_proc = subprocess.Popen(worker, cwd=ROOT, env=env)
-        stack.callback(_stop, worker_proc)
+        worker_proc = stack.enter_context(process(worker, env))
         port = free_port()
         gateway = [sys.executable, "-m", "web_gateway.cli", "start", "--model", MODEL]
         gateway += ["--redis", server.url, "--prefix", PREFIX, "--port", str(port)]
         gateway += ["--workers", str(args.gateway_workers), "--log-level", "warning"]
-        gateway_proc = subprocess.Popen(gateway, cwd=ROOT, env=env)
-        stack.callback(_stop, gateway_proc)
+        gateway_proc = stack.enter_context(process(gateway, env))
         wait_workers(server.url, keys, 1)
         url = f"http://127.0.0.1:{port}/v1/models/{NAME}/predict"
         wait_http(f"http://127.0.0.1:{port}/healthz")
@@ -156,7 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         }
     return {
         "command": " ".join(["python -m bench.soak", *sys.argv[1:]]),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "started": begun,
         "duration_s": args.duration,
         "warmup_s": args.warmup,
         "client_concurrency": args.client_concurrency,
@@ -182,15 +181,6 @@ def _wrk_summary(out: str) -> dict[str, Any]:
         "non_2xx": int(non_2xx.group(1)) if non_2xx else 0,
         "socket_errors": bool(re.search(r"Socket errors", out)),
     }
-
-
-def _stop(proc: subprocess.Popen[Any]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def _tempdir() -> Any:
