@@ -59,3 +59,15 @@ def test_soak_samples_memory_under_load(tmp_path: Path) -> None:
         assert summary["first"] > 0 and summary["max"] > 0
     assert report["summary"]["worker_mb"]["first"] > 50  # torch and the model are resident
     assert picture.stat().st_size > 1000
+
+
+@pytest.mark.timeout(300)
+def test_model_share_reads_the_workers_own_inference_time() -> None:
+    command = [sys.executable, "-m", "bench.model_share", "--model", "mlp", "--duration", "1"]
+    command += ["--warmup", "0.5", "--concurrency", "32"]
+    out = subprocess.run(command, cwd=ROOT, check=True, timeout=240, capture_output=True)
+    result = json.loads(out.stdout)
+    assert result["items_per_s"] > 0 and result["direct_batched_items_per_s"] > 0
+    assert 1 <= result["mean_batch"] <= 64
+    assert 0 < result["model_share_of_wall"] <= 1.05
+    assert result["ms_per_batch_in_model"] > 0

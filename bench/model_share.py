@@ -1,0 +1,115 @@
+"""How much of a worker's time goes into the model, against the model called alone.
+
+    python -m bench.model_share --model heavy --concurrency 256 --duration 10
+
+Calls the model directly on full batches (the ceiling), then starts a private redis-server and
+one `worker start` process with its metrics port, loads it with N asyncio tasks calling
+``Streamer.apredict``, and reads the worker's own ``microbatch_worker_inference_seconds`` before
+and after the window. It prints served and direct items/s, the share of the worker's wall time
+spent in ``predict``, and the time per batch inside and outside the model: what the serving
+costs, apart from the model running slower while the client and Redis share the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import sys
+import time
+import urllib.request
+from contextlib import ExitStack
+from typing import Any
+
+from bench.harness import MODELS, ROOT, free_port
+from bench.http_bench import process, wait_workers
+from bench.load import sample_input
+from bench.spine import direct
+
+METRICS = ("inference_seconds_sum", "inference_seconds_count", "batch_size_sum")
+
+
+def worker_totals(port: int) -> dict[str, float]:
+    """The worker's inference time, batch count and items so far, from its /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    totals = {}
+    for name in METRICS:
+        found = re.search(rf"^microbatch_worker_{name}\{{[^}}]*\}} (\S+)", text, re.MULTILINE)
+        totals[name] = float(found.group(1)) if found else 0.0
+    return totals
+
+
+def served(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    import uvloop
+
+    from broker import Streamer
+    from broker.devserver import RedisServer
+    from broker.keys import ModelKeys
+    from gpu_worker import load_model_class
+
+    name = load_model_class(MODELS[model]).name
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.torch_threads)}
+    port = free_port()
+    with ExitStack() as stack:
+        server = stack.enter_context(RedisServer())
+        worker = [sys.executable, "-m", "gpu_worker.cli", "start", "--model", MODELS[model]]
+        worker += ["--redis", server.url, "--prefix", "share", "--metrics-port", str(port)]
+        worker += ["--batch-size", str(args.batch_size), "--log-level", "WARNING"]
+        stack.enter_context(process(worker, env))
+        wait_workers(server.url, ModelKeys(name, "share"), 1)
+        x = sample_input()
+
+        async def main() -> dict[str, Any]:
+            streamer = Streamer(name, redis_url=server.url, prefix="share")
+            done = [0]
+
+            async def client(until: float) -> None:
+                while time.perf_counter() < until:
+                    await streamer.apredict([x], timeout=60)
+                    done[0] += 1
+
+            async def window(seconds: float) -> None:
+                until = time.perf_counter() + seconds
+                await asyncio.gather(*(client(until) for _ in range(args.concurrency)))
+
+            await window(args.warmup)
+            before, done[0], started = worker_totals(port), 0, time.perf_counter()
+            await window(args.duration)
+            elapsed, after = time.perf_counter() - started, worker_totals(port)
+            await streamer.aclose()
+            model_s = after[METRICS[0]] - before[METRICS[0]]
+            batches = after[METRICS[1]] - before[METRICS[1]]
+            items = after[METRICS[2]] - before[METRICS[2]]
+            return {
+                "items_per_s": done[0] / elapsed,
+                "mean_batch": items / batches,
+                "model_share_of_wall": model_s / elapsed,
+                "ms_per_batch_in_model": model_s / batches * 1e3,
+                "ms_per_batch_outside_model": (elapsed - model_s) / batches * 1e3,
+            }
+
+        return uvloop.run(main())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.model_share", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--model", default="heavy", choices=sorted(MODELS))
+    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--torch-threads", type=int, default=1)
+    args = parser.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)
+    alone = direct(MODELS[args.model], args.batch_size, args.duration, False)
+    result = {"direct_batched_items_per_s": alone.items_per_s, **served(args.model, args)}
+    result["served_over_direct"] = result["items_per_s"] / alone.items_per_s
+    print(json.dumps({k: round(v, 3) for k, v in result.items()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
