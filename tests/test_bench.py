@@ -71,3 +71,30 @@ def test_model_share_reads_the_workers_own_inference_time() -> None:
     assert 1 <= result["mean_batch"] <= 64
     assert 0 < result["model_share_of_wall"] <= 1.05
     assert result["ms_per_batch_in_model"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_a_scenario_filter_runs_exactly_the_scenarios_it_names(tmp_path: Path) -> None:
+    """Each arm is chosen on its own (the HTTP arm once ran only if the asyncio arm did)."""
+    # substrings of scenario names (the names themselves contain commas)
+    names = {
+        "one at a time": "direct, one at a time",
+        "(threads)": "redis, python client (threads)",
+    }
+    if shutil.which("wrk"):
+        names["gateway"] = "http, gateway"
+    wanted = list(names.values())
+    command = [sys.executable, "-m", "bench", "--quick", "--output-dir", str(tmp_path)]
+    command += ["--concurrency", "1", "--scenarios", ",".join(names)]
+    subprocess.run(command, cwd=ROOT, check=True, timeout=240)
+    rows = json.loads((tmp_path / "harness-quick.json").read_text())["results"]
+    assert not [r for r in rows if "error" in r]
+    assert sorted(r["scenario"] for r in rows) == sorted(wanted)
+
+
+def test_a_requested_scenario_that_runs_nothing_is_reported() -> None:
+    from bench.harness import not_run, parse_args
+
+    args = parse_args(["--quick", "--models", "mlp", "--scenarios", "one at a time,asyncio"])
+    report = {"results": [{"model": "mlp", "scenario": "direct, one at a time"}]}
+    assert not_run(report, args) == ["mlp: redis, python client (asyncio)"]
