@@ -215,21 +215,24 @@ class BatchLoop:
                 await self.process(entries, skip)
                 backoff = 0.05
             except BrokerUnavailable as exc:
+                # What the read ahead and the replies in flight read or answered without an ack
+                # is taken back (as own, once Redis is back; by others once this worker's
+                # heartbeat lapses); a reply sent twice is ignored by its caller.
+                self._drop_in_flight()
                 if self._stopping:
-                    # What this worker still holds is taken over once its heartbeat lapses.
                     log.warning("broker unavailable (%s) while stopping; stopping now", exc)
                     return
                 log.warning("broker unavailable (%s); retrying in %.2f s", exc, backoff)
                 ready = False
-                # What these read or answered without an ack is taken back as own, once Redis
-                # is back (a reply sent twice is ignored by its caller).
-                if self._prefetch is not None:
-                    self._prefetch.cancel()
-                if self._finishing is not None:
-                    self._finishing.cancel()
-                self._prefetch = self._finishing = None
                 await asyncio.sleep(backoff)
                 backoff = min(1.0, backoff * 2)
+
+    def _drop_in_flight(self) -> None:
+        """Cancel the batch read ahead and the replies in flight."""
+        for task in (self._prefetch, self._finishing):
+            if task is not None:
+                task.cancel()
+        self._prefetch = self._finishing = None
 
     async def redeliver(self, own: bool) -> None:
         """Take over entries of dead consumers (or, with ``own``, this one's) and answer them.
