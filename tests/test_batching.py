@@ -10,6 +10,7 @@ from broker.errors import BrokerUnavailable
 from broker.keys import ModelKeys
 from broker.memory_transport import InMemoryTransport
 from broker.protocol import request_fields
+from broker.transport import UNBOUNDED
 from gpu_worker.batching import BatchLoop, BatchSettings
 
 
@@ -42,7 +43,7 @@ def test_stopping_while_redis_is_away_leaves_no_reply_task_behind() -> None:
         )
         await transport.ensure_group(keys)
         fields = request_fields("r1", "inbox", 5000, codec.encode(1))
-        await transport.enqueue(keys, [[fields]], _unbounded())
+        await transport.enqueue(keys, [[fields]], UNBOUNDED)
         transport.cancellations_pending = False  # replies go out as a task, not awaited
         transport.on_outage = loop.stop
         await asyncio.wait_for(loop.run(), 5)
@@ -52,9 +53,3 @@ def test_stopping_while_redis_is_away_leaves_no_reply_task_behind() -> None:
         return transport.reply_task.cancelled()
 
     assert asyncio.run(main())
-
-
-def _unbounded() -> Any:
-    from broker.transport import UNBOUNDED
-
-    return UNBOUNDED
