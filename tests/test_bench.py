@@ -98,3 +98,9 @@ def test_a_requested_scenario_that_runs_nothing_is_reported() -> None:
     args = parse_args(["--quick", "--models", "mlp", "--scenarios", "one at a time,asyncio"])
     report = {"results": [{"model": "mlp", "scenario": "direct, one at a time"}]}
     assert not_run(report, args) == ["mlp: redis, python client (asyncio)"]
+
+
+def test_hops_measures_a_round_trip_through_redis() -> None:
+    command = [sys.executable, "-m", "bench.hops", "--rounds", "50"]
+    out = subprocess.run(command, cwd=ROOT, check=True, timeout=60, capture_output=True, text=True)
+    assert "two hops through Redis" in out.stdout and "over 40 round trips" in out.stdout
