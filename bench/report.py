@@ -170,7 +170,7 @@ def targets(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
         out.append(
             (
                 "mlp over HTTP, c=64: p99 no worse than mosec's",
-                f"{gateway['p99_ms']:.1f} vs {mosec['p99_ms']:.1f} ms",
+                f"{gateway['p99_ms']:.2f} vs {mosec['p99_ms']:.2f} ms",
                 verdict(gateway["p99_ms"] <= mosec["p99_ms"]),
             )
         )
