@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import venvs
+from bench.http_bench import post_script, wrk_counts
 from bench.load import BatchProbe, sample_input
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -101,12 +102,7 @@ class Harness:
         }
         body = json.dumps({"inputs": [[round(float(v), 6) for v in sample_input()]]})
         self.body = body
-        self.lua = self.tmp / "post.lua"
-        self.lua.write_text(
-            'wrk.method = "POST"\n'
-            'wrk.headers["Content-Type"] = "application/json"\n'
-            f"wrk.body = {json.dumps(body)}\n"
-        )
+        self.lua = post_script(self.tmp / "post.lua", body)
         self.memory: dict[str, dict[str, float]] = {}
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -225,11 +221,11 @@ class Harness:
             value = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text)
             return float(value.group(1)) * UNITS[value.group(2)]  # type: ignore[union-attr]
 
-        bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+        requests, bad = wrk_counts(out)
         socket_errors = re.search(
             r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out
         )
-        errors = int(bad.group(1)) if bad else 0
+        errors = bad
         if socket_errors:
             errors += sum(int(v) for v in socket_errors.groups())
         return {
@@ -237,7 +233,7 @@ class Harness:
             "p50_ms": latency(50),
             "p90_ms": latency(90),
             "p99_ms": latency(99),
-            "requests": int(re.search(r"(\d+) requests in", out).group(1)),  # type: ignore[union-attr]
+            "requests": requests,
             "errors": errors,
         }
 
@@ -251,9 +247,6 @@ class Harness:
             window["mean_batch"] = probe.mean(before, probe.totals(), window["requests"])
             windows.append(window)
         return windows
-
-    def rss_mb(self, pid: int) -> float:
-        return tree_rss_mb(pid)
 
     # -- scenarios ---------------------------------------------------------------------------
 
@@ -311,7 +304,7 @@ class Harness:
                         c,
                         self.load(sys.executable, kind, {**base, "concurrency": c}),
                     )
-            self.memory.setdefault(model, {})["worker_rss_mb"] = self.rss_mb(worker_proc.pid)
+            self.memory.setdefault(model, {})["worker_rss_mb"] = tree_rss_mb(worker_proc.pid)
             from bench.memory import bare_model_rss_mb  # (bench.memory imports this module)
 
             self.memory[model]["bare_model_rss_mb"] = bare_model_rss_mb(
@@ -330,7 +323,7 @@ class Harness:
             self.wait_http(url, gateway_proc)
             for c in a.concurrency:
                 self.record(model, OURS[5], c, self.wrk(url, c, probe))
-            self.memory[model]["gateway_rss_mb"] = self.rss_mb(gateway_proc.pid)
+            self.memory[model]["gateway_rss_mb"] = tree_rss_mb(gateway_proc.pid)
             self.memory[model]["gateway_processes"] = 1 + a.gateway_workers
 
     def wait_worker(

@@ -99,6 +99,23 @@ def to_ms(text: str) -> float:
     return float(match.group(1)) * UNITS[match.group(2)]
 
 
+def post_script(path: Path, body: str) -> Path:
+    """Write a wrk Lua script that POSTs ``body`` as JSON; returns ``path``."""
+    path.write_text(
+        'wrk.method = "POST"\n'
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        f"wrk.body = {json.dumps(body)}\n"
+    )
+    return path
+
+
+def wrk_counts(out: str) -> tuple[int, int]:
+    """(requests sent, non-2xx/3xx responses) from wrk's report."""
+    total = re.search(r"(\d+) requests in", out)
+    bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    return (int(total.group(1)) if total else 0), (int(bad.group(1)) if bad else 0)
+
+
 def run_wrk(url: str, script: Path, concurrency: int, duration: int) -> dict[str, float]:
     threads = min(concurrency, 2)
     command = ["wrk", f"-t{threads}", f"-c{concurrency}", f"-d{duration}s", "--latency"]
@@ -107,15 +124,14 @@ def run_wrk(url: str, script: Path, concurrency: int, duration: int) -> dict[str
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
     p50 = to_ms(re.search(r"\s50%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
     p99 = to_ms(re.search(r"\s99%\s+(\S+)", out).group(1))  # type: ignore[union-attr]
-    total = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
-    bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    total, non_2xx = wrk_counts(out)
     errors = re.search(r"Socket errors:.*", out)
     return {
         "rps": rps,
         "p50_ms": p50,
         "p99_ms": p99,
         "requests": total,
-        "non_2xx": int(bad.group(1)) if bad else 0,
+        "non_2xx": non_2xx,
         "socket_errors": errors.group(0) if errors else "",  # type: ignore[dict-item]
     }
 
@@ -144,12 +160,7 @@ def main() -> None:
     item = [round(float(v), 4) for v in rng.standard_normal(256)]
     body = json.dumps({"inputs": [item]})
     tmp = Path(tempfile.mkdtemp(prefix="microbatch-bench-"))
-    script = tmp / "post.lua"
-    script.write_text(
-        'wrk.method = "POST"\n'
-        'wrk.headers["Content-Type"] = "application/json"\n'
-        f"wrk.body = {json.dumps(body)}\n"
-    )
+    script = post_script(tmp / "post.lua", body)
     results: dict[str, dict[int, dict[str, float]]] = {}
     with ExitStack() as stack:
         server = stack.enter_context(RedisServer())

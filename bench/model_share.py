@@ -13,7 +13,6 @@ costs, apart from the model running slower while the client and Redis share the 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import re
@@ -25,8 +24,7 @@ from typing import Any
 
 from bench.harness import MODELS, ROOT, free_port
 from bench.http_bench import process, wait_workers
-from bench.load import sample_input
-from bench.spine import direct
+from bench.spine import closed_loop, direct
 
 METRICS = ("inference_seconds_sum", "inference_seconds_count", "batch_size_sum")
 
@@ -59,31 +57,19 @@ def served(model: str, args: argparse.Namespace) -> dict[str, Any]:
         worker += ["--batch-size", str(args.batch_size), "--log-level", "WARNING"]
         stack.enter_context(process(worker, env))
         wait_workers(server.url, ModelKeys(name, "share"), 1)
-        x = sample_input()
 
         async def main() -> dict[str, Any]:
             streamer = Streamer(name, redis_url=server.url, prefix="share")
-            done = [0]
-
-            async def client(until: float) -> None:
-                while time.perf_counter() < until:
-                    await streamer.apredict([x], timeout=60)
-                    done[0] += 1
-
-            async def window(seconds: float) -> None:
-                until = time.perf_counter() + seconds
-                await asyncio.gather(*(client(until) for _ in range(args.concurrency)))
-
-            await window(args.warmup)
-            before, done[0], started = worker_totals(port), 0, time.perf_counter()
-            await window(args.duration)
+            await closed_loop(streamer, args.concurrency, args.warmup)
+            before, started = worker_totals(port), time.perf_counter()
+            done, _ = await closed_loop(streamer, args.concurrency, args.duration)
             elapsed, after = time.perf_counter() - started, worker_totals(port)
             await streamer.aclose()
             model_s = after[METRICS[0]] - before[METRICS[0]]
             batches = after[METRICS[1]] - before[METRICS[1]]
             items = after[METRICS[2]] - before[METRICS[2]]
             return {
-                "items_per_s": done[0] / elapsed,
+                "items_per_s": done / elapsed,
                 "mean_batch": items / batches,
                 "model_share_of_wall": model_s / elapsed,
                 "ms_per_batch_in_model": model_s / batches * 1e3,

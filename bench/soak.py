@@ -23,6 +23,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from contextlib import ExitStack
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from bench.harness import free_port, tree_rss_mb
-from bench.http_bench import process, wait_http, wait_workers
+from bench.http_bench import post_script, process, wait_http, wait_workers, wrk_counts
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -114,12 +115,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stack.callback(stop.set)
         wrk = None
         if shutil.which("wrk") and args.http_concurrency > 0:
-            script = Path(stack.enter_context(_tempdir())) / "post.lua"
-            body = json.dumps({"inputs": [[0.25] * 256]})
-            script.write_text(
-                'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-                f"wrk.body = {json.dumps(body)}\n"
-            )
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="soak-")))
+            script = post_script(folder / "post.lua", json.dumps({"inputs": [[0.25] * 256]}))
             wrk = wrk_load(url, args.http_concurrency, args.duration, script)
         started = time.monotonic()
         while (elapsed := time.monotonic() - started) < args.duration:
@@ -170,23 +167,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _wrk_summary(out: str) -> dict[str, Any]:
-    import re
-
     if not out:
         return {}
-    requests = re.search(r"(\d+) requests in", out)
-    non_2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
-    return {
-        "requests": int(requests.group(1)) if requests else 0,
-        "non_2xx": int(non_2xx.group(1)) if non_2xx else 0,
-        "socket_errors": bool(re.search(r"Socket errors", out)),
-    }
-
-
-def _tempdir() -> Any:
-    import tempfile
-
-    return tempfile.TemporaryDirectory(prefix="microbatch-soak-")
+    requests, non_2xx = wrk_counts(out)
+    return {"requests": requests, "non_2xx": non_2xx, "socket_errors": "Socket errors" in out}
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
