@@ -170,18 +170,24 @@ class ClientCore:
                     self._withdraw(call)
 
     async def _read_replies(self) -> None:
+        # The reader outlives the calls in flight by one idle wait (REPLY_WAIT_S), so that a
+        # caller sending one call after another finds a read already waiting in Redis.
         backoff = 0.05
         try:
-            while self._pending and not self._closing:
+            while not self._closing:
                 try:
                     payloads = await self.transport.pop_replies(
                         self.inbox, REPLY_BATCH, REPLY_WAIT_S
                     )
                 except MicrobatchError:
+                    if not self._pending:
+                        break
                     # Redis is away: waiting calls keep waiting until their deadlines.
                     await asyncio.sleep(backoff)
                     backoff = min(1.0, backoff * 2)
                     continue
+                if not payloads and not self._pending:
+                    break
                 backoff = 0.05
                 for payload in payloads:
                     try:

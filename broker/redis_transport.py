@@ -1,4 +1,9 @@
-"""The transport over Redis Streams, on redis-py's asyncio client (hiredis when installed)."""
+"""The transport over Redis Streams.
+
+The hot path (enqueue, the reply reader, the worker's reads, replies and acks) runs on lean
+connections (:class:`broker.resp_lane.RespLane`); the rest (consumer groups, taking over a
+dead worker's entries, dead letters, INFO) on redis-py's asyncio client.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import BrokerUnavailable, MicrobatchError, QueueFull
 from .keys import ModelKeys
+from .resp_lane import RespLane
 from .resp_packing import use_hiredis_packing
 from .scripts import ENQUEUE_SCRIPT, RETIRE_CONSUMER_SCRIPT, WITHDRAW_SCRIPT, pack_args
 from .transport import Entry, EntryFields, QueueBound, Redelivery, entry_data_size
@@ -42,6 +48,10 @@ class RedisTransport:
     def __init__(self, url: str, **options: Any) -> None:
         self.url = url
         self.redis = connect(url, **options)
+        connect_timeout_s = float(options.get("socket_connect_timeout") or 2.0)
+        self._lane = RespLane(url, connect_timeout_s)  # commands that answer at once
+        self._reads = RespLane(url, connect_timeout_s)  # the worker's blocking XREADGROUP
+        self._replies = RespLane(url, connect_timeout_s)  # the caller's blocking BLMPOP
         self._has_blmpop: bool | None = None
         self.cancellations_pending = True  # as of the last finish(); True until known
 
@@ -69,7 +79,7 @@ class RedisTransport:
         )
         try:
             results = await ENQUEUE_SCRIPT.run(
-                self.redis,
+                self._lane,
                 [keys.stream, keys.queued_bytes],
                 [bound.max_items, bound.max_bytes, blob],
             )
@@ -89,22 +99,23 @@ class RedisTransport:
         ]
         try:
             await WITHDRAW_SCRIPT.run(
-                self.redis, [keys.stream, keys.queued_bytes, keys.cancelled], args
+                self._lane, [keys.stream, keys.queued_bytes, keys.cancelled], args
             )
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
 
     async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:
         try:
+            lane = self._replies
             if await self._server_has_blmpop():
-                got: Any = await self.redis.blmpop(
-                    timeout_s, 1, inbox, direction="LEFT", count=count
+                got: Any = await lane.execute_blocking(
+                    timeout_s, "BLMPOP", timeout_s, 1, inbox, "LEFT", "COUNT", count
                 )
                 return list(got[1]) if got else []
-            first = await self.redis.blpop([inbox], timeout=timeout_s)
+            first = await lane.execute_blocking(timeout_s, "BLPOP", inbox, timeout_s)
             if not first:
                 return []
-            more = await self.redis.lpop(inbox, count - 1) if count > 1 else None
+            more = await self._lane.execute("LPOP", inbox, count - 1) if count > 1 else None
             return [first[1], *(more or [])]
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
@@ -122,10 +133,12 @@ class RedisTransport:
     async def read_batch(
         self, keys: ModelKeys, consumer: str, count: int, block_ms: int
     ) -> list[Entry]:
+        block_ms = max(1, block_ms)
         try:
-            got: Any = await self.redis.xreadgroup(
-                keys.group, consumer, {keys.stream: ">"}, count=count, block=max(1, block_ms)
-            )
+            got: Any = await self._reads.execute_blocking(
+                block_ms / 1000, "XREADGROUP", "GROUP", keys.group, consumer,
+                "COUNT", count, "BLOCK", block_ms, "STREAMS", keys.stream, ">",
+            )  # fmt: skip
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):
                 raise
@@ -139,7 +152,7 @@ class RedisTransport:
             raise _unavailable(exc) from exc
         if not got:
             return []
-        return [(entry_id.decode(), fields or {}) for entry_id, fields in got[0][1]]
+        return [(entry_id.decode(), _pairs(fields)) for entry_id, fields in got[0][1]]
 
     async def finish(
         self,
@@ -152,16 +165,16 @@ class RedisTransport:
         by_key: dict[str, list[bytes]] = {}
         for key, payload in replies:
             by_key.setdefault(key, []).append(payload)
+        commands: list[tuple[Any, ...]] = []
+        for key, payloads in by_key.items():
+            commands.append(("RPUSH", key, *payloads))
+            commands.append(("EXPIRE", key, reply_ttl_s))
+        commands += _removal(keys, entries)
+        if check:
+            commands.append(("ZMSCORE", keys.cancelled, *check))
+        commands.append(("ZCARD", keys.cancelled))
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for key, payloads in by_key.items():
-                    pipe.rpush(key, *payloads)
-                    pipe.expire(key, reply_ttl_s)
-                self._remove(pipe, keys, entries)
-                if check:
-                    pipe.zmscore(keys.cancelled, list(check))
-                pipe.zcard(keys.cancelled)
-                results = await pipe.execute(raise_on_error=False)
+            results = await self._lane.pipeline(commands)
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
         pending = results.pop()
@@ -183,7 +196,7 @@ class RedisTransport:
         if not entry_ids:
             return set()
         try:
-            scores = await self.redis.zmscore(keys.cancelled, list(entry_ids))
+            scores = await self._lane.execute("ZMSCORE", keys.cancelled, *entry_ids)
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
         return {entry_id for entry_id, score in zip(entry_ids, scores, strict=True) if score}
@@ -191,18 +204,6 @@ class RedisTransport:
     async def _floor_queued_bytes(self, keys: ModelKeys, value: int) -> None:
         with contextlib.suppress(*UNAVAILABLE, ResponseError):
             await self.redis.incrby(keys.queued_bytes, -value)
-
-    @staticmethod
-    def _remove(pipe: Any, keys: ModelKeys, entries: Sequence[Entry]) -> None:
-        """Queue the ack, delete and byte release of entries this worker holds."""
-        if not entries:
-            return
-        ids = [entry_id for entry_id, _ in entries]
-        pipe.xack(keys.stream, keys.group, *ids)
-        pipe.xdel(keys.stream, *ids)
-        size = sum(entry_data_size(fields) for _, fields in entries)
-        if size:
-            pipe.decrby(keys.queued_bytes, size)
 
     async def reclaim(
         self, keys: ModelKeys, consumer: str, min_idle_ms: int, count: int, own: bool = False
@@ -220,7 +221,7 @@ class RedisTransport:
                     )
                 if holder != consumer:
                     await RETIRE_CONSUMER_SCRIPT.run(
-                        self.redis, [keys.stream, keys.heartbeat(holder)], [keys.group, holder]
+                        self._lane, [keys.stream, keys.heartbeat(holder)], [keys.group, holder]
                     )
             return taken
         except UNAVAILABLE as exc:
@@ -281,17 +282,20 @@ class RedisTransport:
     async def dead_letter(self, keys: ModelKeys, entries: Sequence[Entry], reason: str) -> None:
         if not entries:
             return
+        commands: list[tuple[Any, ...]] = []
+        for entry_id, fields in entries:
+            record: dict[Any, Any] = dict(fields)
+            record[b"dead_reason"] = reason
+            record[b"dead_entry"] = entry_id
+            commands.append(("XADD", keys.dead_letters, "*", *_flatten(record)))
+        commands += _removal(keys, entries)
         try:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for entry_id, fields in entries:
-                    record: dict[Any, Any] = dict(fields)
-                    record[b"dead_reason"] = reason
-                    record[b"dead_entry"] = entry_id
-                    pipe.xadd(keys.dead_letters, record)
-                self._remove(pipe, keys, entries)
-                await pipe.execute()
+            results = await self._lane.pipeline(commands)
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
+        for result in results:
+            if isinstance(result, ResponseError):
+                raise result
 
     async def eviction_warning(self) -> str | None:
         """A warning if Redis may evict keys (streams would lose requests), else None."""
@@ -299,7 +303,7 @@ class RedisTransport:
 
     async def time_ms(self) -> int:
         try:
-            seconds, micros = await self.redis.time()
+            seconds, micros = await self._lane.execute("TIME")
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
         return int(seconds) * 1000 + int(micros) // 1000
@@ -311,6 +315,8 @@ class RedisTransport:
             return False
 
     async def close(self) -> None:
+        for lane in (self._lane, self._reads, self._replies):
+            lane.close()
         await self.redis.aclose()
 
 
@@ -343,3 +349,30 @@ def _enqueue_outcome(result: Any, bound: QueueBound) -> list[str] | MicrobatchEr
     if code == 1:
         return QueueFull(f"queue is at its bound of {bound.max_items} items")
     return QueueFull(f"queue is at its bound of {bound.max_bytes} bytes")
+
+
+def _removal(keys: ModelKeys, entries: Sequence[Entry]) -> list[tuple[Any, ...]]:
+    """The ack, delete and byte release of entries this worker holds."""
+    if not entries:
+        return []
+    ids = [entry_id for entry_id, _ in entries]
+    commands: list[tuple[Any, ...]] = [
+        ("XACK", keys.stream, keys.group, *ids),
+        ("XDEL", keys.stream, *ids),
+    ]
+    size = sum(entry_data_size(fields) for _, fields in entries)
+    if size:
+        commands.append(("DECRBY", keys.queued_bytes, size))
+    return commands
+
+
+def _pairs(flat: list[bytes] | None) -> dict[bytes, bytes]:
+    """A stream entry's fields from RESP's flat [field, value, ...] list."""
+    if not flat:
+        return {}
+    it = iter(flat)
+    return dict(zip(it, it, strict=False))
+
+
+def _flatten(fields: dict[Any, Any]) -> list[Any]:
+    return [item for pair in fields.items() for item in pair]

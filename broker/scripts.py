@@ -16,7 +16,9 @@ import hashlib
 from typing import Any
 
 import msgpack
-from redis.exceptions import NoScriptError
+from redis.exceptions import ResponseError
+
+from .resp_lane import RespLane
 
 # Append calls' entries, each call only if it fits the bounds.
 # KEYS: stream, queued-bytes counter. ARGV: max items, max bytes (0: no limit), blob of
@@ -90,12 +92,14 @@ class LuaScript:
         self.body = body
         self.sha = hashlib.sha1(body.encode()).hexdigest()
 
-    async def run(self, client: Any, keys: list[str], args: list[Any]) -> Any:
-        """Run on an asyncio client."""
+    async def run(self, lane: RespLane, keys: list[str], args: list[Any]) -> Any:
+        """Run on a lane; raises ResponseError for an error in the script."""
         try:
-            return await client.evalsha(self.sha, len(keys), *keys, *args)
-        except NoScriptError:
-            return await client.eval(self.body, len(keys), *keys, *args)
+            return await lane.execute("EVALSHA", self.sha, len(keys), *keys, *args)
+        except ResponseError as exc:
+            if not str(exc).startswith("NOSCRIPT"):
+                raise
+            return await lane.execute("EVAL", self.body, len(keys), *keys, *args)
 
 
 ENQUEUE_SCRIPT = LuaScript(ENQUEUE)

@@ -36,8 +36,9 @@ from broker.transport import Entry, Transport
 
 log = logging.getLogger("microbatch.worker")
 
-# Event-loop turns redis-py needs to take a connection and write a command (measured: 2).
-PREFETCH_TURNS = 3
+# Event-loop turns a command started as a task needs to be written (the transport's lanes write
+# in the task's first step; 1 more covers a task that first awaits something already done).
+PREFETCH_TURNS = 2
 
 
 async def _let_writes_go_out() -> None:

@@ -1,0 +1,254 @@
+"""A lean Redis connection for the hot path: RESP over an asyncio Protocol, parsed by hiredis.
+
+redis-py's asyncio client spends about 50 us of Python per command (pool checkout, timeout
+contexts, a read loop per reply, response callbacks): on a worker serving small models that is
+more than Redis takes to run the commands, and at concurrency 1 it is most of the latency
+microbatch adds. A :class:`RespLane` is one connection that writes each command (or pipeline)
+packed by hiredis in one ``write`` and resolves its future when hiredis has parsed the reply in
+``data_received``: no pool, no per-reply coroutine. Commands are answered in order, so any
+number may be in flight on one lane; a blocking command (XREADGROUP BLOCK, BLMPOP) holds the
+lane until it returns, so blocking reads get a lane of their own.
+
+Replies come back raw (RESP2: bytes, ints, lists, None); error replies as redis-py's
+:class:`~redis.exceptions.ResponseError`, and a lost connection as its
+:class:`~redis.exceptions.ConnectionError`, so callers handle failures as they do with redis-py.
+The lane reconnects on the next command after a connection is lost. Connection settings (TCP,
+TLS, unix socket; user, password, db) are read from the URL by redis-py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import hiredis
+from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from redis.asyncio.connection import parse_url as parse_redis_url
+from redis.exceptions import AuthenticationError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+# How long past its own timeout a blocking command may take before the connection is
+# presumed dead (a half-open TCP connection otherwise hangs the reader forever).
+BLOCKING_GRACE_S = 5.0
+
+
+class _Pipeline:
+    """Replies still expected for one pipeline, collected for its future."""
+
+    __slots__ = ("expected", "future", "replies")
+
+    def __init__(self, future: asyncio.Future[list[Any]], expected: int) -> None:
+        self.future = future
+        self.expected = expected
+        self.replies: list[Any] = []
+
+
+class _RespProtocol(asyncio.Protocol):
+    """One connection: writes commands and hands out replies in order."""
+
+    def __init__(self) -> None:
+        self.reader = hiredis.Reader(replyError=ResponseError)
+        self.waiting: deque[asyncio.Future[Any] | _Pipeline] = deque()
+        self.transport: asyncio.Transport | None = None
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+
+    def send(self, packed: bytes, waiter: asyncio.Future[Any] | _Pipeline) -> None:
+        assert self.transport is not None
+        self.waiting.append(waiter)
+        self.transport.write(packed)
+
+    def data_received(self, data: bytes) -> None:
+        reader, waiting = self.reader, self.waiting
+        reader.feed(data)
+        try:
+            while (reply := reader.gets()) is not False:
+                head = waiting[0]
+                if type(head) is _Pipeline:
+                    head.replies.append(reply)
+                    if len(head.replies) < head.expected:
+                        continue
+                    waiting.popleft()
+                    if not head.future.done():
+                        head.future.set_result(head.replies)
+                else:
+                    waiting.popleft()
+                    if not head.done():  # type: ignore[union-attr]
+                        head.set_result(reply)  # type: ignore[union-attr]
+        except (hiredis.ProtocolError, IndexError) as exc:  # garbage, or a reply nobody asked for
+            self.abort(f"protocol error: {exc!r}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        error = RedisConnectionError(f"connection to Redis lost: {exc or 'closed by server'}")
+        while self.waiting:
+            head = self.waiting.popleft()
+            future = head.future if type(head) is _Pipeline else head
+            if not future.done():  # type: ignore[union-attr]
+                future.set_exception(error)  # type: ignore[union-attr]
+
+    def abort(self, reason: str) -> None:
+        """Drop the connection; every command waiting on it fails with ConnectionError."""
+        if self.transport is not None and not self.lost:
+            self.transport.abort()
+            self.lost = True
+        self.connection_lost(RedisConnectionError(reason))
+
+
+class RespLane:
+    """One lean connection to the Redis at ``url``, (re)connected on first use."""
+
+    def __init__(self, url: str, connect_timeout_s: float = 2.0) -> None:
+        options: dict[str, Any] = dict(parse_redis_url(url))
+        connection_class = options.pop("connection_class", None)
+        # Only to read what redis-py makes of the URL (TLS context, defaults); never connected.
+        settings: Any = (connection_class or Connection)(**options)
+        unix = connection_class is UnixDomainSocketConnection
+        self._path: str | None = settings.path if unix else None
+        self._host: str = getattr(settings, "host", "localhost")
+        self._port: int = int(getattr(settings, "port", 6379))
+        self._ssl = settings.ssl_context.get() if isinstance(settings, SSLConnection) else None
+        self._db = int(options.get("db", 0) or 0)
+        self._username: str | None = options.get("username")
+        self._password: str | None = options.get("password")
+        self._connect_timeout_s = connect_timeout_s
+        self._protocol: _RespProtocol | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._connecting: asyncio.Future[_RespProtocol] | None = None
+
+    async def execute(self, *args: Any) -> Any:
+        """Send one command; return its reply (raise ResponseError for an error reply)."""
+        protocol = await self._ready()
+        future = asyncio.get_running_loop().create_future()
+        protocol.send(hiredis.pack_command(args), future)
+        reply = await future
+        if type(reply) is ResponseError:
+            raise reply
+        return reply
+
+    async def execute_blocking(self, timeout_s: float, *args: Any) -> Any:
+        """Send a command that blocks in Redis for up to ``timeout_s`` (0: forever).
+
+        The connection is dropped if no reply comes ``BLOCKING_GRACE_S`` after that, and when
+        the caller is cancelled (its reply would otherwise hold up the commands behind it).
+        """
+        protocol = await self._ready()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        protocol.send(hiredis.pack_command(args), future)
+        guard = None
+        if timeout_s > 0:
+            guard = loop.call_later(
+                timeout_s + BLOCKING_GRACE_S, protocol.abort, "no reply to a blocking command"
+            )
+        try:
+            reply = await future
+        except asyncio.CancelledError:
+            protocol.abort("blocking command cancelled")
+            raise
+        finally:
+            if guard is not None:
+                guard.cancel()
+        if type(reply) is ResponseError:
+            raise reply
+        return reply
+
+    async def pipeline(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        """Send commands in one write; return their replies in order, error replies in place
+        (as ResponseError instances, not raised)."""
+        if not commands:
+            return []
+        protocol = await self._ready()
+        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        packed = b"".join([hiredis.pack_command(tuple(command)) for command in commands])
+        protocol.send(packed, _Pipeline(future, len(commands)))
+        return await future
+
+    def close(self) -> None:
+        """Drop the connection (a later command reconnects)."""
+        protocol, self._protocol = self._protocol, None
+        if protocol is not None and protocol.transport is not None:
+            with contextlib.suppress(RuntimeError):  # its event loop is closed: nothing to do
+                protocol.transport.close()
+
+    async def _ready(self) -> _RespProtocol:
+        protocol = self._protocol
+        if protocol is not None and not protocol.lost and self._loop is asyncio.get_running_loop():
+            return protocol
+        return await self._reconnect()
+
+    async def _reconnect(self) -> _RespProtocol:
+        loop = asyncio.get_running_loop()
+        if self._connecting is not None and self._loop is loop and not self._connecting.done():
+            return await asyncio.shield(self._connecting)  # one connect for concurrent callers
+        self.close()
+        self._loop = loop
+        self._connecting = loop.create_future()
+        try:
+            protocol = await self._open(loop)
+        except BaseException as exc:
+            connecting, self._connecting = self._connecting, None
+            if isinstance(exc, Exception):
+                connecting.set_exception(exc)
+                connecting.exception()  # retrieved: concurrent waiters may be none
+            else:
+                connecting.cancel()
+            raise
+        self._protocol = protocol
+        self._connecting.set_result(protocol)
+        return protocol
+
+    async def _open(self, loop: asyncio.AbstractEventLoop) -> _RespProtocol:
+        if self._path is not None:
+            opening = loop.create_unix_connection(_RespProtocol, self._path)
+        else:
+            opening = loop.create_connection(_RespProtocol, self._host, self._port, ssl=self._ssl)
+        try:
+            _, protocol = await asyncio.wait_for(opening, self._connect_timeout_s)
+        except asyncio.TimeoutError as exc:
+            raise RedisTimeoutError(f"timed out connecting to Redis: {self._where()}") from exc
+        except OSError as exc:
+            raise RedisConnectionError(
+                f"cannot connect to Redis at {self._where()}: {exc}"
+            ) from exc
+        assert protocol.transport is not None
+        sock = protocol.transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        await self._handshake(protocol, loop)
+        return protocol
+
+    async def _handshake(self, protocol: _RespProtocol, loop: asyncio.AbstractEventLoop) -> None:
+        commands: list[tuple[Any, ...]] = []
+        if self._password is not None:
+            user = (self._username,) if self._username else ()
+            commands.append(("AUTH", *user, self._password))
+        if self._db:
+            commands.append(("SELECT", self._db))
+        if not commands:
+            return
+        future: asyncio.Future[list[Any]] = loop.create_future()
+        protocol.send(
+            b"".join(hiredis.pack_command(c) for c in commands), _Pipeline(future, len(commands))
+        )
+        try:
+            replies = await asyncio.wait_for(future, self._connect_timeout_s)
+        except asyncio.TimeoutError as exc:
+            protocol.abort("handshake timed out")
+            raise RedisTimeoutError(f"no answer from Redis at {self._where()}") from exc
+        for command, reply in zip(commands, replies, strict=True):
+            if isinstance(reply, ResponseError):
+                protocol.abort("handshake refused")
+                if command[0] == "AUTH":
+                    raise AuthenticationError(str(reply))
+                raise reply
+
+    def _where(self) -> str:
+        return self._path or f"{self._host}:{self._port}"

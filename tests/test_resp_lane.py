@@ -1,0 +1,224 @@
+"""The lean hot-path connection against a real redis-server: replies, errors, pipelines, blocking
+commands, reconnecting, AUTH/SELECT and unix sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import ssl
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from redis.exceptions import AuthenticationError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from broker import resp_lane
+from broker.devserver import RedisServer
+from broker.resp_lane import RespLane
+
+
+def key() -> str:
+    return f"lane:{uuid.uuid4().hex[:8]}"
+
+
+def test_commands_return_raw_replies_and_error_replies_raise(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        lane, k = RespLane(redis_server.url), key()
+        assert await lane.execute("SET", k, b"\x00\xff") == b"OK"
+        assert await lane.execute("GET", k) == b"\x00\xff"
+        assert await lane.execute("RPUSH", k + "l", 1, 2.5, "x") == 3
+        assert await lane.execute("LRANGE", k + "l", 0, -1) == [b"1", b"2.5", b"x"]
+        assert await lane.execute("GET", "lane:missing") is None
+        with pytest.raises(ResponseError, match="WRONGTYPE"):
+            await lane.execute("LPUSH", k, "v")
+        assert await lane.execute("GET", k) == b"\x00\xff"  # the lane still works
+        lane.close()
+
+    asyncio.run(main())
+
+
+def test_pipeline_replies_come_in_order_with_errors_in_place(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        lane, k = RespLane(redis_server.url), key()
+        replies = await lane.pipeline([("SET", k, "a"), ("LPUSH", k, "x"), ("GET", k), ("PING",)])
+        assert replies[0] == b"OK" and replies[2] == b"a" and replies[3] == b"PONG"
+        assert isinstance(replies[1], ResponseError)
+        assert await lane.pipeline([]) == []
+        lane.close()
+
+    asyncio.run(main())
+
+
+def test_concurrent_callers_on_one_lane_each_get_their_own_reply(
+    redis_server: RedisServer,
+) -> None:
+    async def main() -> None:
+        lane, k = RespLane(redis_server.url), key()
+
+        async def one(i: int) -> tuple[int, object]:
+            if i % 3 == 0:
+                return i, await lane.pipeline([("INCR", f"{k}:{i}"), ("ECHO", str(i))])
+            return i, await lane.execute("ECHO", str(i))
+
+        results = await asyncio.gather(*(one(i) for i in range(300)))
+        for i, reply in results:
+            assert reply == ([1, str(i).encode()] if i % 3 == 0 else str(i).encode())
+        lane.close()
+
+    asyncio.run(main())
+
+
+def test_a_blocking_command_returns_at_its_timeout_or_with_data(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        lane, other, k = RespLane(redis_server.url), RespLane(redis_server.url), key()
+        assert await lane.execute_blocking(0.05, "BLPOP", k, 0.05) is None
+        waiting = asyncio.ensure_future(lane.execute_blocking(5, "BLPOP", k, 5))
+        await asyncio.sleep(0.05)
+        await other.execute("RPUSH", k, "v")
+        assert await waiting == [k.encode(), b"v"]
+        lane.close()
+        other.close()
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_blocking_command_does_not_hold_up_the_next(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        lane, other, k = RespLane(redis_server.url), RespLane(redis_server.url), key()
+        waiting = asyncio.ensure_future(lane.execute_blocking(30, "BLPOP", k, 30))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        started = time.monotonic()
+        assert await asyncio.wait_for(lane.execute("PING"), 5) == b"PONG"
+        assert time.monotonic() - started < 5
+        # The cancelled BLPOP no longer waits in Redis: it cannot swallow this value.
+        await asyncio.sleep(0.05)
+        await other.execute("RPUSH", k, "kept")
+        assert await other.execute("LRANGE", k, 0, -1) == [b"kept"]
+        lane.close()
+        other.close()
+
+    asyncio.run(main())
+
+
+def test_a_connection_killed_by_the_server_is_replaced(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        lane = RespLane(redis_server.url)
+        client_id = await lane.execute("CLIENT", "ID")
+        admin = redis_server.client()
+        assert admin.client_kill_filter(_id=client_id) == 1
+        admin.close()
+        await asyncio.sleep(0.05)
+        assert await lane.execute("PING") == b"PONG"
+        assert await lane.execute("CLIENT", "ID") != client_id
+        lane.close()
+
+    asyncio.run(main())
+
+
+def test_commands_in_flight_fail_when_redis_dies_and_work_once_it_is_back() -> None:
+    server = RedisServer().start()
+    try:
+
+        async def main() -> None:
+            lane = RespLane(server.url)
+            waiting = asyncio.ensure_future(lane.execute_blocking(30, "BLPOP", key(), 30))
+            await asyncio.sleep(0.05)
+            await asyncio.get_running_loop().run_in_executor(None, server.kill)
+            with pytest.raises(RedisConnectionError):
+                await asyncio.wait_for(waiting, 5)
+            with pytest.raises(RedisConnectionError):
+                await lane.execute("PING")  # nobody listens on the port
+            await asyncio.get_running_loop().run_in_executor(None, server.start)
+            assert await lane.execute("PING") == b"PONG"
+            lane.close()
+
+        asyncio.run(main())
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def silent_server() -> Iterator[int]:
+    """A TCP server that accepts connections and never answers (a hung or half-open peer)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    yield listener.getsockname()[1]
+    listener.close()
+
+
+def test_a_blocking_command_with_no_reply_past_its_grace_drops_the_connection(
+    silent_server: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(resp_lane, "BLOCKING_GRACE_S", 0.2)
+
+    async def main() -> None:
+        lane = RespLane(f"redis://127.0.0.1:{silent_server}/0")
+        started = time.monotonic()
+        with pytest.raises(RedisConnectionError, match="no reply"):
+            await lane.execute_blocking(0.1, "BLPOP", "k", 0.1)
+        assert time.monotonic() - started < 5
+        lane.close()
+
+    asyncio.run(main())
+
+
+def test_user_password_and_database_come_from_the_url(redis_server: RedisServer) -> None:
+    admin = redis_server.client()
+    user = f"lane{uuid.uuid4().hex[:6]}"
+    admin.acl_setuser(user, enabled=True, passwords=["+s3cret"], keys=["*"], commands=["+@all"])
+    k = key()
+    try:
+
+        async def main() -> None:
+            url = f"redis://{user}:s3cret@127.0.0.1:{redis_server.port}/3"
+            lane = RespLane(url)
+            assert await lane.execute("ACL", "WHOAMI") == user.encode()
+            await lane.execute("SET", k, "in db 3")
+            lane.close()
+            with pytest.raises(AuthenticationError):
+                await RespLane(f"redis://{user}:wrong@127.0.0.1:{redis_server.port}/0").execute(
+                    "PING"
+                )
+
+        asyncio.run(main())
+        assert redis_server.client(db=3).get(k) == b"in db 3"
+        assert redis_server.client(db=0).get(k) is None
+    finally:
+        admin.acl_deluser(user)
+        admin.close()
+
+
+def test_unix_socket_urls_connect_over_the_socket() -> None:
+    path = os.path.join(tempfile.mkdtemp(prefix="microbatch-lane-"), "redis.sock")
+    with RedisServer({"unixsocket": path, "unixsocketperm": "700"}):
+
+        async def main() -> None:
+            lane = RespLane(f"unix://{path}?db=2")
+            assert await lane.execute("PING") == b"PONG"
+            info = await lane.execute("CLIENT", "INFO")
+            assert b"db=2" in info and b"addr=/" in info
+            lane.close()
+
+        asyncio.run(main())
+
+
+def test_a_lane_moves_to_a_new_event_loop(redis_server: RedisServer) -> None:
+    lane = RespLane(redis_server.url)
+    assert asyncio.run(lane.execute("PING")) == b"PONG"
+    assert asyncio.run(lane.execute("PING")) == b"PONG"  # a new loop: a new connection
+    lane.close()
+
+
+def test_tls_urls_get_a_tls_context_from_redis_pys_url_options() -> None:
+    lane = RespLane("rediss://cache.example:6380/0?ssl_cert_reqs=none")
+    assert isinstance(lane._ssl, ssl.SSLContext) and lane._ssl.verify_mode == ssl.CERT_NONE
+    assert (lane._host, lane._port, lane._path) == ("cache.example", 6380, None)
+    assert RespLane("redis://h:1/0")._ssl is None
