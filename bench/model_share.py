@@ -6,8 +6,10 @@ Calls the model directly on full batches (the ceiling), then starts a private re
 one `worker start` process with its metrics port, loads it with N asyncio tasks calling
 ``Streamer.apredict``, and reads the worker's own ``microbatch_worker_inference_seconds`` before
 and after the window. It prints served and direct items/s, the share of the worker's wall time
-spent in ``predict``, and the time per batch inside and outside the model: what the serving
-costs, apart from the model running slower while the client and Redis share the machine.
+spent in ``predict``, the time per batch inside and outside the model (what the serving costs,
+apart from the model running slower while the client and Redis share the machine), and the CPU
+time per item of the worker, the client (this process) and Redis, from /proc: steadier than
+throughput on a shared machine, so the measure to compare two versions of the code by.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import urllib.request
 from contextlib import ExitStack
 from typing import Any
 
+from bench.embed_bench import tree_cpu_seconds
 from bench.harness import MODELS, ROOT, free_port
 from bench.http_bench import process, wait_workers
 from bench.spine import closed_loop, direct
@@ -55,15 +58,26 @@ def served(model: str, args: argparse.Namespace) -> dict[str, Any]:
         worker = [sys.executable, "-m", "gpu_worker.cli", "start", "--model", MODELS[model]]
         worker += ["--redis", server.url, "--prefix", "share", "--metrics-port", str(port)]
         worker += ["--batch-size", str(args.batch_size), "--log-level", "WARNING"]
-        stack.enter_context(process(worker, env))
+        worker_pid = stack.enter_context(process(worker, env)).pid
         wait_workers(server.url, ModelKeys(name, "share"), 1)
+        assert server.process is not None
+        redis_pid = server.process.pid
+
+        def cpu_seconds() -> dict[str, float]:
+            return {
+                "worker": tree_cpu_seconds([worker_pid]),  # the supervisor and its child
+                "client": sum(os.times()[:2]),  # this process alone, all its threads
+                "redis": tree_cpu_seconds([redis_pid]),
+            }
 
         async def main() -> dict[str, Any]:
             streamer = Streamer(name, redis_url=server.url, prefix="share")
             await closed_loop(streamer, args.concurrency, args.warmup)
             before, started = worker_totals(port), time.perf_counter()
+            cpu_before = cpu_seconds()
             done, _ = await closed_loop(streamer, args.concurrency, args.duration)
             elapsed, after = time.perf_counter() - started, worker_totals(port)
+            cpu_after = cpu_seconds()
             await streamer.aclose()
             model_s = after[METRICS[0]] - before[METRICS[0]]
             batches = after[METRICS[1]] - before[METRICS[1]]
@@ -74,6 +88,10 @@ def served(model: str, args: argparse.Namespace) -> dict[str, Any]:
                 "model_share_of_wall": model_s / elapsed,
                 "ms_per_batch_in_model": model_s / batches * 1e3,
                 "ms_per_batch_outside_model": (elapsed - model_s) / batches * 1e3,
+                **{
+                    f"cpu_us_per_item_{role}": (cpu_after[role] - cpu_before[role]) / done * 1e6
+                    for role in cpu_before
+                },
             }
 
         return uvloop.run(main())

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from itertools import chain
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -50,8 +51,9 @@ class RedisTransport:
         self.redis = connect(url, **options)
         connect_timeout_s = float(options.get("socket_connect_timeout") or 2.0)
         self._lane = RespLane(url, connect_timeout_s)  # commands that answer at once
-        self._reads = RespLane(url, connect_timeout_s)  # the worker's blocking XREADGROUP
-        self._replies = RespLane(url, connect_timeout_s)  # the caller's blocking BLMPOP
+        # blocking reads, each bounded by its own timeout instead of the lane's reply timeout
+        self._reads = RespLane(url, connect_timeout_s, None)  # the worker's XREADGROUP
+        self._replies = RespLane(url, connect_timeout_s, None)  # the caller's BLMPOP
         self._has_blmpop: bool | None = None
         self.cancellations_pending = True  # as of the last finish(); True until known
 
@@ -66,8 +68,10 @@ class RedisTransport:
     async def enqueue(
         self, keys: ModelKeys, calls: Sequence[Sequence[EntryFields]], bound: QueueBound
     ) -> list[list[str] | MicrobatchError]:
-        # One script call per round trip, its arguments one msgpack blob: far less client CPU
-        # than packing an XADD command per item, and the bound is checked atomically.
+        if not bound.max_items and not bound.max_bytes:
+            return await self._enqueue_unbounded(keys, calls)
+        # One script call per round trip, its arguments one msgpack blob, so that the bound is
+        # checked atomically with the XADDs.
         blob = pack_args(
             [
                 [
@@ -86,6 +90,33 @@ class RedisTransport:
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
         return [_enqueue_outcome(result, bound) for result in results]
+
+    async def _enqueue_unbounded(
+        self, keys: ModelKeys, calls: Sequence[Sequence[EntryFields]]
+    ) -> list[list[str] | MicrobatchError]:
+        """No bound to check: one transaction of plain XADDs and the byte count, no Lua (less
+        work for Redis; a blocked worker still wakes once, to the whole transaction)."""
+        commands: list[tuple[Any, ...]] = [("MULTI",)]
+        size = 0
+        stream = keys.stream
+        for entries in calls:
+            for fields in entries:
+                commands.append(("XADD", stream, "*", *chain.from_iterable(fields.items())))
+                size += entry_data_size(fields)
+        commands.append(("INCRBY", keys.queued_bytes, size))
+        commands.append(("EXEC",))
+        try:
+            replies = await self._lane.pipeline(commands)
+        except UNAVAILABLE as exc:
+            raise _unavailable(exc) from exc
+        executed = replies[-1]
+        if not isinstance(executed, list):  # EXECABORT: a command was refused as queued
+            raise next((r for r in replies if isinstance(r, ResponseError)), executed)
+        for result in executed:
+            if isinstance(result, ResponseError):  # e.g. the stream key holds another type
+                raise result
+        ids = iter(executed)
+        return [[next(ids).decode() for _ in entries] for entries in calls]
 
     async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, int]]) -> None:
         if not entries:
@@ -374,5 +405,5 @@ def _pairs(flat: list[bytes] | None) -> dict[bytes, bytes]:
     return dict(zip(it, it, strict=False))
 
 
-def _flatten(fields: dict[Any, Any]) -> list[Any]:
+def _flatten(fields: Mapping[Any, Any]) -> list[Any]:
     return [item for pair in fields.items() for item in pair]

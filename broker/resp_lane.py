@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -35,6 +36,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 # How long past its own timeout a blocking command may take before the connection is
 # presumed dead (a half-open TCP connection otherwise hangs the reader forever).
 BLOCKING_GRACE_S = 5.0
+# How long commands that answer at once may wait with no reply before the connection is
+# presumed dead (redis-py's asyncio client, without a socket_timeout, would wait forever).
+REPLY_TIMEOUT_S = 10.0
 
 
 class _Pipeline:
@@ -49,25 +53,50 @@ class _Pipeline:
 
 
 class _RespProtocol(asyncio.Protocol):
-    """One connection: writes commands and hands out replies in order."""
+    """One connection: writes commands and hands out replies in order.
 
-    def __init__(self) -> None:
+    With a ``reply_timeout_s``, the connection is dropped when commands wait that long with
+    no reply at all (a stalled server, or a connection a middlebox dropped silently).
+    """
+
+    def __init__(self, reply_timeout_s: float | None = None) -> None:
         self.reader = hiredis.Reader(replyError=ResponseError)
         self.waiting: deque[asyncio.Future[Any] | _Pipeline] = deque()
         self.transport: asyncio.Transport | None = None
         self.lost = False
+        self.reply_timeout_s = reply_timeout_s
+        self.progress = 0.0  # when the last reply came, or the first command of a quiet spell
+        self.watchdog: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+        if self.reply_timeout_s:
+            self._watch()
+
+    def _watch(self) -> None:
+        timeout = self.reply_timeout_s
+        assert timeout is not None
+        if self.lost:
+            return
+        if self.waiting and time.monotonic() - self.progress > timeout:
+            self.abort(f"no reply from Redis in {timeout:g} s")
+            return
+        self.watchdog = asyncio.get_running_loop().call_later(timeout / 2, self._watch)
 
     def send(self, packed: bytes, waiter: asyncio.Future[Any] | _Pipeline) -> None:
-        assert self.transport is not None
+        transport = self.transport
+        if self.lost or transport is None or transport.is_closing():
+            raise RedisConnectionError("connection to Redis is closing")
+        if not self.waiting:
+            self.progress = time.monotonic()
         self.waiting.append(waiter)
-        self.transport.write(packed)
+        transport.write(packed)
 
     def data_received(self, data: bytes) -> None:
         reader, waiting = self.reader, self.waiting
         reader.feed(data)
+        if self.watchdog is not None:
+            self.progress = time.monotonic()
         try:
             while (reply := reader.gets()) is not False:
                 head = waiting[0]
@@ -87,6 +116,8 @@ class _RespProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        if self.watchdog is not None:
+            self.watchdog.cancel()
         error = RedisConnectionError(f"connection to Redis lost: {exc or 'closed by server'}")
         while self.waiting:
             head = self.waiting.popleft()
@@ -103,9 +134,18 @@ class _RespProtocol(asyncio.Protocol):
 
 
 class RespLane:
-    """One lean connection to the Redis at ``url``, (re)connected on first use."""
+    """One lean connection to the Redis at ``url``, (re)connected on first use.
 
-    def __init__(self, url: str, connect_timeout_s: float = 2.0) -> None:
+    ``reply_timeout_s`` bounds how long commands may go unanswered (None: no bound; blocking
+    commands have their own, from their timeout).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        connect_timeout_s: float = 2.0,
+        reply_timeout_s: float | None = REPLY_TIMEOUT_S,
+    ) -> None:
         options: dict[str, Any] = dict(parse_redis_url(url))
         connection_class = options.pop("connection_class", None)
         # Only to read what redis-py makes of the URL (TLS context, defaults); never connected.
@@ -119,6 +159,7 @@ class RespLane:
         self._username: str | None = options.get("username")
         self._password: str | None = options.get("password")
         self._connect_timeout_s = connect_timeout_s
+        self._reply_timeout_s = reply_timeout_s
         self._protocol: _RespProtocol | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connecting: asyncio.Future[_RespProtocol] | None = None
@@ -206,10 +247,15 @@ class RespLane:
         return protocol
 
     async def _open(self, loop: asyncio.AbstractEventLoop) -> _RespProtocol:
+        def protocol_factory() -> _RespProtocol:
+            return _RespProtocol(self._reply_timeout_s)
+
         if self._path is not None:
-            opening = loop.create_unix_connection(_RespProtocol, self._path)
+            opening = loop.create_unix_connection(protocol_factory, self._path)
         else:
-            opening = loop.create_connection(_RespProtocol, self._host, self._port, ssl=self._ssl)
+            opening = loop.create_connection(
+                protocol_factory, self._host, self._port, ssl=self._ssl
+            )
         try:
             _, protocol = await asyncio.wait_for(opening, self._connect_timeout_s)
         except asyncio.TimeoutError as exc:

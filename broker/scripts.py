@@ -1,9 +1,9 @@
 """The Lua scripts microbatch runs in Redis, and how they are called (EVALSHA, EVAL fallback).
 
-Two paths use a script: enqueue (one call per round trip, which checks the queue bounds
-atomically with the XADDs, so many gateways cannot overshoot them together, and wakes a blocked
-worker to a whole call at once) and a caller withdrawing its items. The worker's hot path (ack,
-delete, reply) is plain commands.
+Two paths use a script: a bounded enqueue (one call per round trip, which checks the queue
+bounds atomically with the XADDs, so many gateways cannot overshoot them together, and wakes a
+blocked worker to a whole call at once; an unbounded one is a plain MULTI/EXEC) and a caller
+withdrawing its items. The worker's hot path (ack, delete, reply) is plain commands.
 
 Arguments travel as one msgpack blob (packed in C on the client, unpacked in C by Redis'
 cmsgpack) rather than as hundreds of separate arguments. cmsgpack predates msgpack's bin type,

@@ -71,6 +71,9 @@ def test_model_share_reads_the_workers_own_inference_time() -> None:
     assert 1 <= result["mean_batch"] <= 64
     assert 0 < result["model_share_of_wall"] <= 1.05
     assert result["ms_per_batch_in_model"] > 0
+    # the worker and the client spent CPU on the items (Redis too, but 1 s may be under a tick)
+    assert result["cpu_us_per_item_worker"] > 0 and result["cpu_us_per_item_client"] > 0
+    assert result["cpu_us_per_item_redis"] >= 0
 
 
 @pytest.mark.timeout(300)

@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 import redis
 
 from broker import CodecError, ProtocolError, Streamer
+from broker.client import REPLY_WAIT_S
 from broker.devserver import RedisServer
 from broker.keys import ModelKeys
 from broker.protocol import decode_reply, request_fields
@@ -173,6 +175,31 @@ def test_concurrent_submits_are_coalesced_into_few_round_trips(
     assert new_connections <= 4
 
 
+def _blocked_reply_reads(admin: redis.Redis) -> int:
+    """Connections blocked in Redis on a reply read (BLMPOP, BLPOP) right now."""
+    clients = admin.client_list()
+    return sum(1 for c in clients if c["cmd"] in ("blmpop", "blpop") and "b" in c["flags"])
+
+
+def test_the_reply_read_waits_in_redis_between_calls_and_leaves_when_idle(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    admin = redis_server.client()
+    with worker_process(redis_server.url, "tests.models:Toy", prefix):
+        streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix)
+        assert streamer.predict(["one"])[0]["item"] == "one"
+        time.sleep(0.1)
+        # the next call of this caller will find its read already waiting
+        assert _blocked_reply_reads(admin) == 1
+        deadline = time.monotonic() + REPLY_WAIT_S * 3 + 5
+        while _blocked_reply_reads(admin) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _blocked_reply_reads(admin) == 0  # idle: no read left blocking
+        assert streamer.predict(["two"])[0]["item"] == "two"  # and a new one starts on demand
+        streamer.close()
+    admin.close()
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_client_shared_across_a_fork_works_in_the_child(
     redis_server: RedisServer, prefix: str
@@ -192,3 +219,20 @@ def test_a_client_shared_across_a_fork_works_in_the_child(
         assert os.waitstatus_to_exitcode(status) == 0
         assert streamer.predict(["parent-again"])[0]["item"] == "parent-again"
         streamer.close()
+
+
+@pytest.mark.parametrize("bounded", [False, True], ids=["unbounded", "bounded"])
+def test_a_call_reaches_an_idle_worker_whole_in_one_batch(
+    redis_server: RedisServer, prefix: str, bounded: bool
+) -> None:
+    """The enqueue is one atomic step (a transaction, or the bound-checking script): a worker
+    blocked on the stream wakes once, to every item of the call."""
+    bound = {"max_queue_items": 10_000} if bounded else {}
+    with worker_process(redis_server.url, "tests.models:Toy", prefix, "--batch-size", "64"):
+        streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix, **bound)
+        streamer.predict(["warm-up"])
+        time.sleep(0.2)  # the worker is blocked on the stream again
+        outputs = streamer.predict([f"item-{i}" for i in range(40)])
+        streamer.close()
+    assert [o["item"] for o in outputs] == [f"item-{i}" for i in range(40)]
+    assert {(o["batch_no"], o["batch"]) for o in outputs} == {(outputs[0]["batch_no"], 40)}

@@ -20,6 +20,14 @@ from broker import resp_lane
 from broker.devserver import RedisServer
 from broker.resp_lane import RespLane
 
+# A command Redis takes 0.2 s to answer (DEBUG SLEEP is disabled by default in Redis 7).
+BUSY_FOR_200_MS = """
+local t = redis.call('TIME')
+local start = t[1] * 1000000 + t[2]
+repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] - start > 200000
+return 1
+"""
+
 
 def key() -> str:
     return f"lane:{uuid.uuid4().hex[:8]}"
@@ -222,3 +230,31 @@ def test_tls_urls_get_a_tls_context_from_redis_pys_url_options() -> None:
     assert isinstance(lane._ssl, ssl.SSLContext) and lane._ssl.verify_mode == ssl.CERT_NONE
     assert (lane._host, lane._port, lane._path) == ("cache.example", 6380, None)
     assert RespLane("redis://h:1/0")._ssl is None
+
+
+def test_commands_left_unanswered_past_the_reply_timeout_drop_the_connection(
+    silent_server: int,
+) -> None:
+    async def main() -> None:
+        lane = RespLane(f"redis://127.0.0.1:{silent_server}/0", reply_timeout_s=0.2)
+        started = time.monotonic()
+        with pytest.raises(RedisConnectionError, match="no reply"):
+            await lane.execute("PING")
+        assert time.monotonic() - started < 5
+        lane.close()
+
+    asyncio.run(main())
+
+
+def test_a_slow_command_that_answers_within_the_reply_timeout_is_fine(
+    redis_server: RedisServer,
+) -> None:
+    async def main() -> None:
+        lane = RespLane(redis_server.url, reply_timeout_s=0.5)
+        # Quiet spells longer than the timeout, with nothing waiting, are no reason to drop it.
+        assert await lane.execute("PING") == b"PONG"
+        await asyncio.sleep(1.0)
+        assert await lane.execute("EVAL", BUSY_FOR_200_MS, 0) == 1
+        lane.close()
+
+    asyncio.run(main())
