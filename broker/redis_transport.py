@@ -115,8 +115,13 @@ class RedisTransport:
         for result in executed:
             if isinstance(result, ResponseError):  # e.g. the stream key holds another type
                 raise result
-        ids = iter(executed)
-        return [[next(ids).decode() for _ in entries] for entries in calls]
+        ids = [entry_id.decode() for entry_id in executed[:-1]]
+        outcomes: list[list[str] | MicrobatchError] = []
+        start = 0
+        for entries in calls:
+            outcomes.append(ids[start : start + len(entries)])
+            start += len(entries)
+        return outcomes
 
     async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, int]]) -> None:
         if not entries:
