@@ -20,7 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import BrokerUnavailable, MicrobatchError, QueueFull
 from .keys import ModelKeys
-from .resp_lane import RespLane
+from .resp_lane import CONNECT_TIMEOUT_S, RespLane
 from .resp_packing import use_hiredis_packing
 from .scripts import ENQUEUE_SCRIPT, RETIRE_CONSUMER_SCRIPT, WITHDRAW_SCRIPT, pack_args
 from .transport import Entry, EntryFields, QueueBound, Redelivery, entry_data_size
@@ -33,7 +33,7 @@ CANCELLED_TTL_MS = 10 * 60 * 1000  # how long a withdrawal is remembered for wor
 
 def connect(url: str, **options: Any) -> aioredis.Redis:
     """An asyncio Redis client for ``url`` (redis://, rediss://, unix://; user, password, db)."""
-    options.setdefault("socket_connect_timeout", 2.0)
+    options.setdefault("socket_connect_timeout", CONNECT_TIMEOUT_S)
     options.setdefault("socket_keepalive", True)
     options.setdefault("health_check_interval", 15)
     return use_hiredis_packing(aioredis.Redis.from_url(url, decode_responses=False, **options))
@@ -49,7 +49,7 @@ class RedisTransport:
     def __init__(self, url: str, **options: Any) -> None:
         self.url = url
         self.redis = connect(url, **options)
-        connect_timeout_s = float(options.get("socket_connect_timeout") or 2.0)
+        connect_timeout_s = float(options.get("socket_connect_timeout") or CONNECT_TIMEOUT_S)
         self._lane = RespLane(url, connect_timeout_s)  # commands that answer at once
         # blocking reads, each bounded by its own timeout instead of the lane's reply timeout
         self._reads = RespLane(url, connect_timeout_s, None)  # the worker's XREADGROUP
@@ -76,7 +76,7 @@ class RedisTransport:
             [
                 [
                     sum(entry_data_size(fields) for fields in entries),
-                    *([item for pair in fields.items() for item in pair] for fields in entries),
+                    *(_flatten(fields) for fields in entries),
                 ]
                 for entries in calls
             ]
@@ -101,7 +101,7 @@ class RedisTransport:
         stream = keys.stream
         for entries in calls:
             for fields in entries:
-                commands.append(("XADD", stream, "*", *chain.from_iterable(fields.items())))
+                commands.append(("XADD", stream, "*", *_flatten(fields)))
                 size += entry_data_size(fields)
         commands.append(("INCRBY", keys.queued_bytes, size))
         commands.append(("EXEC",))
@@ -411,4 +411,5 @@ def _pairs(flat: list[bytes] | None) -> dict[bytes, bytes]:
 
 
 def _flatten(fields: Mapping[Any, Any]) -> list[Any]:
-    return [item for pair in fields.items() for item in pair]
+    """A stream entry's fields as RESP's flat [field, value, ...] list."""
+    return list(chain.from_iterable(fields.items()))

@@ -33,6 +33,8 @@ from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+CONNECT_TIMEOUT_S = 2.0  # to open a connection, and for its AUTH/SELECT to be answered
+
 # How long past its own timeout a blocking command may take before the connection is
 # presumed dead (a half-open TCP connection otherwise hangs the reader forever).
 BLOCKING_GRACE_S = 5.0
@@ -133,6 +135,16 @@ class _RespProtocol(asyncio.Protocol):
         self.connection_lost(RedisConnectionError(reason))
 
 
+def _send_pipeline(
+    protocol: _RespProtocol, commands: Sequence[Sequence[Any]]
+) -> asyncio.Future[list[Any]]:
+    """Write ``commands`` in one go; the future gets their replies, error replies in place."""
+    future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+    packed = b"".join([hiredis.pack_command(tuple(command)) for command in commands])
+    protocol.send(packed, _Pipeline(future, len(commands)))
+    return future
+
+
 class RespLane:
     """One lean connection to the Redis at ``url``, (re)connected on first use.
 
@@ -143,7 +155,7 @@ class RespLane:
     def __init__(
         self,
         url: str,
-        connect_timeout_s: float = 2.0,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
         reply_timeout_s: float | None = REPLY_TIMEOUT_S,
     ) -> None:
         options: dict[str, Any] = dict(parse_redis_url(url))
@@ -206,11 +218,7 @@ class RespLane:
         (as ResponseError instances, not raised)."""
         if not commands:
             return []
-        protocol = await self._ready()
-        future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        packed = b"".join([hiredis.pack_command(tuple(command)) for command in commands])
-        protocol.send(packed, _Pipeline(future, len(commands)))
-        return await future
+        return await _send_pipeline(await self._ready(), commands)
 
     def close(self) -> None:
         """Drop the connection (a later command reconnects)."""
@@ -268,10 +276,10 @@ class RespLane:
         sock = protocol.transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        await self._handshake(protocol, loop)
+        await self._handshake(protocol)
         return protocol
 
-    async def _handshake(self, protocol: _RespProtocol, loop: asyncio.AbstractEventLoop) -> None:
+    async def _handshake(self, protocol: _RespProtocol) -> None:
         commands: list[tuple[Any, ...]] = []
         if self._password is not None:
             user = (self._username,) if self._username else ()
@@ -280,12 +288,10 @@ class RespLane:
             commands.append(("SELECT", self._db))
         if not commands:
             return
-        future: asyncio.Future[list[Any]] = loop.create_future()
-        protocol.send(
-            b"".join(hiredis.pack_command(c) for c in commands), _Pipeline(future, len(commands))
-        )
         try:
-            replies = await asyncio.wait_for(future, self._connect_timeout_s)
+            replies = await asyncio.wait_for(
+                _send_pipeline(protocol, commands), self._connect_timeout_s
+            )
         except asyncio.TimeoutError as exc:
             protocol.abort("handshake timed out")
             raise RedisTimeoutError(f"no answer from Redis at {self._where()}") from exc
