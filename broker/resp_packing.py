@@ -2,9 +2,11 @@
 
 redis-py's synchronous client packs commands with ``hiredis.pack_command`` when hiredis is
 installed, but its asyncio connections always pack in Python: about a microsecond per argument,
-which on the hot path (a worker's RPUSH of 64 replies, XACK and XDEL of 64 ids) costs more than
-Redis takes to run the commands. :func:`use_hiredis_packing` swaps in the C packer, keeping
-whatever connection class (TCP, TLS, unix socket) the URL chose.
+more than Redis takes to run the commands. :func:`use_hiredis_packing` swaps in the C packer,
+keeping whatever connection class (TCP, TLS, unix socket) the URL chose. (The hot path has since
+moved to :mod:`broker.resp_lane`, which packs with hiredis itself; what still goes through
+redis-py's asyncio client is the cold path: consumer groups, takeovers, INFO, the gateway's
+health checks.)
 """
 
 from __future__ import annotations
