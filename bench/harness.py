@@ -2,6 +2,7 @@
 
     python -m bench                 # full: identity, mlp, heavy; every scenario; c = 1, 64, 256
     python -m bench --quick         # < 1 minute, our own scenarios only (CI runs it)
+    python -m bench --cuda 0 ...    # on a GPU: the models on cuda:0, workers with --cuda 0
 
 Scenarios (closed loop, fixed duration per window, one warm-up first, the median of --repeats
 windows reported; items/s, p50/p90/p99 latency, mean batch size the model ran):
@@ -22,8 +23,11 @@ windows reported; items/s, p50/p90/p99 latency, mean batch size the model ran):
 Same payload (one 256-float vector per request; JSON ``{"inputs": [[...]]}`` over HTTP), same
 model code and weights (bench.models / examples.mlp), same torch thread count everywhere
 (--torch-threads: torch.set_num_threads and OMP_NUM_THREADS), max batch 64 and, for the
-alternatives that wait for batch-mates, a max wait of --max-wait-ms. Writes
-<output-dir>/harness.json (raw) and, unless --no-report, docs/benchmarks.md with PNG plots.
+alternatives that wait for batch-mates, a max wait of --max-wait-ms. Everything runs on the
+CPU unless --cuda N names a device: then the direct and embedded arms load the model on cuda:N
+and the worker starts with ``--cuda N`` (--workers: processes on it), the alternatives are left
+as they are (docs/gpu.md). Writes <output-dir>/harness.json (raw) and, unless --no-report,
+docs/benchmarks.md with PNG plots.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ MODELS = {
     "identity": "bench.models:Identity",
     "mlp": "examples.mlp:MLP",
     "heavy": "bench.models:HeavyMLP",
+    "wide": "bench.models:WideMLP",  # GPU-sized: for --cuda runs (docs/gpu.md)
 }
 OURS = [
     "direct, batched",
@@ -90,6 +95,7 @@ class Harness:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.rows: list[dict[str, Any]] = []
+        self.device = "cpu" if args.cuda is None else f"cuda:{args.cuda}"
         self.tmp = Path(tempfile.mkdtemp(prefix="microbatch-bench-"))
         self.env = {
             **os.environ,
@@ -257,9 +263,10 @@ class Harness:
             if scenario not in self.args.scenarios:
                 continue
             windows = []
-            direct(MODELS[model], self.args.batch_size, self.args.warmup, one)  # warm-up
+            size, device = self.args.batch_size, self.device
+            direct(MODELS[model], size, self.args.warmup, one, device)  # warm-up
             for _ in range(self.args.repeats):
-                r = direct(MODELS[model], self.args.batch_size, self.args.duration, one)
+                r = direct(MODELS[model], size, self.args.duration, one, device)
                 windows.append(
                     {
                         "items_per_s": r.items_per_s,
@@ -278,6 +285,7 @@ class Harness:
                 "model": MODELS[model],
                 "batch_size": self.args.batch_size,
                 "torch_threads": self.args.torch_threads,
+                "device": self.device,
             }
             self.record(model, OURS[2], c, self.load(sys.executable, "local", spec))
 
@@ -288,10 +296,11 @@ class Harness:
         worker = [sys.executable, "-m", "gpu_worker.cli", "start", "--model", MODELS[model]]
         worker += ["--redis", redis_url, "--prefix", prefix, "--batch-size", str(a.batch_size)]
         worker += ["--metrics-port", str(metrics_port), "--log-level", "WARNING"]
+        worker += worker_placement(a.cuda, a.workers)
         probe = BatchProbe(f"metrics:http://127.0.0.1:{metrics_port}/metrics")
         with ExitStack() as stack:
             worker_proc = stack.enter_context(self.process(worker, f"worker-{model}"))
-            self.wait_worker(redis_url, model, prefix, worker_proc)
+            self.wait_worker(redis_url, model, prefix, worker_proc, a.workers)
             base = {"name": model, "redis_url": redis_url, "prefix": prefix}
             base["probe"] = probe.kind + ":" + probe.where
             for kind, scenario in (("asyncio", OURS[3]), ("threads", OURS[4])):
@@ -308,7 +317,7 @@ class Harness:
             from bench.memory import bare_model_rss_mb  # (bench.memory imports this module)
 
             self.memory[model]["bare_model_rss_mb"] = bare_model_rss_mb(
-                MODELS[model], a.torch_threads
+                MODELS[model], a.torch_threads, self.device
             )
             if OURS[5] not in a.scenarios:
                 return
@@ -327,7 +336,7 @@ class Harness:
             self.memory[model]["gateway_processes"] = 1 + a.gateway_workers
 
     def wait_worker(
-        self, redis_url: str, model: str, prefix: str, proc: subprocess.Popen[bytes]
+        self, redis_url: str, model: str, prefix: str, proc: subprocess.Popen[bytes], count: int
     ) -> None:
         import redis
 
@@ -337,7 +346,7 @@ class Harness:
         client = redis.Redis.from_url(redis_url)
         keys = ModelKeys(model, prefix)
         deadline = time.monotonic() + 180
-        while not live_consumers(client, keys):
+        while len(live_consumers(client, keys)) < count:
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError("worker did not start: " + self.tail(f"worker-{model}"))
             time.sleep(0.1)
@@ -449,6 +458,7 @@ class Harness:
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
             "elapsed_s": round(time.time() - started, 1),
             "machine": machine(),
+            "gpu": gpu(self.args.cuda),
             "load_average_before": load_before,
             "load_average_after": os.getloadavg(),
             "python": platform.python_version(),
@@ -463,7 +473,9 @@ class Harness:
                 "repeats": self.args.repeats,
                 "concurrency": self.args.concurrency,
                 "wrk": wrk_version(),
-                "pinning": "none (2 cores: pinning would starve one side)",
+                "pinning": f"none ({os.cpu_count()} cores shared by every process)",
+                "device": self.device,
+                "workers": self.args.workers,
             },
             "memory_mb": self.memory,
             "results": self.rows,
@@ -496,6 +508,34 @@ def machine() -> str:
     except OSError:
         pass
     return f"{model or platform.processor()}, {os.cpu_count()} cores, {platform.platform()}"
+
+
+def worker_placement(cuda: str | None, workers: int) -> list[str]:
+    """`worker start` options: WORKERS processes on CUDA device CUDA, or on the CPU."""
+    if cuda is not None:
+        return ["--cuda", cuda, "--workers-per-device", str(workers)]
+    return ["--workers", str(workers)] if workers > 1 else []
+
+
+def gpu(cuda: str | None) -> dict[str, Any] | None:
+    """The GPU a --cuda run used: name, memory, driver, torch and its CUDA (None on the CPU)."""
+    if cuda is None:
+        return None
+    import torch
+
+    props = torch.cuda.get_device_properties(int(cuda))
+    info: dict[str, Any] = {
+        "name": props.name,
+        "memory_gib": round(props.total_memory / 2**30, 1),
+        "multiprocessors": props.multi_processor_count,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+    }
+    with suppress(OSError, subprocess.CalledProcessError):
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        out = subprocess.run(query, capture_output=True, text=True, check=True).stdout
+        info["driver"] = out.split("\n")[0].strip()  # one driver serves every device
+    return info
 
 
 def our_versions() -> dict[str, str]:
@@ -540,6 +580,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # one gateway process: on 2 cores shared with wrk, Redis and the model worker, a second one
     # only adds contention (measured: 6.5-6.9k req/s, p99 15 ms with 1; 5.1-5.9k, 20-24 ms with 2)
     parser.add_argument("--gateway-workers", type=int, default=1)
+    parser.add_argument(
+        "--cuda",
+        help="a CUDA device index: the direct and embedded arms load the model on cuda:N, the "
+        "worker starts with --cuda N (default: everything on the CPU)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="model worker processes of the `worker start` arms (with --cuda: on that device)",
+    )
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
     parser.add_argument("--no-report", action="store_true", help="skip docs/benchmarks.md")
     args = parser.parse_args(argv)
@@ -556,6 +607,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         wanted = [w.strip() for w in args.scenarios.split(",")]
         every = [s for s in every if any(w in s for w in wanted)]
     args.scenarios = every
+    if args.cuda is not None and not args.cuda.isdigit():
+        parser.error(f"--cuda takes one device index, not {args.cuda!r}")
+    if args.workers < 1:
+        parser.error("--workers must be at least 1")
     for model in args.models:
         if model not in MODELS:
             parser.error(f"unknown model {model!r}: one of {', '.join(MODELS)}")

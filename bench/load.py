@@ -195,7 +195,11 @@ def main() -> None:
             from gpu_worker import LocalStreamer, load_model_class
 
             torch.set_num_threads(spec["torch_threads"])
-            streamer = LocalStreamer(load_model_class(spec["model"]), batch_size=spec["batch_size"])
+            streamer = LocalStreamer(
+                load_model_class(spec["model"]),
+                batch_size=spec["batch_size"],
+                device=spec.get("device", "cpu"),
+            )
             probe = LocalProbe(streamer)
 
         async def acall(x: Any) -> Any:

@@ -22,18 +22,18 @@ from bench.harness import MODELS, ROOT
 _LOAD_ALONE = """
 import re, sys
 from gpu_worker import load_model_class
-model = load_model_class(sys.argv[1])()
+model = load_model_class(sys.argv[1])(device=sys.argv[2])
 model.init_model()
 model.warmup()
 print(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1))
 """
 
 
-def bare_model_rss_mb(model_path: str, torch_threads: int = 1) -> float:
-    """VmRSS (MB) of a process that has only loaded and warmed up ``model_path``."""
+def bare_model_rss_mb(model_path: str, torch_threads: int = 1, device: str = "cpu") -> float:
+    """VmRSS (MB) of a process that has only loaded and warmed up ``model_path`` on ``device``."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(torch_threads)}
     out = subprocess.run(
-        [sys.executable, "-c", _LOAD_ALONE, model_path],
+        [sys.executable, "-c", _LOAD_ALONE, model_path, device],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -46,9 +46,10 @@ def bare_model_rss_mb(model_path: str, torch_threads: int = 1) -> float:
 def main() -> None:
     path = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "bench" / "results" / "harness.json"
     report = json.loads(path.read_text())
-    threads = report.get("settings", {}).get("torch_threads", 1)
+    settings = report.get("settings", {})
+    threads, device = settings.get("torch_threads", 1), settings.get("device", "cpu")
     for model, memory in report.get("memory_mb", {}).items():
-        memory["bare_model_rss_mb"] = round(bare_model_rss_mb(MODELS[model], threads), 1)
+        memory["bare_model_rss_mb"] = round(bare_model_rss_mb(MODELS[model], threads, device), 1)
         print(model, memory)
     path.write_text(json.dumps(report, indent=2))
 

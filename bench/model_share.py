@@ -1,6 +1,7 @@
 """How much of a worker's time goes into the model, against the model called alone.
 
     python -m bench.model_share --model heavy --concurrency 256 --duration 10
+    python -m bench.model_share --model wide --cuda 0    # on a GPU (docs/gpu.md)
 
 Calls the model directly on full batches (the ceiling), then starts a private redis-server and
 one `worker start` process with its metrics port, loads it with N asyncio tasks calling
@@ -58,6 +59,7 @@ def served(model: str, args: argparse.Namespace) -> dict[str, Any]:
         worker = [sys.executable, "-m", "gpu_worker.cli", "start", "--model", MODELS[model]]
         worker += ["--redis", server.url, "--prefix", "share", "--metrics-port", str(port)]
         worker += ["--batch-size", str(args.batch_size), "--log-level", "WARNING"]
+        worker += ["--cuda", args.cuda] if args.cuda is not None else []
         worker_pid = stack.enter_context(process(worker, env)).pid
         wait_workers(server.url, ModelKeys(name, "share"), 1)
         assert server.process is not None
@@ -107,9 +109,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument("--cuda", help="a CUDA device index for the model (default: the CPU)")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)
-    alone = direct(MODELS[args.model], args.batch_size, args.duration, False)
+    device = "cpu" if args.cuda is None else f"cuda:{args.cuda}"
+    alone = direct(MODELS[args.model], args.batch_size, args.duration, False, device)
     result = {"direct_batched_items_per_s": alone.items_per_s, **served(args.model, args)}
     result["served_over_direct"] = result["items_per_s"] / alone.items_per_s
     print(json.dumps({k: round(v, 3) for k, v in result.items()}, indent=2))

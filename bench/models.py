@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from examples.mlp import MLP
@@ -25,3 +26,62 @@ class HeavyMLP(MLP):
 
     name = "heavy"
     hidden = 4096
+
+
+class WideMLP(MLP):
+    """A GPU-sized MLP: 256 -> 8192, six 8192x8192 layers, -> 16 (1.6 GB of FP32 weights).
+
+    On a GPU one call reads every weight once whatever the batch, so a batch of one is bound by
+    memory bandwidth and a batch of 64 costs little more: the case batching exists for. Made for
+    the GPU runs (docs/gpu.md): on a CPU one batch of 64 takes about a second.
+    """
+
+    name = "wide"
+    hidden = 8192
+    layers = 8  # Linear layers
+
+    def init_model(self) -> None:
+        import torch
+
+        torch.manual_seed(0)
+        self.torch = torch
+        nn, width = torch.nn, self.hidden
+        # built on the device: initialising 1.6 GB on the CPU first would take seconds
+        modules: list[Any] = [nn.Linear(256, width, device=self.device), nn.ReLU()]
+        for _ in range(self.layers - 2):
+            modules += [nn.Linear(width, width, device=self.device), nn.ReLU()]
+        modules.append(nn.Linear(width, 16, device=self.device))
+        self.net = nn.Sequential(*modules).eval()
+
+
+class DeviceReport(MLP):
+    """The reference MLP, answering with where it ran (bench/gpu_check.py proves --cuda with it).
+
+    Each output is a map: the MLP's output vector, and the worker process's pid, its
+    CUDA_VISIBLE_DEVICES, the device count and name its torch sees, and the output tensor's
+    device before it was copied back to the host.
+    """
+
+    name = "device_report"
+
+    def init_model(self) -> None:
+        super().init_model()
+        torch = self.torch
+        cuda = self.device != "cpu"
+        self.where = {
+            "pid": os.getpid(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "device": self.device,
+            "device_count": torch.cuda.device_count() if cuda else 0,
+            "device_name": torch.cuda.get_device_name(self.device) if cuda else "cpu",
+        }
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        import numpy as np
+
+        torch = self.torch
+        stacked = np.stack([np.asarray(item, dtype=np.float32) for item in batch])
+        with torch.inference_mode():
+            out = self.net(torch.from_numpy(stacked).to(self.device))
+        where = {**self.where, "tensor_device": str(out.device)}
+        return [{**where, "output": row} for row in out.cpu().numpy()]

@@ -297,6 +297,9 @@ def write(
         "alternative's server) all share the same 2 cores. Treat absolute numbers as rough; the "
         "ratios are taken between arms of the same run, measured one after another.",
         "",
+        "On a GPU (one H100: `--cuda` pinning checked, and the batching speed-ups with the models "
+        "on the device): [gpu.md](gpu.md).",
+        "",
         "## Setup",
         "",
         f"- Machine: {report['machine']}",

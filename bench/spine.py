@@ -70,8 +70,10 @@ def sample_input() -> np.ndarray:
     return np.random.default_rng(0).standard_normal(256).astype(np.float32)
 
 
-def direct(model_path: str, batch_size: int, duration: float, one_at_a_time: bool) -> Result:
-    model = load_model_class(model_path)()
+def direct(
+    model_path: str, batch_size: int, duration: float, one_at_a_time: bool, device: str = "cpu"
+) -> Result:
+    model = load_model_class(model_path)(device=device)
     model.init_model()
     x = sample_input()
     batch = [x] if one_at_a_time else [x] * batch_size

@@ -107,3 +107,35 @@ def test_hops_measures_a_round_trip_through_redis() -> None:
     command = [sys.executable, "-m", "bench.hops", "--rounds", "50"]
     out = subprocess.run(command, cwd=ROOT, check=True, timeout=60, capture_output=True, text=True)
     assert "two hops through Redis" in out.stdout and "over 40 round trips" in out.stdout
+
+
+def test_the_cuda_option_reaches_the_worker_command() -> None:
+    """`python -m bench --cuda N` (docs/gpu.md); the default stays on the CPU, unchanged."""
+    from bench.harness import parse_args, worker_placement
+
+    assert parse_args(["--quick"]).cuda is None
+    args = parse_args(["--quick", "--cuda", "0", "--workers", "2"])
+    assert worker_placement(args.cuda, args.workers) == ["--cuda", "0", "--workers-per-device", "2"]
+    assert worker_placement(None, 1) == []
+    assert worker_placement(None, 3) == ["--workers", "3"]
+    with pytest.raises(SystemExit):
+        parse_args(["--cuda", "0,1"])
+
+
+def test_device_report_answers_with_where_it_ran() -> None:
+    """bench.gpu_check's model: the reference MLP's output, and the process and device."""
+    import os
+
+    import numpy as np
+
+    from bench.models import DeviceReport
+    from examples.mlp import MLP
+
+    x = np.random.default_rng(0).standard_normal(256).astype(np.float32)
+    model, reference = DeviceReport(), MLP()
+    model.init_model()
+    reference.init_model()
+    [answer] = model.predict([x])
+    assert answer["pid"] == os.getpid()
+    assert (answer["device"], answer["tensor_device"], answer["device_count"]) == ("cpu", "cpu", 0)
+    assert np.allclose(answer["output"], reference.predict([x])[0])
