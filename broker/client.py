@@ -21,11 +21,12 @@ from concurrent.futures import Future
 from typing import Any
 
 from . import codec
+from .deadlines import Deadlines
 from .errors import BrokerUnavailable, DeadlineExceeded, MicrobatchError, error_from_wire
 from .keys import DEFAULT_PREFIX, ModelKeys
 from .loop_thread import LoopThread
-from .protocol import Reply, decode_reply, request_fields
-from .transport import UNBOUNDED, EntryFields, QueueBound, Transport
+from .protocol import CallRequests, Reply, decode_reply
+from .transport import UNBOUNDED, QueueBound, Transport
 
 log = logging.getLogger("microbatch.client")
 
@@ -52,17 +53,21 @@ os.register_at_fork(after_in_child=_forked)
 class _Call:
     """One predict/submit call: N items, one future."""
 
-    __slots__ = ("entries", "errors", "future", "ids", "remaining", "results", "sizes", "timer")
+    __slots__ = (
+        "deadline", "entries", "errors", "future", "ids", "remaining", "requests", "results",
+        "timeout_s",
+    )  # fmt: skip
 
-    def __init__(self, ids: list[str], sizes: list[int], future: AnyFuture) -> None:
-        self.ids = ids
-        self.sizes = sizes
+    def __init__(self, requests: CallRequests, future: AnyFuture, timeout_s: float) -> None:
+        self.requests = requests
+        self.ids = ids = requests.request_ids
         self.future = future
+        self.timeout_s = timeout_s
         self.entries: list[str] = []  # stream entry ids, once queued
         self.results: list[Any] = [None] * len(ids)
         self.errors: dict[int, MicrobatchError] = {}
         self.remaining = len(ids)
-        self.timer: asyncio.TimerHandle | None = None
+        self.deadline: int | None = None  # its key in the core's Deadlines, once accepted
 
 
 class ClientCore:
@@ -83,24 +88,21 @@ class ClientCore:
         self.inbox = keys.inbox(self.client_id)
         self._ids = itertools.count()
         self._pending: dict[str, tuple[_Call, int]] = {}
-        self._outbox: list[tuple[_Call, list[EntryFields]]] = []
+        self._outbox: list[_Call] = []
         self._flusher: asyncio.Task[None] | None = None
         self._reader: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._deadlines: Deadlines[_Call] = Deadlines(loop, self._expire)
         self._closing = False
 
     def _new_call(
         self, payloads: Sequence[bytes], future: AnyFuture, timeout_s: float, trace: str | None
-    ) -> tuple[_Call, list[EntryFields]]:
+    ) -> _Call:
         ids = [f"{self.client_id}.{next(self._ids)}" for _ in payloads]
-        call = _Call(ids, [len(payload) for payload in payloads], future)
         timeout_ms = max(1, int(timeout_s * 1000))
-        entries: list[EntryFields] = [
-            request_fields(rid, self.inbox, timeout_ms, payload, trace)
-            for rid, payload in zip(ids, payloads, strict=True)
-        ]
+        call = _Call(CallRequests(self.inbox, timeout_ms, ids, payloads, trace), future, timeout_s)
         future.add_done_callback(lambda done: self._on_done(done, call))
-        return call, entries
+        return call
 
     def start_call_threadsafe(
         self, payloads: Sequence[bytes], timeout_s: float, trace: str | None = None
@@ -110,8 +112,8 @@ class ClientCore:
         if not payloads:
             future.set_result([])
             return future
-        call, entries = self._new_call(payloads, future, timeout_s, trace)
-        self.loop.call_soon_threadsafe(self._accept, call, entries, timeout_s)
+        call = self._new_call(payloads, future, timeout_s, trace)
+        self.loop.call_soon_threadsafe(self._accept, call)
         return future
 
     def start_call(
@@ -122,17 +124,16 @@ class ClientCore:
         if not payloads:
             future.set_result([])
             return future
-        call, entries = self._new_call(payloads, future, timeout_s, trace)
-        self._accept(call, entries, timeout_s)
+        self._accept(self._new_call(payloads, future, timeout_s, trace))
         return future
 
-    def _accept(self, call: _Call, entries: list[EntryFields], timeout_s: float) -> None:
+    def _accept(self, call: _Call) -> None:
         if call.future.done():  # cancelled before it reached the loop
             return
         for index, rid in enumerate(call.ids):
             self._pending[rid] = (call, index)
-        call.timer = self.loop.call_later(timeout_s, self._expire, call, timeout_s)
-        self._outbox.append((call, entries))
+        call.deadline = self._deadlines.add(call, call.timeout_s)
+        self._outbox.append(call)
         if self._flusher is None:
             self._flusher = self.loop.create_task(self._flush())
         if self._reader is None:
@@ -142,18 +143,18 @@ class ClientCore:
         # Everything submitted while one round trip is in flight goes out together in the next.
         try:
             while self._outbox:
-                batch = [
-                    (call, entries) for call, entries in self._outbox if not call.future.done()
-                ]
+                batch = [call for call in self._outbox if not call.future.done()]
                 self._outbox = []
                 if batch:
-                    await self._send([call for call, _ in batch], [entries for _, entries in batch])
+                    await self._send(batch)
         finally:
             self._flusher = None
 
-    async def _send(self, calls: list[_Call], entries: list[list[EntryFields]]) -> None:
+    async def _send(self, calls: list[_Call]) -> None:
         try:
-            outcomes = await self.transport.enqueue(self.keys, entries, self.bound)
+            outcomes = await self.transport.enqueue(
+                self.keys, [call.requests for call in calls], self.bound
+            )
         except MicrobatchError as exc:
             self._fail_calls(calls, exc)
             return
@@ -215,8 +216,8 @@ class ClientCore:
             self._settle(call)
 
     def _settle(self, call: _Call) -> None:
-        if call.timer is not None:
-            call.timer.cancel()
+        if call.deadline is not None:
+            self._deadlines.discard(call, call.deadline)
         if call.future.done():
             return
         if call.errors:
@@ -235,8 +236,8 @@ class ClientCore:
         for call in calls:
             self._fail_items(call, error.with_index)
 
-    def _expire(self, call: _Call, timeout_s: float) -> None:
-        message = f"no reply within {timeout_s:g} s"
+    def _expire(self, call: _Call) -> None:
+        message = f"no reply within {call.timeout_s:g} s"
         self._fail_items(call, lambda index: DeadlineExceeded(message, index=index))
 
     def _on_done(self, future: AnyFuture, call: _Call) -> None:
@@ -249,15 +250,15 @@ class ClientCore:
 
     def _forget(self, call: _Call) -> None:
         """The caller gave up on ``call``: drop it, and withdraw its items still queued."""
-        if call.timer is not None:
-            call.timer.cancel()
+        if call.deadline is not None:
+            self._deadlines.discard(call, call.deadline)
         for rid in call.ids:
             self._pending.pop(rid, None)
         if call.entries:
             self._withdraw(call)
 
     def _withdraw(self, call: _Call) -> None:
-        entries = list(zip(call.entries, call.sizes, strict=True))
+        entries = list(zip(call.entries, map(len, call.requests.payloads), strict=True))
         call.entries = []
         task = self.loop.create_task(self._cancel_entries(entries))
         self._background.add(task)
@@ -369,8 +370,15 @@ class Streamer:
         return core
 
     def _encode(self, batch: Sequence[Any]) -> list[bytes]:
-        if isinstance(batch, (str, bytes)) or not isinstance(batch, Sequence):
+        if type(batch) is not list and (
+            isinstance(batch, (str, bytes)) or not isinstance(batch, Sequence)
+        ):
             raise TypeError("predict/submit take a list of items")
+        if self.model is None:
+            try:
+                return [codec.encode(item) for item in batch]
+            except MicrobatchError:
+                pass  # the loop below says which item
         payloads = []
         for index, item in enumerate(batch):
             try:

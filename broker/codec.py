@@ -164,7 +164,8 @@ def _unpack_array(data: bytes, start: int = 0) -> np.ndarray:
     dtype, shape, count = _parse_header(data[start:end])
     if count * dtype.itemsize != len(data) - end:
         raise CodecError("array data does not match its shape and dtype")
-    return np.frombuffer(data, dtype=dtype, count=count, offset=end).reshape(shape)
+    array = np.frombuffer(data, dtype=dtype, count=count, offset=end)
+    return array if len(shape) == 1 else array.reshape(shape)
 
 
 def _ext_hook(code: int, data: bytes) -> Any:

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 from .errors import MicrobatchError, QueueFull
 from .keys import ModelKeys
-from .protocol import Fields
-from .transport import Entry, EntryFields, QueueBound, Redelivery, entry_data_size
+from .protocol import CallRequests, Fields
+from .transport import Entry, QueueBound, Redelivery, entry_data_size
 
 
 class _Stream:
@@ -66,12 +66,13 @@ class InMemoryTransport:
         return f"{self._last_ms}-{self._seq}"
 
     async def enqueue(
-        self, keys: ModelKeys, calls: Sequence[Sequence[EntryFields]], bound: QueueBound
+        self, keys: ModelKeys, calls: Sequence[CallRequests], bound: QueueBound
     ) -> list[list[str] | MicrobatchError]:
         target = self._stream(keys.stream)
         outcomes: list[list[str] | MicrobatchError] = []
-        for entries in calls:
-            size = sum(entry_data_size(fields) for fields in entries)
+        for call in calls:
+            entries = call.entry_fields()
+            size = call.data_size
             if bound.max_items and len(target) + len(entries) > bound.max_items:
                 outcomes.append(QueueFull(f"queue is at its bound of {bound.max_items} items"))
                 continue

@@ -19,6 +19,7 @@ A reply is one msgpack map pushed (RPUSH) to the reply key, which then gets a TT
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +69,33 @@ def request_fields(
     if valid_traceparent(traceparent):
         fields["traceparent"] = traceparent  # type: ignore[assignment]
     return fields
+
+
+@dataclass(slots=True)
+class CallRequests:
+    """The items of one call as they go onto a model's stream: one entry per item, sharing
+    the call's reply key, timeout and trace context."""
+
+    reply_key: str
+    timeout_ms: int
+    request_ids: list[str]
+    payloads: Sequence[bytes]
+    traceparent: str | None = None
+
+    def __post_init__(self) -> None:
+        self.traceparent = valid_traceparent(self.traceparent)
+
+    @property
+    def data_size(self) -> int:
+        """Bytes the items count for against a queue's byte bound."""
+        return sum(map(len, self.payloads))
+
+    def entry_fields(self) -> list[dict[str, str | bytes]]:
+        """Each item's stream entry fields (see :func:`request_fields`)."""
+        return [
+            request_fields(request_id, self.reply_key, self.timeout_ms, data, self.traceparent)
+            for request_id, data in zip(self.request_ids, self.payloads, strict=True)
+        ]
 
 
 @dataclass(slots=True)

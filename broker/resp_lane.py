@@ -139,10 +139,23 @@ def _send_pipeline(
     protocol: _RespProtocol, commands: Sequence[Sequence[Any]]
 ) -> asyncio.Future[list[Any]]:
     """Write ``commands`` in one go; the future gets their replies, error replies in place."""
-    future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
     packed = b"".join([hiredis.pack_command(tuple(command)) for command in commands])
-    protocol.send(packed, _Pipeline(future, len(commands)))
+    return _send_packed(protocol, packed, len(commands))
+
+
+def _send_packed(protocol: _RespProtocol, packed: bytes, count: int) -> asyncio.Future[list[Any]]:
+    future: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+    protocol.send(packed, _Pipeline(future, count))
     return future
+
+
+def bulk_strings(args: Sequence[Any]) -> bytes:
+    """``args`` as RESP bulk strings, without a command's array header: a piece to splice
+    into commands packed by hand (see :meth:`RespLane.pipeline_packed`)."""
+    if not args:
+        return b""
+    packed: bytes = hiredis.pack_command(tuple(args))
+    return packed[packed.index(b"\r\n") + 2 :]
 
 
 class RespLane:
@@ -219,6 +232,10 @@ class RespLane:
         if not commands:
             return []
         return await _send_pipeline(await self._ready(), commands)
+
+    async def pipeline_packed(self, packed: bytes, count: int) -> list[Any]:
+        """:meth:`pipeline` for ``count`` commands already RESP-encoded into ``packed``."""
+        return await _send_packed(await self._ready(), packed, count)
 
     def close(self) -> None:
         """Drop the connection (a later command reconnects)."""

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 from .errors import MicrobatchError
 from .keys import ModelKeys
-from .protocol import Fields
+from .protocol import CallRequests, Fields
 
 Entry = tuple[str, Fields]
 """A stream entry as the worker reads it: (entry id, fields)."""
@@ -21,9 +21,6 @@ Entry = tuple[str, Fields]
 Redelivery = tuple[Entry, int]
 """An entry taken over from a dead consumer (or this one's, after an outage) and how many
 times it had been delivered before."""
-
-EntryFields = Mapping[str, str | bytes]
-"""A stream entry as the caller writes it."""
 
 
 @dataclass(frozen=True)
@@ -48,9 +45,9 @@ class Transport(Protocol):
 
     # -- caller side ----------------------------------------------------------------------
     async def enqueue(
-        self, keys: ModelKeys, calls: Sequence[Sequence[EntryFields]], bound: QueueBound
+        self, keys: ModelKeys, calls: Sequence[CallRequests], bound: QueueBound
     ) -> list[list[str] | MicrobatchError]:
-        """Append each call's entries to the model's stream, in order, each call atomically.
+        """Append each call's items to the model's stream, in order, each call atomically.
 
         Returns one outcome per call: the entry ids if queued, :class:`QueueFull` if its items
         would take the queue over ``bound`` (then none of them is queued).

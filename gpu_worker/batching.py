@@ -88,6 +88,9 @@ class BatchObserver:
     def redelivered(self) -> None:
         """An entry was taken over from a dead consumer (or this one's, after an outage)."""
 
+    def replies_sent(self) -> None:
+        """A batch's replies are on their way: bookkeeping that need not delay them goes here."""
+
 
 class BrokerClock:
     """The broker's clock, estimated from one TIME round trip and refreshed now and then.
@@ -277,10 +280,12 @@ class BatchLoop:
         try:
             request = parse_request(*entry)
         except MalformedEntry:
+            self.observer.replies_sent()  # none to send
             return
         error = PoisonRequest(f"request {reason}; it sits in the dead-letter stream")
         reply = (request.reply_key, encode_error(request.request_id, error))
         await self.transport.finish(self.keys, [reply], [], self.settings.reply_ttl_s)
+        self.observer.replies_sent()
 
     async def read_batch(self) -> list[Entry]:
         """Everything queued up to batch_size; wait for more only while max_latency allows."""
@@ -366,6 +371,7 @@ class BatchLoop:
         dead_ids = {entry_id for entry_id, _ in dead}
         answered = [entry for entry in entries if entry[0] not in dead_ids]
         await self._send_answers(replies, answered)
+        observer.replies_sent()
 
     async def _send_answers(self, replies: list[tuple[str, bytes]], answered: list[Entry]) -> None:
         """Reply, ack and delete; usually without waiting, so the next batch can start.

@@ -89,6 +89,7 @@ async def serve(model: Any, config: Any, consumer: str) -> None:
         await batch_loop.run()
     finally:
         batch_loop.close()
+        observer.flush()
         await transport.close()
     log.info(
         "worker %s stopped after %d batches (%d items, %d taken over, %d dead-lettered)",

@@ -78,7 +78,12 @@ LIVE_WORKERS = Gauge(
 
 class WorkerObserver(BatchObserver):
     """Feeds the metrics, tells the supervisor when a batch starts and ends (its watchdog),
-    and logs the traceparent of traced requests with their batch."""
+    and logs the traceparent of traced requests with their batch.
+
+    Metric updates wait until the batch's replies have been sent (:meth:`replies_sent`): each
+    is a locked write to a memory-mapped file, together ~15 us a batch, which would otherwise
+    delay every reply by as much.
+    """
 
     def __init__(self, model: str, consumer: str, state: BatchState | None = None) -> None:
         self.model = model
@@ -90,14 +95,18 @@ class WorkerObserver(BatchObserver):
         self.batches = BATCHES.labels(model)
         self.redeliveries = REDELIVERIES.labels(model)
         self.dead_letters = DEAD_LETTERS.labels(model)  # exported as 0 until one happens
+        self._sizes: list[float] = []
+        self._waits: list[float] = []
+        self._inference: list[float] = []
+        self._outcomes: dict[str, int] = {}
 
     def batch_started(
         self, size: int, queue_waits_s: Sequence[float], traces: Sequence[str]
     ) -> None:
         if self.state is not None:
             self.state.busy(size)
-        self.batch_size.observe(size)
-        observe_many(self.queue_wait, [max(0.0, wait) for wait in queue_waits_s])
+        self._sizes.append(size)
+        self._waits.extend(queue_waits_s)
         if traces:
             log.info(
                 "batch of %d on %s for %s; traceparent %s",
@@ -107,16 +116,34 @@ class WorkerObserver(BatchObserver):
     def batch_finished(self, size: int, inference_s: float) -> None:
         if self.state is not None:
             self.state.idle()
-        self.batches.inc()
-        self.inference.observe(inference_s)
+        self._inference.append(inference_s)
 
     def answered(self, outcome: str, count: int = 1) -> None:
-        ITEMS.labels(self.model, outcome).inc(count)
-        if outcome == "poison":
-            self.dead_letters.inc(count)
+        self._outcomes[outcome] = self._outcomes.get(outcome, 0) + count
 
     def redelivered(self) -> None:
         self.redeliveries.inc()
+
+    def replies_sent(self) -> None:
+        self.flush()
+
+    def flush(self) -> None:
+        """Write the metric updates held back so far."""
+        sizes, self._sizes = self._sizes, []
+        waits, self._waits = self._waits, []
+        inference, self._inference = self._inference, []
+        outcomes, self._outcomes = self._outcomes, {}
+        if sizes:
+            observe_many(self.batch_size, sizes)
+        if waits:
+            observe_many(self.queue_wait, [max(0.0, wait) for wait in waits])
+        if inference:
+            self.batches.inc(len(inference))
+            observe_many(self.inference, inference)
+        for outcome, count in outcomes.items():
+            ITEMS.labels(self.model, outcome).inc(count)
+            if outcome == "poison":
+                self.dead_letters.inc(count)
 
 
 def observe_many(histogram: Any, values: Sequence[float]) -> None:

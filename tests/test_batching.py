@@ -9,7 +9,7 @@ from broker import codec
 from broker.errors import BrokerUnavailable
 from broker.keys import ModelKeys
 from broker.memory_transport import InMemoryTransport
-from broker.protocol import request_fields
+from broker.protocol import CallRequests
 from broker.transport import UNBOUNDED
 from gpu_worker.batching import BatchLoop, BatchSettings
 
@@ -42,8 +42,8 @@ def test_stopping_while_redis_is_away_leaves_no_reply_task_behind() -> None:
             lambda batch: batch, transport, keys, "c1", BatchSettings(batch_size=4, block_ms=20)
         )
         await transport.ensure_group(keys)
-        fields = request_fields("r1", "inbox", 5000, codec.encode(1))
-        await transport.enqueue(keys, [[fields]], UNBOUNDED)
+        call = CallRequests("inbox", 5000, ["r1"], [codec.encode(1)])
+        await transport.enqueue(keys, [call], UNBOUNDED)
         transport.cancellations_pending = False  # replies go out as a task, not awaited
         transport.on_outage = loop.stop
         await asyncio.wait_for(loop.run(), 5)

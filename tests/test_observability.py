@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -183,3 +184,34 @@ def test_bulk_observations_equal_one_observe_per_value() -> None:
 
     assert exposition(bulk=True) == exposition(bulk=False)
     assert "wait_count" in "\n".join(exposition(bulk=True))
+
+
+def test_worker_metrics_are_written_once_the_batchs_replies_are_sent() -> None:
+    from prometheus_client import REGISTRY
+
+    from gpu_worker.metrics import WorkerObserver
+
+    model = f"held-{uuid.uuid4().hex[:8]}"
+    observer = WorkerObserver(model, "consumer-1")
+
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(name, {"model": model, **labels}) or 0.0
+
+    for _ in range(2):
+        observer.batch_started(3, [0.001, 0.002, 0.003], [])
+        observer.batch_finished(3, 0.004)
+        observer.answered("ok", 2)
+        observer.answered("model_error")
+    # the replies are not out yet: nothing written
+    assert sample("microbatch_worker_batches_total") == 0
+    assert sample("microbatch_worker_items_total", outcome="ok") == 0
+    observer.replies_sent()
+    assert sample("microbatch_worker_batches_total") == 2
+    assert sample("microbatch_worker_items_total", outcome="ok") == 4
+    assert sample("microbatch_worker_items_total", outcome="model_error") == 2
+    assert sample("microbatch_worker_batch_size_count") == 2
+    assert sample("microbatch_worker_batch_size_sum") == 6
+    assert sample("microbatch_worker_queue_wait_seconds_count") == 6
+    assert sample("microbatch_worker_inference_seconds_sum") == pytest.approx(0.008)
+    observer.replies_sent()  # nothing new: nothing written twice
+    assert sample("microbatch_worker_batches_total") == 2

@@ -167,6 +167,10 @@ def test_concurrent_submits_are_coalesced_into_few_round_trips(
         xadds = _command_calls(admin, "xadd")
         reply_reads = _command_calls(admin, "blmpop") + _command_calls(admin, "blpop")
         new_connections = admin.info("stats")["total_connections_received"] - connections_before
+        core = streamer._thread_core
+        assert core is not None
+        # every call settled is forgotten: no request id or deadline left behind
+        assert not core._pending and len(core._deadlines) == 0
         streamer.close()
     assert xadds == n
     # one inbox per process: replies are read in bulk, not one blocking call per request
