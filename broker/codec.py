@@ -165,7 +165,8 @@ def _unpack_array(data: bytes, start: int = 0) -> np.ndarray:
     if count * dtype.itemsize != len(data) - end:
         raise CodecError("array data does not match its shape and dtype")
     # positional: numpy parses keyword arguments slowly (twice this call's cost)
-    return np.ndarray(shape, dtype, data, end)
+    array: np.ndarray = np.ndarray(shape, dtype, data, end)
+    return array
 
 
 def _ext_hook(code: int, data: bytes) -> Any:

@@ -8,6 +8,8 @@ its own ``CUDA_VISIBLE_DEVICES``, set before its interpreter (and so torch) star
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 # Overrides the device count (for tests, and for hosts where torch cannot count devices). A
 # child pinned to one device then sees a count of 1, as it would with a real driver.
@@ -18,16 +20,46 @@ class DeviceError(ValueError):
     """A requested device does not exist or cannot be used."""
 
 
+# Run by a short-lived interpreter where this process has not imported torch itself.
+COUNT_PROGRAM = "import torch; print(torch.cuda.device_count())"
+COUNT_TIMEOUT_S = 120.0  # importing a CUDA build of torch from a cold disk can take a while
+
+
 def device_count() -> int:
-    """How many CUDA devices this process can see."""
+    """How many CUDA devices this process can see.
+
+    A process that has not imported torch (a `worker start` supervisor) asks a short-lived
+    interpreter instead: importing a CUDA build of torch for one number would keep hundreds
+    of MB resident in it for its whole life.
+    """
     override = os.environ.get(DEVICE_COUNT_ENV)
     if override is not None:
         return int(override)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return int(torch.cuda.device_count())
+    return _count_in_subprocess()
+
+
+def _count_in_subprocess() -> int:
     try:
-        import torch
-    except ImportError:
-        return 0
-    return int(torch.cuda.device_count())
+        done = subprocess.run(
+            [sys.executable, "-c", COUNT_PROGRAM],
+            capture_output=True,
+            text=True,
+            timeout=COUNT_TIMEOUT_S,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise DeviceError(f"could not count CUDA devices: {exc}") from exc
+    if done.returncode != 0:
+        if "No module named 'torch'" in done.stderr:
+            return 0
+        reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise DeviceError(f"could not count CUDA devices: {reason}")
+    try:
+        return int(done.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError) as exc:
+        raise DeviceError(f"could not count CUDA devices: got {done.stdout!r}") from exc
 
 
 def visible_devices() -> list[str]:

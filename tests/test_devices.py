@@ -123,3 +123,36 @@ def test_plan_devices_and_parse_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
             parse_cuda(bad)
     with pytest.raises(DeviceError, match="does not exist"):
         plan_devices([4])
+
+
+def test_counting_devices_does_not_import_torch_into_the_supervisor() -> None:
+    # A fresh interpreter, as a `worker start` supervisor is: the count comes from a
+    # short-lived child, and torch (hundreds of MB with CUDA) never loads in this one.
+    env = {k: v for k, v in os.environ.items() if k != DEVICE_COUNT_ENV}
+    program = (
+        "import sys; from gpu_worker.devices import device_count; "
+        "print(device_count(), 'torch' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    count, torch_loaded = done.stdout.split()
+    import torch
+
+    assert int(count) == torch.cuda.device_count()
+    assert torch_loaded == "False"
+
+
+def test_a_device_count_that_fails_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpu_worker import devices
+
+    monkeypatch.setattr(devices, "COUNT_PROGRAM", "raise SystemExit('driver gone')")
+    with pytest.raises(DeviceError, match="could not count CUDA devices: driver gone"):
+        devices._count_in_subprocess()
+    monkeypatch.setattr(devices, "COUNT_PROGRAM", "print('many')")
+    with pytest.raises(DeviceError, match="could not count CUDA devices"):
+        devices._count_in_subprocess()
+    monkeypatch.setattr(devices, "COUNT_PROGRAM", "import no_such_torch_module_here as torch")
+    with pytest.raises(DeviceError):  # an import error other than torch's own is not "0"
+        devices._count_in_subprocess()
