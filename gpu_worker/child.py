@@ -43,7 +43,7 @@ def check_device(device: str) -> None:
         return
     from .devices import device_count
 
-    count = device_count()
+    count = device_count(in_process=True)  # the model imports torch next anyway
     if count != 1:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         raise RuntimeError(
