@@ -136,7 +136,10 @@ class Supervisor:
                 slot.ready = True
                 slot.consumer = str(message.get("consumer"))
                 self._next_heartbeat = 0.0  # vouch for it at once
-                log.info("worker %d ready (pid %s)", slot.index, message.get("pid"))
+                log.info(
+                    "worker %d ready (pid %s) on %s",
+                    slot.index, message.get("pid"), message.get("device", slot.device),
+                )  # fmt: skip
             elif message.get("event") == "error":
                 slot.last_error = str(message.get("message", "unknown error"))
 

@@ -39,6 +39,7 @@ def run_pinned(
         env={RECORD_ENV: str(tmp_path), **env},
         expect_consumers=workers,
         name="probe",
+        log_path=tmp_path / "worker.log",
     ):
         pass
     return probes(tmp_path)
@@ -55,6 +56,9 @@ def test_one_process_per_listed_device(
     assert {p["device"] for p in seen} == {"cuda:0"}
     assert {p["device_count"] for p in seen} == {1}  # each child sees exactly its one device
     assert len({p["pid"] for p in seen}) == 2
+    log = (tmp_path / "worker.log").read_text()
+    for p in seen:  # the supervisor's log says where each child is
+        assert f"ready (pid {p['pid']}) on cuda:0" in log
 
 
 def test_workers_per_device(
