@@ -551,6 +551,31 @@ def test_dockerfiles_pass_hadolint() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_the_images_extras_are_a_build_argument(tmp_path: Path) -> None:
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    known = set(extras["optional-dependencies"])
+    default = compose_config(COMPOSE_FILES, {}, tmp_path)["services"]
+    cpu = compose_config(CPU_FILES, {}, tmp_path)["services"]
+    assert default["gateway"]["build"]["args"]["EXTRAS"] == "gateway"
+    assert default["worker"]["build"]["args"]["EXTRAS"] == "worker"
+    assert cpu["worker-cpu"]["build"]["args"]["EXTRAS"] == "worker"
+    # serving the example embedder: both images get the examples extra
+    env = {
+        "MICROBATCH_WORKER_EXTRAS": "worker,examples",
+        "MICROBATCH_GATEWAY_EXTRAS": "gateway,examples",
+    }
+    chosen = compose_config(CPU_FILES, env, tmp_path)["services"]
+    for service, extra in (("worker-cpu", "worker"), ("gateway", "gateway")):
+        names = chosen[service]["build"]["args"]["EXTRAS"].split(",")
+        assert names == [extra, "examples"] and set(names) <= known
+    for dockerfile, extra in (("Dockerfile.gateway", "gateway"), ("Dockerfile.worker", "worker")):
+        text = (DEPLOY / dockerfile).read_text()
+        assert f"ARG EXTRAS={extra}\n" in text
+        assert 'pip install "./[${EXTRAS}]"' in text
+
+
 def test_images_run_the_compose_commands(tmp_path: Path) -> None:
     config = compose_config(CPU_FILES, {}, tmp_path)["services"]
     default = compose_config(COMPOSE_FILES, {}, tmp_path)["services"]
