@@ -22,7 +22,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from .errors import BrokerUnavailable, MicrobatchError, QueueFull
 from .keys import ModelKeys
 from .protocol import CallRequests, request_fields
-from .resp_lane import CONNECT_TIMEOUT_S, RespLane, bulk_strings
+from .resp_lane import CONNECT_TIMEOUT_S, RespLane, bulk_strings, keepalive_options
 from .resp_packing import use_hiredis_packing
 from .scripts import ENQUEUE_SCRIPT, RETIRE_CONSUMER_SCRIPT, WITHDRAW_SCRIPT, pack_args
 from .transport import Entry, QueueBound, Redelivery, entry_data_size
@@ -37,6 +37,7 @@ def connect(url: str, **options: Any) -> aioredis.Redis:
     """An asyncio Redis client for ``url`` (redis://, rediss://, unix://; user, password, db)."""
     options.setdefault("socket_connect_timeout", CONNECT_TIMEOUT_S)
     options.setdefault("socket_keepalive", True)
+    options.setdefault("socket_keepalive_options", keepalive_options())
     options.setdefault("health_check_interval", 15)
     return use_hiredis_packing(aioredis.Redis.from_url(url, decode_responses=False, **options))
 

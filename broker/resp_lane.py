@@ -42,6 +42,24 @@ BLOCKING_GRACE_S = 5.0
 # presumed dead (redis-py's asyncio client, without a socket_timeout, would wait forever).
 REPLY_TIMEOUT_S = 10.0
 
+# TCP keepalive on every connection to Redis: a probe after 15 s idle, then every 5 s, dead
+# after 3 unanswered. Firewalls and NAT gateways that drop idle connections silently (often
+# after a few minutes) keep them, and a peer gone without a word is noticed within ~30 s
+# rather than the kernel's default two hours.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 15, 5, 3
+
+
+def keepalive_options() -> dict[int, int]:
+    """The TCP_KEEP* socket options of :data:`KEEPALIVE_IDLE_S` and its peers, where the
+    platform has them (redis-py's ``socket_keepalive_options`` takes this form)."""
+    wanted = (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+        ("TCP_KEEPALIVE", KEEPALIVE_IDLE_S),  # macOS's name for TCP_KEEPIDLE
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+    )
+    return {getattr(socket, name): value for name, value in wanted if hasattr(socket, name)}
+
 
 class _Pipeline:
     """Replies still expected for one pipeline, collected for its future."""
@@ -293,6 +311,8 @@ class RespLane:
         sock = protocol.transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for option, value in keepalive_options().items():
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
         await self._handshake(protocol)
         return protocol
 

@@ -258,3 +258,40 @@ def test_a_slow_command_that_answers_within_the_reply_timeout_is_fine(
         lane.close()
 
     asyncio.run(main())
+
+
+def test_tcp_connections_probe_idle_peers_within_seconds(redis_server: RedisServer) -> None:
+    # Firewalls and NAT gateways drop idle connections silently; keepalive probes every few
+    # seconds keep them and notice a peer that is gone (the kernel's default waits two hours).
+    async def main() -> dict[int, int]:
+        lane = RespLane(redis_server.url)
+        await lane.execute("PING")
+        assert lane._protocol is not None and lane._protocol.transport is not None
+        sock = lane._protocol.transport.get_extra_info("socket")
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) != 0
+        got = {option: sock.getsockopt(socket.IPPROTO_TCP, option) for option in expected}
+        lane.close()
+        return got
+
+    expected = resp_lane.keepalive_options()
+    if hasattr(socket, "TCP_KEEPIDLE"):  # Linux: all three
+        assert expected[socket.TCP_KEEPIDLE] == resp_lane.KEEPALIVE_IDLE_S
+        assert expected[socket.TCP_KEEPINTVL] == resp_lane.KEEPALIVE_INTERVAL_S
+        assert expected[socket.TCP_KEEPCNT] == resp_lane.KEEPALIVE_PROBES
+    assert asyncio.run(main()) == expected
+
+    # redis-py's connections (the cold path) get the same
+    from broker.redis_transport import connect
+
+    async def cold_path() -> dict[int, int]:
+        client = connect(redis_server.url)
+        await client.ping()
+        connection = await client.connection_pool.get_connection()
+        try:
+            sock = connection._writer.transport.get_extra_info("socket")
+            return {option: sock.getsockopt(socket.IPPROTO_TCP, option) for option in expected}
+        finally:
+            await client.connection_pool.release(connection)
+            await client.aclose()
+
+    assert asyncio.run(cold_path()) == expected
