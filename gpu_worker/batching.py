@@ -278,13 +278,13 @@ class BatchLoop:
         self.observer.answered("poison")
         log.error("dead-lettered entry %s of %s: %s", entry[0], self.keys.stream, reason)
         try:
-            request = parse_request(*entry)
+            request: Request | None = parse_request(*entry)
         except MalformedEntry:
-            self.observer.replies_sent()  # none to send
-            return
-        error = PoisonRequest(f"request {reason}; it sits in the dead-letter stream")
-        reply = (request.reply_key, encode_error(request.request_id, error))
-        await self.transport.finish(self.keys, [reply], [], self.settings.reply_ttl_s)
+            request = None  # no caller that could be told
+        if request is not None:
+            error = PoisonRequest(f"request {reason}; it sits in the dead-letter stream")
+            reply = (request.reply_key, encode_error(request.request_id, error))
+            await self.transport.finish(self.keys, [reply], [], self.settings.reply_ttl_s)
         self.observer.replies_sent()
 
     async def read_batch(self) -> list[Entry]:
