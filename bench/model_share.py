@@ -60,6 +60,7 @@ def served(model: str, args: argparse.Namespace) -> dict[str, Any]:
         worker += ["--redis", server.url, "--prefix", "share", "--metrics-port", str(port)]
         worker += ["--batch-size", str(args.batch_size), "--log-level", "WARNING"]
         worker += ["--cuda", args.cuda] if args.cuda is not None else []
+        worker += ["--model-thread", args.model_thread]
         worker_pid = stack.enter_context(process(worker, env)).pid
         wait_workers(server.url, ModelKeys(name, "share"), 1)
         assert server.process is not None
@@ -109,6 +110,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument("--model-thread", default="auto", choices=["auto", "on", "off"])
     parser.add_argument("--cuda", help="a CUDA device index for the model (default: the CPU)")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)

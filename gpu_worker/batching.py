@@ -34,6 +34,8 @@ from broker.protocol import (
 )
 from broker.transport import Entry, Transport
 
+from .model_thread import ModelThread
+
 log = logging.getLogger("microbatch.worker")
 
 # Event-loop turns a command started as a task needs to be written (the transport's lanes write
@@ -50,6 +52,14 @@ async def _let_writes_go_out() -> None:
 
 PredictFn = Callable[[list[Any]], Sequence[Any]]
 
+MODEL_THREAD_MODES = ("auto", "on", "off")
+# auto: full batches taking this long (a moving average) move the model to its own thread, so
+# that reading the next batch and sending replies overlap it; below the second figure it comes
+# back. Short CPU batches lose more to GIL hand-offs between the model's operations than the
+# overlap saves (bench/analysis.md).
+THREAD_FROM_S = 0.010
+INLINE_BELOW_S = 0.005
+
 
 @dataclass
 class BatchSettings:
@@ -63,6 +73,20 @@ class BatchSettings:
     max_deliveries: int = 3
     reclaim_every_s: float = 1.0
     reclaim_min_idle_ms: int = 200
+    model_thread: str = "auto"  # "on", "off", or "auto": on for batches of 10 ms or more
+
+
+@dataclass(slots=True)
+class PreparedBatch:
+    """A batch read and decoded, ready for the model: its entries, the answers already known
+    (errors), the entries nothing can be answered to, and the requests and items to compute."""
+
+    entries: list[Entry]
+    now_ms: float
+    replies: list[tuple[str, bytes]]
+    dead: list[Entry]
+    live: list[Request]
+    items: list[Any]
 
 
 class BatchObserver:
@@ -160,21 +184,46 @@ class BatchLoop:
         self._next_reclaim = 0.0
         self.redelivered = 0
         self.dead_lettered = 0
+        if self.settings.model_thread not in MODEL_THREAD_MODES:
+            raise ValueError(f"model_thread must be one of {', '.join(MODEL_THREAD_MODES)}")
+        self._model_thread = ModelThread()
+        # The batch the model thread computes while the loop reads the next one (thread mode).
+        self._computing: tuple[PreparedBatch, asyncio.Future[tuple[list[Any], float]]] | None
+        self._computing = None
+        self._full_batch_s: float | None = None  # moving average, for model_thread="auto"
+        self._slow_batches = False
 
     def stop(self) -> None:
-        """Stop reading; the batch in hand is finished and answered first."""
+        """Stop reading; the batches in hand are finished and answered first."""
         self._stopping = True
 
     def close(self) -> None:
-        """Release resources (nothing today; kept so callers need not change)."""
+        """Release the model thread, if one was started."""
+        self._model_thread.close()
+
+    @property
+    def threaded(self) -> bool:
+        """Whether the next batch runs on the model thread (overlapping reads and replies)."""
+        mode = self.settings.model_thread
+        if mode != "auto":
+            return mode == "on"
+        return self._computing is not None or self._slow_batches
 
     async def run(self) -> None:
         """Serve until stopped. Survives broker outages by retrying with backoff.
 
-        The model runs on this thread, inline: no thread hand-off per batch. When a batch is
-        full (a backlog), the read of the next one is on its way to Redis before the model runs,
-        so fetching the next batch overlaps the model call (at most one batch is read ahead).
+        When a batch is full (a backlog), the next one is read while the model computes (at
+        most one batch is read ahead). Inline, the model runs on this thread and only the read
+        overlaps it. On the model thread (:attr:`threaded`), decoding the next batch and
+        sending the last one's replies overlap it too, and the next batch is queued for the
+        model thread before it finishes the current one.
         """
+        try:
+            await self._serve()
+        finally:
+            self._model_thread.close()
+
+    async def _serve(self) -> None:
         backoff = 0.05
         ready = False
         while True:
@@ -193,30 +242,38 @@ class BatchLoop:
                 skip: set[str] = set()
                 if self._prefetch is not None:
                     task, self._prefetch = self._prefetch, None
+                    await self._answer_computing_unless(task)
                     entries = await task
                     skip, self._withdrawn = self._withdrawn, set()
                     # A read ahead usually completes after the last check was sent (the model
                     # held the loop): check what was not checked, if anything is withdrawn.
+                    # (The model thread's batches are checked as it takes them.)
                     unchecked = [e[0] for e in entries if e[0] not in self._checked]
-                    if unchecked and self.transport.cancellations_pending:
+                    if unchecked and self.transport.cancellations_pending and not self.threaded:
                         skip |= await self.transport.withdrawn(self.keys, unchecked)
                 elif self._stopping:
+                    await self._answer_computing()
                     await self._settle_finish()
                     return
                 else:
                     entries = await self.read_batch()
                 if not entries:
+                    await self._answer_computing()
                     await self.clock.maybe_sync(self.settings.clock_sync_s)
                     continue
                 if self.settings.max_latency_s > 0:
                     # The batch formed over a wait: callers may have withdrawn items meanwhile.
                     skip |= await self.transport.withdrawn(self.keys, [e[0] for e in entries])
-                if len(entries) >= self.settings.batch_size and not self._stopping:
-                    # A full batch means a backlog: read the next one while this one computes.
-                    # (After a short batch there is none; new arrivals are left to idle workers.)
-                    self._prefetch = asyncio.ensure_future(self.read_batch())
-                    await _let_writes_go_out()
-                await self.process(entries, skip)
+                # A full batch means a backlog: read the next one while this one computes.
+                # (After a short batch there is none; new arrivals are left to idle workers.)
+                read_ahead = len(entries) >= self.settings.batch_size and not self._stopping
+                if self.threaded:
+                    await self._pipeline(entries, skip, read_ahead)
+                else:
+                    if read_ahead:
+                        self._start_read_ahead()
+                        await _let_writes_go_out()
+                    await self.process(entries, skip)
                 backoff = 0.05
             except BrokerUnavailable as exc:
                 # What the read ahead and the replies in flight read or answered without an ack
@@ -232,11 +289,16 @@ class BatchLoop:
                 backoff = min(1.0, backoff * 2)
 
     def _drop_in_flight(self) -> None:
-        """Cancel the batch read ahead and the replies in flight."""
-        for task in (self._prefetch, self._finishing):
+        """Cancel the batch read ahead and the replies in flight; forget the batch computing
+        (the model thread finishes it; its entries are answered when taken back)."""
+        computing = self._computing[1] if self._computing is not None else None
+        for task in (self._prefetch, self._finishing, computing):
             if task is not None:
                 task.cancel()
-        self._prefetch = self._finishing = None
+        self._prefetch = self._finishing = self._computing = None
+
+    def _start_read_ahead(self) -> None:
+        self._prefetch = asyncio.ensure_future(self.read_batch())
 
     async def redeliver(self, own: bool) -> None:
         """Take over entries of dead consumers (or, with ``own``, this one's) and answer them.
@@ -312,12 +374,109 @@ class BatchLoop:
 
         Entries in ``skip`` were withdrawn by their callers: they are acknowledged, not computed.
         """
-        observer = self.observer
-        replies: list[tuple[str, bytes]] = []
-        dead: list[Entry] = []
-        live: list[Request] = []
-        items: list[Any] = []
+        batch = self.prepare(entries, skip)
+        if not batch.items:
+            outcomes: list[Any] = []
+        elif self.threaded:
+            await self._answer_computing()  # the model thread takes one batch at a time here
+            future = self._model_thread.submit(self.predict_robust, batch.items)
+            self._batch_started(batch)
+            outcomes = await self._computed(batch, future)
+        else:
+            self._batch_started(batch)
+            started = time.perf_counter()
+            outcomes = self.predict_robust(batch.items)
+            self._batch_finished(batch, time.perf_counter() - started)
+        await self.answer(batch, outcomes)
+
+    async def _pipeline(self, entries: list[Entry], skip: set[str], read_ahead: bool) -> None:
+        """Thread mode: hand this batch (decoded while the model computed the one before) to
+        the model thread as soon as that one is done, answer that one while this one computes,
+        and (with ``read_ahead``) read the next batch; without, answer this one too."""
+        batch = self.prepare(entries, skip)
+        finished = await self._collect_computing()
+        await self._start_computing(batch)
+        if finished is not None:
+            await self.answer(*finished)
+        if read_ahead:
+            self._start_read_ahead()
+            await _let_writes_go_out()
+        else:
+            await self._answer_computing()
+
+    async def _start_computing(self, batch: PreparedBatch) -> None:
+        """Check a batch again just before the model takes it (deadlines, and withdrawals when
+        any are pending: it may have waited a whole batch), then hand it to the model thread."""
+        withdrawn: set[str] = set()
+        if batch.live and self.transport.cancellations_pending:
+            ids = [request.entry_id for request in batch.live]
+            withdrawn = await self.transport.withdrawn(self.keys, ids)
+        self._drop_stale(batch, withdrawn)
+        if not batch.items:
+            await self.answer(batch, [])
+            return
+        # Answering the batch before comes next: let the model thread take this one first.
+        future = self._model_thread.submit(self.predict_robust, batch.items, wait_started=True)
+        self._batch_started(batch)
+        self._computing = (batch, future)
+
+    def _drop_stale(self, batch: PreparedBatch, withdrawn: set[str]) -> None:
+        """Take items withdrawn or past their deadline out of a prepared batch."""
         now_ms = self.clock.now_ms()
+        stale = [
+            request.entry_id in withdrawn or request.deadline_ms <= now_ms for request in batch.live
+        ]
+        if not any(stale):
+            return
+        live, items = [], []
+        for request, item, drop in zip(batch.live, batch.items, stale, strict=True):
+            if not drop:
+                live.append(request)
+                items.append(item)
+            elif request.entry_id in withdrawn:
+                self.observer.answered("withdrawn")
+            else:
+                error = DeadlineExceeded("deadline passed before the item was computed")
+                batch.replies.append((request.reply_key, encode_error(request.request_id, error)))
+                self.observer.answered("deadline")
+        batch.live, batch.items = live, items
+
+    async def _collect_computing(self) -> tuple[PreparedBatch, list[Any]] | None:
+        """Wait for the batch on the model thread, if any: it and its outcomes."""
+        if self._computing is None:
+            return None
+        batch, future = self._computing
+        self._computing = None
+        return batch, await self._computed(batch, future)
+
+    async def _answer_computing(self) -> None:
+        """Wait for the batch on the model thread, if any, and answer it."""
+        finished = await self._collect_computing()
+        if finished is not None:
+            await self.answer(*finished)
+
+    async def _answer_computing_unless(self, read: asyncio.Future[Any]) -> None:
+        """Answer the batch computing if it is done before the batch read ahead arrives (then
+        there is no backlog, and its callers must not wait for the read's block timeout)."""
+        if self._computing is None or read.done():
+            return
+        await asyncio.wait((read, self._computing[1]), return_when=asyncio.FIRST_COMPLETED)
+        if not read.done():
+            await self._answer_computing()
+
+    async def _computed(
+        self, batch: PreparedBatch, future: asyncio.Future[tuple[list[Any], float]]
+    ) -> list[Any]:
+        outcomes, seconds = await future
+        self._batch_finished(batch, seconds)
+        return outcomes
+
+    def prepare(self, entries: list[Entry], skip: set[str] | None = None) -> PreparedBatch:
+        """Parse and decode a batch; the entries that cannot be computed get their answer."""
+        observer = self.observer
+        batch = PreparedBatch(entries, self.clock.now_ms(), [], [], [], [])
+        replies, live, items = batch.replies, batch.live, batch.items
+        now_ms = batch.now_ms
         for entry_id, fields in entries:
             if skip and entry_id in skip:
                 observer.answered("withdrawn")
@@ -328,7 +487,7 @@ class BatchLoop:
                 if exc.request_id and exc.reply_key:
                     replies.append((exc.reply_key, encode_error(exc.request_id, exc)))
                 else:
-                    dead.append((entry_id, fields))
+                    batch.dead.append((entry_id, fields))
                 log.warning("malformed entry %s on %s: %s", entry_id, self.keys.stream, exc)
                 observer.answered("malformed")
                 continue
@@ -344,32 +503,46 @@ class BatchLoop:
                 observer.answered("codec_error")
                 continue
             live.append(request)
+        return batch
 
-        if items:
-            observer.batch_started(
-                len(items),
-                [(now_ms - r.arrival_ms) / 1000 for r in live],
-                [r.traceparent for r in live if r.traceparent],
-            )
-            started = time.perf_counter()
-            outcomes = self.predict_robust(items)
-            observer.batch_finished(len(items), time.perf_counter() - started)
+    def _batch_started(self, batch: PreparedBatch) -> None:
+        now_ms = batch.now_ms
+        self.observer.batch_started(
+            len(batch.items),
+            [(now_ms - r.arrival_ms) / 1000 for r in batch.live],
+            [r.traceparent for r in batch.live if r.traceparent],
+        )
+
+    def _batch_finished(self, batch: PreparedBatch, seconds: float) -> None:
+        size = len(batch.items)
+        self.observer.batch_finished(size, seconds)
+        if size >= self.settings.batch_size:
+            average = self._full_batch_s
+            self._full_batch_s = seconds if average is None else 0.8 * average + 0.2 * seconds
+            bound = INLINE_BELOW_S if self._slow_batches else THREAD_FROM_S
+            self._slow_batches = self._full_batch_s >= bound
+
+    async def answer(self, batch: PreparedBatch, outcomes: list[Any]) -> None:
+        """Encode the computed items' outcomes, then send every reply and ack the batch."""
+        observer = self.observer
+        replies = batch.replies
+        if batch.items:
             counts: dict[str, int] = {}
-            for request, outcome in zip(live, outcomes, strict=True):
+            for request, outcome in zip(batch.live, outcomes, strict=True):
                 reply, kind = self._encode_outcome(request, outcome)
                 replies.append((request.reply_key, reply))
                 counts[kind] = counts.get(kind, 0) + 1
             for kind, count in counts.items():
                 observer.answered(kind, count)
             self.batches += 1
-            self.items += len(items)
-
+            self.items += len(batch.items)
+        dead = batch.dead
         if dead:
             await self.transport.dead_letter(
                 self.keys, dead, "malformed entry: no readable request id or reply key"
             )
         dead_ids = {entry_id for entry_id, _ in dead}
-        answered = [entry for entry in entries if entry[0] not in dead_ids]
+        answered = [entry for entry in batch.entries if entry[0] not in dead_ids]
         await self._send_answers(replies, answered)
         observer.replies_sent()
 

@@ -64,6 +64,7 @@ async def serve(model: Any, config: Any, consumer: str) -> None:
         batch_size=config.batch_size or model.batch_size,
         max_latency_s=config.max_latency if config.max_latency is not None else model.max_latency,
         max_deliveries=config.max_deliveries,
+        model_thread=config.model_thread,
     )
     transport = RedisTransport(config.redis_url)
     keys = ModelKeys(config.name or model.name, config.prefix)
@@ -82,8 +83,9 @@ async def serve(model: Any, config: Any, consumer: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, batch_loop.stop)
     log.info(
-        "worker %s serving %s on %s (batch_size=%d, max_latency=%gs)",
+        "worker %s serving %s on %s (batch_size=%d, max_latency=%gs, model_thread=%s)",
         consumer, keys.stream, model.device, settings.batch_size, settings.max_latency_s,
+        settings.model_thread,
     )  # fmt: skip
     try:
         await batch_loop.run()

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass, field
 from broker.client import DEFAULT_REDIS_URL
 from broker.keys import DEFAULT_PREFIX, check_name, check_prefix
 
+from .batching import MODEL_THREAD_MODES
+
 
 @dataclass
 class WorkerConfig:
@@ -29,6 +31,7 @@ class WorkerConfig:
     batch_timeout: float = 300.0
     heartbeat_ttl: float = 5.0
     max_deliveries: int = 3
+    model_thread: str = "auto"
     log_level: str = "INFO"
     log_format: str = "text"
     extra: dict[str, str] = field(default_factory=dict)
@@ -48,6 +51,8 @@ class WorkerConfig:
             raise ValueError("--batch-timeout and --heartbeat-ttl must be positive")
         if self.max_deliveries < 1:
             raise ValueError("--max-deliveries must be at least 1")
+        if self.model_thread not in MODEL_THREAD_MODES:
+            raise ValueError(f"--model-thread must be one of {', '.join(MODEL_THREAD_MODES)}")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

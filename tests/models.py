@@ -106,3 +106,15 @@ class WrongCount(ManagedModel):
 
     def predict(self, batch: list[Any]) -> list[Any]:
         return batch[:-1]
+
+
+class WhichThread(ManagedModel):
+    """Answers each item with the name of the thread its batch was computed on."""
+
+    name = "which_thread"
+    batch_size = 4
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        import threading
+
+        return [threading.current_thread().name] * len(batch)

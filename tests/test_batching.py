@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from typing import Any
+
+import pytest
 
 from broker import codec
 from broker.errors import BrokerUnavailable
 from broker.keys import ModelKeys
 from broker.memory_transport import InMemoryTransport
-from broker.protocol import CallRequests
+from broker.protocol import CallRequests, Reply, decode_reply
 from broker.transport import UNBOUNDED
-from gpu_worker.batching import BatchLoop, BatchSettings
+from gpu_worker.batching import THREAD_FROM_S, BatchLoop, BatchSettings
+from gpu_worker.model_thread import THREAD_NAME
 
 
 class RedisGoesAway(InMemoryTransport):
@@ -53,3 +58,156 @@ def test_stopping_while_redis_is_away_leaves_no_reply_task_behind() -> None:
         return transport.reply_task.cancelled()
 
     assert asyncio.run(main())
+
+
+# -- the model thread ------------------------------------------------------------------------------
+class CountingTransport(InMemoryTransport):
+    """Counts the entries read and not yet answered (the most at once, too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_hand = 0
+        self.most_in_hand = 0
+
+    async def read_batch(self, *args: Any, **kwargs: Any) -> Any:
+        entries = await super().read_batch(*args, **kwargs)
+        self.in_hand += len(entries)
+        self.most_in_hand = max(self.most_in_hand, self.in_hand)
+        return entries
+
+    async def finish(self, keys: ModelKeys, replies: Any, entries: Any, *args: Any) -> set[str]:
+        self.in_hand -= len(entries)
+        return await super().finish(keys, replies, entries, *args)
+
+
+class Doubler:
+    """predict for tests: doubles each item after ``delay`` seconds, raises for -1, and
+    records the thread and size of every call."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.calls: list[tuple[str, int]] = []
+
+    def __call__(self, batch: list[Any]) -> list[Any]:
+        self.calls.append((threading.current_thread().name, len(batch)))
+        time.sleep(self.delay)
+        if -1 in batch:
+            raise ValueError("no negative ones")
+        return [item * 2 for item in batch]
+
+    def threads(self) -> set[str]:
+        return {thread for thread, _ in self.calls}
+
+
+async def serve_items(
+    predict: Doubler,
+    items: list[int],
+    mode: str,
+    transport: InMemoryTransport | None = None,
+    batch_size: int = 4,
+    block_ms: int = 20,
+) -> tuple[dict[str, Reply], float]:
+    """Enqueue ``items`` at once, serve them with a BatchLoop until all are answered, stop.
+
+    Returns the replies by request id and the seconds until the last one arrived."""
+    keys = ModelKeys("double", "t")
+    transport = transport or InMemoryTransport()
+    settings = BatchSettings(batch_size=batch_size, block_ms=block_ms, model_thread=mode)
+    loop = BatchLoop(predict, transport, keys, "c1", settings)
+    await transport.ensure_group(keys)
+    ids = [f"r{i}" for i in range(len(items))]
+    call = CallRequests("inbox", 30_000, ids, [codec.encode(item) for item in items])
+    await transport.enqueue(keys, [call], UNBOUNDED)
+    started = time.monotonic()
+    serving = asyncio.ensure_future(loop.run())
+    replies: dict[str, Reply] = {}
+    while len(replies) < len(items):
+        for data in await transport.pop_replies("inbox", len(items), 10):
+            reply = decode_reply(data)
+            replies[reply.request_id] = reply
+    answered_after = time.monotonic() - started
+    loop.stop()
+    await asyncio.wait_for(serving, 10)
+    loop.close()
+    return replies, answered_after
+
+
+def test_model_thread_on_computes_every_batch_on_its_thread_and_answers_each_item() -> None:
+    predict = Doubler(delay=0.002)
+    items = [*range(30), -1, *range(30, 60)]
+    replies, _ = asyncio.run(serve_items(predict, items, "on"))
+    for index, item in enumerate(items):
+        reply = replies[f"r{index}"]
+        if item == -1:  # only the failing item fails: its batch is split on the model thread
+            assert not reply.ok and reply.error_type == "ModelError"
+        else:
+            assert reply.ok and reply.result == item * 2
+    assert predict.threads() == {f"{THREAD_NAME}_0"}
+    assert max(size for _, size in predict.calls) == 4
+
+
+def test_model_thread_off_computes_on_the_loops_thread() -> None:
+    predict = Doubler(delay=0.02)
+    asyncio.run(serve_items(predict, list(range(16)), "off"))
+    assert predict.threads() == {"MainThread"}
+
+
+def test_model_thread_auto_moves_slow_batches_to_the_thread_and_keeps_fast_ones_inline() -> None:
+    slow, fast = Doubler(delay=2 * THREAD_FROM_S), Doubler()
+    asyncio.run(serve_items(slow, list(range(24)), "auto"))
+    asyncio.run(serve_items(fast, list(range(24)), "auto"))
+    # the first full batch shows it is slow; the rest run on the model thread
+    assert [thread for thread, _ in slow.calls] == ["MainThread"] + [f"{THREAD_NAME}_0"] * 5
+    assert fast.threads() == {"MainThread"}
+
+
+def test_the_model_thread_gets_the_next_batch_read_ahead_but_never_more() -> None:
+    transport = CountingTransport()
+    predict = Doubler(delay=0.01)
+    asyncio.run(serve_items(predict, list(range(40)), "on", transport, batch_size=4))
+    # one batch computing and one read ahead at a time: never a third
+    assert transport.most_in_hand == 8
+    assert transport.in_hand == 0
+
+
+def test_a_full_batch_with_nothing_behind_it_is_answered_without_waiting_for_the_read() -> None:
+    # the read ahead blocks for block_ms when the queue is empty; the batch computing must be
+    # answered when it is done, not when that read gives up
+    predict = Doubler(delay=0.05)
+    _, seconds = asyncio.run(serve_items(predict, list(range(4)), "on", block_ms=5000))
+    assert seconds < 2.5
+
+
+def test_stopping_answers_the_batches_in_hand_on_the_model_thread() -> None:
+    async def main() -> tuple[CountingTransport, int, int]:
+        keys = ModelKeys("double", "t")
+        transport = CountingTransport()
+        settings = BatchSettings(batch_size=4, block_ms=20, model_thread="on")
+        predict = Doubler(delay=0.05)
+        loop = BatchLoop(predict, transport, keys, "c1", settings)
+        await transport.ensure_group(keys)
+        call = CallRequests("inbox", 30_000, [f"r{i}" for i in range(40)], [codec.encode(1)] * 40)
+        await transport.enqueue(keys, [call], UNBOUNDED)
+        serving = asyncio.ensure_future(loop.run())
+        while transport.most_in_hand < 8:  # a batch computing, the next one read ahead
+            await asyncio.sleep(0.005)
+        loop.stop()
+        await asyncio.wait_for(serving, 5)
+        answered = len(await transport.pop_replies("inbox", 100, 0.1))
+        return transport, answered, sum(size for _, size in predict.calls)
+
+    transport, answered, computed = asyncio.run(main())
+    assert transport.in_hand == 0  # everything read was answered
+    assert answered == computed >= 8
+    assert computed < 40  # the rest stays queued for other workers
+
+
+def test_an_unknown_model_thread_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="model_thread must be one of auto, on, off"):
+        BatchLoop(
+            Doubler(),
+            InMemoryTransport(),
+            ModelKeys("d", "t"),
+            "c",
+            BatchSettings(model_thread="yes"),
+        )

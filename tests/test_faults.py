@@ -367,6 +367,7 @@ def signal_when_batch_starts(
 def kill_one_of_two_workers(
     url: str, prefix: str, tmp_path: Path, replies: ReplyCounter, name: str, *,
     batch_size: int, batch_sleep: float, rate: float, seconds: float, bound: int = 0,
+    model_thread: str = "auto",
 ) -> dict[str, Any]:  # fmt: skip
     """Two `worker start` processes under open-loop load; 2 s in, SIGKILL the child of one of
     them the moment it starts a batch. Prints and returns the figures."""
@@ -375,6 +376,7 @@ def kill_one_of_two_workers(
     records.mkdir()
     env = {RECORD_ENV: str(records), BATCH_SLEEP_ENV: str(batch_sleep)}
     args = ("--batch-size", str(batch_size), "--heartbeat-ttl", "2")
+    args += ("--model-thread", model_thread)
     total = int(rate * seconds)
     with (
         worker(url, FAULTY, prefix, tmp_path / "w1.log", *args, env=env, consumers=1),
@@ -432,13 +434,16 @@ def kill_one_of_two_workers(
     return numbers
 
 
+@pytest.mark.parametrize("model_thread", ["off", "on"])
 def test_kill_9_of_one_of_two_workers_mid_batch_loses_nothing(
-    redis_server: RedisServer, prefix: str, tmp_path: Path, replies: ReplyCounter
-) -> None:
-    # 8 s of steady load at 300 requests/s, about a third of what the two workers can do
+    redis_server: RedisServer, prefix: str, tmp_path: Path, replies: ReplyCounter,
+    model_thread: str,
+) -> None:  # fmt: skip
+    # 8 s of steady load at 300 requests/s, about a third of what the two workers can do; the
+    # model inline, or on its own thread (killed inside predict either way)
     numbers = kill_one_of_two_workers(
-        redis_server.url, prefix, tmp_path, replies, "kill-9",
-        batch_size=16, batch_sleep=0.03, rate=300, seconds=8,
+        redis_server.url, prefix, tmp_path, replies, f"kill-9-thread-{model_thread}",
+        batch_size=16, batch_sleep=0.03, rate=300, seconds=8, model_thread=model_thread,
     )  # fmt: skip
     assert numbers["sent"] >= 2000
     assert numbers["answered"] == numbers["sent"] and numbers["errors"] == {}
@@ -733,16 +738,18 @@ def test_one_failing_input_among_many_callers_fails_only_its_caller(
 
 
 # -- 5. expired and withdrawn items are never computed -------------------------------------------
+@pytest.mark.parametrize("model_thread", ["auto", "on"])
 def test_expired_and_cancelled_items_never_reach_predict(
-    redis_server: RedisServer, prefix: str, tmp_path: Path, replies: ReplyCounter
-) -> None:
+    redis_server: RedisServer, prefix: str, tmp_path: Path, replies: ReplyCounter,
+    model_thread: str,
+) -> None:  # fmt: skip
     url, keys = redis_server.url, ModelKeys("faulty", prefix)
     records = tmp_path / "records"
     records.mkdir()
     admin = redis_server.client()
     with worker(
         url, FAULTY, prefix, tmp_path / "w.log", "--batch-size", "8",
-        env={RECORD_ENV: str(records)},
+        "--model-thread", model_thread, env={RECORD_ENV: str(records)},
     ):  # fmt: skip
         streamer = Streamer("faulty", redis_url=url, prefix=prefix)
         seen: dict[str, int] = {}
@@ -788,7 +795,8 @@ def test_expired_and_cancelled_items_never_reach_predict(
             given.update(batch)
     never = {f"late{i}" for i in range(12)} | {f"cancel{i}" for i in range(12)}
     numbers = figures(
-        "deadline-cancel", outcomes, replies, cancelled=sum(t.cancelled() for t in cancelled),
+        f"deadline-cancel-thread-{model_thread}", outcomes, replies,
+        cancelled=sum(t.cancelled() for t in cancelled),
         queued_behind=seen["queued"], withdrawn_from_stream=seen["queued"] - seen["after_cancel"],
         withdrawn_read_ahead=seen["marked"], passed_to_predict=len(given & never),
     )  # fmt: skip

@@ -64,3 +64,21 @@ def test_a_model_returning_the_wrong_number_of_outputs_gets_a_clear_error() -> N
     with LocalStreamer(WrongCount) as streamer, pytest.raises(InvalidOutput) as caught:
         streamer.predict([1, 2, 3])
     assert "2 outputs for a batch of 3" in str(caught.value)
+
+
+def test_model_thread_chooses_where_predict_runs(redis_server: RedisServer, prefix: str) -> None:
+    for mode, thread in (("on", "microbatch-model_0"), ("off", "MainThread")):
+        model, name = "tests.models:WhichThread", f"which-{mode}"
+        args = ("--model-thread", mode, "--name", name)
+        with worker_process(redis_server.url, model, prefix, *args, name=name) as proc:
+            streamer = Streamer(name, redis_url=redis_server.url, prefix=prefix)
+            assert streamer.predict(["a", "b"]) == [thread, thread]
+            streamer.close()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+
+
+def test_an_unknown_model_thread_mode_gives_one_line() -> None:
+    result = run_worker_cli("--model", "tests.models:Toy", "--model-thread", "yes")
+    assert result.returncode == 2
+    assert result.stderr.strip() == "Error: --model-thread must be one of auto, on, off"
