@@ -215,8 +215,8 @@ class BatchLoop:
         When a batch is full (a backlog), the next one is read while the model computes (at
         most one batch is read ahead). Inline, the model runs on this thread and only the read
         overlaps it. On the model thread (:attr:`threaded`), decoding the next batch and
-        sending the last one's replies overlap it too, and the next batch is queued for the
-        model thread before it finishes the current one.
+        sending the last one's replies overlap it too, and the next batch, decoded already, is
+        handed over the moment the model finishes the current one.
         """
         try:
             await self._serve()
