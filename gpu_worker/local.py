@@ -20,6 +20,11 @@ class LocalStreamer(Streamer):
     ``LocalStreamer(MLP, batch_size=64)`` builds the model, runs ``init_model`` and ``warmup``
     (errors surface here), and then serves ``predict``/``submit``/``apredict`` exactly like a
     Streamer backed by Redis workers.
+
+    ``model_thread`` is the worker's ``--model-thread`` (auto, on, off). Callers' timeouts and
+    cancellations are handled on the same background loop as the batches: with the model
+    inline, a call made while ``predict`` runs starts its timeout only when ``predict``
+    returns; ``"on"`` keeps that loop free while the model computes.
     """
 
     def __init__(
@@ -31,6 +36,7 @@ class LocalStreamer(Streamer):
         timeout: float = DEFAULT_TIMEOUT_S,
         device: str = "cpu",
         max_queue_items: int = 0,
+        model_thread: str = "auto",
     ) -> None:
         instance = model(device=device) if isinstance(model, type) else model
         super().__init__(
@@ -43,6 +49,7 @@ class LocalStreamer(Streamer):
         self.settings = BatchSettings(
             batch_size=batch_size if batch_size is not None else instance.batch_size,
             max_latency_s=max_latency if max_latency is not None else instance.max_latency,
+            model_thread=model_thread,
         )
         self._batch_loop: BatchLoop | None = None
         self._get_thread_core()  # build the model now, so that its errors surface here

@@ -34,6 +34,7 @@ def make_streamer(
             batch_size: int = 8,
             max_latency: float = 0.0,
             max_queue_items: int = 0,
+            model_thread: str = "auto",
         ) -> Streamer:
             if request.param == "memory":
                 streamer = LocalStreamer(
@@ -41,6 +42,7 @@ def make_streamer(
                     batch_size=batch_size,
                     max_latency=max_latency,
                     max_queue_items=max_queue_items,
+                    model_thread=model_thread,
                 )
             else:
                 path = f"{model.__module__}:{model.__name__}"
@@ -53,6 +55,8 @@ def make_streamer(
                         str(batch_size),
                         "--max-latency",
                         str(max_latency),
+                        "--model-thread",
+                        model_thread,
                         name=model.name,
                     )
                 )
@@ -117,7 +121,10 @@ def test_async_predict(make_streamer: MakeStreamer) -> None:
 def test_a_caller_whose_deadline_passes_gets_deadline_exceeded(
     make_streamer: MakeStreamer,
 ) -> None:
-    streamer = make_streamer(Toy, batch_size=1)
+    # On the model thread, so that the in-process streamer's loop stays free to start the late
+    # call's timer while the slow batch runs (inline, a call made while predict holds that loop
+    # starts its timeout only when predict returns).
+    streamer = make_streamer(Toy, batch_size=1, model_thread="on")
     slow = streamer.submit([{"sleep": 1.5}], timeout=10)
     with pytest.raises(DeadlineExceeded) as caught:
         streamer.predict(["late"], timeout=0.3)
