@@ -29,6 +29,7 @@ from bench.embed_bench import tree_cpu_seconds
 from bench.harness import MODELS, ROOT, free_port
 from bench.http_bench import process, wait_workers
 from bench.spine import closed_loop, direct
+from gpu_worker.batching import MODEL_THREAD_MODES
 
 METRICS = ("inference_seconds_sum", "inference_seconds_count", "batch_size_sum")
 
@@ -110,7 +111,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--torch-threads", type=int, default=1)
-    parser.add_argument("--model-thread", default="auto", choices=["auto", "on", "off"])
+    parser.add_argument("--model-thread", default="auto", choices=MODEL_THREAD_MODES)
     parser.add_argument("--cuda", help="a CUDA device index for the model (default: the CPU)")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)

@@ -436,10 +436,14 @@ class BatchLoop:
             elif request.entry_id in withdrawn:
                 self.observer.answered("withdrawn")
             else:
-                error = DeadlineExceeded("deadline passed before the item was computed")
-                batch.replies.append((request.reply_key, encode_error(request.request_id, error)))
-                self.observer.answered("deadline")
+                batch.replies.append(self._expired(request))
         batch.live, batch.items = live, items
+
+    def _expired(self, request: Request) -> tuple[str, bytes]:
+        """The reply to an item whose deadline passed before it was computed."""
+        self.observer.answered("deadline")
+        error = DeadlineExceeded("deadline passed before the item was computed")
+        return request.reply_key, encode_error(request.request_id, error)
 
     async def _collect_computing(self) -> tuple[PreparedBatch, list[Any]] | None:
         """Wait for the batch on the model thread, if any: it and its outcomes."""
@@ -492,9 +496,7 @@ class BatchLoop:
                 observer.answered("malformed")
                 continue
             if request.deadline_ms <= now_ms:
-                error = DeadlineExceeded("deadline passed before the item was computed")
-                replies.append((request.reply_key, encode_error(request.request_id, error)))
-                observer.answered("deadline")
+                replies.append(self._expired(request))
                 continue
             try:
                 items.append(codec.decode(request.data))
