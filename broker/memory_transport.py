@@ -10,6 +10,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+from .busy_poll import busy_poll
 from .errors import MicrobatchError, QueueFull
 from .keys import ModelKeys
 from .protocol import CallRequests, Fields
@@ -121,9 +122,11 @@ class InMemoryTransport:
         self._stream(keys.stream)
 
     async def read_batch(
-        self, keys: ModelKeys, consumer: str, count: int, block_ms: int
+        self, keys: ModelKeys, consumer: str, count: int, block_ms: int, busy_poll_s: float = 0.0
     ) -> list[Entry]:
         source = self._stream(keys.stream)
+        if not source.new and busy_poll_s > 0:
+            await busy_poll(lambda: bool(source.new), busy_poll_s)
         if not source.new:
             async with source.changed:
                 try:

@@ -220,13 +220,14 @@ class RedisTransport:
             raise _unavailable(exc) from exc
 
     async def read_batch(
-        self, keys: ModelKeys, consumer: str, count: int, block_ms: int
+        self, keys: ModelKeys, consumer: str, count: int, block_ms: int, busy_poll_s: float = 0.0
     ) -> list[Entry]:
         block_ms = max(1, block_ms)
         try:
             got: Any = await self._reads.execute_blocking(
                 block_ms / 1000, "XREADGROUP", "GROUP", keys.group, consumer,
                 "COUNT", count, "BLOCK", block_ms, "STREAMS", keys.stream, ">",
+                busy_poll_s=busy_poll_s,
             )  # fmt: skip
         except ResponseError as exc:
             if "NOGROUP" not in str(exc):

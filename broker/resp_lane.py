@@ -33,6 +33,8 @@ from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .busy_poll import busy_poll
+
 CONNECT_TIMEOUT_S = 2.0  # to open a connection, and for its AUTH/SELECT to be answered
 
 # How long past its own timeout a blocking command may take before the connection is
@@ -217,11 +219,14 @@ class RespLane:
             raise reply
         return reply
 
-    async def execute_blocking(self, timeout_s: float, *args: Any) -> Any:
+    async def execute_blocking(self, timeout_s: float, *args: Any, busy_poll_s: float = 0.0) -> Any:
         """Send a command that blocks in Redis for up to ``timeout_s`` (0: forever).
 
-        The connection is dropped if no reply comes ``BLOCKING_GRACE_S`` after that, and when
-        the caller is cancelled (its reply would otherwise hold up the commands behind it).
+        With ``busy_poll_s``, the event loop keeps polling the socket (and running its other
+        tasks) for up to that long before it sleeps until the reply: see :func:`busy_poll`.
+        The connection is dropped if no reply comes ``BLOCKING_GRACE_S`` after the timeout,
+        and when the caller is cancelled (its reply would otherwise hold up the commands
+        behind it).
         """
         protocol = await self._ready()
         loop = asyncio.get_running_loop()
@@ -233,6 +238,8 @@ class RespLane:
                 timeout_s + BLOCKING_GRACE_S, protocol.abort, "no reply to a blocking command"
             )
         try:
+            if busy_poll_s > 0:
+                await busy_poll(future.done, busy_poll_s)
             reply = await future
         except asyncio.CancelledError:
             protocol.abort("blocking command cancelled")

@@ -71,9 +71,10 @@ class Transport(Protocol):
         ...
 
     async def read_batch(
-        self, keys: ModelKeys, consumer: str, count: int, block_ms: int
+        self, keys: ModelKeys, consumer: str, count: int, block_ms: int, busy_poll_s: float = 0.0
     ) -> list[Entry]:
-        """Read up to ``count`` new entries for ``consumer``, waiting up to ``block_ms`` (>= 1)."""
+        """Read up to ``count`` new entries for ``consumer``, waiting up to ``block_ms`` (>= 1);
+        the first ``busy_poll_s`` of the wait polling, without sleeping."""
         ...
 
     async def finish(

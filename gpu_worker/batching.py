@@ -74,6 +74,7 @@ class BatchSettings:
     reclaim_every_s: float = 1.0
     reclaim_min_idle_ms: int = 200
     model_thread: str = "auto"  # "on", "off", or "auto": on for batches of 10 ms or more
+    busy_poll_s: float = 0.0  # how long a read with nothing in hand polls before it sleeps
 
 
 @dataclass(slots=True)
@@ -256,7 +257,9 @@ class BatchLoop:
                     await self._settle_finish()
                     return
                 else:
-                    entries = await self.read_batch()
+                    # Nothing in hand, nothing computing: the loop may spin (never while the
+                    # model thread computes: it would take the GIL from the model).
+                    entries = await self.read_batch(self.settings.busy_poll_s)
                 if not entries:
                     await self._answer_computing()
                     await self.clock.maybe_sync(self.settings.clock_sync_s)
@@ -349,12 +352,13 @@ class BatchLoop:
             await self.transport.finish(self.keys, [reply], [], self.settings.reply_ttl_s)
         self.observer.replies_sent()
 
-    async def read_batch(self) -> list[Entry]:
-        """Everything queued up to batch_size; wait for more only while max_latency allows."""
+    async def read_batch(self, busy_poll_s: float = 0.0) -> list[Entry]:
+        """Everything queued up to batch_size; wait for more only while max_latency allows.
+        The first read polls for ``busy_poll_s`` before it sleeps."""
         settings = self.settings
         keys = self.keys
         entries = await self.transport.read_batch(
-            keys, self.consumer, settings.batch_size, settings.block_ms
+            keys, self.consumer, settings.batch_size, settings.block_ms, busy_poll_s
         )
         if not entries or settings.max_latency_s <= 0:
             return entries

@@ -65,6 +65,7 @@ async def serve(model: Any, config: Any, consumer: str) -> None:
         max_latency_s=config.max_latency if config.max_latency is not None else model.max_latency,
         max_deliveries=config.max_deliveries,
         model_thread=config.model_thread,
+        busy_poll_s=config.busy_poll_us / 1e6,
     )
     transport = RedisTransport(config.redis_url)
     keys = ModelKeys(config.name or model.name, config.prefix)
@@ -83,9 +84,10 @@ async def serve(model: Any, config: Any, consumer: str) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, batch_loop.stop)
     log.info(
-        "worker %s serving %s on %s (batch_size=%d, max_latency=%gs, model_thread=%s)",
+        "worker %s serving %s on %s (batch_size=%d, max_latency=%gs, model_thread=%s, "
+        "busy_poll=%dus)",
         consumer, keys.stream, model.device, settings.batch_size, settings.max_latency_s,
-        settings.model_thread,
+        settings.model_thread, config.busy_poll_us,
     )  # fmt: skip
     try:
         await batch_loop.run()

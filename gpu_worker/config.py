@@ -10,6 +10,8 @@ from broker.keys import DEFAULT_PREFIX, check_name, check_prefix
 
 from .batching import MODEL_THREAD_MODES
 
+MAX_BUSY_POLL_US = 100_000  # past a tenth of a second, spinning buys nothing a sleep would not
+
 
 @dataclass
 class WorkerConfig:
@@ -32,6 +34,7 @@ class WorkerConfig:
     heartbeat_ttl: float = 5.0
     max_deliveries: int = 3
     model_thread: str = "auto"
+    busy_poll_us: int = 0
     log_level: str = "INFO"
     log_format: str = "text"
     extra: dict[str, str] = field(default_factory=dict)
@@ -53,6 +56,8 @@ class WorkerConfig:
             raise ValueError("--max-deliveries must be at least 1")
         if self.model_thread not in MODEL_THREAD_MODES:
             raise ValueError(f"--model-thread must be one of {', '.join(MODEL_THREAD_MODES)}")
+        if not 0 <= self.busy_poll_us <= MAX_BUSY_POLL_US:
+            raise ValueError(f"--busy-poll-us must be between 0 and {MAX_BUSY_POLL_US}")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

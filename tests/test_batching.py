@@ -87,10 +87,13 @@ class Doubler:
     def __init__(self, delay: float = 0.0) -> None:
         self.delay = delay
         self.calls: list[tuple[str, int]] = []
+        self.running = False
 
     def __call__(self, batch: list[Any]) -> list[Any]:
         self.calls.append((threading.current_thread().name, len(batch)))
+        self.running = True
         time.sleep(self.delay)
+        self.running = False
         if -1 in batch:
             raise ValueError("no negative ones")
         return [item * 2 for item in batch]
@@ -106,13 +109,16 @@ async def serve_items(
     transport: InMemoryTransport | None = None,
     batch_size: int = 4,
     block_ms: int = 20,
+    busy_poll_s: float = 0.0,
 ) -> tuple[dict[str, Reply], float]:
     """Enqueue ``items`` at once, serve them with a BatchLoop until all are answered, stop.
 
     Returns the replies by request id and the seconds until the last one arrived."""
     keys = ModelKeys("double", "t")
     transport = transport or InMemoryTransport()
-    settings = BatchSettings(batch_size=batch_size, block_ms=block_ms, model_thread=mode)
+    settings = BatchSettings(
+        batch_size=batch_size, block_ms=block_ms, model_thread=mode, busy_poll_s=busy_poll_s
+    )
     loop = BatchLoop(predict, transport, keys, "c1", settings)
     await transport.ensure_group(keys)
     ids = [f"r{i}" for i in range(len(items))]
@@ -211,3 +217,49 @@ def test_an_unknown_model_thread_mode_is_refused() -> None:
             "c",
             BatchSettings(model_thread="yes"),
         )
+
+
+# -- busy polling ----------------------------------------------------------------------------------
+class PollRecordingTransport(InMemoryTransport):
+    """Records each read's busy poll and whether the model was computing when it was made."""
+
+    def __init__(self, predict: Doubler) -> None:
+        super().__init__()
+        self.predict = predict
+        self.reads: list[tuple[float, bool]] = []
+
+    async def read_batch(
+        self, keys: ModelKeys, consumer: str, count: int, block_ms: int, busy_poll_s: float = 0.0
+    ) -> Any:
+        self.reads.append((busy_poll_s, self.predict.running))
+        return await super().read_batch(keys, consumer, count, block_ms, busy_poll_s)
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_only_reads_with_nothing_computing_busy_poll(mode: str) -> None:
+    predict = Doubler(delay=0.01)
+    transport = PollRecordingTransport(predict)
+    items = list(range(40))
+    replies, _ = asyncio.run(serve_items(predict, items, mode, transport, busy_poll_s=0.003))
+    assert all(replies[f"r{i}"].result == item * 2 for i, item in enumerate(items))
+    polled = [computing for poll, computing in transport.reads if poll == 0.003]
+    assert polled and not any(polled)  # never while the model thread holds a batch
+    if mode == "on":  # the reads ahead, made while the model computes, sleep at once
+        assert any(computing for poll, computing in transport.reads if poll == 0)
+
+
+def test_a_busy_polling_read_lets_the_loop_run_and_takes_what_arrives() -> None:
+    async def main() -> tuple[list[Any], float]:
+        keys, transport = ModelKeys("double", "t"), InMemoryTransport()
+        await transport.ensure_group(keys)
+        call = CallRequests("inbox", 30_000, ["r1"], [codec.encode(1)])
+        asyncio.get_running_loop().call_later(
+            0.01, lambda: asyncio.ensure_future(transport.enqueue(keys, [call], UNBOUNDED))
+        )
+        started = time.monotonic()
+        entries = await transport.read_batch(keys, "c1", 4, 5000, busy_poll_s=2.0)
+        return entries, time.monotonic() - started
+
+    entries, seconds = asyncio.run(main())
+    assert len(entries) == 1
+    assert seconds < 1.5  # the enqueue, on the same loop, ran during the poll

@@ -94,6 +94,32 @@ def test_a_blocking_command_returns_at_its_timeout_or_with_data(redis_server: Re
     asyncio.run(main())
 
 
+@pytest.mark.parametrize(
+    "push_after_s, busy_poll_s",
+    [(0.01, 2.0), (0.15, 0.05)],
+    ids=["data-while-polling", "data-after-the-poll"],
+)
+def test_a_busy_polled_blocking_command_gets_data_sent_during_or_after_the_poll(
+    redis_server: RedisServer, push_after_s: float, busy_poll_s: float
+) -> None:
+    async def main() -> float:
+        lane, other, k = RespLane(redis_server.url), RespLane(redis_server.url), key()
+        # The push is made by this same event loop: it runs only if polling leaves it free.
+        pushing = asyncio.get_running_loop().call_later(
+            push_after_s, lambda: asyncio.ensure_future(other.execute("RPUSH", k, "v"))
+        )
+        started = time.monotonic()
+        reply = await lane.execute_blocking(5, "BLPOP", k, 5, busy_poll_s=busy_poll_s)
+        assert reply == [k.encode(), b"v"]
+        pushing.cancel()
+        lane.close()
+        other.close()
+        return time.monotonic() - started
+
+    # well before the 2 s poll would end: polling did not hold the loop up
+    assert asyncio.run(main()) < 1.5
+
+
 def test_a_cancelled_blocking_command_does_not_hold_up_the_next(redis_server: RedisServer) -> None:
     async def main() -> None:
         lane, other, k = RespLane(redis_server.url), RespLane(redis_server.url), key()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
+
+import pytest
 
 from broker import Streamer
 from broker.devserver import RedisServer
@@ -82,3 +85,24 @@ def test_an_unknown_model_thread_mode_gives_one_line() -> None:
     result = run_worker_cli("--model", "tests.models:Toy", "--model-thread", "yes")
     assert result.returncode == 2
     assert result.stderr.strip() == "Error: --model-thread must be one of auto, on, off"
+
+
+def test_a_busy_polling_worker_serves_and_says_so(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    log_path = tmp_path / "worker.log"
+    args = ("--busy-poll-us", "2000", "--batch-size", "4")
+    with worker_process(redis_server.url, "tests.models:Toy", prefix, *args, log_path=log_path):
+        streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix)
+        for round_ in range(20):  # one at a time: each read after a batch polls first
+            items = [f"{round_}-{i}" for i in range(1 + round_ % 5)]
+            assert [out["item"] for out in streamer.predict(items)] == items
+        streamer.close()
+    assert "busy_poll=2000us" in log_path.read_text()
+
+
+@pytest.mark.parametrize("value", ["-1", "100001"])
+def test_a_busy_poll_out_of_range_gives_one_line(value: str) -> None:
+    result = run_worker_cli("--model", "tests.models:Toy", "--busy-poll-us", value)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "Error: --busy-poll-us must be between 0 and 100000"
