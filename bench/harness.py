@@ -12,7 +12,9 @@ windows reported; items/s, p50/p90/p99 latency, mean batch size the model ran):
 * ``embedded (LocalStreamer)``: gpu_worker.LocalStreamer in the load process, asyncio callers;
 * ``redis, python client (asyncio)`` / ``(threads)``: one ``worker start`` process and a private
   redis-server; the load in its own process: N asyncio tasks calling Streamer.apredict, or N
-  threads calling Streamer.predict;
+  threads calling Streamer.predict. At the highest concurrency the asyncio arm's windows are
+  bracketed: each is taken between two windows of ``direct, batched``, and its share of the
+  direct speed is computed against their mean (``brackets`` in the JSON);
 * ``http, gateway``: ``gateway start`` (gunicorn, 2 workers) + Redis + the worker, load from wrk
   with a Lua script posting the JSON body;
 * the alternatives (full mode), each from its own virtualenv under .cache/bench-venvs/:
@@ -45,8 +47,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager, suppress
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +113,7 @@ class Harness:
         self.body = body
         self.lua = post_script(self.tmp / "post.lua", body)
         self.memory: dict[str, dict[str, float]] = {}
+        self.brackets: dict[str, dict[str, Any]] = {}
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -254,6 +258,45 @@ class Harness:
             windows.append(window)
         return windows
 
+    def bracketed(
+        self, model: str, concurrency: int, served_window: Callable[[], list[dict[str, Any]]]
+    ) -> list[dict[str, Any]]:
+        """The served arm's windows, each taken between two windows of the model called directly
+        on full batches, so that each window's share of the direct speed is measured against
+        the machine as it was then (on a shared machine its speed drifts by more than the
+        share the serving costs). Recorded in ``self.brackets``; returns the served windows."""
+        from bench.spine import direct
+
+        a = self.args
+
+        def direct_window() -> float:
+            return direct(MODELS[model], a.batch_size, a.duration, False, self.device).items_per_s
+
+        directs = [direct_window()]
+        windows: list[dict[str, Any]] = []
+        for _ in range(a.repeats):
+            windows += served_window()
+            directs.append(direct_window())
+        shares = [
+            window["items_per_s"] / ((directs[i] + directs[i + 1]) / 2)
+            for i, window in enumerate(windows)
+        ]
+        self.brackets[model] = {
+            "scenario": OURS[3],
+            "concurrency": concurrency,
+            "direct_items_per_s": directs,
+            "served_items_per_s": [w["items_per_s"] for w in windows],
+            "shares": shares,
+            "share": statistics.median(shares),
+        }
+        log(
+            f"{model:8} bracketed c={concurrency}: direct "
+            + ", ".join(f"{d:,.0f}" for d in directs)
+            + " items/s; shares "
+            + ", ".join(f"{s:.1%}" for s in shares)
+        )
+        return windows
+
     # -- scenarios ---------------------------------------------------------------------------
 
     def direct(self, model: str) -> None:
@@ -296,6 +339,7 @@ class Harness:
         worker = [sys.executable, "-m", "gpu_worker.cli", "start", "--model", MODELS[model]]
         worker += ["--redis", redis_url, "--prefix", prefix, "--batch-size", str(a.batch_size)]
         worker += ["--metrics-port", str(metrics_port), "--log-level", "WARNING"]
+        worker += ["--busy-poll-us", str(a.busy_poll_us)]
         worker += worker_placement(a.cuda, a.workers)
         probe = BatchProbe(f"metrics:http://127.0.0.1:{metrics_port}/metrics")
         with ExitStack() as stack:
@@ -307,12 +351,15 @@ class Harness:
                 if scenario not in a.scenarios:
                     continue
                 for c in a.concurrency:
-                    self.record(
-                        model,
-                        scenario,
-                        c,
-                        self.load(sys.executable, kind, {**base, "concurrency": c}),
-                    )
+                    spec = {**base, "concurrency": c}
+                    if kind == "asyncio" and c == max(a.concurrency) and OURS[0] in a.scenarios:
+                        once = {**spec, "repeats": 1}
+                        windows = self.bracketed(
+                            model, c, partial(self.load, sys.executable, kind, once)
+                        )
+                    else:
+                        windows = self.load(sys.executable, kind, spec)
+                    self.record(model, scenario, c, windows)
             self.memory.setdefault(model, {})["worker_rss_mb"] = tree_rss_mb(worker_proc.pid)
             from bench.memory import bare_model_rss_mb  # (bench.memory imports this module)
 
@@ -476,8 +523,10 @@ class Harness:
                 "pinning": f"none ({os.cpu_count()} cores shared by every process)",
                 "device": self.device,
                 "workers": self.args.workers,
+                "busy_poll_us": self.args.busy_poll_us,
             },
             "memory_mb": self.memory,
+            "brackets": self.brackets,
             "results": self.rows,
         }
 
@@ -590,6 +639,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1,
         help="model worker processes of the `worker start` arms (with --cuda: on that device)",
+    )
+    parser.add_argument(
+        "--busy-poll-us",
+        type=int,
+        default=1000,
+        help="`worker start --busy-poll-us` of our worker (default 1000: a worker with nothing "
+        "to do polls 1 ms before it sleeps)",
     )
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
     parser.add_argument("--no-report", action="store_true", help="skip docs/benchmarks.md")

@@ -92,8 +92,14 @@ def spine_table(rows: list[dict[str, Any]], model: str) -> str:
     )
 
 
-def targets(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
-    """(target, measured, verdict) for each of issue 3's and 5's targets this run can check."""
+def targets(
+    rows: list[dict[str, Any]], brackets: dict[str, dict[str, Any]] | None = None
+) -> list[tuple[str, str, str]]:
+    """(target, measured, verdict) for each of issue 3's and 5's targets this run can check.
+
+    A model's share of its direct batched speed is judged on the bracketed windows where the
+    run has them (each served window against direct windows taken just before and after it),
+    and shown against the direct arm measured at the start of the model's run too."""
     out: list[tuple[str, str, str]] = []
 
     def verdict(ok: bool) -> str:
@@ -118,15 +124,23 @@ def targets(rows: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
         )
     for model, goal in (("mlp", 0.70), ("heavy", 0.97)):
         batched, served = find(rows, model, BATCHED), find(rows, model, REDIS_ASYNC, 256)
-        if batched and served:
-            ratio = served["items_per_s"] / batched["items_per_s"]
-            out.append(
-                (
-                    f"{model} via Redis, c=256: >= {goal:.0%} of direct batched",
-                    f"{served['items_per_s']:,.0f} / {batched['items_per_s']:,.0f} = {ratio:.0%}",
-                    verdict(ratio >= goal),
-                )
+        if not (batched and served):
+            continue
+        ratio = served["items_per_s"] / batched["items_per_s"]
+        measured = f"{served['items_per_s']:,.0f} / {batched['items_per_s']:,.0f} = {ratio:.0%}"
+        bracket = (brackets or {}).get(model)
+        if bracket and bracket["concurrency"] == 256:
+            shares = ", ".join(f"{s:.1%}" for s in bracket["shares"])
+            directs = ", ".join(f"{d:,.0f}" for d in bracket["direct_items_per_s"])
+            measured = (
+                f"bracketed: {bracket['share']:.1%} (median of {shares}; direct windows "
+                f"{directs} items/s); against the direct arm at the start: {measured}"
             )
+            ratio = bracket["share"]
+        out.append(
+            (f"{model} via Redis, c=256: >= {goal:.0%} of direct batched", measured,
+             verdict(ratio >= goal))
+        )  # fmt: skip
     one = find(rows, "mlp", ONE)
     for scenario, limit in ((REDIS_ASYNC, 0.5), (HTTP, 1.5)):
         served = find(rows, "mlp", scenario, 1)
@@ -323,11 +337,21 @@ def write(
         '`{"inputs": [[...]]}` over HTTP). Alternatives that wait for batch-mates wait at most '
         f"{s['max_wait_ms']:g} ms (service_streamer max_latency, LitServe batch_timeout, mosec "
         "max_wait_time); our worker runs with its default `--max-latency 0` (it takes what is "
-        "queued and never waits).",
+        "queued and never waits)"
+        + (
+            f" and `--busy-poll-us {s['busy_poll_us']}` (with nothing to do, it polls "
+            f"{s['busy_poll_us'] / 1000:g} ms before it sleeps)."
+            if s.get("busy_poll_us")
+            else "."
+        ),
         f"- Closed loop: {s['warmup_s']:g} s warm-up, then {s['repeats']} windows of "
         f"{s['duration_s']:g} s per arm and concurrency; each figure is the median of the windows. "
         "Mean batch: our worker's `microbatch_worker_batch_size_sum / _count` (its "
         "`--metrics-port`), the alternatives' own batch log (one line per model call).",
+        "- Bracketing: at the highest concurrency, each window of our asyncio arm runs between "
+        "two windows of `direct, batched` (the worker idle meanwhile), and its share of the "
+        "direct speed is taken against their mean; the median of those shares is the share "
+        "the targets judge. The machine's speed drifts by more than the serving costs.",
         f"- Load generators: HTTP arms `{s['wrk']}` (2 threads, c connections, a Lua script "
         "posting the body); Python-client arms one process of N asyncio tasks (uvloop) or N "
         "threads (our Streamer.predict and service_streamer's RedisStreamer.predict run in the "
@@ -352,7 +376,7 @@ def write(
         "| target | measured (same run) | |",
         "|---|---|---|",
     ]
-    parts += [f"| {t} | {m} | {v} |" for t, m, v in targets(rows)]
+    parts += [f"| {t} | {m} | {v} |" for t, m, v in targets(rows, report.get("brackets"))]
     parts += [
         "",
         "## Spine (issue 2): MLP through Redis with the Python client (asyncio)",
@@ -405,7 +429,9 @@ def write(
             "| target | measured (this re-run) | |",
             "|---|---|---|",
         ]
-        parts += [f"| {t} | {m} | {v} |" for t, m, v in targets(extra["results"])]
+        parts += [
+            f"| {t} | {m} | {v} |" for t, m, v in targets(extra["results"], extra.get("brackets"))
+        ]
         if find(extra["results"], "mlp", BATCHED):
             parts += ["", "Spine table (re-run):", "", spine_table(extra["results"], "mlp")]
         for model in dict.fromkeys(r["model"] for r in extra["results"]):

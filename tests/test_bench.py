@@ -39,6 +39,31 @@ def test_quick_harness_reports_every_scenario(tmp_path: Path) -> None:
             assert 0 < r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"], r
             assert r["mean_batch"] is not None and r["mean_batch"] >= 1, r
     assert {r["model"] for r in rows} == {"mlp"}
+    # the asyncio arm at the top concurrency ran between windows of the model called directly
+    bracket = report["brackets"]["mlp"]
+    assert bracket["concurrency"] == max(concurrency)
+    repeats = report["settings"]["repeats"]
+    assert len(bracket["direct_items_per_s"]) == repeats + 1
+    assert len(bracket["shares"]) == repeats and bracket["share"] > 0
+    served = [r for r in rows if r["scenario"] == OURS[3] and r["concurrency"] == max(concurrency)]
+    assert [w["items_per_s"] for w in served[0]["windows"]] == bracket["served_items_per_s"]
+
+
+def test_the_share_targets_are_judged_on_the_bracketed_windows() -> None:
+    from bench.report import targets
+
+    def row(scenario: str, concurrency: int, items_per_s: float) -> dict[str, object]:
+        return {"model": "heavy", "scenario": scenario, "concurrency": concurrency,
+                "items_per_s": items_per_s, "p50_ms": 1.0, "p99_ms": 2.0}  # fmt: skip
+
+    rows = [row("direct, batched", 1, 1600), row("redis, python client (asyncio)", 256, 1500)]
+    bracket = {"concurrency": 256, "direct_items_per_s": [1520, 1540, 1530, 1510],
+               "shares": [0.98, 0.975, 0.99], "share": 0.98}  # fmt: skip
+    (unbracketed,) = targets(rows)
+    assert unbracketed[2] == "**missed**" and "= 94%" in unbracketed[1]
+    (judged,) = targets(rows, {"heavy": bracket})
+    assert judged[2] == "met"
+    assert "bracketed: 98.0%" in judged[1] and "1,600 = 94%" in judged[1]
 
 
 @pytest.mark.timeout(300)
