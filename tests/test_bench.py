@@ -164,3 +164,14 @@ def test_device_report_answers_with_where_it_ran() -> None:
     assert answer["pid"] == os.getpid()
     assert (answer["device"], answer["tensor_device"], answer["device_count"]) == ("cpu", "cpu", 0)
     assert np.allclose(answer["output"], reference.predict([x])[0])
+
+
+@pytest.mark.timeout(120)
+def test_cold_model_measures_each_condition() -> None:
+    from bench.cold_model import CONDITIONS
+
+    command = [sys.executable, "-m", "bench.cold_model", "--model", "mlp", "--calls", "20"]
+    out = subprocess.run(command, cwd=ROOT, check=True, timeout=100, capture_output=True)
+    results = [json.loads(line) for line in out.stdout.decode().splitlines()]
+    assert [r["condition"] for r in results] == list(CONDITIONS)
+    assert all(0 < r["p50_ms"] <= r["p90_ms"] for r in results)
