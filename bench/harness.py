@@ -15,8 +15,8 @@ windows reported; items/s, p50/p90/p99 latency, mean batch size the model ran):
   threads calling Streamer.predict. At the highest concurrency the asyncio arm's windows are
   bracketed: each is taken between two windows of ``direct, batched``, and its share of the
   direct speed is computed against their mean (``brackets`` in the JSON);
-* ``http, gateway``: ``gateway start`` (gunicorn, 2 workers) + Redis + the worker, load from wrk
-  with a Lua script posting the JSON body;
+* ``http, gateway``: ``gateway start`` (gunicorn, --gateway-workers processes, default 1) +
+  Redis + the worker, load from wrk with a Lua script posting the JSON body;
 * the alternatives (full mode), each from its own virtualenv under .cache/bench-venvs/:
   ``service_streamer RedisStreamer`` (threads, the same thread load generator as ours) with its
   RedisWorker, and over HTTP with wrk: ``service_streamer ThreadedStreamer (Flask)``,
