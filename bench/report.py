@@ -249,6 +249,16 @@ def plot(report: dict[str, Any], model: str, path: Path) -> None:
     plt.close(fig)
 
 
+def worker_options(soak: dict[str, Any]) -> str:
+    """The soak worker's options that differ from the defaults (older soaks recorded none)."""
+    options = []
+    if soak.get("model_thread", "auto") != "auto":
+        options.append(f"--model-thread {soak['model_thread']}")
+    if soak.get("busy_poll_us"):
+        options.append(f"--busy-poll-us {soak['busy_poll_us']}")
+    return f" with `{' '.join(options)}`" if options else ""
+
+
 def soak_section(path: Path) -> list[str]:
     """The memory soak's summary (bench/soak.py), if it has been run."""
     if not path.exists():
@@ -261,7 +271,8 @@ def soak_section(path: Path) -> list[str]:
         f"## Memory soak: `{soak['command']}`",
         "",
         f"Started {soak['started']}: {soak['duration_s'] / 60:g} minutes of {load} (MLP, one "
-        f"`worker start` process, `gateway start --workers {soak['gateway_workers']}`); memory "
+        f"`worker start` process{worker_options(soak)}, `gateway start --workers "
+        f"{soak['gateway_workers']}`); memory "
         "sampled every few seconds. "
         f"Requests answered: {soak['client_answered']:,} by the Python client "
         f"({soak['client_failed']} failed)"

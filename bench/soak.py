@@ -34,6 +34,7 @@ import numpy as np
 
 from bench.harness import free_port, tree_rss_mb
 from bench.http_bench import post_script, process, wait_http, wait_workers, wrk_counts
+from gpu_worker.batching import MODEL_THREAD_MODES
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -94,6 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server = stack.enter_context(RedisServer())
         worker = [sys.executable, "-m", "gpu_worker.cli", "start", "--model", MODEL]
         worker += ["--redis", server.url, "--prefix", PREFIX, "--log-level", "WARNING"]
+        worker += ["--model-thread", args.model_thread, "--busy-poll-us", str(args.busy_poll_us)]
         worker_proc = stack.enter_context(process(worker, env))
         port = free_port()
         gateway = [sys.executable, "-m", "web_gateway.cli", "start", "--model", MODEL]
@@ -157,6 +159,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "warmup_s": args.warmup,
         "client_concurrency": args.client_concurrency,
         "gateway_workers": args.gateway_workers,
+        "model_thread": args.model_thread,
+        "busy_poll_us": args.busy_poll_us,
         "http_concurrency": args.http_concurrency if wrk_out else 0,
         "client_answered": counts[0],
         "client_failed": counts[1],
@@ -208,6 +212,12 @@ def main() -> None:
     parser.add_argument("--client-concurrency", type=int, default=64)
     parser.add_argument("--http-concurrency", type=int, default=32, help="0: no HTTP load")
     parser.add_argument("--gateway-workers", type=int, default=1)
+    parser.add_argument(
+        "--model-thread", choices=MODEL_THREAD_MODES, default="auto", help="the worker's mode"
+    )
+    parser.add_argument(
+        "--busy-poll-us", type=int, default=0, help="the worker's --busy-poll-us (0: none)"
+    )
     parser.add_argument("--output", type=Path, default=RESULTS / "soak.json")
     parser.add_argument("--plot", type=Path, help="a PNG of memory over time")
     args = parser.parse_args()

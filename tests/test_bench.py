@@ -69,12 +69,16 @@ def test_the_share_targets_are_judged_on_the_bracketed_windows() -> None:
 @pytest.mark.timeout(300)
 def test_soak_samples_memory_under_load(tmp_path: Path) -> None:
     """A short soak (the published one runs 10 minutes): samples and a summary come back."""
+    from bench.report import soak_section
+
     output, picture = tmp_path / "soak.json", tmp_path / "soak.png"
     command = [sys.executable, "-m", "bench.soak", "--duration", "6", "--interval", "1"]
     command += ["--warmup", "2", "--client-concurrency", "4", "--http-concurrency", "4"]
-    command += ["--output", str(output), "--plot", str(picture)]
+    command += ["--output", str(output), "--plot", str(picture), "--busy-poll-us", "500"]
     subprocess.run(command, cwd=ROOT, check=True, timeout=240, capture_output=True)
     report = json.loads(output.read_text())
+    assert report["busy_poll_us"] == 500 and report["model_thread"] == "auto"
+    assert "process with `--busy-poll-us 500`" in "\n".join(soak_section(output))
     assert len(report["samples"]) >= 4
     assert report["client_answered"] > 0 and report["client_failed"] == 0
     if shutil.which("wrk"):
