@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 TORCH           ?= torch==2.13.0
 TORCH_INDEX_URL ?=
 
-.PHONY: install demo test lint format typecheck bench clean
+.PHONY: install demo test test-slow lint format typecheck bench clean
 
 install: $(STAMP)
 
@@ -66,7 +66,11 @@ typecheck: install
 	$(BIN)/mypy broker gpu_worker web_gateway examples
 
 test: lint typecheck
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# The slow tests (network namespaces, failover, soak): .ci/run runs them after `make test`.
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow || [ $$? -eq 5 ]  # 5: no test carries the marker
 
 # The benchmark harness (bench/harness.py): our scenarios and the alternatives (each built into its
 # own virtualenv under .cache/bench-venvs/ on first use), docs/benchmarks.md and its plots.
