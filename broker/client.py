@@ -285,8 +285,10 @@ class Streamer:
 
     ``Streamer("mlp", redis_url=..., prefix=...)`` talks to every worker serving model ``mlp``
     under ``prefix``. With ``model=MLP`` (a ManagedModel class or instance) the model's
-    ``preprocess`` runs on each item before it is sent and ``postprocess`` on each result, so
-    Python callers send the same raw inputs as HTTP callers. With ``max_queue_items`` or
+    caller-side prepare (``preprocess``, then the check against its declared inputs: a value
+    that does not fit raises :class:`InvalidInput` before anything is sent) runs on the items
+    and ``postprocess`` on each result, so Python callers send the same raw inputs as HTTP
+    callers and are refused the same way. With ``max_queue_items`` or
     ``max_queue_bytes``, a call that would take the model's queue over either bound is refused
     at once with :class:`QueueFull` (checked atomically with the enqueue). Safe to share
     between threads, and across fork: each process makes its own connections on first use.
@@ -379,10 +381,15 @@ class Streamer:
                 return [codec.encode(item) for item in batch]
             except MicrobatchError:
                 pass  # the loop below says which item
+        # The model's caller-side prepare (preprocess and its input checks, as the gateway runs
+        # them; raises InvalidInput naming the item), or else its bare preprocess.
+        prepare = getattr(self.model, "prepare_items", None)
+        if prepare is not None:
+            batch = prepare(batch)
         payloads = []
         for index, item in enumerate(batch):
             try:
-                if self.model is not None:
+                if self.model is not None and prepare is None:
                     item = self.model.preprocess(item)
                 payloads.append(codec.encode(item))
             except MicrobatchError as exc:

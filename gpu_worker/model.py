@@ -9,25 +9,21 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from broker.errors import InvalidInput
+from broker.errors import InvalidInput, MicrobatchError
 from broker.keys import check_name
 
-# KServe v2 datatypes and the numpy dtypes they travel as (BYTES: str or bytes values).
-DATATYPES: dict[str, str | None] = {
-    "BOOL": "bool",
-    "UINT8": "uint8",
-    "UINT16": "uint16",
-    "UINT32": "uint32",
-    "UINT64": "uint64",
-    "INT8": "int8",
-    "INT16": "int16",
-    "INT32": "int32",
-    "INT64": "int64",
-    "FP16": "float16",
-    "FP32": "float32",
-    "FP64": "float64",
-    "BYTES": None,
-}
+from .tensors import DATATYPES, Unfit, to_datatype
+
+__all__ = [
+    "DATATYPES",
+    "ManagedModel",
+    "ModelLoadError",
+    "TensorSpec",
+    "Unfit",
+    "check_item",
+    "load_model_class",
+    "to_datatype",
+]
 
 
 @dataclass(frozen=True)
@@ -46,12 +42,15 @@ class TensorSpec:
             known = ", ".join(DATATYPES)
             raise ValueError(f"unknown datatype {self.datatype!r} for {self.name!r} ({known})")
         object.__setattr__(self, "shape", [int(dim) for dim in self.shape])
+        name = DATATYPES[self.datatype]
+        object.__setattr__(self, "_dtype", None if name is None else np.dtype(name))
+        object.__setattr__(self, "_fixed_shape", None if -1 in self.shape else tuple(self.shape))
 
     @property
     def numpy_dtype(self) -> np.dtype[Any] | None:
         """The numpy dtype of this tensor (None for BYTES)."""
-        name = DATATYPES[self.datatype]
-        return None if name is None else np.dtype(name)
+        dtype: np.dtype[Any] | None = self.__dict__["_dtype"]
+        return dtype
 
     def shape_matches(self, shape: Sequence[int]) -> bool:
         """True if ``shape`` (without the batch dimension) fits this spec."""
@@ -62,22 +61,54 @@ class TensorSpec:
     def coerce(self, value: Any) -> Any:
         """Convert one item's value to this spec's dtype and check its shape.
 
-        Raises :class:`broker.errors.InvalidInput` when it does not fit.
+        Numeric datatypes take numbers only (never null, booleans or strings), integer ones
+        whole numbers within range, FP16/FP32 values that stay finite; BOOL takes booleans
+        (the rules of :mod:`gpu_worker.tensors`). Raises :class:`broker.errors.InvalidInput`
+        naming the input, and the position of a value that does not fit.
         """
-        dtype = self.numpy_dtype
+        dtype: np.dtype[Any] | None = self.__dict__["_dtype"]
         if dtype is None:
             if not isinstance(value, (str, bytes)):
                 raise InvalidInput(f"input {self.name!r} takes a string or bytes")
             return value
-        try:
-            array = np.asarray(value, dtype=dtype)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise InvalidInput(f"input {self.name!r} is not {self.datatype}: {exc}") from exc
-        if not self.shape_matches(array.shape):
+        if not (isinstance(value, np.ndarray) and value.dtype == dtype):
+            try:
+                value = to_datatype(value, dtype, self.datatype)
+            except Unfit as exc:
+                raise InvalidInput(exc.describe(self.name)) from None
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise InvalidInput(
+                    f"input {self.name!r} is not a tensor of {self.datatype}: {exc}"
+                ) from None
+        if value.shape != self.__dict__["_fixed_shape"] and not self.shape_matches(value.shape):
             raise InvalidInput(
-                f"input {self.name!r} has shape {list(array.shape)}, expected {self.shape}"
+                f"input {self.name!r} has shape {list(value.shape)}, expected {self.shape}"
             )
-        return array
+        return value
+
+
+def check_item(specs: Sequence[TensorSpec], item: Any) -> Any:
+    """One (preprocessed) item checked against declared inputs, as the model will get it.
+
+    One input: the item is that tensor. Several: an object ``{name: value}`` with exactly
+    those names. No declared inputs: the item passes unchecked.
+    """
+    if not specs:
+        return item
+    if len(specs) == 1:
+        return specs[0].coerce(item)
+    if not isinstance(item, dict):
+        names = [spec.name for spec in specs]
+        raise InvalidInput(f"the model takes an object with the inputs {names}")
+    unknown = set(item) - {spec.name for spec in specs}
+    if unknown:
+        raise InvalidInput(f"unknown inputs {sorted(unknown)}")
+    out = {}
+    for spec in specs:
+        if spec.name not in item:
+            raise InvalidInput(f"input {spec.name!r} is missing")
+        out[spec.name] = spec.coerce(item[spec.name])
+    return out
 
 
 class ManagedModel:
@@ -119,6 +150,29 @@ class ManagedModel:
     def postprocess(self, output: Any) -> Any:
         """Caller side: model output -> what the caller receives."""
         return output
+
+    def prepare_items(self, raw_items: Sequence[Any]) -> list[Any]:
+        """Caller side: ``preprocess`` each raw item, then check it against ``inputs``.
+
+        What the gateway (v1 and v2) and ``Streamer(model=...)`` send: each item converted to
+        its declared datatype and shape. Raises :class:`broker.errors.InvalidInput` naming the
+        item (its index) and, for a value that does not fit, the input and the position.
+        An exception from ``preprocess`` is the input's fault too.
+        """
+        preprocess = None if type(self).preprocess is ManagedModel.preprocess else self.preprocess
+        specs = self.inputs
+        items = []
+        for index, raw in enumerate(raw_items):
+            try:
+                item = raw if preprocess is None else preprocess(raw)
+                items.append(check_item(specs, item))
+            except MicrobatchError as exc:
+                raise InvalidInput(exc.message, index=index) from exc
+            except Exception as exc:  # the model's preprocess refused this input
+                raise InvalidInput(
+                    f"preprocess failed: {type(exc).__name__}: {exc}", index=index
+                ) from exc
+        return items
 
 
 class ModelLoadError(ValueError):

@@ -76,3 +76,15 @@ class ByteStats(ManagedModel):
     @staticmethod
     def expected(data: bytes) -> list[int]:
         return [len(data), sum(data)]
+
+
+class Tally(ManagedModel):
+    """INT32[-1] -> INT64[1]: the sum of each item's counts (integer inputs, checked)."""
+
+    name = "tally"
+    inputs = [TensorSpec("counts", "INT32", [-1])]
+    outputs = [TensorSpec("total", "INT64", [1])]
+    batch_size = 8
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        return [np.asarray([int(np.sum(item, dtype=np.int64))]) for item in batch]

@@ -8,7 +8,7 @@ import os
 import time
 from typing import Any
 
-from gpu_worker import ManagedModel, TensorSpec
+from gpu_worker import ManagedModel
 
 RECORD_ENV = "MICROBATCH_TEST_RECORD_DIR"
 TAG_ENV = "MICROBATCH_TEST_TAG"
@@ -30,8 +30,7 @@ class Toy(ManagedModel):
     """
 
     name = "toy"
-    inputs = [TensorSpec("input", "BYTES", [])]
-    outputs = [TensorSpec("output", "BYTES", [])]
+    # no declared tensors: it takes any value (its markers are objects), unchecked
     batch_size = 8
 
     def init_model(self) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from gpu_worker.model import DATATYPES, TensorSpec
+from gpu_worker.model import DATATYPES, TensorSpec, Unfit, to_datatype
 
 from .errors import HTTPError, bad_request, invalid_input
 
@@ -154,13 +154,11 @@ def _tensor(spec: dict[str, Any], blob: bytes | None) -> tuple[str, str, np.ndar
             array = np.empty(count, dtype=object)
             array[:] = flat
         else:
-            if not all(
-                isinstance(value, (int, float)) and (datatype == "BOOL") == isinstance(value, bool)
-                for value in flat
-            ):
-                raise bad_request(f"input {name!r}: data must be {datatype} numbers")
             try:
-                array = np.asarray(flat, dtype=dtype_name)
+                array = to_datatype(flat, np.dtype(dtype_name), datatype)
+            except Unfit as exc:  # 422 naming the item (row) and the position within it
+                item, *position = (int(i) for i in np.unravel_index(exc.position[0], shape))
+                raise invalid_input(f"item {item}: {exc.describe(name, position)}") from None
             except (OverflowError, ValueError, TypeError) as exc:
                 raise bad_request(f"input {name!r}: data does not fit {datatype}: {exc}") from exc
     return name, datatype, array.reshape(shape)

@@ -1,10 +1,10 @@
 """One served model: its class (metadata, preprocess, postprocess) and its Streamer.
 
-The gateway passes ``model=None`` to its Streamer and runs ``preprocess``, the check against the
-declared inputs and ``postprocess`` itself, in a thread pool, so that a CPU-heavy preprocess
-never stalls the event loop and an input that does not fit is refused (422) before anything is
-queued. ``init_model`` is never called here: the class is only instantiated (on the CPU) to
-reach its caller-side methods.
+The gateway passes ``model=None`` to its Streamer and runs the model's caller-side prepare
+(``preprocess`` and the check against the declared inputs) and ``postprocess`` itself, in a
+thread pool, so that a CPU-heavy preprocess never stalls the event loop and an input that does
+not fit is refused (422) before anything is queued. ``init_model`` is never called here: the
+class is only instantiated (on the CPU) to reach its caller-side methods.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from broker import Streamer
-from broker.errors import InvalidInput, MicrobatchError
+from broker.errors import InvalidInput
 from gpu_worker.model import ManagedModel, TensorSpec, load_model_class
 
 from .errors import invalid_input
@@ -55,42 +55,13 @@ class ServedModel:
 
     # -- runs in the thread pool --------------------------------------------------------------
     def prepare(self, raw_items: Sequence[Any]) -> list[Any]:
-        """preprocess each item and check it against the declared inputs (422 if it fails)."""
-        items = []
-        for index, raw in enumerate(raw_items):
-            item = raw
-            if self.has_preprocess:
-                try:
-                    item = self.instance.preprocess(raw)
-                except MicrobatchError as exc:
-                    raise invalid_input(str(exc.with_index(index))) from None
-                except Exception as exc:  # the model's preprocess rejected this input
-                    raise invalid_input(
-                        f"item {index}: preprocess failed: {type(exc).__name__}: {exc}"
-                    ) from None
-            try:
-                items.append(self._coerce(item))
-            except InvalidInput as exc:
-                raise invalid_input(str(exc.with_index(index))) from None
-        return items
-
-    def _coerce(self, item: Any) -> Any:
-        if not self.inputs:
-            return item
-        if len(self.inputs) == 1:
-            return self.inputs[0].coerce(item)
-        if not isinstance(item, dict):
-            names = [spec.name for spec in self.inputs]
-            raise InvalidInput(f"the model takes an object with the inputs {names}")
-        unknown = set(item) - {spec.name for spec in self.inputs}
-        if unknown:
-            raise InvalidInput(f"unknown inputs {sorted(unknown)}")
-        out = {}
-        for spec in self.inputs:
-            if spec.name not in item:
-                raise InvalidInput(f"input {spec.name!r} is missing")
-            out[spec.name] = spec.coerce(item[spec.name])
-        return out
+        """The model's caller-side prepare (preprocess, then the check against its declared
+        inputs: ``ManagedModel.prepare_items``, as ``Streamer(model=...)`` runs it); 422 if
+        an item does not fit."""
+        try:
+            return self.instance.prepare_items(raw_items)
+        except InvalidInput as exc:
+            raise invalid_input(str(exc)) from None
 
     def finish(self, outputs: list[Any]) -> list[Any]:
         """postprocess each output (in the thread pool only when the model defines one)."""

@@ -1,0 +1,189 @@
+"""The gateway's ASGI app in-process (starlette's TestClient over ``create_app``).
+
+Parsing and input checks need neither Redis nor a worker: those requests are refused before
+anything is queued. Results come from a real `worker start` over the session's redis-server.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import redis
+from starlette.testclient import TestClient
+
+from broker import Streamer
+from broker.devserver import RedisServer
+from broker.errors import InvalidInput
+from broker.keys import ModelKeys
+from tests.conftest import worker_process
+from tests.gateway_models import Doubler, Tally
+from web_gateway.app import create_app
+from web_gateway.settings import GatewaySettings
+
+DOUBLER = "tests.gateway_models:Doubler"
+TALLY = "tests.gateway_models:Tally"
+
+
+def make_app(redis_url: str, prefix: str) -> Any:
+    return create_app(GatewaySettings(model=[DOUBLER, TALLY], redis_url=redis_url, prefix=prefix))
+
+
+@pytest.fixture
+def client(redis_server: RedisServer, prefix: str) -> Iterator[TestClient]:
+    """The app without its lifespan: nothing connects to Redis, nothing can be queued."""
+    with TestClient(make_app(redis_server.url, prefix), raise_server_exceptions=False) as http:
+        yield http
+
+
+@pytest.fixture
+def served(redis_server: RedisServer, prefix: str) -> Iterator[TestClient]:
+    """The app with its lifespan (Redis connected) and a real worker for each model."""
+    url = redis_server.url
+    with (
+        worker_process(url, DOUBLER, prefix),
+        worker_process(url, TALLY, prefix),
+        TestClient(make_app(url, prefix)) as http,
+    ):
+        yield http
+
+
+def v2_body(name: str, datatype: str, shape: list[int], data: Any) -> dict[str, Any]:
+    return {"inputs": [{"name": name, "datatype": datatype, "shape": shape, "data": data}]}
+
+
+def refusals(
+    client: TestClient, redis_url: str, prefix: str, model: Any, items: list[Any], v2: Any
+) -> tuple[str, str, str]:
+    """The 422 messages of v1, v2 JSON and Streamer(model=...) for the same bad items."""
+    v1 = client.post(f"/v1/models/{model.name}/predict", json={"inputs": items})
+    assert v1.status_code == 422, v1.text
+    assert v1.json()["error"]["type"] == "InvalidInput"
+    over_v2 = client.post(f"/v2/models/{model.name}/infer", json=v2)
+    assert over_v2.status_code == 422, over_v2.text
+    assert over_v2.json()["type"] == "InvalidInput"
+    v2_message = over_v2.json()["error"].removeprefix("InvalidInput: ")
+    with (
+        Streamer(model.name, redis_url=redis_url, prefix=prefix, model=model) as streamer,
+        pytest.raises(InvalidInput) as raised,
+    ):
+        streamer.predict(items, timeout=5)
+    return v1.json()["error"]["message"], v2_message, str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        (None, "null is not a number (FP32)"),
+        (True, "a boolean (true) is not a number (FP32)"),
+        (False, "a boolean (false) is not a number (FP32)"),
+        ("1", "a string is not a number (FP32)"),
+    ],
+)
+def test_fp32_takes_numbers_only_the_same_over_v1_v2_and_the_python_client(
+    client: TestClient, redis_server: RedisServer, prefix: str, value: Any, said: str
+) -> None:
+    items = [[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, value, 4.0]]
+    v2 = v2_body("input", "FP32", [2, 4], [x for item in items for x in item])
+    messages = refusals(client, redis_server.url, prefix, Doubler, items, v2)
+    assert set(messages) == {f"item 1: input 'input' at [2]: {said}"}
+    # nothing reached Redis: the Streamer refused before sending
+    assert not redis.Redis.from_url(redis_server.url).exists(ModelKeys("doubler", prefix).stream)
+
+
+@pytest.mark.parametrize(
+    ("value", "said"),
+    [
+        (1.5, "1.5 is not a whole number (INT32)"),
+        (2**40, f"{2**40} is out of range for INT32"),
+        (None, "null is not a number (INT32)"),
+        (True, "a boolean (true) is not a number (INT32)"),
+        ("7", "a string is not a number (INT32)"),
+    ],
+)
+def test_integer_inputs_take_whole_numbers_in_range_the_same_everywhere(
+    client: TestClient, redis_server: RedisServer, prefix: str, value: Any, said: str
+) -> None:
+    items = [[1, 2, value]]
+    v2 = v2_body("counts", "INT32", [1, 3], items[0])
+    messages = refusals(client, redis_server.url, prefix, Tally, items, v2)
+    assert set(messages) == {f"item 0: input 'counts' at [2]: {said}"}
+
+
+def test_nested_lists_of_the_wrong_shape_are_refused_everywhere(
+    client: TestClient, redis_server: RedisServer, prefix: str
+) -> None:
+    for items, v2_shape in (([[[1.0, 2.0], [3.0, 4.0]]], [1, 2, 2]), ([[1.0, 2.0, 3.0]], [1, 3])):
+        v2 = v2_body("input", "FP32", v2_shape, items[0])
+        v1_message, v2_message, python_message = refusals(
+            client, redis_server.url, prefix, Doubler, items, v2
+        )
+        assert v1_message == python_message
+        assert re.fullmatch(r"item 0: input 'input' has shape \[.*\], expected \[4\]", v1_message)
+        assert "input 'input' has shape" in v2_message
+    ragged = [[[1.0, 2.0], [3.0]]]
+    response = client.post("/v1/models/doubler/predict", json={"inputs": ragged})
+    assert response.status_code == 422
+    message = response.json()["error"]["message"]
+    assert message.startswith("item 0: input 'input' is not a tensor of FP32")
+    with pytest.raises(InvalidInput) as raised:
+        Doubler().prepare_items(ragged)
+    assert str(raised.value) == message
+
+
+def test_nan_and_1e999_are_malformed_json_while_python_floats_may_be_nan(
+    client: TestClient,
+) -> None:
+    for literal in (b"NaN", b"1e999", b"Infinity"):
+        body = b'{"inputs": [[1.0, 2.0, 3.0, ' + literal + b"]]}"
+        v1 = client.post("/v1/models/doubler/predict", content=body)
+        assert v1.status_code == 400 and v1.json()["error"]["type"] == "BadRequest"
+        v2 = client.post(
+            "/v2/models/doubler/infer",
+            content=b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 4], '
+            b'"data": [1, 2, 3, ' + literal + b"]}]}",
+        )
+        assert v2.status_code == 400 and v2.json()["type"] == "BadRequest"
+    # Python's own IEEE values are numbers; a finite value too large for FP32 is not
+    prepared = Doubler().prepare_items([[float("nan"), float("inf"), 1.0, 2.0]])
+    assert prepared[0].dtype == np.float32 and np.isnan(prepared[0][0])
+    with pytest.raises(InvalidInput, match=r"item 0: input 'input' at \[1\]: 1e\+39 is out"):
+        Doubler().prepare_items([[1.0, 1e39, 1.0, 2.0]])
+    response = client.post("/v1/models/doubler/predict", json={"inputs": [[1.0, 1e39, 1.0, 2.0]]})
+    assert response.status_code == 422
+    assert response.json()["error"]["message"].startswith("item 0: input 'input' at [1]: 1e+39")
+
+
+def test_a_failing_preprocess_is_invalid_input_from_the_python_client_too(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    from tests.gateway_models import ByteStats
+
+    with (
+        Streamer("bytestats", redis_url=redis_server.url, prefix=prefix, model=ByteStats) as s,
+        pytest.raises(InvalidInput) as raised,
+    ):
+        s.predict([b"ok", 42], timeout=5)
+    assert str(raised.value) == (
+        "item 1: preprocess failed: TypeError: bytestats takes a file or a string"
+    )
+    assert raised.value.index == 1
+
+
+def test_results_over_v1_and_v2(served: TestClient) -> None:
+    v1 = served.post("/v1/models/doubler/predict", json={"inputs": [[1, 2, 3, 4]]})
+    assert v1.status_code == 200 and v1.json() == {"outputs": [[2.0, 4.0, 6.0, 8.0]]}
+    v2 = served.post(
+        "/v2/models/tally/infer", json=v2_body("counts", "INT32", [2, 2], [1, 2, 3, 4])
+    )
+    assert v2.status_code == 200, v2.text
+    body = v2.json()
+    assert body["model_name"] == "tally" and body["model_version"] == "1"
+    assert body["outputs"] == [
+        {"name": "total", "datatype": "INT64", "shape": [2, 1], "data": [3, 7]}
+    ]
+    ready = served.get("/v2/models/tally/ready")
+    assert ready.status_code == 200 and ready.json()["ready"] is True

@@ -1,0 +1,102 @@
+"""TensorSpec.coerce and gpu_worker.tensors: what each datatype takes, and where it says no."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from broker.errors import InvalidInput
+from gpu_worker import ManagedModel, TensorSpec
+
+
+@pytest.mark.parametrize(
+    ("datatype", "value", "want"),
+    [
+        ("FP32", [1, 2.5, np.float64(3)], np.array([1, 2.5, 3], np.float32)),
+        ("FP16", [65504.0, -1], np.array([65504, -1], np.float16)),
+        ("FP64", [1e300, float("nan")], np.array([1e300, np.nan])),
+        ("INT8", [-128, 127, 3.0], np.array([-128, 127, 3], np.int8)),
+        ("UINT64", [2**64 - 1, 0], np.array([2**64 - 1, 0], np.uint64)),
+        ("INT64", [2**60 + 1, 1.0], np.array([2**60 + 1, 1], np.int64)),  # exact, not via float
+        ("INT64", np.array([1, 2], np.int32), np.array([1, 2], np.int64)),
+        ("INT32", np.array([1.0, -2.0]), np.array([1, -2], np.int32)),
+        ("BOOL", [True, np.bool_(False)], np.array([True, False])),
+    ],
+)
+def test_numbers_that_fit_are_converted(datatype: str, value: Any, want: np.ndarray) -> None:
+    got = TensorSpec("x", datatype, [-1]).coerce(value)
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("datatype", "value", "message"),
+    [
+        ("FP32", [1.0, None], "input 'x' at [1]: null is not a number (FP32)"),
+        ("FP32", [[1.0], [True]], "input 'x' at [1, 0]: a boolean (true) is not a number (FP32)"),
+        ("FP64", ["1.0"], "input 'x' at [0]: a string is not a number (FP64)"),
+        ("FP32", [{"a": 1}], "input 'x' at [0]: an object is not a number (FP32)"),
+        ("FP32", np.array(["1"]), "input 'x' at [0]: a string is not a number (FP32)"),
+        ("FP32", np.array([True]), "input 'x' at [0]: a boolean (true) is not a number (FP32)"),
+        ("FP32", np.array([1.0, None]), "input 'x' at [1]: null is not a number (FP32)"),
+        ("FP16", [1.0, 70000.0], "input 'x' at [1]: 70000.0 is out of range for FP16"),
+        ("FP32", [1e39], "input 'x' at [0]: 1e+39 is out of range for FP32"),
+        ("INT8", [1, 128], "input 'x' at [1]: 128 is out of range for INT8"),
+        ("UINT8", [-1], "input 'x' at [0]: -1 is out of range for UINT8"),
+        ("UINT64", [2**64], f"input 'x' at [0]: {2**64} is out of range for UINT64"),
+        ("INT64", [2.0**63], "input 'x' at [0]: 9.223372036854776e+18 is out of range for INT64"),
+        ("INT16", np.array([70000]), "input 'x' at [0]: 70000 is out of range for INT16"),
+        ("INT32", [0.5], "input 'x' at [0]: 0.5 is not a whole number (INT32)"),
+        ("INT32", [float("nan")], "input 'x' at [0]: nan is not a whole number (INT32)"),
+        ("BOOL", [True, 1], "input 'x' at [1]: the number 1 is not a boolean (BOOL)"),
+        ("BOOL", [None], "input 'x' at [0]: null is not a boolean (BOOL)"),
+    ],
+)
+def test_values_that_do_not_fit_name_their_position(
+    datatype: str, value: Any, message: str
+) -> None:
+    shape = [-1, 1] if isinstance(value, list) and isinstance(value[0], list) else [-1]
+    with pytest.raises(InvalidInput) as raised:
+        TensorSpec("x", datatype, shape).coerce(value)
+    assert str(raised.value) == message
+
+
+def test_scalars_and_shapes() -> None:
+    assert TensorSpec("x", "FP32", []).coerce(2).shape == ()
+    with pytest.raises(InvalidInput, match=r"^input 'x': null is not a number \(FP32\)$"):
+        TensorSpec("x", "FP32", []).coerce(None)
+    with pytest.raises(InvalidInput, match=r"has shape \[3\], expected \[2\]"):
+        TensorSpec("x", "FP32", [2]).coerce([1, 2, 3])
+    with pytest.raises(InvalidInput, match="is not a tensor of FP32"):
+        TensorSpec("x", "FP32", [2, -1]).coerce([[1, 2], [3]])
+    same = np.zeros(4, np.float32)
+    assert TensorSpec("x", "FP32", [4]).coerce(same) is same  # already fits: no copy
+
+
+class TwoInputs(ManagedModel):
+    inputs = [TensorSpec("ids", "INT64", [-1]), TensorSpec("mask", "BOOL", [-1])]
+
+    def preprocess(self, item: Any) -> Any:
+        if item == "boom":
+            raise RuntimeError("cannot read it")
+        return item
+
+
+def test_prepare_items_checks_every_input_and_names_the_item() -> None:
+    model = TwoInputs()
+    [item] = model.prepare_items([{"ids": [1, 2], "mask": [True, False]}])
+    assert item["ids"].dtype == np.int64 and item["mask"].dtype == np.bool_
+    cases = [
+        ({"ids": [1], "mask": [1]}, "item 1: input 'mask' at [0]: the number 1 is not a boolean"),
+        ({"ids": [1]}, "item 1: input 'mask' is missing"),
+        ({"ids": [1], "mask": [True], "x": 1}, "item 1: unknown inputs ['x']"),
+        ([1, 2], "item 1: the model takes an object with the inputs ['ids', 'mask']"),
+        ("boom", "item 1: preprocess failed: RuntimeError: cannot read it"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(InvalidInput) as raised:
+            model.prepare_items([{"ids": [0], "mask": [True]}, bad])
+        assert str(raised.value).startswith(message), str(raised.value)
+        assert raised.value.index == 1
