@@ -484,6 +484,38 @@ def test_tritonclient_with_binary_tensors_on_and_off(stack: Any, mlp_direct: Any
         client.close()
 
 
+def test_tritonclient_versioned_calls(stack: Any, mlp_direct: Any) -> None:
+    import tritonclient.http as triton
+
+    client = triton.InferenceServerClient(url=stack.base.removeprefix("http://"))
+    headers = dict(AUTH)
+    try:
+        assert client.is_model_ready("mlp", model_version="1", headers=headers)
+        metadata = client.get_model_metadata("mlp", model_version="1", headers=headers)
+        assert metadata["versions"] == ["1"]
+        assert metadata["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 256]}]
+        batch = np.random.default_rng(4).standard_normal((3, 256)).astype(np.float32)
+        tensor = triton.InferInput("input", list(batch.shape), "FP32")
+        tensor.set_data_from_numpy(batch)
+        result = client.infer("mlp", [tensor], model_version="1", headers=headers)
+        assert result.get_response()["model_version"] == "1"
+        want = np.stack(mlp_direct.predict(list(batch)))
+        np.testing.assert_allclose(result.as_numpy("output"), want, rtol=1e-4, atol=1e-5)
+
+        # an unknown version: a clean 404 in the protocol's error shape, never a crash
+        assert not client.is_model_ready("mlp", model_version="2", headers=headers)
+        for call in (
+            lambda: client.get_model_metadata("mlp", model_version="2", headers=headers),
+            lambda: client.infer("mlp", [tensor], model_version="2", headers=headers),
+        ):
+            with pytest.raises(triton.InferenceServerException) as raised:
+                call()
+            assert raised.value.status() == "404"
+            assert "model 'mlp' has no version '2'" in raised.value.message()
+    finally:
+        client.close()
+
+
 def test_metrics_aggregate_every_gateway_process(client: httpx.Client) -> None:
     for _ in range(6):
         client.post("/v1/models/doubler/predict", json={"inputs": [[1, 1, 1, 1]]})

@@ -173,11 +173,57 @@ def test_a_failing_preprocess_is_invalid_input_from_the_python_client_too(
     assert raised.value.index == 1
 
 
-def test_results_over_v1_and_v2(served: TestClient) -> None:
+def test_versioned_paths_answer_like_the_unversioned_ones(client: TestClient) -> None:
+    metadata = client.get("/v2/models/doubler/versions/1")
+    assert metadata.status_code == 200
+    assert metadata.json() == client.get("/v2/models/doubler").json()
+    assert metadata.json()["versions"] == ["1"]
+    for response in (
+        client.get("/v2/models/doubler/versions/2"),
+        client.get("/v2/models/doubler/versions/2/ready"),
+        client.post("/v2/models/doubler/versions/2/infer", json={"inputs": []}),
+    ):
+        assert response.status_code == 404
+        body = response.json()
+        assert body["type"] == "ModelNotFound"
+        assert body["error"] == (
+            "ModelNotFound: model 'doubler' has no version '2' (its versions: '1')"
+        )
+    assert client.get("/v2/models/nope/versions/1").status_code == 404
+    # no worker and no Redis here: not ready, through either path
+    assert client.get("/v2/models/doubler/versions/1/ready").status_code == 503
+    bad = v2_body("input", "FP32", [1, 4], [1, 2, 3, None])
+    response = client.post("/v2/models/doubler/versions/1/infer", json=bad)
+    assert response.status_code == 422
+    paths = client.get("/openapi.json").json()["paths"]
+    for path in (
+        "/v2/models/{name}/versions/{version}",
+        "/v2/models/{name}/versions/{version}/ready",
+        "/v2/models/{name}/versions/{version}/infer",
+    ):
+        assert path in paths
+
+
+def test_docs_reference_no_external_host(client: TestClient) -> None:
+    page = client.get("/docs")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "swagger-ui-bundle.js" in page.text
+    assert not re.search(r"(https?:)?//[a-z0-9.-]+\.[a-z]{2,}", page.text, re.IGNORECASE)
+    referenced = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert len(referenced) >= 3  # the script, the style sheet and the icon
+    for url in referenced:
+        assert url.startswith("/docs/static/"), url
+        asset = client.get(url)
+        assert asset.status_code == 200 and len(asset.content) > 100, url
+    assert "url: '/openapi.json'" in page.text
+    assert client.get("/redoc").status_code == 404  # ReDoc would need a CDN: not served
+
+
+def test_results_over_v1_and_the_versioned_v2_path(served: TestClient) -> None:
     v1 = served.post("/v1/models/doubler/predict", json={"inputs": [[1, 2, 3, 4]]})
     assert v1.status_code == 200 and v1.json() == {"outputs": [[2.0, 4.0, 6.0, 8.0]]}
     v2 = served.post(
-        "/v2/models/tally/infer", json=v2_body("counts", "INT32", [2, 2], [1, 2, 3, 4])
+        "/v2/models/tally/versions/1/infer", json=v2_body("counts", "INT32", [2, 2], [1, 2, 3, 4])
     )
     assert v2.status_code == 200, v2.text
     body = v2.json()
@@ -185,5 +231,5 @@ def test_results_over_v1_and_v2(served: TestClient) -> None:
     assert body["outputs"] == [
         {"name": "total", "datatype": "INT64", "shape": [2, 1], "data": [3, 7]}
     ]
-    ready = served.get("/v2/models/tally/ready")
+    ready = served.get("/v2/models/tally/versions/1/ready")
     assert ready.status_code == 200 and ready.json()["ready"] is True

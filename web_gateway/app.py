@@ -33,6 +33,7 @@ from broker.redis_transport import connect, eviction_warning
 from gpu_worker.model import DATATYPES
 
 from . import kserve, metrics
+from .docs import install_docs
 from .errors import (
     HTTP_TYPES,
     HTTPError,
@@ -41,6 +42,7 @@ from .errors import (
     from_microbatch,
     model_not_found,
     too_large,
+    version_not_found,
 )
 from .serving import ServedModel, to_json
 from .settings import GatewaySettings
@@ -143,10 +145,13 @@ class Gateway:
             {"WWW-Authenticate": 'Bearer realm="microbatch"'},
         )
 
-    def model(self, name: str) -> ServedModel:
+    def model(self, name: str, version: str | None = None) -> ServedModel:
+        """The served model ``name`` (404 if none), at ``version`` when one is named."""
         served = self.models.get(name)
         if served is None:
             raise model_not_found(name)
+        if version is not None and version not in kserve.VERSIONS:
+            raise version_not_found(name, version, kserve.VERSIONS)
         return served
 
     def timeout(self, request: Request, fallback: float | None = None) -> float:
@@ -395,6 +400,10 @@ def create_app(settings: GatewaySettings | None = None) -> GatewayApp:
     names = sorted(gateway.models)
     docs = _openapi()
     model_name = Path(description="A model this gateway serves.", json_schema_extra={"enum": names})
+    model_version = Path(
+        description='A version of the model: each model has one, "1".',
+        json_schema_extra={"enum": list(kserve.VERSIONS)},
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -410,8 +419,11 @@ def create_app(settings: GatewaySettings | None = None) -> GatewayApp:
         version=_version(),
         description="Micro-batching HTTP front for models served by microbatch workers.",
         lifespan=lifespan,
+        docs_url=None,  # served by install_docs, without a CDN
+        redoc_url=None,
     )
     app.state.gateway = gateway
+    install_docs(app)
 
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, exc: HTTPError) -> Response:
@@ -509,14 +521,32 @@ def create_app(settings: GatewaySettings | None = None) -> GatewayApp:
 
     @app.get("/v2/models/{name}", tags=["v2"])
     async def model_metadata(name: str = model_name, *, request: Request) -> Response:
-        """The model's declared inputs and outputs (batch dimension -1)."""
+        """The model's declared inputs and outputs (batch dimension -1) and its versions."""
+        return metadata_of(request, name)
+
+    @app.get("/v2/models/{name}/versions/{version}", tags=["v2"])
+    async def version_metadata(
+        name: str = model_name, version: str = model_version, *, request: Request
+    ) -> Response:
+        """The metadata of one version of the model (each model has one: "1")."""
+        return metadata_of(request, name, version)
+
+    def metadata_of(request: Request, name: str, version: str | None = None) -> Response:
         gateway.authorize(request)
-        return json_response(gateway.model(name).metadata())
+        return json_response(gateway.model(name, version).metadata())
 
     @app.get("/v2/models/{name}/ready", tags=["health"])
     async def model_ready(name: str = model_name) -> Response:
         """Ready when at least one live worker consumes this model."""
-        served = gateway.model(name)
+        return await readiness(name)
+
+    @app.get("/v2/models/{name}/versions/{version}/ready", tags=["health"])
+    async def version_ready(name: str = model_name, version: str = model_version) -> Response:
+        """Ready when at least one live worker consumes this model (its only version: "1")."""
+        return await readiness(name, version)
+
+    async def readiness(name: str, version: str | None = None) -> Response:
+        served = gateway.model(name, version)
         try:
             consumers = await asyncio.wait_for(
                 alive_consumers(gateway.redis, served.streamer.keys), PING_TIMEOUT_S * 2
@@ -531,8 +561,18 @@ def create_app(settings: GatewaySettings | None = None) -> GatewayApp:
     @app.post("/v2/models/{name}/infer", tags=["v2"], openapi_extra=docs["v2"])
     async def infer(name: str = model_name, *, request: Request) -> Response:
         """KServe v2 inference, with Triton's binary tensor data extension."""
+        return await v2_infer(request, name)
+
+    @app.post("/v2/models/{name}/versions/{version}/infer", tags=["v2"], openapi_extra=docs["v2"])
+    async def version_infer(
+        name: str = model_name, version: str = model_version, *, request: Request
+    ) -> Response:
+        """KServe v2 inference on one version of the model (each model has one: "1")."""
+        return await v2_infer(request, name, version)
+
+    async def v2_infer(request: Request, name: str, version: str | None = None) -> Response:
         gateway.authorize(request)
-        served = gateway.model(name)
+        served = gateway.model(name, version)
 
         async def handle() -> Response:
             body = await gateway.body(request)

@@ -21,6 +21,7 @@ DeadlineExceeded           504     no result within the request's timeout
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -79,6 +80,13 @@ def invalid_input(message: str) -> HTTPError:
 
 def model_not_found(name: str) -> HTTPError:
     return HTTPError(404, "ModelNotFound", f"no model named {name!r} is served here")
+
+
+def version_not_found(name: str, version: str, versions: Sequence[str]) -> HTTPError:
+    known = ", ".join(repr(v) for v in versions)
+    return HTTPError(
+        404, "ModelNotFound", f"model {name!r} has no version {version!r} (its versions: {known})"
+    )
 
 
 def from_microbatch(exc: MicrobatchError, retry_after: int) -> HTTPError:

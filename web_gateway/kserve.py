@@ -26,6 +26,7 @@ from gpu_worker.model import DATATYPES, TensorSpec, Unfit, to_datatype
 from .errors import HTTPError, bad_request, invalid_input
 
 HEADER_LENGTH = "inference-header-content-length"
+VERSIONS = ("1",)  # a model's versions in the protocol's sense: each served model has one
 _U32 = struct.Struct("<I")
 
 NUMPY_TO_DATATYPE = {
@@ -323,7 +324,7 @@ def build_response(
         else:
             entry["data"] = array.reshape(-1).tolist()
         described.append(entry)
-    document: dict[str, Any] = {"model_name": model_name, "model_version": "1"}
+    document: dict[str, Any] = {"model_name": model_name, "model_version": VERSIONS[0]}
     if request.id is not None:
         document["id"] = request.id
     document["outputs"] = described

@@ -70,11 +70,11 @@ class ServedModel:
         return [self.instance.postprocess(output) for output in outputs]
 
     def metadata(self) -> dict[str, Any]:
-        from .kserve import tensor_metadata
+        from .kserve import VERSIONS, tensor_metadata
 
         return {
             "name": self.name,
-            "versions": ["1"],
+            "versions": list(VERSIONS),
             "platform": "microbatch",
             "inputs": tensor_metadata(self.inputs),
             "outputs": tensor_metadata(self.outputs),
