@@ -9,9 +9,48 @@ import json
 import logging
 import sys
 from datetime import datetime, timezone
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"
 FORMATS = ("text", "json")
+LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def check_level(level: str) -> str:
+    """``level`` (any case) as a logging level name, e.g. ``"INFO"``.
+
+    Raises ValueError, with a one-line message for a command line, unless it is one of LEVELS.
+    """
+    if level.lower() not in LEVELS:
+        raise ValueError(f"--log-level must be one of {', '.join(LEVELS)}, not {level!r}")
+    return level.upper()
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (in the userinfo or a ``password=`` query) replaced by ``***``.
+
+    What a log may show of a Redis URL: scheme, user, host, port, db.
+    """
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        userinfo, at, host = netloc.rpartition("@")
+        if at:
+            user, colon, _password = userinfo.partition(":")
+            netloc = f"{user}:***@{host}" if colon else f"{user}@{host}"
+        query = parts.query
+        if "password" in query.lower():
+            pairs = parse_qsl(query, keep_blank_values=True)
+            query = urlencode(
+                [(k, "***" if k.lower() == "password" else v) for k, v in pairs], safe="*"
+            )
+        if "://" not in url:
+            return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+        query = f"?{query}" if query else ""
+        fragment = f"#{parts.fragment}" if parts.fragment else ""
+        return f"{parts.scheme}://{netloc}{parts.path}{query}{fragment}"
+    except ValueError:
+        return "<a URL that cannot be parsed>"
 
 
 class JsonFormatter(logging.Formatter):

@@ -12,7 +12,17 @@ if TYPE_CHECKING:
     from .app import create_app
     from .settings import GatewaySettings
 
-__all__ = ["GatewaySettings", "create_app"]
+__all__ = ["GatewaySettings", "create_app", "package_version"]
+
+
+def package_version() -> str:
+    """The installed microbatch version ("0" when run from a tree that is not installed)."""
+    try:
+        from importlib.metadata import version
+
+        return version("microbatch")
+    except Exception:
+        return "0"
 
 
 def __getattr__(name: str) -> Any:

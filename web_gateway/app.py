@@ -28,11 +28,12 @@ from starlette.responses import Response
 
 from broker.errors import MicrobatchError
 from broker.liveness import alive_consumers
+from broker.logs import redact_url
 from broker.protocol import valid_traceparent
 from broker.redis_transport import connect, eviction_warning
 from gpu_worker.model import DATATYPES
 
-from . import kserve, metrics
+from . import access_log, kserve, metrics, package_version
 from .docs import install_docs
 from .errors import (
     HTTP_TYPES,
@@ -375,8 +376,15 @@ class GatewayApp(FastAPI):
     """
 
     fast_v1: FastRoute | None = None
+    log_access = False  # one line per request (web_gateway.access_log): checked per request
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.log_access and scope["type"] == "http":
+            await access_log.logged(self._dispatch, scope, receive, send)
+        else:
+            await self._dispatch(scope, receive, send)
+
+    async def _dispatch(self, scope: Any, receive: Any, send: Any) -> None:
         if self.fast_v1 is not None and scope["type"] == "http" and scope["method"] == "POST":
             match = V1_PREDICT.fullmatch(scope["path"])
             if match is not None:
@@ -408,7 +416,13 @@ def create_app(settings: GatewaySettings | None = None) -> GatewayApp:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await gateway.start()
-        log.info("gateway serving %s under prefix %r", ", ".join(names), settings.prefix)
+        log.info(
+            "gateway serving %s under prefix %r from Redis %s%s",
+            ", ".join(names),
+            settings.prefix,
+            redact_url(settings.redis_url),
+            " (access log on)" if settings.access_log else "",
+        )
         try:
             yield
         finally:
@@ -416,13 +430,14 @@ def create_app(settings: GatewaySettings | None = None) -> GatewayApp:
 
     app = GatewayApp(
         title="microbatch gateway",
-        version=_version(),
+        version=package_version(),
         description="Micro-batching HTTP front for models served by microbatch workers.",
         lifespan=lifespan,
         docs_url=None,  # served by install_docs, without a CDN
         redoc_url=None,
     )
     app.state.gateway = gateway
+    app.log_access = settings.access_log
     install_docs(app)
 
     @app.exception_handler(HTTPError)
@@ -505,7 +520,11 @@ def create_app(settings: GatewaySettings | None = None) -> GatewayApp:
     async def server_metadata(request: Request) -> Response:
         """Server metadata."""
         return json_response(
-            {"name": "microbatch", "version": _version(), "extensions": ["binary_tensor_data"]}
+            {
+                "name": "microbatch",
+                "version": package_version(),
+                "extensions": ["binary_tensor_data"],
+            }
         )
 
     @app.get("/v2/health/live", tags=["health"])
@@ -688,12 +707,3 @@ async def _ping(gateway: Gateway) -> bool:
         return bool(await asyncio.wait_for(gateway.redis.ping(), PING_TIMEOUT_S))
     except Exception:
         return False
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("microbatch")
-    except Exception:
-        return "0"

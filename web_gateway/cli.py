@@ -16,7 +16,9 @@ import typer
 
 from broker.client import DEFAULT_REDIS_URL
 from broker.keys import DEFAULT_PREFIX
-from broker.logs import FORMATS
+from broker.logs import FORMATS, check_level
+
+from . import package_version
 
 ENV = "MICROBATCH_GATEWAY_"
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,11 +29,29 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"gateway, version {package_version()}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="Print the version and exit.",
+        ),
+    ] = False,
+) -> None:
     """microbatch HTTP gateway."""
 
 
@@ -41,6 +61,7 @@ def start(
         list[str],
         typer.Option(
             envvar=f"{ENV}MODEL",
+            metavar="<str>",
             help="Import path 'module:Class' of a ManagedModel subclass to serve; repeat for "
             "several models (env: comma- or space-separated).",
         ),
@@ -125,12 +146,24 @@ def start(
         ),
     ] = 30.0,
     log_level: Annotated[
-        str, typer.Option(envvar=f"{ENV}LOG_LEVEL", help="debug, info, warning or error.")
+        str,
+        typer.Option(
+            envvar=f"{ENV}LOG_LEVEL", help="debug, info, warning, error or critical (any case)."
+        ),
     ] = "info",
     log_format: Annotated[
         str,
         typer.Option(envvar=f"{ENV}LOG_FORMAT", help="text, or json: one JSON object per line."),
     ] = "text",
+    access_log: Annotated[
+        bool,
+        typer.Option(
+            "--access-log/--no-access-log",
+            envvar=f"{ENV}ACCESS_LOG",
+            help="Log one line per request (client, method, path without query, status, "
+            "duration; never bodies or headers). Off, it costs nothing.",
+        ),
+    ] = False,
 ) -> None:
     """Serve MODEL(s) over HTTP until SIGTERM or Ctrl-C.
 
@@ -154,6 +187,7 @@ def start(
         "GRACEFUL_TIMEOUT": str(graceful_timeout),
         "LOG_LEVEL": log_level,
         "LOG_FORMAT": log_format,
+        "ACCESS_LOG": "true" if access_log else "false",
     }
     if auth_tokens_file is not None:
         env["AUTH_TOKENS_FILE"] = str(auth_tokens_file)
@@ -168,8 +202,11 @@ def start(
     from .settings import GatewaySettings
 
     try:
+        check_level(log_level)
         if log_format not in FORMATS:
-            raise ValueError(f"--log-format must be one of {FORMATS}, not {log_format!r}")
+            raise ValueError(
+                f"--log-format must be one of {', '.join(FORMATS)}, not {log_format!r}"
+            )
         settings = GatewaySettings()
         settings.tokens()
         names = [load_model_class(path).name for path in settings.model]

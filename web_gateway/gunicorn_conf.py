@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from broker.logs import FORMATS, TEXT_FORMAT, check_level
+
 __all__ = [
     "accesslog",
     "backlog",
@@ -56,32 +58,38 @@ graceful_timeout = int(float(_env("GRACEFUL_TIMEOUT", "30")))
 timeout = 60  # a worker whose event loop stops answering gunicorn for this long is restarted
 keepalive = 5
 backlog = 2048
-loglevel = _env("LOG_LEVEL", "info").lower()
-# LOG_FORMAT=json: gunicorn's and the app's logs as one JSON object per line (broker.logs).
-logconfig_dict: dict[str, Any] = {}
-if _env("LOG_FORMAT", "text") == "json":
-    logconfig_dict = {
-        "version": 1,
-        "disable_existing_loggers": False,
-        "formatters": {"json": {"()": "broker.logs.JsonFormatter"}},
-        "handlers": {
-            "stderr": {
-                "class": "logging.StreamHandler",
-                "formatter": "json",
-                "stream": "ext://sys.stderr",
-            },
+# The same log format as `worker start` (broker.logs): text lines, or JSON objects with
+# LOG_FORMAT=json, for gunicorn's, uvicorn's and the app's loggers alike.
+loglevel = check_level(_env("LOG_LEVEL", "info")).lower()
+_FORMAT = _env("LOG_FORMAT", "text")
+if _FORMAT not in FORMATS:
+    raise ValueError(f"{_ENV}LOG_FORMAT must be one of {', '.join(FORMATS)}, not {_FORMAT!r}")
+_STDERR = {
+    "class": "logging.StreamHandler",
+    "formatter": "microbatch",
+    "stream": "ext://sys.stderr",
+}
+logconfig_dict: dict[str, Any] = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {
+        "microbatch": {"()": "broker.logs.JsonFormatter"}
+        if _FORMAT == "json"
+        else {"format": TEXT_FORMAT}
+    },
+    "handlers": {"stderr": _STDERR},
+    "root": {"level": loglevel.upper(), "handlers": ["stderr"]},
+    "loggers": {
+        "gunicorn.error": {"level": loglevel.upper(), "handlers": ["stderr"], "propagate": False},
+        # --access-log: the app's own access log (web_gateway.access_log), whatever the level
+        "microbatch.gateway.access": {
+            "level": "INFO",
+            "handlers": ["stderr"],
+            "propagate": False,
         },
-        "root": {"level": loglevel.upper(), "handlers": ["stderr"]},
-        "loggers": {
-            "gunicorn.error": {
-                "level": loglevel.upper(),
-                "handlers": ["stderr"],
-                "propagate": False,
-            },
-            "gunicorn.access": {"level": "INFO", "handlers": ["stderr"], "propagate": False},
-        },
-    }
-accesslog = None  # access logs name paths only; enable with --access-logfile if wanted
+    },
+}
+accesslog = None  # gunicorn's own: unused (uvicorn workers); see --access-log instead
 proc_name = "microbatch-gateway"
 # gunicorn >= 24 opens a control socket at one fixed path per user, which several gateways on
 # one host would fight over; gateways are driven by signals instead.

@@ -68,6 +68,9 @@ class GatewaySettings(BaseSettings):
     auth_tokens_file: Path | None = Field(
         default=None, description="File with one bearer token per line (added to auth_tokens)."
     )
+    access_log: bool = Field(
+        default=False, description="Log one line per request (no bodies, headers or queries)."
+    )
 
     @field_validator("model", "auth_tokens", mode="before")
     @classmethod

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from typing import Any
 
+from gunicorn.arbiter import Arbiter
+from uvicorn.server import Server
 from uvicorn_worker import UvicornWorker
 
 
@@ -23,3 +26,15 @@ class GatewayWorker(UvicornWorker):  # type: ignore[misc]
         else "h11",
         "lifespan": "on",
     }
+
+    async def _serve(self) -> None:
+        # uvicorn_worker's _serve, handing uvicorn the listening sockets themselves rather than
+        # gunicorn's wrappers: uvloop closes the socket object it serves on (ignoring EBADF,
+        # libuv having closed the descriptor already), and gunicorn's wrapper logged that
+        # EBADF as "Error while closing socket [Errno 9]" at every shutdown.
+        self.config.app = self.wsgi
+        server = Server(config=self.config)
+        self._install_sigquit_handler()
+        await server.serve(sockets=[getattr(sock, "sock", sock) for sock in self.sockets])
+        if not server.started:
+            sys.exit(Arbiter.WORKER_BOOT_ERROR)

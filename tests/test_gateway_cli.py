@@ -1,0 +1,143 @@
+"""`gateway start`'s command line and logs: help like the other CLIs, -h, --version, log levels,
+the access log, a start-up line without credentials, and a quiet shutdown."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+import httpx
+import pytest
+
+from broker.devserver import RedisServer
+from tests.conftest import ROOT
+from tests.test_gateway import gateway_process
+
+DOUBLER = "tests.gateway_models:Doubler"
+# broker.logs.TEXT_FORMAT, the format of `worker start`'s lines
+LINE = re.compile(
+    r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) \S+ \[\d+\] \S"
+)
+
+
+def gateway(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MICROBATCH_GATEWAY_")}
+    return subprocess.run(
+        [sys.executable, "-m", "web_gateway.cli", *args],
+        cwd=ROOT,
+        env={**clean, "PYTHONPATH": str(ROOT), "COLUMNS": "80", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_help_is_plain_text_with_every_env_var_whole_and_h_is_help() -> None:
+    shown = gateway("start", "--help")
+    assert shown.returncode == 0, shown.stderr
+    text = shown.stdout
+    assert not re.search("[\u2500-\u257f]", text), "rich boxes"
+    assert all(len(line) <= 80 for line in text.splitlines())
+    names = re.findall(r"\[env\s+var:\s+([A-Z_\s]+?)[;\]]", text)
+    names = [re.sub(r"\s+", "", name) for name in names]
+    for option in ("MODEL", "PREFIX", "MAX_QUEUE_ITEMS", "LOG_LEVEL", "ACCESS_LOG"):
+        assert f"MICROBATCH_GATEWAY_{option}" in names
+    assert "REDIS_URL" in names
+    assert "redis://[user:password@]host:port/db" in text
+    assert gateway("start", "-h").stdout == text
+    assert "-h, --help" in gateway("-h").stdout
+
+
+def test_version_prints_the_version_and_exits_0() -> None:
+    shown = gateway("--version")
+    assert shown.returncode == 0
+    assert shown.stdout.strip() == f"gateway, version {version('microbatch')}"
+
+
+def test_log_level_takes_the_five_levels_in_any_case_and_nothing_else() -> None:
+    for level in ("verbose", "warn", "10"):
+        for how in ("flag", "env"):
+            args = ["start", "--model", DOUBLER]
+            env = {}
+            if how == "flag":
+                args += ["--log-level", level]
+            else:
+                env["MICROBATCH_GATEWAY_LOG_LEVEL"] = level
+            refused = gateway(*args, env=env)
+            assert refused.returncode == 2, (level, how)
+            assert refused.stderr.strip().splitlines() == [
+                "Error: --log-level must be one of debug, info, warning, error, critical, "
+                f"not {level!r}"
+            ]
+    # a valid level, in any case, gets past the check: the next one fails (the model)
+    for level in ("DEBUG", "Warning", "critical"):
+        later = gateway("start", "--model", "nope:Nope", "--log-level", level)
+        assert later.returncode == 2 and "cannot import module 'nope'" in later.stderr
+
+
+def run_and_log(redis_url: str, prefix: str, log: Path, *args: str, secret_query: str = "") -> None:
+    """Serve DOUBLER, make a few requests (one bad, one with a payload), stop with SIGTERM."""
+    env = {"MICROBATCH_GATEWAY_LOG_LEVEL": "info"}
+    with gateway_process(redis_url, [DOUBLER], prefix, *args, env=env, log_path=log) as (base, _):
+        bad = httpx.post(
+            f"{base}/v1/models/doubler/predict{secret_query}",
+            json={"inputs": [["secret-payload", 1, 2, 3]]},
+        )
+        assert bad.status_code == 422
+        assert httpx.get(f"{base}/v2/models/doubler/versions/7").status_code == 404
+
+
+def test_logs_name_models_prefix_and_redis_without_password_in_one_format(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    # the default user takes any password: the URL carries one that must not be logged
+    url = f"redis://default:hunter2-secret@127.0.0.1:{redis_server.port}/0"
+    log = tmp_path / "gateway.log"
+    run_and_log(url, prefix, log, "--access-log", secret_query="?token=query-secret")
+    text = log.read_text()
+    lines = [line for line in text.splitlines() if line.strip()]
+    assert lines and all(LINE.match(line) for line in lines), text
+    started = [line for line in lines if "gateway serving" in line]
+    assert len(started) == 1
+    assert started[0].endswith(
+        f"gateway serving doubler under prefix '{prefix}' from Redis "
+        f"redis://default:***@127.0.0.1:{redis_server.port}/0 (access log on)"
+    )
+    access = [line for line in lines if " microbatch.gateway.access " in line]
+    assert any('"POST /v1/models/doubler/predict HTTP/1.1" 422 ' in line for line in access)
+    assert any('"GET /v2/models/doubler/versions/7 HTTP/1.1" 404 ' in line for line in access)
+    for secret in ("hunter2-secret", "query-secret", "secret-payload"):
+        assert secret not in text
+    assert "Errno 9" not in text and "Error while closing socket" not in text
+    assert "Traceback" not in text
+
+
+def test_no_access_log_unless_asked(redis_server: RedisServer, prefix: str, tmp_path: Path) -> None:
+    log = tmp_path / "gateway.log"
+    run_and_log(redis_server.url, prefix, log)
+    text = log.read_text()
+    assert "gateway serving doubler" in text and "(access log on)" not in text
+    assert "microbatch.gateway.access" not in text
+    assert "Error while closing socket" not in text
+
+
+@pytest.mark.parametrize("level", ["warning", "ERROR"])
+def test_gunicorn_directly_reads_the_same_level(level: str, tmp_path: Path) -> None:
+    code = (
+        "import web_gateway.gunicorn_conf as c; "
+        "print(c.loglevel, c.logconfig_dict['root']['level'])"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MICROBATCH_GATEWAY_LOG_LEVEL": level}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout.split() == [level.lower(), level.upper()]
+    env["MICROBATCH_GATEWAY_LOG_LEVEL"] = "loud"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0 and "--log-level must be one of" in done.stderr
