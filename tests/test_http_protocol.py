@@ -1,11 +1,18 @@
-"""web_gateway.http_protocol: a response leaves in one write; order and close are kept."""
+"""web_gateway.http_protocol: a response leaves in one write; order and close are kept.
+
+Its connection limits are tested against a real gateway in tests/test_gateway_limits.py.
+"""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
-from web_gateway.http_protocol import CoalescingHttpToolsProtocol, CoalescingTransport
+from web_gateway.http_protocol import (
+    CoalescingHttpToolsProtocol,
+    CoalescingTransport,
+    GatewayHttpProtocol,
+)
 
 
 class RecordingTransport:
@@ -99,12 +106,12 @@ def test_the_gateways_protocol_sends_a_response_in_one_write() -> None:
 
     from web_gateway.workers import GatewayWorker
 
-    assert GatewayWorker.CONFIG_KWARGS["http"] == (
-        "web_gateway.http_protocol:CoalescingHttpToolsProtocol"
-    )
+    assert GatewayWorker.CONFIG_KWARGS["http"] == "web_gateway.http_protocol:GatewayHttpProtocol"
+    assert issubclass(GatewayHttpProtocol, CoalescingHttpToolsProtocol)
     plain = serve_one_request(HttpToolsProtocol)
     assert len(plain.writes) == 2  # uvicorn's own: headers, then body
-    raw = serve_one_request(CoalescingHttpToolsProtocol)
-    assert len(raw.writes) == 1
-    assert raw.writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
-    assert raw.writes[0].endswith(b"\r\n\r\n{}")
+    for protocol in (CoalescingHttpToolsProtocol, GatewayHttpProtocol):
+        raw = serve_one_request(protocol)
+        assert len(raw.writes) == 1
+        assert raw.writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+        assert raw.writes[0].endswith(b"\r\n\r\n{}")

@@ -24,6 +24,7 @@ from fastapi import FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from broker.errors import MicrobatchError
@@ -180,11 +181,14 @@ class Gateway:
                 raise bad_request("Content-Length must be an integer") from None
         chunks = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large(f"request body is over {limit} bytes")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(f"request body is over {limit} bytes")
+                chunks.append(chunk)
+        except ClientDisconnect:  # gone, or cut off by the body timeout (answered 408)
+            raise ClientGone("before its body arrived") from None
         body = b"".join(chunks)
         encoding = request.headers.get("content-encoding", "identity").strip().lower()
         if encoding in ("gzip", "deflate"):
@@ -470,9 +474,12 @@ def create_app(settings: GatewaySettings | None = None) -> GatewayApp:
         except HTTPError as exc:
             outcome = exc.type
             return error_response(exc, route == "v2")
-        except ClientGone:
+        except ClientGone as exc:
             outcome = "ClientGone"
-            log.info("client left; its %s request was withdrawn", served.name)
+            if exc.args:  # nothing was queued: not worth a line each (the protocol sums them)
+                log.debug("client left %s (%s)", exc.args[0], served.name)
+            else:
+                log.info("client left; its %s request was withdrawn", served.name)
             return Response(status_code=CLIENT_CLOSED)
         finally:
             served.metrics.in_flight.dec()

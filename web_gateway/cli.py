@@ -137,6 +137,41 @@ def start(
             " every route except health needs 'Authorization: Bearer <token>'.",
         ),
     ] = None,
+    header_timeout: Annotated[
+        float,
+        typer.Option(
+            envvar=f"{ENV}HEADER_TIMEOUT",
+            min=0.001,
+            help="Seconds a request's headers may take to arrive, from the connection (or the "
+            "request's first byte); then 408 and the connection is closed.",
+        ),
+    ] = 10.0,
+    body_timeout: Annotated[
+        float,
+        typer.Option(
+            envvar=f"{ENV}BODY_TIMEOUT",
+            min=0.001,
+            help="Seconds a request's body may take to arrive after its headers; then 408 and "
+            "the connection is closed.",
+        ),
+    ] = 30.0,
+    keepalive_timeout: Annotated[
+        float,
+        typer.Option(
+            envvar=f"{ENV}KEEPALIVE_TIMEOUT",
+            min=0.001,
+            help="Seconds an idle connection stays open between requests.",
+        ),
+    ] = 5.0,
+    max_connections: Annotated[
+        int,
+        typer.Option(
+            envvar=f"{ENV}MAX_CONNECTIONS",
+            min=1,
+            help="Most open connections per gateway worker process; one more is answered 503 "
+            "and closed at once.",
+        ),
+    ] = 1000,
     graceful_timeout: Annotated[
         float,
         typer.Option(
@@ -184,6 +219,10 @@ def start(
         "MAX_BODY_BYTES": str(max_body_bytes),
         "MAX_QUEUE_ITEMS": str(max_queue_items),
         "MAX_QUEUE_BYTES": str(max_queue_bytes),
+        "HEADER_TIMEOUT": str(header_timeout),
+        "BODY_TIMEOUT": str(body_timeout),
+        "KEEPALIVE_TIMEOUT": str(keepalive_timeout),
+        "MAX_CONNECTIONS": str(max_connections),
         "GRACEFUL_TIMEOUT": str(graceful_timeout),
         "LOG_LEVEL": log_level,
         "LOG_FORMAT": log_format,

@@ -15,6 +15,7 @@ if it is set, stale files in it are removed at start. ``child_exit`` marks a dea
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -56,7 +57,9 @@ workers = int(_env("WORKERS", "1"))
 # SIGTERM: stop accepting, let in-flight requests finish for up to this long, then exit.
 graceful_timeout = int(float(_env("GRACEFUL_TIMEOUT", "30")))
 timeout = 60  # a worker whose event loop stops answering gunicorn for this long is restarted
-keepalive = 5
+# uvicorn's keep-alive timer is replaced by the idle deadline of web_gateway.http_protocol,
+# which reads KEEPALIVE_TIMEOUT (with HEADER_TIMEOUT, BODY_TIMEOUT, MAX_CONNECTIONS) itself.
+keepalive = max(1, math.ceil(float(_env("KEEPALIVE_TIMEOUT", "5"))))
 backlog = 2048
 # The same log format as `worker start` (broker.logs): text lines, or JSON objects with
 # LOG_FORMAT=json, for gunicorn's, uvicorn's and the app's loggers alike.

@@ -1,18 +1,50 @@
-"""uvicorn's httptools protocol, writing each response with one system call instead of two.
+"""The gateway's HTTP protocol: uvicorn's httptools protocol with connection limits, writing
+each response with one system call.
 
-uvicorn writes a response's status line and headers, then its body, as two ``transport.write``
-calls: two ``send`` system calls (and two TCP segments) per response, about a sixth of the
-gateway's CPU at high request rates. Here the connection's transport holds back what is written
-during one turn of the event loop and sends it together at the end of that turn, so a response
-goes out in one ``send``. Order is kept, and closing the connection sends what is held first.
+**Limits** (uvicorn has no header or body read timeout; they live here). Each connection is in
+one phase, with a deadline checked by one sweep per event loop (every 0.5 s, or a quarter of the
+shortest timeout when that is less), so a request costs a few attribute writes and no timer:
+
+- headers: from the connection's start (or from the first byte of a later request) until its
+  headers are complete, at most ``header_timeout`` s; then 408 and close.
+- body: from the end of the headers until the last body byte, at most ``body_timeout`` s (a
+  Content-Length longer than the body sent ends here); then 408 (or a bare close once a
+  response has started) and the app sees the client gone.
+- idle: between a response and the next request's first byte, at most ``keepalive_timeout`` s;
+  then close.
+- busy: while the app works on a complete request, no deadline (the request's own timeout
+  applies).
+
+A process holds at most ``max_connections`` connections: one more is answered 503 and closed at
+once. Limits come from the gateway's settings (``MICROBATCH_GATEWAY_HEADER_TIMEOUT`` etc.).
+
+**One write per response.** uvicorn writes a response's status line and headers, then its body,
+as two ``transport.write`` calls: two ``send`` system calls (and two TCP segments) per response,
+about a sixth of the gateway's CPU at high request rates. The connection's transport holds back
+what is written during one turn of the event loop and sends it together at the end of that
+turn. Order is kept, and closing the connection sends what is held first.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import logging
+import math
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
+import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from .errors import error_body, v2_error_body
+
+log = logging.getLogger("microbatch.gateway")
+
+NO_DEADLINE = math.inf
+SWEEP_PERIOD_S = 0.5
+REPORT_EVERY_S = 10.0
 
 
 class CoalescingTransport:
@@ -64,3 +96,209 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         coalescing: Any = CoalescingTransport(transport, self.loop)
         super().connection_made(coalescing)
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """Per-connection read deadlines (seconds) and the connection cap of one process."""
+
+    header_timeout: float = 10.0
+    body_timeout: float = 30.0
+    keepalive_timeout: float = 5.0
+    max_connections: int = 1000
+
+    @classmethod
+    def from_settings(cls) -> ConnectionLimits:
+        """The limits set in the environment (``MICROBATCH_GATEWAY_<LIMIT>``), checked."""
+        from .settings import GatewaySettings
+
+        settings = GatewaySettings()
+        return cls(
+            settings.header_timeout,
+            settings.body_timeout,
+            settings.keepalive_timeout,
+            settings.max_connections,
+        )
+
+    @property
+    def sweep_period(self) -> float:
+        shortest = min(self.header_timeout, self.body_timeout, self.keepalive_timeout)
+        return max(0.01, min(SWEEP_PERIOD_S, shortest / 4))
+
+
+# Phases of a connection (see the module's docstring).
+IDLE, HEADERS, BODY, BUSY, QUEUED, REFUSED = range(6)
+
+
+def _raw_response(status: str, error: str, message: str, v2: bool, extra: str = "") -> bytes:
+    body = orjson.dumps((v2_error_body if v2 else error_body)(error, message))
+    head = (
+        f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n{extra}connection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+class _Sweeper:
+    """Enforces the deadlines of one server's connections; reports what it closed."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, connections: set[Any], period: float):
+        self.loop = loop
+        self.connections = connections
+        self.period = period
+        self.counts = {"headers": 0, "body": 0, "refused": 0}
+        self.reported = -math.inf
+        self.handle: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        if self.handle is None:
+            self.handle = self.loop.call_later(self.period, self.sweep)
+
+    def sweep(self) -> None:
+        self.handle = None
+        now = self.loop.time()
+        for protocol in list(self.connections):
+            if getattr(protocol, "deadline", NO_DEADLINE) <= now:
+                protocol.expire()
+        self.report()
+        if self.connections or any(self.counts.values()):
+            self.start()
+
+    def count(self, kind: str) -> None:
+        self.counts[kind] += 1
+        self.report()
+
+    def report(self) -> None:
+        """At most one log line per REPORT_EVERY_S, however many connections misbehave."""
+        if not any(self.counts.values()) or time.monotonic() - self.reported < REPORT_EVERY_S:
+            return
+        counts, self.counts = self.counts, dict.fromkeys(self.counts, 0)
+        self.reported = time.monotonic()
+        log.warning(
+            "closed %d connection(s) whose headers, and %d whose body, came too slowly; "
+            "refused %d over the connection cap",
+            counts["headers"],
+            counts["body"],
+            counts["refused"],
+        )
+
+
+_sweepers: weakref.WeakKeyDictionary[Any, _Sweeper] = weakref.WeakKeyDictionary()
+
+
+class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
+    """The gateway's protocol: one write per response, read deadlines, a connection cap."""
+
+    limits: ClassVar[ConnectionLimits | None] = None  # None: ConnectionLimits.from_settings()
+
+    deadline = NO_DEADLINE
+    phase = HEADERS
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        cls = type(self)
+        if cls.limits is None:
+            cls.limits = ConnectionLimits.from_settings()
+        self._limits = cls.limits
+        sweeper = _sweepers.get(self.server_state)
+        if sweeper is None:
+            sweeper = _sweepers[self.server_state] = _Sweeper(
+                self.loop, self.connections, self._limits.sweep_period
+            )
+        self._sweeper = sweeper
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self._limits.max_connections:
+            self.phase = REFUSED
+            cap = self._limits.max_connections
+            self.transport.write(
+                _raw_response(
+                    "503 Service Unavailable",
+                    "TooManyConnections",
+                    f"this gateway process is at its limit of {cap} connections",
+                    v2=False,
+                    extra="retry-after: 1\r\n",
+                )
+            )
+            self.transport.close()
+            self._sweeper.count("refused")
+            return
+        self.phase = HEADERS
+        self.deadline = self.loop.time() + self._limits.header_timeout
+        self._sweeper.start()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.deadline = NO_DEADLINE
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.phase == REFUSED:
+            return
+        if self.phase == IDLE:  # the next request starts
+            self.phase = HEADERS
+            self.deadline = self.loop.time() + self._limits.header_timeout
+        super().data_received(data)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self.phase != HEADERS:  # a pipelined request, read while the last one is served
+            self.phase = HEADERS
+            self.deadline = self.loop.time() + self._limits.header_timeout
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        if self.pipeline and self.pipeline[0][0] is self.cycle:
+            # queued behind a request in progress, reading paused: its body deadline starts
+            # when it is taken up (on_response_complete)
+            self.phase = QUEUED
+            self.deadline = NO_DEADLINE
+        else:
+            self.phase = BODY
+            self.deadline = self.loop.time() + self._limits.body_timeout
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self.phase = BUSY
+        self.deadline = NO_DEADLINE
+
+    def on_response_complete(self) -> None:
+        # uvicorn's, with the keep-alive timer replaced by the idle deadline
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+            if cycle.more_body:
+                self.phase = BODY
+                self.deadline = self.loop.time() + self._limits.body_timeout
+        elif self.phase == BUSY:
+            self.phase = IDLE
+            self.deadline = self.loop.time() + self._limits.keepalive_timeout
+
+    def expire(self) -> None:
+        """The deadline passed: answer 408 where nothing was answered yet, and close."""
+        phase, self.deadline = self.phase, NO_DEADLINE
+        if self.transport.is_closing():
+            return
+        cycle = self.cycle
+        answering = cycle is not None and cycle.response_started and not cycle.response_complete
+        if phase in (HEADERS, BODY) and not answering:
+            what = "headers" if phase == HEADERS else "body"
+            limit = self._limits.header_timeout if phase == HEADERS else self._limits.body_timeout
+            v2 = phase == BODY and str(self.scope.get("path", "")).startswith("/v2/")
+            self.transport.write(
+                _raw_response(
+                    "408 Request Timeout",
+                    "RequestTimeout",
+                    f"the request's {what} did not arrive within {limit:g} s",
+                    v2=v2,
+                )
+            )
+            self._sweeper.count(what)
+        if cycle is not None and not cycle.response_complete:
+            cycle.disconnected = True  # the app's receive() says the client has gone
+            cycle.message_event.set()
+        self.transport.close()

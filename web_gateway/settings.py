@@ -68,6 +68,18 @@ class GatewaySettings(BaseSettings):
     auth_tokens_file: Path | None = Field(
         default=None, description="File with one bearer token per line (added to auth_tokens)."
     )
+    header_timeout: float = Field(
+        default=10.0, gt=0, description="Seconds a request's headers may take to arrive (408)."
+    )
+    body_timeout: float = Field(
+        default=30.0, gt=0, description="Seconds a request's body may take after its headers."
+    )
+    keepalive_timeout: float = Field(
+        default=5.0, gt=0, description="Seconds an idle connection stays open between requests."
+    )
+    max_connections: int = Field(
+        default=1000, ge=1, description="Most open connections per gateway process (503 above)."
+    )
     access_log: bool = Field(
         default=False, description="Log one line per request (no bodies, headers or queries)."
     )

@@ -20,10 +20,8 @@ class GatewayWorker(UvicornWorker):  # type: ignore[misc]
 
     CONFIG_KWARGS: dict[str, Any] = {
         "loop": "uvloop" if _have("uvloop") else "asyncio",
-        # httptools, writing each response in one system call (web_gateway.http_protocol)
-        "http": "web_gateway.http_protocol:CoalescingHttpToolsProtocol"
-        if _have("httptools")
-        else "h11",
+        # httptools with read deadlines, a connection cap and one system call per response
+        "http": "web_gateway.http_protocol:GatewayHttpProtocol" if _have("httptools") else "h11",
         "lifespan": "on",
     }
 

@@ -1,0 +1,214 @@
+"""The gateway's connection limits against a real gateway (gunicorn, one worker process).
+
+Slow clients: 500 connections stalled mid-headers and mid-body (a Content-Length longer than
+the body sent) are answered 408 and closed within their timeouts while normal requests keep
+being answered, and the gateway's memory stays within 50 MB of its idle size. Also: the idle
+keep-alive deadline, and the per-process connection cap.
+"""
+
+from __future__ import annotations
+
+import resource
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from broker.devserver import RedisServer
+from tests.conftest import worker_process
+from tests.test_gateway import gateway_process
+
+DOUBLER = "tests.gateway_models:Doubler"
+HEADER_TIMEOUT = 2.0
+BODY_TIMEOUT = 3.0
+KEEPALIVE_TIMEOUT = 1.0
+# the deadlines are checked every 0.5 s (a quarter of the shortest timeout here); the rest is
+# room for a loaded two-core machine
+SLACK = 2.0
+STALLED = 500
+
+
+@pytest.fixture(autouse=True)
+def enough_descriptors() -> None:
+    """500 client sockets here, and as many in the gateway (which inherits this limit)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 4 * STALLED
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for {pid}")
+
+
+def worker_pid(gunicorn_pid: int) -> int:
+    with open(f"/proc/{gunicorn_pid}/task/{gunicorn_pid}/children") as children:
+        (pid,) = children.read().split()
+    return int(pid)
+
+
+@pytest.fixture
+def limited(redis_server: RedisServer, prefix: str) -> Iterator[tuple[str, int]]:
+    """A gateway with short limits in front of a real Doubler worker."""
+    args = [
+        f"--header-timeout={HEADER_TIMEOUT}",
+        f"--body-timeout={BODY_TIMEOUT}",
+        f"--keepalive-timeout={KEEPALIVE_TIMEOUT}",
+    ]
+    with (
+        worker_process(redis_server.url, DOUBLER, prefix),
+        gateway_process(redis_server.url, [DOUBLER], prefix, *args) as (base, gateway),
+    ):
+        yield base, gateway.pid
+
+
+class Stalled:
+    """A connection that sends part of a request and then nothing; records how it ends."""
+
+    def __init__(self, port: int, data: bytes) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.sendall(data)
+        self.opened = time.monotonic()
+        self.sock.setblocking(False)
+        self.received = b""
+        self.closed_after: float | None = None
+
+    def read(self) -> None:
+        try:
+            chunk = self.sock.recv(65536)
+        except BlockingIOError:
+            return
+        except ConnectionResetError:
+            chunk = b""
+        if chunk:
+            self.received += chunk
+        else:
+            self.closed_after = time.monotonic() - self.opened
+            self.sock.close()
+
+
+def wait_until_closed(connections: list[Stalled], within: float) -> None:
+    selector = selectors.DefaultSelector()
+    for connection in connections:
+        selector.register(connection.sock, selectors.EVENT_READ, connection)
+    deadline = time.monotonic() + within
+    open_ones = len(connections)
+    while open_ones and time.monotonic() < deadline:
+        for key, _ in selector.select(timeout=0.1):
+            connection: Any = key.data
+            connection.read()
+            if connection.closed_after is not None:
+                selector.unregister(key.fileobj)
+                open_ones -= 1
+    selector.close()
+
+
+def test_500_stalled_clients_are_cut_off_while_others_are_served(
+    limited: tuple[str, int],
+) -> None:
+    base, gunicorn_pid = limited
+    port = int(base.rsplit(":", 1)[1])
+    pid = worker_pid(gunicorn_pid)
+    with httpx.Client(base_url=base, timeout=10) as http:
+        for _ in range(20):  # warm up, then measure the idle size
+            assert http.post("/v1/models/doubler/predict", json={"inputs": [[1, 2, 3, 4]]})
+    idle = rss_bytes(pid)
+
+    answered: list[int] = []
+    stop = threading.Event()
+
+    def normal_traffic() -> None:
+        with httpx.Client(base_url=base, timeout=10) as http:
+            while not stop.is_set():
+                response = http.post("/v1/models/doubler/predict", json={"inputs": [[1, 2, 3, 4]]})
+                answered.append(response.status_code)
+                assert response.json() == {"outputs": [[2.0, 4.0, 6.0, 8.0]]}
+                time.sleep(0.02)
+
+    traffic = threading.Thread(target=normal_traffic)
+    traffic.start()
+    try:
+        mid_headers = b"POST /v1/models/doubler/predict HTTP/1.1\r\nHost: x\r\nContent-Ty"
+        mid_body = (
+            b"POST /v1/models/doubler/predict HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+            b'{"inputs": [[1, 2,'
+        )
+        stalled = [Stalled(port, mid_headers if i % 2 == 0 else mid_body) for i in range(STALLED)]
+        before = len(answered)
+        time.sleep(1.0)  # all 500 open and stalled
+        peak = rss_bytes(pid)
+        assert len(answered) > before, "normal requests stopped being answered"
+        wait_until_closed(stalled, BODY_TIMEOUT + SLACK + 5)
+        during = len(answered) - before
+    finally:
+        stop.set()
+        traffic.join()
+
+    assert answered and set(answered) == {200}
+    assert during >= 10, f"only {during} normal requests answered while 500 clients stalled"
+    assert peak - idle < 50 * 2**20, f"RSS grew {(peak - idle) / 2**20:.1f} MB"
+    for i, connection in enumerate(stalled):
+        timeout = HEADER_TIMEOUT if i % 2 == 0 else BODY_TIMEOUT
+        assert connection.closed_after is not None, f"connection {i} is still open"
+        assert timeout - 0.1 <= connection.closed_after <= timeout + SLACK, (
+            i,
+            connection.closed_after,
+        )
+        assert connection.received.startswith(b"HTTP/1.1 408 Request Timeout\r\n")
+        what = b"headers" if i % 2 == 0 else b"body"
+        assert b"RequestTimeout" in connection.received and what in connection.received
+    assert rss_bytes(pid) - idle < 50 * 2**20
+    with httpx.Client(base_url=base, timeout=10) as http:  # and the gateway still serves
+        assert http.get("/healthz").status_code == 200
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(
+    limited: tuple[str, int],
+) -> None:
+    base, _ = limited
+    port = int(base.rsplit(":", 1)[1])
+    connection = Stalled(port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    wait_until_closed([connection], KEEPALIVE_TIMEOUT + SLACK + 5)
+    assert connection.received.startswith(b"HTTP/1.1 200 OK\r\n")
+    assert connection.closed_after is not None
+    assert KEEPALIVE_TIMEOUT - 0.1 <= connection.closed_after <= KEEPALIVE_TIMEOUT + SLACK
+    # a connection that never sends anything is cut off by the header timeout
+    silent = Stalled(port, b"")
+    wait_until_closed([silent], HEADER_TIMEOUT + SLACK + 5)
+    assert silent.closed_after is not None and silent.closed_after >= HEADER_TIMEOUT - 0.1
+    assert silent.received.startswith(b"HTTP/1.1 408 ")
+
+
+def test_connections_over_the_cap_are_refused_at_once(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    cap = 20
+    with gateway_process(redis_server.url, [DOUBLER], prefix, f"--max-connections={cap}") as (
+        base,
+        _,
+    ):
+        port = int(base.rsplit(":", 1)[1])
+        held = [Stalled(port, b"") for _ in range(cap)]
+        time.sleep(0.5)
+        extra = Stalled(port, b"")
+        wait_until_closed([extra], 5)
+        assert extra.closed_after is not None and extra.closed_after < 5
+        assert extra.received.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
+        assert b"retry-after: 1\r\n" in extra.received and b"TooManyConnections" in extra.received
+        for connection in held[: cap // 2]:
+            connection.sock.close()
+        time.sleep(0.5)
+        assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200
+        for connection in held[cap // 2 :]:
+            connection.sock.close()
