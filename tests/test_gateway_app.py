@@ -233,3 +233,42 @@ def test_results_over_v1_and_the_versioned_v2_path(served: TestClient) -> None:
     ]
     ready = served.get("/v2/models/tally/versions/1/ready")
     assert ready.status_code == 200 and ready.json()["ready"] is True
+
+
+def test_the_v1_shortcut_for_plain_numbers_changes_no_result_and_no_error() -> None:
+    """Bodies of plain JSON numbers skip the per-value scan; what comes out must not change."""
+    from web_gateway.app import _only_numbers, _parse_v1_and_prepare
+    from web_gateway.errors import HTTPError
+    from web_gateway.serving import ServedModel
+
+    served = ServedModel.load(DOUBLER, GatewaySettings(model=[DOUBLER]))
+    assert served.float_input
+
+    class Checks:
+        def check_items(self, count: int) -> None:
+            pass
+
+    bodies = [
+        b'{"inputs": [[1, 2.5, -3e2, 4E-1], [0, 0, 0, 1e38]]}',
+        b'{"inputs": [[1, 2, 3, 1e39]]}',
+        b'{"inputs": [[1, 2, 3, ' + str(10**400).encode() + b"]]}",
+        b'{"inputs": [[[1, 2], [3, 4]]]}',
+        b'{"inputs": [[[1, 2], [3]]]}',
+        b'{"inputs": [[1, 2, 3]]}',
+        b'{"inputs": [5]}',
+        b'{"inputs": [[1, 2, 3, null]]}',
+        b'{"inputs": [[1, 2, 3, true]]}',
+        b'{"inputs": [[1, 2, 3, "4"]]}',
+    ]
+    for body in bodies:
+        outcomes = []
+        for shortcut in (True, False):
+            served.float_input = shortcut
+            try:
+                items = _parse_v1_and_prepare(Checks(), served, body)  # type: ignore[arg-type]
+                outcomes.append(("ok", [(item.dtype, item.tolist()) for item in items]))
+            except HTTPError as exc:
+                outcomes.append((exc.status, exc.message))
+        assert outcomes[0] == outcomes[1], body
+    assert _only_numbers(bodies[0]) and not _only_numbers(bodies[-3])
+    assert not _only_numbers(bodies[-2]) and not _only_numbers(bodies[-1])

@@ -7,6 +7,7 @@ Run it under gunicorn with ``deploy/gunicorn.conf.py`` (``gateway start`` does),
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import hmac
 import logging
@@ -19,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
+import numpy as np
 import orjson
 from fastapi import FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
@@ -691,7 +693,25 @@ def _parse_v1_and_prepare(gateway: Gateway, served: ServedModel, body: bytes) ->
         raise bad_request('the body must be a JSON object {"inputs": [item, ...]}')
     raw_items = document["inputs"]
     gateway.check_items(len(raw_items))
+    if served.float_input and _only_numbers(body):
+        # Every value is a JSON number: as float64 arrays (exact for what orjson parsed) they
+        # skip the model's per-value type scan (~7 us for 256 values); same results and errors.
+        # (ragged lists, or an integer past float range: left as they are, for the model's
+        # checks to say where)
+        with contextlib.suppress(ValueError, OverflowError):
+            raw_items = [np.asarray(item, dtype=np.float64) for item in raw_items]
     return served.prepare(raw_items)
+
+
+def _only_numbers(body: bytes) -> bool:
+    """True if a JSON object's only string is its one key, and it has no true, false or null.
+
+    (Elsewhere a JSON document has only numbers, brackets, commas and white space.)
+    """
+    if body.count(b'"') != 2:
+        return False
+    start = body.rindex(b'"')
+    return body.find(b"n", start) < 0 and body.find(b"t", start) < 0 and body.find(b"f", start) < 0
 
 
 def _parse_v2_and_prepare(

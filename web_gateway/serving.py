@@ -38,6 +38,12 @@ class ServedModel:
         self.outputs: list[TensorSpec] = list(cls.outputs)
         self.has_preprocess = _overrides(cls, "preprocess")
         self.has_postprocess = _overrides(cls, "postprocess")
+        # items are this one float tensor as sent (the v1 route may pre-convert JSON numbers)
+        self.float_input = (
+            not self.has_preprocess
+            and len(self.inputs) == 1
+            and self.inputs[0].datatype in ("FP16", "FP32", "FP64")
+        )
         self.metrics = ModelMetrics(self.name)
         self.streamer = Streamer(
             self.name,
