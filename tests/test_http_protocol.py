@@ -1,6 +1,7 @@
 """web_gateway.http_protocol: a response leaves in one write; order and close are kept.
 
-Its connection limits are tested against a real gateway in tests/test_gateway_limits.py.
+Its connection limits are tested here phase by phase, and against a real gateway with 500
+stalled clients in tests/test_gateway_limits.py.
 """
 
 from __future__ import annotations
@@ -9,8 +10,10 @@ import asyncio
 from typing import Any
 
 from web_gateway.http_protocol import (
+    IDLE,
     CoalescingHttpToolsProtocol,
     CoalescingTransport,
+    ConnectionLimits,
     GatewayHttpProtocol,
 )
 
@@ -115,3 +118,109 @@ def test_the_gateways_protocol_sends_a_response_in_one_write() -> None:
         assert len(raw.writes) == 1
         assert raw.writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
         assert raw.writes[0].endswith(b"\r\n\r\n{}")
+
+
+class Limited(GatewayHttpProtocol):
+    limits = ConnectionLimits(header_timeout=1, body_timeout=1, keepalive_timeout=1)
+
+
+def run_protocol(app: Any, chunks: list[bytes], expire: bool = True) -> tuple[Any, Any]:
+    """Feed ``chunks`` to a Limited protocol serving ``app``; then let its deadline pass."""
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    async def main() -> tuple[Any, Any]:
+        config = Config(app, lifespan="off", log_level="warning")
+        config.load()
+        protocol = Limited(config, ServerState(), {}, asyncio.get_running_loop())
+        raw = RecordingTransport()
+        protocol.connection_made(raw)  # type: ignore[arg-type]
+        for chunk in chunks:
+            protocol.data_received(chunk)
+            for _ in range(10):
+                await asyncio.sleep(0)
+        assert protocol.deadline < float("inf") or not expire
+        if expire:
+            protocol.expire()  # as the sweep does once the deadline has passed
+        for _ in range(10):
+            await asyncio.sleep(0)
+        return protocol, raw
+
+    return asyncio.run(main())
+
+
+def written(raw: RecordingTransport) -> bytes:
+    return b"".join(raw.writes)
+
+
+async def answer_ok(send: Any) -> None:
+    headers = [(b"content-length", b"2")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": b"{}"})
+
+
+def test_stalled_headers_get_408_and_a_close() -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("no request reached the app")
+
+    for chunks in ([], [b"GET / HTTP/1.1\r\nHost: x\r\nAcc"]):
+        _, raw = run_protocol(app, chunks)
+        assert written(raw).startswith(b"HTTP/1.1 408 Request Timeout\r\n")
+        assert b"headers did not arrive within 1 s" in written(raw) and raw.closed
+
+
+def test_a_stalled_body_gets_408_and_the_app_sees_the_client_gone() -> None:
+    seen: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            seen.append(message["type"])
+            if message["type"] == "http.disconnect":
+                return
+
+    head = b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n"
+    _, raw = run_protocol(app, [head, b"abc"])
+    assert written(raw).startswith(b"HTTP/1.1 408 Request Timeout\r\n")
+    assert b'{"error":"RequestTimeout: the request\'s body did not arrive' in written(raw)
+    assert seen[-1] == "http.disconnect" and raw.closed
+
+
+def test_no_408_after_a_response_the_app_already_gave() -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await answer_ok(send)  # e.g. a 413 before reading the body
+
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n"
+    protocol, raw = run_protocol(app, [head, b"abc"])
+    assert written(raw).startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"408" not in written(raw) and raw.closed
+
+    async def served(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await answer_ok(send)
+
+    protocol, raw = run_protocol(served, [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"])
+    assert protocol.phase == IDLE  # idle after its response: closed quietly
+    assert written(raw).count(b"HTTP/1.1 ") == 1 and raw.closed
+
+
+def test_one_connection_over_the_cap_is_refused() -> None:
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    class Capped(GatewayHttpProtocol):
+        limits = ConnectionLimits(max_connections=2)
+
+    async def main() -> list[RecordingTransport]:
+        config = Config(answer_ok, lifespan="off", log_level="warning")
+        config.load()
+        state, loop = ServerState(), asyncio.get_running_loop()
+        transports = [RecordingTransport() for _ in range(3)]
+        for raw in transports:
+            Capped(config, state, {}, loop).connection_made(raw)  # type: ignore[arg-type]
+        await asyncio.sleep(0)
+        return transports
+
+    first, second, third = asyncio.run(main())
+    assert not first.closed and not second.closed
+    assert written(third).startswith(b"HTTP/1.1 503 Service Unavailable\r\n") and third.closed

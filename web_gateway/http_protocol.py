@@ -284,8 +284,11 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         if self.transport.is_closing():
             return
         cycle = self.cycle
-        answering = cycle is not None and cycle.response_started and not cycle.response_complete
-        if phase in (HEADERS, BODY) and not answering:
+        if phase == HEADERS:  # a new request: answer unless the last one is still answering
+            unanswered = cycle is None or cycle.response_complete
+        else:  # its body: answer unless the app has (e.g. 413 before reading it all)
+            unanswered = phase == BODY and cycle is not None and not cycle.response_started
+        if unanswered:
             what = "headers" if phase == HEADERS else "body"
             limit = self._limits.header_timeout if phase == HEADERS else self._limits.body_timeout
             v2 = phase == BODY and str(self.scope.get("path", "")).startswith("/v2/")
@@ -297,7 +300,8 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
                     v2=v2,
                 )
             )
-            self._sweeper.count(what)
+        if phase in (HEADERS, BODY):
+            self._sweeper.count("headers" if phase == HEADERS else "body")
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True  # the app's receive() says the client has gone
             cycle.message_event.set()
