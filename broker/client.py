@@ -22,8 +22,15 @@ from typing import Any
 
 from . import codec
 from .deadlines import Deadlines
-from .errors import BrokerUnavailable, DeadlineExceeded, MicrobatchError, error_from_wire
+from .errors import (
+    BrokerUnavailable,
+    DeadlineExceeded,
+    MicrobatchError,
+    describe_error,
+    error_from_wire,
+)
 from .keys import DEFAULT_PREFIX, ModelKeys
+from .logs import ThrottledWarning
 from .loop_thread import LoopThread
 from .protocol import CallRequests, Reply, decode_reply
 from .transport import UNBOUNDED, QueueBound, Transport
@@ -34,6 +41,7 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_TIMEOUT_S = 30.0
 REPLY_BATCH = 1024
 REPLY_WAIT_S = 1.0
+LOG_EVERY_S = 60.0  # garbage flooding an inbox logs a line a minute, not one per reply
 
 AnyFuture = Future[list[Any]] | asyncio.Future[list[Any]]
 
@@ -94,6 +102,12 @@ class ClientCore:
         self._background: set[asyncio.Task[None]] = set()
         self._deadlines: Deadlines[_Call] = Deadlines(loop, self._expire)
         self._closing = False
+        self._unreadable = ThrottledWarning(
+            log, f"dropped %d unreadable reply(ies) on {self.inbox}; the last: %s", LOG_EVERY_S
+        )
+        self._unpoppable = ThrottledWarning(
+            log, f"%d failed read(s) of replies from {self.inbox}; the last: %s", LOG_EVERY_S
+        )
 
     def _new_call(
         self, payloads: Sequence[bytes], future: AnyFuture, timeout_s: float, trace: str | None
@@ -180,7 +194,9 @@ class ClientCore:
                     payloads = await self.transport.pop_replies(
                         self.inbox, REPLY_BATCH, REPLY_WAIT_S
                     )
-                except MicrobatchError:
+                except Exception as exc:
+                    if not isinstance(exc, MicrobatchError):  # e.g. the inbox is not a list
+                        self._unpoppable.note(f"{type(exc).__name__}: {exc}"[:200])
                     if not self._pending:
                         break
                     # Redis is away: waiting calls keep waiting until their deadlines.
@@ -193,8 +209,8 @@ class ClientCore:
                 for payload in payloads:
                     try:
                         reply = decode_reply(payload)
-                    except MicrobatchError as exc:
-                        log.warning("dropping an unreadable reply on %s: %s", self.inbox, exc)
+                    except Exception as exc:  # nothing routes it: its call ends at its deadline
+                        self._unreadable.note(describe_error(exc))
                         continue
                     self._resolve(reply)
         finally:

@@ -89,8 +89,14 @@ _ARRAY_EXT_TYPE_BYTE = bytes((ARRAY_EXT_TYPE,))
 
 def pack_array(array: np.ndarray) -> bytes | None:
     """An array packed exactly as :func:`encode` packs it, without msgpack's per-object hooks
-    (the hot path of requests and replies); None where msgpack must do it."""
-    body = _array_body(array)
+    (the hot path of requests and replies); None where msgpack must do it. Raises
+    :class:`CodecError` for an array that cannot be sent."""
+    try:
+        body = _array_body(array)
+    except CodecError:
+        raise
+    except Exception as exc:  # e.g. MemoryError copying a huge array
+        raise CodecError(f"cannot encode array: {type(exc).__name__}") from exc
     size = len(body)
     if size in _FIXEXT_SIZES:
         return None
@@ -124,10 +130,13 @@ def _default(obj: Any) -> Any:
 
 
 _PARSED: dict[bytes, tuple[np.dtype[Any], tuple[int, ...], int]] = {}
+_MAX_BYTES = 2**63  # numpy's limit: the nonzero dims times the itemsize must stay below it
 
 
 def _parse_header(header: bytes) -> tuple[np.dtype[Any], tuple[int, ...], int]:
-    """(dtype, shape, element count) of an array header, checked against the allow-list."""
+    """(dtype, shape, byte count) of an array header, checked against the allow-list and
+    numpy's size limit (the product of the nonzero dims times the itemsize is below 2**63,
+    so no dim is 2**63 or more)."""
     parsed = _PARSED.get(header)
     if parsed is not None:
         return parsed
@@ -141,14 +150,19 @@ def _parse_header(header: bytes) -> tuple[np.dtype[Any], tuple[int, ...], int]:
         raise CodecError(f"array has {ndim} dimensions (most {MAX_NDIM})")
     if dtype_str not in ALLOWED_DTYPES:
         raise CodecError(f"array dtype {dtype_str!r} is not allowed")
+    dtype = np.dtype(dtype_str)
     start = 2 + dtype_len
     shape = tuple(_U64.unpack_from(header, start + 8 * i)[0] for i in range(ndim))
-    count = 1
+    nominal = dtype.itemsize  # Python ints: no overflow, however large the dims
     for dim in shape:
-        count *= dim
-    parsed = (np.dtype(dtype_str), shape, count)
-    if len(_PARSED) < _MAX_CACHED_HEADERS:
-        _PARSED[header] = parsed
+        if dim:
+            nominal *= dim
+            if nominal >= _MAX_BYTES:
+                raise CodecError("array shape is too large")
+    parsed = (dtype, shape, 0 if 0 in shape else nominal)
+    if len(_PARSED) >= _MAX_CACHED_HEADERS:
+        _PARSED.clear()  # whoever sends many distinct shapes must not keep others uncached
+    _PARSED[header] = parsed
     return parsed
 
 
@@ -161,11 +175,14 @@ def _unpack_array(data: bytes, start: int = 0) -> np.ndarray:
     end = start + header_len
     if end > len(data):
         raise CodecError("malformed array header")
-    dtype, shape, count = _parse_header(data[start:end])
-    if count * dtype.itemsize != len(data) - end:
+    dtype, shape, size = _parse_header(data[start:end])
+    if size != len(data) - end:
         raise CodecError("array data does not match its shape and dtype")
-    # positional: numpy parses keyword arguments slowly (twice this call's cost)
-    array: np.ndarray = np.ndarray(shape, dtype, data, end)
+    try:
+        # positional: numpy parses keyword arguments slowly (twice this call's cost)
+        array: np.ndarray = np.ndarray(shape, dtype, data, end)
+    except Exception as exc:  # not expected after the checks above; never a crash either way
+        raise CodecError(f"malformed array: {type(exc).__name__}") from exc
     return array
 
 
@@ -192,14 +209,15 @@ def _pack_with_msgpack(obj: Any) -> bytes:
     except CodecError:
         packer.reset()
         raise
-    except (TypeError, ValueError, OverflowError) as exc:
+    except Exception as exc:  # msgpack's own errors, or a value's (a tensor that won't convert)
         packer.reset()
-        raise CodecError(f"cannot encode value: {exc}") from exc
+        raise CodecError(f"cannot encode value: {type(exc).__name__}: {exc}") from exc
     return data
 
 
 def encode(obj: Any, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> bytes:
-    """Encode a value (msgpack types, numpy arrays and scalars, torch tensors) to bytes."""
+    """Encode a value (msgpack types, numpy arrays and scalars, torch tensors) to bytes;
+    raises :class:`CodecError`, and nothing else, for a value that cannot be sent."""
     data = pack_array(obj) if type(obj) is np.ndarray else None
     if data is None:
         data = _pack_with_msgpack(obj)
@@ -209,15 +227,16 @@ def encode(obj: Any, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> bytes:
 
 
 def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:
-    """Decode bytes made by :func:`encode`; raises :class:`CodecError` for anything malformed."""
-    if len(data) > max_bytes:
-        raise CodecError(f"message of {len(data)} bytes is over the {max_bytes}-byte limit")
-    array = _unpack_bare_array(data)
-    if array is not None:
-        return array
+    """Decode bytes made by :func:`encode`; raises :class:`CodecError`, and nothing else, for
+    anything malformed (this is the boundary behind which every untrusted payload is read)."""
     try:
+        if len(data) > max_bytes:
+            raise CodecError(f"message of {len(data)} bytes is over the {max_bytes}-byte limit")
+        array = _unpack_bare_array(data)
+        if array is not None:
+            return array
         return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
     except CodecError:
         raise
-    except Exception as exc:  # msgpack raises several unrelated types for malformed input
+    except Exception as exc:  # msgpack (and numpy) raise several unrelated types
         raise CodecError(f"malformed payload: {type(exc).__name__}") from exc

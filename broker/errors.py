@@ -90,3 +90,11 @@ def error_from_wire(type_name: str, message: str, *, index: int | None = None) -
     if cls is MicrobatchError:
         message = f"{type_name}: {message}"
     return cls(message, index=index)
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line naming an error for a log: its type, and its message if it is one of ours
+    (other exceptions' messages may quote the data that caused them)."""
+    if isinstance(exc, MicrobatchError):
+        return f"{exc.type}: {exc.message}"
+    return type(exc).__name__

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from datetime import datetime, timezone
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -80,3 +81,25 @@ def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+class ThrottledWarning:
+    """A warning about something that may repeat without end (garbage an outsider keeps
+    writing): logged the first time, then at most once every ``every_s`` seconds, saying how
+    many times it happened meanwhile. ``message`` takes the count, then the latest detail."""
+
+    def __init__(self, logger: logging.Logger, message: str, every_s: float = 60.0) -> None:
+        self.logger = logger
+        self.message = message
+        self.every_s = every_s
+        self.count = 0
+        self._next = float("-inf")
+
+    def note(self, detail: str) -> None:
+        """Count one occurrence; log if the last line was long enough ago."""
+        self.count += 1
+        now = time.monotonic()
+        if now >= self._next:
+            self.logger.warning(self.message, self.count, detail)
+            self.count = 0
+            self._next = now + self.every_s

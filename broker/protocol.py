@@ -27,7 +27,7 @@ import msgpack
 import numpy as np
 
 from . import codec
-from .errors import CodecError, MicrobatchError, ProtocolError
+from .errors import MicrobatchError, ProtocolError
 
 VERSION = "1"
 F_VERSION = b"v"
@@ -131,7 +131,7 @@ class MalformedEntry(ProtocolError):
 
 def _text(fields: Fields, name: bytes) -> str | None:
     value = fields.get(name)
-    if value is None:
+    if not isinstance(value, bytes):
         return None
     try:
         return value.decode("utf-8")
@@ -140,12 +140,17 @@ def _text(fields: Fields, name: bytes) -> str | None:
 
 
 _VERSION_BYTES = VERSION.encode()
+# Python reads at most 4,300 digits into an int: a longer timeout (a deadline thousands of
+# years away, like any of more than 15 digits) is read as this one.
+MAX_TIMEOUT_MS: int = int("9" * 15)
+SHOWN_CHARS = 32  # of a field quoted in an error message (and so in logs)
 
 
 def parse_request(entry_id: str | bytes, fields: Fields) -> Request:
-    """Parse one stream entry; raise :class:`MalformedEntry` if it is not a valid v1 request."""
-    entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    """Parse one stream entry; raise :class:`MalformedEntry` if it is not a valid v1 request
+    (and nothing else, whatever the entry holds)."""
     try:  # the common case, on the worker's hot path
+        entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         timeout = fields[F_TIMEOUT]
         request_id, reply_key = fields[F_ID].decode(), fields[F_REPLY].decode()
         valid = fields[F_VERSION] == _VERSION_BYTES and timeout.isdigit()  # bytes: ASCII only
@@ -161,13 +166,22 @@ def parse_request(entry_id: str | bytes, fields: Fields) -> Request:
                 data=fields[F_DATA],
                 traceparent=None if trace is None else valid_traceparent(_text(fields, F_TRACE)),
             )
-    except (KeyError, UnicodeDecodeError, AttributeError):
+    except Exception:  # whatever is wrong, the slow path below says what, and to whom
         pass
-    return _parse_carefully(entry, fields)
+    return _parse_carefully(entry_id, fields)
 
 
-def _parse_carefully(entry: str, fields: Fields) -> Request:
-    """The slow path of parse_request: find what is wrong, and who can be told."""
+def _shown(value: bytes) -> str:
+    """A field's value as an error message may quote it: decoded, cut short, repr-quoted."""
+    text = value[: SHOWN_CHARS * 4].decode("utf-8", "replace")
+    return repr(text[:SHOWN_CHARS] + ("..." if len(text) > SHOWN_CHARS else ""))
+
+
+def _parse_carefully(entry_id: str | bytes, fields: Fields) -> Request:
+    """The slow path of parse_request: find what is wrong, and who can be told (or read a
+    valid entry that the fast path could not: one with a timeout of thousands of digits)."""
+    if not isinstance(fields, dict):
+        raise MalformedEntry("entry has no fields")
     request_id = _text(fields, F_ID)
     reply_key = _text(fields, F_REPLY)
     if not request_id or not reply_key:
@@ -176,23 +190,38 @@ def _parse_carefully(entry: str, fields: Fields) -> Request:
             request_id=request_id,
             reply_key=reply_key if request_id else None,
         )
-    version = _text(fields, F_VERSION)
-    if version != VERSION:
-        raise MalformedEntry(
-            f"unsupported protocol version {version!r} (this worker speaks {VERSION!r})",
-            request_id=request_id,
-            reply_key=reply_key,
+    version = fields.get(F_VERSION)
+    if version != _VERSION_BYTES:
+        message = (
+            f"unsupported protocol version {_shown(version)} (this worker speaks {VERSION!r})"
+            if isinstance(version, bytes)
+            else f"entry has no protocol version field 'v' (this worker speaks {VERSION!r})"
         )
-    timeout = _text(fields, F_TIMEOUT)
+        raise MalformedEntry(message, request_id=request_id, reply_key=reply_key)
+    timeout = fields.get(F_TIMEOUT)
     data = fields.get(F_DATA)
-    if timeout is None or not (timeout.isascii() and timeout.isdigit()) or data is None:
+    if not isinstance(timeout, bytes) or not timeout.isdigit() or not isinstance(data, bytes):
         raise MalformedEntry(
             "entry lacks a valid 'timeout' or 'data' field",
             request_id=request_id,
             reply_key=reply_key,
         )
-    raise MalformedEntry(  # pragma: no cover - every valid entry takes the fast path
-        "entry could not be parsed", request_id=request_id, reply_key=reply_key
+    try:
+        entry = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+        arrival_ms = entry_time_ms(entry)
+    except Exception:  # not an id Redis hands out
+        raise MalformedEntry(
+            "entry could not be parsed", request_id=request_id, reply_key=reply_key
+        ) from None
+    digits = timeout.lstrip(b"0")
+    return Request(
+        entry_id=entry,
+        request_id=request_id,
+        reply_key=reply_key,
+        arrival_ms=arrival_ms,
+        deadline_ms=arrival_ms + (int(digits or b"0") if len(digits) <= 15 else MAX_TIMEOUT_MS),
+        data=data,
+        traceparent=valid_traceparent(_text(fields, F_TRACE)),
     )
 
 
@@ -236,18 +265,27 @@ class Reply:
 
 
 def decode_reply(data: bytes) -> Reply:
-    """Decode a reply; raises :class:`CodecError` or :class:`ProtocolError` if malformed."""
+    """Decode a reply. Raises :class:`CodecError` or :class:`ProtocolError` (and nothing else)
+    when it has no string ``id`` to route it by; a reply whose ``id`` can be read but whose
+    rest is malformed becomes a ``ProtocolError`` answer to that request."""
     message = codec.decode(data)
-    if not isinstance(message, dict) or not isinstance(message.get("id"), str):
+    request_id = message.get("id") if isinstance(message, dict) else None
+    if not isinstance(request_id, str):
         raise ProtocolError("reply is not a map with a string 'id'")
-    if message.get("ok") is True:
-        return Reply(message["id"], True, result=message.get("result"))
+    ok = message.get("ok")
+    if ok is True:
+        return Reply(request_id, True, result=message.get("result"))
     error = message.get("error")
-    if not isinstance(error, dict):
-        raise CodecError("error reply without an 'error' map")
+    if ok is not False or not isinstance(error, dict):
+        problem = "'ok' is not a boolean" if ok is not False else "no 'error' map"
+    else:
+        type_name, text = error.get("type"), error.get("message", "")
+        if isinstance(type_name, str) and isinstance(text, str):
+            return Reply(request_id, False, error_type=type_name, error_message=text)
+        problem = "'error.type' or 'error.message' is not a string"
     return Reply(
-        message["id"],
+        request_id,
         False,
-        error_type=str(error.get("type", "MicrobatchError")),
-        error_message=str(error.get("message", "")),
+        error_type=ProtocolError.__name__,
+        error_message=f"malformed reply: {problem}",
     )

@@ -13,11 +13,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from broker import codec
 from broker.errors import (
     BrokerUnavailable,
     CodecError,
     DeadlineExceeded,
+    InvalidInput,
     InvalidOutput,
     MicrobatchError,
     ModelError,
@@ -34,6 +37,7 @@ from broker.protocol import (
 )
 from broker.transport import Entry, Transport
 
+from .model import ItemCheck
 from .model_thread import ModelThread
 
 log = logging.getLogger("microbatch.worker")
@@ -108,7 +112,7 @@ class BatchObserver:
 
     def answered(self, outcome: str, count: int = 1) -> None:
         """``count`` items got their answer: ok, model_error, invalid_output, deadline,
-        codec_error, malformed, withdrawn or poison."""
+        codec_error, invalid_input, malformed, withdrawn or poison."""
 
     def redelivered(self) -> None:
         """An entry was taken over from a dead consumer (or this one's, after an outage)."""
@@ -132,7 +136,8 @@ class BrokerClock:
         before = time.time()
         server_ms = await self._transport.time_ms()
         after = time.time()
-        self._offset_ms = server_ms - (before + after) * 500
+        # time_ms() is floored to the ms: the server's time lay half a ms above it on average
+        self._offset_ms = server_ms + 0.5 - (before + after) * 500
         self._synced_at = after
 
     async def maybe_sync(self, every_s: float) -> None:
@@ -165,8 +170,12 @@ class BatchLoop:
         consumer: str,
         settings: BatchSettings | None = None,
         observer: BatchObserver | None = None,
+        check_item: ItemCheck | None = None,
     ) -> None:
         self.predict_fn = predict
+        # Each decoded item goes through this before the model sees it (the model's declared
+        # input, see gpu_worker.model.input_check): it returns the item, or raises InvalidInput.
+        self.check_item = check_item
         self.observer = observer or BatchObserver()
         self.transport = transport
         self.keys = keys
@@ -344,8 +353,8 @@ class BatchLoop:
         log.error("dead-lettered entry %s of %s: %s", entry[0], self.keys.stream, reason)
         try:
             request: Request | None = parse_request(*entry)
-        except MalformedEntry:
-            request = None  # no caller that could be told
+        except Exception:  # MalformedEntry: no caller that could be told
+            request = None
         if request is not None:
             error = PoisonRequest(f"request {reason}; it sits in the dead-letter stream")
             reply = (request.reply_key, encode_error(request.request_id, error))
@@ -480,36 +489,68 @@ class BatchLoop:
         return outcomes
 
     def prepare(self, entries: list[Entry], skip: set[str] | None = None) -> PreparedBatch:
-        """Parse and decode a batch; the entries that cannot be computed get their answer."""
+        """Parse, decode and check a batch; the entries that cannot be computed get their
+        answer (or, when nobody can be told, a dead letter). Whatever an entry holds, this
+        fails that entry alone: it never raises."""
         observer = self.observer
         batch = PreparedBatch(entries, self.clock.now_ms(), [], [], [], [])
         replies, live, items = batch.replies, batch.live, batch.items
         now_ms = batch.now_ms
-        for entry_id, fields in entries:
-            if skip and entry_id in skip:
+        check = self.check_item
+        if check is not None:  # an item of the input's dtype and shape passes at this cost
+            want_dtype, want_shape = check.dtype, check.shape
+        for entry in entries:
+            if skip and entry[0] in skip:
                 observer.answered("withdrawn")
                 continue
             try:
-                request = parse_request(entry_id, fields)
-            except MalformedEntry as exc:
-                if exc.request_id and exc.reply_key:
-                    replies.append((exc.reply_key, encode_error(exc.request_id, exc)))
-                else:
-                    batch.dead.append((entry_id, fields))
-                log.warning("malformed entry %s on %s: %s", entry_id, self.keys.stream, exc)
-                observer.answered("malformed")
+                request = parse_request(*entry)
+            except Exception as exc:  # MalformedEntry (were it anything else: not fatal)
+                self._malformed(entry, exc, batch)
                 continue
-            if request.deadline_ms <= now_ms:
+            # Past its deadline: also when the clock estimate lags Redis' a little, an entry is
+            # never before its own time (so one of timeout 0 is never computed).
+            deadline_ms = request.deadline_ms
+            if deadline_ms <= now_ms or deadline_ms <= request.arrival_ms:
                 replies.append(self._expired(request))
                 continue
             try:
-                items.append(codec.decode(request.data))
-            except CodecError as exc:
-                replies.append((request.reply_key, encode_error(request.request_id, exc)))
-                observer.answered("codec_error")
+                item = codec.decode(request.data)
+                if check is not None and (
+                    type(item) is not np.ndarray
+                    or item.dtype is not want_dtype
+                    or item.shape != want_shape
+                ):
+                    item = check(item)
+            except Exception as exc:  # CodecError, InvalidInput
+                replies.append(self._refused(request, exc))
                 continue
+            items.append(item)
             live.append(request)
         return batch
+
+    def _malformed(self, entry: Entry, exc: Exception, batch: PreparedBatch) -> None:
+        """Answer (or dead-letter, when nobody can be told) an entry that is not a request."""
+        if not isinstance(exc, MalformedEntry):  # parse_request raises nothing else
+            log.error("cannot parse entry %s on %s: %s", entry[0], self.keys.stream, describe(exc))
+            exc = MalformedEntry("entry could not be parsed")
+        if exc.request_id and exc.reply_key:
+            batch.replies.append((exc.reply_key, encode_error(exc.request_id, exc)))
+        else:
+            batch.dead.append(entry)
+        log.warning("malformed entry %s on %s: %s", entry[0], self.keys.stream, exc)
+        self.observer.answered("malformed")
+
+    def _refused(self, request: Request, exc: Exception) -> tuple[str, bytes]:
+        """The reply to an item whose data cannot be decoded or does not fit the model."""
+        if isinstance(exc, InvalidInput):
+            self.observer.answered("invalid_input")
+        else:
+            if not isinstance(exc, CodecError):  # the codec raises nothing else: never expected
+                log.error("decoding entry %s failed: %s", request.entry_id, describe(exc))
+                exc = CodecError(f"malformed payload: {type(exc).__name__}")
+            self.observer.answered("codec_error")
+        return request.reply_key, encode_error(request.request_id, exc)
 
     def _batch_started(self, batch: PreparedBatch) -> None:
         now_ms = batch.now_ms
@@ -547,6 +588,7 @@ class BatchLoop:
             await self.transport.dead_letter(
                 self.keys, dead, "malformed entry: no readable request id or reply key"
             )
+            self.dead_lettered += len(dead)
         dead_ids = {entry_id for entry_id, _ in dead}
         answered = [entry for entry in batch.entries if entry[0] not in dead_ids]
         await self._send_answers(replies, answered)
@@ -598,8 +640,9 @@ class BatchLoop:
             return encode_error(request.request_id, outcome), kind
         try:
             return encode_result(request.request_id, outcome), "ok"
-        except CodecError as exc:
-            error = InvalidOutput(f"cannot send output: {exc}")
+        except Exception as exc:  # CodecError; anything else must not take the worker down
+            text = str(exc) if isinstance(exc, CodecError) else describe(exc)
+            error = InvalidOutput(f"cannot send output: {text}")
             return encode_error(request.request_id, error), "invalid_output"
 
     def predict_robust(self, items: list[Any]) -> list[Any]:

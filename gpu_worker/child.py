@@ -59,6 +59,7 @@ async def serve(model: Any, config: Any, consumer: str) -> None:
     from .batching import BatchLoop, BatchSettings
     from .heartbeat import Heartbeats
     from .metrics import WorkerObserver
+    from .model import input_check
 
     settings = BatchSettings(
         batch_size=config.batch_size or model.batch_size,
@@ -79,7 +80,9 @@ async def serve(model: Any, config: Any, consumer: str) -> None:
         log.warning("%s", warning)
     state_file = os.environ.get(STATE_FILE_ENV)
     observer = WorkerObserver(keys.model, consumer, BatchState(state_file) if state_file else None)
-    batch_loop = BatchLoop(model.predict, transport, keys, consumer, settings, observer)
+    batch_loop = BatchLoop(
+        model.predict, transport, keys, consumer, settings, observer, input_check(model.inputs)
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, batch_loop.stop)

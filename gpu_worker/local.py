@@ -9,7 +9,7 @@ from broker.memory_transport import InMemoryTransport
 from broker.transport import Transport
 
 from .batching import BatchLoop, BatchSettings
-from .model import ManagedModel
+from .model import ManagedModel, input_check
 
 LOCAL_PREFIX = "local"
 
@@ -64,7 +64,12 @@ class LocalStreamer(Streamer):
         model.init_model()
         model.warmup()
         self._batch_loop = BatchLoop(
-            model.predict, core.transport, core.keys, "local", self.settings
+            model.predict,
+            core.transport,
+            core.keys,
+            "local",
+            self.settings,
+            check_item=input_check(model.inputs),
         )
         core.loop.create_task(self._batch_loop.run())
 

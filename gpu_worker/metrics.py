@@ -27,7 +27,7 @@ BATCHES = Counter("microbatch_worker_batches_total", "Batches the model ran.", [
 ITEMS = Counter(
     "microbatch_worker_items_total",
     "Items answered by workers, by outcome (ok, model_error, invalid_output, deadline, "
-    "codec_error, malformed, withdrawn, poison).",
+    "codec_error, invalid_input, malformed, withdrawn, poison).",
     ["model", "outcome"],
 )
 BATCH_SIZE = Histogram(

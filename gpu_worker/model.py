@@ -111,6 +111,74 @@ def check_item(specs: Sequence[TensorSpec], item: Any) -> Any:
     return out
 
 
+# The kinds of numpy data a numeric input converts from (never bools into numbers, never
+# numbers into bools, never floats into integers).
+_CONVERTS_FROM = {"b": "b", "i": "iu", "u": "iu", "f": "iuf"}
+
+
+class ItemCheck:
+    """What a worker checks each decoded item against: a model's one numeric input.
+
+    An array of the input's dtype and shape passes as it is (one dtype and one tuple compare);
+    a list or number, or an array of another dtype, is converted to the input's dtype when
+    its kind allows (integers and floats into floats, integers into integers, within range),
+    and then checked. Anything else raises :class:`broker.errors.InvalidInput`.
+    """
+
+    def __init__(self, spec: TensorSpec) -> None:
+        dtype = spec.numpy_dtype
+        if dtype is None:
+            raise ValueError("BYTES inputs are not checked by workers")
+        self.spec = spec
+        self.dtype = dtype
+        self.shape = tuple(spec.shape)
+        self.wildcards = -1 in self.shape
+        self.fixed = tuple((axis, dim) for axis, dim in enumerate(self.shape) if dim != -1)
+        self.kinds = _CONVERTS_FROM[dtype.kind]
+
+    def __call__(self, item: Any) -> Any:
+        """``item``, or it converted to the input's dtype; InvalidInput if it does not fit."""
+        if type(item) is np.ndarray and item.dtype is self.dtype and item.shape == self.shape:
+            return item  # the common case
+        if type(item) is not np.ndarray or item.dtype != self.dtype:
+            item = self._convert(item)
+        if self.wildcards and self._shape_fits(item.shape):
+            return item
+        if item.shape != self.shape:
+            raise InvalidInput(
+                f"input {self.spec.name!r} has shape {list(item.shape)}, "
+                f"the model takes {list(self.shape)}"
+            )
+        return item
+
+    def _shape_fits(self, shape: tuple[int, ...]) -> bool:
+        return len(shape) == len(self.shape) and all(shape[axis] == dim for axis, dim in self.fixed)
+
+    def _convert(self, item: Any) -> np.ndarray:
+        name, datatype = self.spec.name, self.spec.datatype
+        try:
+            array = np.asarray(item)
+        except Exception:  # ragged nesting, or something numpy cannot hold
+            array = None
+        if array is None or array.dtype.kind not in self.kinds:
+            what = "not numeric data" if array is None else f"{array.dtype} data"
+            raise InvalidInput(f"input {name!r} is {what}, the model takes {datatype}")
+        if self.dtype.kind in "iu" and not np.can_cast(array.dtype, self.dtype) and array.size:
+            info = np.iinfo(self.dtype)
+            if array.min() < info.min or array.max() > info.max:
+                raise InvalidInput(f"input {name!r} has values out of range for {datatype}")
+        with np.errstate(all="ignore"):  # floats beyond the input's range become inf, as in coerce
+            return array.astype(self.dtype)
+
+
+def input_check(inputs: Sequence[TensorSpec]) -> ItemCheck | None:
+    """The check a worker runs on each decoded item: for a model with exactly one declared
+    input of a numeric datatype; None (items pass unchecked) for anything else."""
+    if len(inputs) != 1 or inputs[0].numpy_dtype is None:
+        return None
+    return ItemCheck(inputs[0])
+
+
 class ManagedModel:
     """Base class of a model served by microbatch.
 
