@@ -345,7 +345,7 @@ class Streamer:
             with self._lock:
                 core = self._thread_core
                 if core is None:
-                    thread = LoopThread(name=f"microbatch-{self.name}")
+                    thread = LoopThread(name=f"microbatch-{self.name}", on_exit=self.close)
                     core = thread.submit(self._start_core(thread.loop)).result()
                     self._thread, self._thread_core = thread, core
         return core
