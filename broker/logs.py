@@ -1,4 +1,5 @@
-"""Logging set-up shared by workers and gateways: plain text, or one JSON object per line.
+"""Logging shared by every microbatch process (workers, gateways, the CLIs): plain text, or one
+JSON object per line, in the same format everywhere.
 
 Log records carry events, ids and sizes, never payloads or credentials.
 """
@@ -8,10 +9,14 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from datetime import datetime, timezone
+from typing import Any
+from urllib.parse import urlsplit
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"
 FORMATS = ("text", "json")
+LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 class JsonFormatter(logging.Formatter):
@@ -32,12 +37,90 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(event, ensure_ascii=False)
 
 
+def parse_level(level: str, option: str = "--log-level") -> str:
+    """``level`` in lower case if it names a level (any case), else ValueError in one line."""
+    name = str(level).strip().lower()
+    if name not in LEVELS:
+        raise ValueError(f"{option} must be one of {', '.join(LEVELS)}, not {level!r}")
+    return name
+
+
+def parse_format(fmt: str, option: str = "--log-format") -> str:
+    """``fmt`` in lower case if it names a log format, else ValueError in one line."""
+    name = str(fmt).strip().lower()
+    if name not in FORMATS:
+        raise ValueError(f"{option} must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    return name
+
+
+def formatter(fmt: str = "text") -> logging.Formatter:
+    """The formatter every process uses for ``text`` or ``json`` logs."""
+    return JsonFormatter() if parse_format(fmt) == "json" else logging.Formatter(TEXT_FORMAT)
+
+
 def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
     """Send logs to stderr at ``level``, as ``text`` or ``json`` lines."""
-    if fmt not in FORMATS:
-        raise ValueError(f"log format must be one of {FORMATS}, not {fmt!r}")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(formatter(fmt))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    root.setLevel(parse_level(level).upper())
+
+
+def dict_config(level: str = "info", fmt: str = "text", loggers: tuple[str, ...] = ()) -> Any:
+    """The same set-up as :func:`configure_logging`, as a :func:`logging.config.dictConfig`
+    (for servers that take one, e.g. gunicorn's ``logconfig_dict``); ``loggers`` are routed to
+    the same handler without propagating (e.g. ``gunicorn.error``)."""
+    name = parse_level(level).upper()
+    factory = "broker.logs.JsonFormatter" if parse_format(fmt) == "json" else None
+    chosen: dict[str, Any] = {"()": factory} if factory else {"format": TEXT_FORMAT}
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"microbatch": chosen},
+        "handlers": {
+            "stderr": {
+                "class": "logging.StreamHandler",
+                "formatter": "microbatch",
+                "stream": "ext://sys.stderr",
+            }
+        },
+        "root": {"level": name, "handlers": ["stderr"]},
+        "loggers": {
+            logger: {"level": name, "handlers": ["stderr"], "propagate": False}
+            for logger in loggers
+        },
+    }
+
+
+def safe_url(url: str) -> str:
+    """A Redis URL fit for a log line: scheme, host, port and path, never user or password."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+    except ValueError:
+        return "<unparsable URL>"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"{parts.scheme}://{host}{port}{parts.path}"
+
+
+class Every:
+    """Lets a repeated message through at most once per ``seconds`` (the first at once)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._next = float("-inf")
+
+    def due(self) -> bool:
+        """True if the message may be logged now (and starts the next period)."""
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.seconds
+        return True
+
+    def reset(self) -> None:
+        """Let the next message through at once (the condition it reports has ended)."""
+        self._next = float("-inf")

@@ -556,7 +556,7 @@ class _WorkerGroup:
             "prefix": prefix,
             "batch_size": batch_size,
             "max_latency": float(max_latency),
-            "log_level": os.environ.get("MICROBATCH_WORKER_LOG_LEVEL", "WARNING"),
+            "log_level": os.environ.get("MICROBATCH_WORKER_LOG_LEVEL", "warning"),
         }
         self.keys_name, self.prefix, self.url = name, prefix, ""
         self.worker_num = worker_num
@@ -641,14 +641,16 @@ class _WorkerGroup:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        if self.relay is not None:  # it ends once it has read the supervisor's last line
+            self.relay.join(5.0)
 
 
 def _supervise() -> int:
     """The supervisor process of a compat worker group (started by _WorkerGroup)."""
+    from broker.logs import configure_logging
+
+    from .cli import run_supervisor
     from .config import WorkerConfig
-    from .devices import DeviceError
-    from .model import ModelLoadError
-    from .supervisor import StartError, Supervisor
 
     config = WorkerConfig(**json.loads(os.environ[CONFIG_ENV]))
     parent = int(os.environ.get(PARENT_ENV, "0"))
@@ -660,17 +662,5 @@ def _supervise() -> int:
 
     if parent:
         threading.Thread(target=orphaned, name="compat-parent-watch", daemon=True).start()
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
-    )
-    try:
-        supervisor = Supervisor(config)
-    except (ValueError, DeviceError, ModelLoadError) as exc:
-        print(f"Error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    try:
-        return supervisor.run()
-    except StartError as exc:
-        print(f"Error: {exc}", file=sys.stderr, flush=True)
-        return 1
+    configure_logging(config.log_level, config.log_format)
+    return run_supervisor(config)
