@@ -270,7 +270,11 @@ class Streamer(_BaseStreamer):
             group.start(redis_url)
             group.wait_ready(start_timeout)
             self._streamer = BrokerStreamer(
-                COMPAT_NAME, redis_url=redis_url, prefix=prefix, timeout=timeout
+                COMPAT_NAME,
+                redis_url=redis_url,
+                prefix=prefix,
+                timeout=timeout,
+                wait_for_workers=True,  # as service_streamer: wait while workers restart
             )
         except BaseException:
             self.destroy_workers()
@@ -317,7 +321,11 @@ class RedisStreamer(_BaseStreamer):
         self._redis_broker = redis_broker
         super().__init__(
             BrokerStreamer(
-                name, redis_url=redis_url(redis_broker), prefix=_prefix(prefix), timeout=timeout
+                name,
+                redis_url=redis_url(redis_broker),
+                prefix=_prefix(prefix),
+                timeout=timeout,
+                wait_for_workers=True,  # as service_streamer: queue until workers come
             )
         )
 

@@ -108,6 +108,17 @@ def start(
             help="Per-model bound on queued payload bytes (0: no bound).",
         ),
     ] = 0,
+    wait_for_workers: Annotated[
+        bool,
+        typer.Option(
+            "--wait-for-workers",
+            envvar=f"{ENV}WAIT_FOR_WORKERS",
+            help="Let requests wait for a worker until their timeout, however long their model "
+            "has had none (e.g. while workers scale up from zero). Without it, a request whose "
+            "model has had no live worker for MICROBATCH_GATEWAY_WORKERS_GRACE seconds "
+            "(default 10) gets 503 NoWorkers, its items withdrawn.",
+        ),
+    ] = False,
     auth_tokens_file: Annotated[
         Path | None,
         typer.Option(
@@ -151,6 +162,7 @@ def start(
         "MAX_BODY_BYTES": str(max_body_bytes),
         "MAX_QUEUE_ITEMS": str(max_queue_items),
         "MAX_QUEUE_BYTES": str(max_queue_bytes),
+        "WAIT_FOR_WORKERS": "true" if wait_for_workers else "false",
         "GRACEFUL_TIMEOUT": str(graceful_timeout),
         "LOG_LEVEL": log_level,
         "LOG_FORMAT": log_format,
