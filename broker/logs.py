@@ -1,4 +1,5 @@
-"""Logging set-up shared by workers and gateways: plain text, or one JSON object per line.
+"""Logging shared by every microbatch process (workers, gateways, the CLIs): plain text, or one
+JSON object per line, in the same format everywhere.
 
 Log records carry events, ids and sizes, never payloads or credentials.
 """
@@ -10,6 +11,7 @@ import logging
 import sys
 import time
 from datetime import datetime, timezone
+from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"
@@ -17,14 +19,83 @@ FORMATS = ("text", "json")
 LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
-def check_level(level: str) -> str:
-    """``level`` (any case) as a logging level name, e.g. ``"INFO"``.
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, pid, message (and the exception)."""
 
-    Raises ValueError, with a one-line message for a command line, unless it is one of LEVELS.
-    """
-    if level.lower() not in LEVELS:
-        raise ValueError(f"--log-level must be one of {', '.join(LEVELS)}, not {level!r}")
-    return level.upper()
+    def format(self, record: logging.LogRecord) -> str:
+        event = {
+            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(
+                timespec="milliseconds"
+            ),
+            "level": record.levelname,
+            "logger": record.name,
+            "pid": record.process,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            event["exception"] = self.formatException(record.exc_info)
+        return json.dumps(event, ensure_ascii=False)
+
+
+def parse_level(level: str, option: str = "--log-level") -> str:
+    """``level`` in lower case if it names a level (any case), else ValueError in one line."""
+    name = str(level).strip().lower()
+    if name not in LEVELS:
+        raise ValueError(f"{option} must be one of {', '.join(LEVELS)}, not {level!r}")
+    return name
+
+
+def parse_format(fmt: str, option: str = "--log-format") -> str:
+    """``fmt`` in lower case if it names a log format, else ValueError in one line."""
+    name = str(fmt).strip().lower()
+    if name not in FORMATS:
+        raise ValueError(f"{option} must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    return name
+
+
+def check_level(level: str) -> str:
+    """``level`` (any case) as a logging level name, e.g. ``"INFO"``; ValueError in one line."""
+    return parse_level(level).upper()
+
+
+def formatter(fmt: str = "text") -> logging.Formatter:
+    """The formatter every process uses for ``text`` or ``json`` logs."""
+    return JsonFormatter() if parse_format(fmt) == "json" else logging.Formatter(TEXT_FORMAT)
+
+
+def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
+    """Send logs to stderr at ``level``, as ``text`` or ``json`` lines."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter(fmt))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(parse_level(level).upper())
+
+
+def dict_config(level: str = "info", fmt: str = "text", loggers: tuple[str, ...] = ()) -> Any:
+    """The same set-up as :func:`configure_logging`, as a :func:`logging.config.dictConfig`
+    (for servers that take one, e.g. gunicorn's ``logconfig_dict``); ``loggers`` are routed to
+    the same handler without propagating (e.g. ``gunicorn.error``)."""
+    name = parse_level(level).upper()
+    factory = "broker.logs.JsonFormatter" if parse_format(fmt) == "json" else None
+    chosen: dict[str, Any] = {"()": factory} if factory else {"format": TEXT_FORMAT}
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"microbatch": chosen},
+        "handlers": {
+            "stderr": {
+                "class": "logging.StreamHandler",
+                "formatter": "microbatch",
+                "stream": "ext://sys.stderr",
+            }
+        },
+        "root": {"level": name, "handlers": ["stderr"]},
+        "loggers": {
+            logger: {"level": name, "handlers": ["stderr"], "propagate": False}
+            for logger in loggers
+        },
+    }
 
 
 def redact_url(url: str) -> str:
@@ -54,33 +125,24 @@ def redact_url(url: str) -> str:
         return "<a URL that cannot be parsed>"
 
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time, level, logger, pid, message (and the exception)."""
+class Every:
+    """Lets a repeated message through at most once per ``seconds`` (the first at once)."""
 
-    def format(self, record: logging.LogRecord) -> str:
-        event = {
-            "time": datetime.fromtimestamp(record.created, timezone.utc).isoformat(
-                timespec="milliseconds"
-            ),
-            "level": record.levelname,
-            "logger": record.name,
-            "pid": record.process,
-            "message": record.getMessage(),
-        }
-        if record.exc_info:
-            event["exception"] = self.formatException(record.exc_info)
-        return json.dumps(event, ensure_ascii=False)
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._next = float("-inf")
 
+    def due(self) -> bool:
+        """True if the message may be logged now (and starts the next period)."""
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.seconds
+        return True
 
-def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
-    """Send logs to stderr at ``level``, as ``text`` or ``json`` lines."""
-    if fmt not in FORMATS:
-        raise ValueError(f"log format must be one of {FORMATS}, not {fmt!r}")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level.upper())
+    def reset(self) -> None:
+        """Let the next message through at once (the condition it reports has ended)."""
+        self._next = float("-inf")
 
 
 class ThrottledWarning:

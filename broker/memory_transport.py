@@ -186,6 +186,9 @@ class InMemoryTransport:
         self.dead.setdefault(keys.dead_letters, []).extend((entry, reason) for entry in entries)
         self._remove(keys, entries)
 
+    async def workers_lapsed_s(self, keys: ModelKeys) -> float | None:
+        return 0.0  # the batch loop in this process is the model's worker
+
     async def time_ms(self) -> int:
         return int(time.time() * 1000)
 

@@ -21,6 +21,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .errors import BrokerUnavailable, MicrobatchError, QueueFull
 from .keys import ModelKeys
+from .liveness import lapsed_s
 from .protocol import CallRequests, request_fields
 from .resp_lane import CONNECT_TIMEOUT_S, RespLane, bulk_strings, keepalive_options
 from .resp_packing import use_hiredis_packing
@@ -190,6 +191,21 @@ class RedisTransport:
             await WITHDRAW_SCRIPT.run(
                 self._lane, [keys.stream, keys.queued_bytes, keys.cancelled], args
             )
+        except UNAVAILABLE as exc:
+            raise _unavailable(exc) from exc
+        except ResponseError as exc:
+            if "NOGROUP" not in str(exc):
+                raise
+            await self._delete_unread(keys, entries)
+
+    async def _delete_unread(self, keys: ModelKeys, entries: Sequence[tuple[str, int]]) -> None:
+        """Withdraw entries of a stream no worker has ever read (it has no consumer group):
+        delete them and release their bytes."""
+        try:
+            deleted = await self._lane.pipeline([("XDEL", keys.stream, e) for e, _ in entries])
+            released = sum(size for (_, size), n in zip(entries, deleted, strict=True) if n == 1)
+            if released:
+                await self._lane.execute("DECRBY", keys.queued_bytes, released)
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
 
@@ -390,6 +406,19 @@ class RedisTransport:
     async def eviction_warning(self) -> str | None:
         """A warning if Redis may evict keys (streams would lose requests), else None."""
         return await eviction_warning(self.redis)
+
+    async def workers_lapsed_s(self, keys: ModelKeys) -> float | None:
+        commands = [("TIME",), ("ZRANGEBYSCORE", keys.consumers, "-inf", "+inf", "WITHSCORES")]
+        try:
+            time, flat = await self._lane.pipeline(commands)
+        except UNAVAILABLE as exc:
+            raise _unavailable(exc) from exc
+        for result in (time, flat):
+            if isinstance(result, Exception):  # e.g. an ACL user without ZRANGEBYSCORE
+                raise result
+        seconds, micros = time
+        now_ms = int(seconds) * 1000 + int(micros) // 1000
+        return lapsed_s(now_ms, [float(score) for score in flat[1::2]])
 
     async def time_ms(self) -> int:
         try:

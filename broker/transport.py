@@ -65,6 +65,11 @@ class Transport(Protocol):
         """Wait up to ``timeout_s`` for replies on ``inbox``; return up to ``count`` of them."""
         ...
 
+    async def workers_lapsed_s(self, keys: ModelKeys) -> float | None:
+        """How long the model has had no live worker: 0.0 while one is live, the seconds since
+        the last one's heartbeat lapsed, or None when none is known."""
+        ...
+
     # -- worker side ----------------------------------------------------------------------
     async def ensure_group(self, keys: ModelKeys) -> None:
         """Create the model's stream and its consumer group if missing."""

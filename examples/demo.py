@@ -79,10 +79,11 @@ def main() -> int:
         worker = subprocess.Popen(worker_command() + args, start_new_session=True)
         cleanup.callback(stop_worker, worker)
 
-        # 3. Real requests through Redis (the first waits while the worker loads torch).
+        # 3. Real requests through Redis (the first waits while the worker loads torch:
+        #    wait_for_workers, since loading may take longer than the 10 s NoWorkers grace).
         rng = np.random.default_rng(0)
         inputs = [rng.standard_normal(256).astype(np.float32) for _ in range(4)]
-        with Streamer("mlp", redis_url=url, prefix=prefix) as streamer:
+        with Streamer("mlp", redis_url=url, prefix=prefix, wait_for_workers=True) as streamer:
             future = streamer.submit(inputs, timeout=60)
             while not wait([future], timeout=0.5).done:
                 if worker.poll() is not None:

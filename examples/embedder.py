@@ -222,9 +222,11 @@ class Embedder(ManagedModel):
 def main(argv: list[str] | None = None) -> int:
     """``python -m examples.embedder``: the whole embedding service on this machine.
 
-    Starts a private redis-server (unless ``--redis`` names one), one ``worker start`` and one
-    ``gateway start`` serving this model, waits until the model is ready, prints a curl line,
-    and runs until Ctrl-C or SIGTERM.
+    Uses the Redis at ``--redis``, else at ``$REDIS_URL`` (else redis://127.0.0.1:6379/0) when
+    one answers there; otherwise starts a private redis-server, on port 6379 when it is free
+    (so that Python callers find it at the default address), else on a free port. Then starts
+    one ``worker start`` and one ``gateway start`` serving this model, waits until the model
+    is ready, prints how to call it, and runs until Ctrl-C or SIGTERM.
     """
     import argparse
     import signal
@@ -235,19 +237,22 @@ def main(argv: list[str] | None = None) -> int:
     from contextlib import ExitStack
 
     parser = argparse.ArgumentParser(prog="python -m examples.embedder", description=main.__doc__)
-    parser.add_argument("--port", type=int, default=8000, help="the gateway's port")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get("MICROBATCH_GATEWAY_PORT", "8000")),
+        help="the gateway's port (default: $MICROBATCH_GATEWAY_PORT, else 8000)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="the gateway's address")
-    parser.add_argument("--redis", help="a Redis URL (default: a private redis-server)")
+    parser.add_argument(
+        "--redis", help="a Redis URL (default: $REDIS_URL if it answers, else a private one)"
+    )
     parser.add_argument("--workers", type=int, default=1, help="model worker processes")
     args = parser.parse_args(argv)
     model = f"{__name__ if __name__ != '__main__' else 'examples.embedder'}:Embedder"
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
     with ExitStack() as stack:
-        url = args.redis
-        if url is None:
-            from broker.devserver import RedisServer
-
-            url = stack.enter_context(RedisServer()).url
+        url = args.redis or _redis_or_private(stack)
         commands = [
             ["gpu_worker.cli", "start", "--workers", str(args.workers)],
             ["web_gateway.cli", "start", "--host", args.host, "--port", str(args.port)],
@@ -271,10 +276,16 @@ def main(argv: list[str] | None = None) -> int:
                 pass
             time.sleep(0.2)
         base = f"http://{args.host}:{args.port}"
+        from broker.client import DEFAULT_REDIS_URL
+        from broker.logs import redact_url
+
+        python = "" if url == DEFAULT_REDIS_URL else f"REDIS_URL={redact_url(url)} "
         print(
-            f"\nembedding service ready on {base} (Ctrl-C stops it). Try:\n"
+            f"\nembedding service ready on {base}, Redis at {redact_url(url)} "
+            "(Ctrl-C stops it). Try:\n"
             f"  curl -s {base}/v1/models/embedder/predict -H 'Content-Type: application/json' "
-            """-d '{"inputs": ["A man is eating food.", "Someone is having a meal."]}'\n""",
+            """-d '{"inputs": ["A man is eating food.", "Someone is having a meal."]}'\n"""
+            f"or from Python (README.md): {python}python your_script.py\n",
             flush=True,
         )
         try:
@@ -283,6 +294,33 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt:
             pass
     return 0
+
+
+def _redis_or_private(stack: Any) -> str:
+    """The Redis at $REDIS_URL (or the default address) if it answers, else a private one."""
+    import redis
+
+    from broker.client import DEFAULT_REDIS_URL
+    from broker.devserver import RedisServer
+    from broker.logs import redact_url
+
+    url = os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
+    client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
+    try:
+        client.ping()
+        print(f"Using the Redis at {redact_url(url)}", flush=True)
+        return url
+    except (redis.RedisError, OSError, ValueError):
+        pass
+    finally:
+        client.close()
+    server: RedisServer
+    try:  # the default port, so that callers find it without being told
+        server = stack.enter_context(RedisServer(port=6379))
+    except RuntimeError:  # taken by something else
+        server = stack.enter_context(RedisServer())
+    print(f"Started a private redis-server at {server.url}", flush=True)
+    return server.url
 
 
 def _stop(process: Any) -> None:

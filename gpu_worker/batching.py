@@ -27,6 +27,7 @@ from broker.errors import (
     PoisonRequest,
 )
 from broker.keys import ModelKeys
+from broker.logs import Every
 from broker.protocol import (
     MalformedEntry,
     Request,
@@ -202,6 +203,8 @@ class BatchLoop:
         self._computing = None
         self._full_batch_s: float | None = None  # moving average, for model_thread="auto"
         self._slow_batches = False
+        self._outage_log = Every(10.0)  # during a Redis outage: a line every 10 s, not per retry
+        self._in_outage = False
 
     def stop(self) -> None:
         """Stop reading; the batches in hand are finished and answered first."""
@@ -241,6 +244,10 @@ class BatchLoop:
                 if not ready:
                     await self.transport.ensure_group(self.keys)
                     await self.clock.sync()
+                    if self._in_outage:
+                        log.info("broker answers again")
+                        self._in_outage = False
+                        self._outage_log.reset()
                     ready = True
                     backoff = 0.05  # Redis answers again; a stale pooled connection may still fail
                     # After a start or an outage: answer what this consumer still holds.
@@ -295,7 +302,9 @@ class BatchLoop:
                 if self._stopping:
                     log.warning("broker unavailable (%s) while stopping; stopping now", exc)
                     return
-                log.warning("broker unavailable (%s); retrying in %.2f s", exc, backoff)
+                self._in_outage = True
+                if self._outage_log.due():
+                    log.warning("broker unavailable (%s); retrying until it answers", exc)
                 ready = False
                 await asyncio.sleep(backoff)
                 backoff = min(1.0, backoff * 2)

@@ -2,35 +2,60 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated
 
 import typer
 
+from broker.cli_common import fail, log_format_option, log_level_option, new_app, version_option
 from broker.client import DEFAULT_REDIS_URL
 from broker.keys import DEFAULT_PREFIX
 from broker.logs import configure_logging
 
-from .config import WorkerConfig
+from .config import DEFAULT_REDIS_WAIT_S, WorkerConfig
 from .devices import DeviceError, parse_cuda
 from .model import ModelLoadError
 
-app = typer.Typer(
-    help="Run GPU (or CPU) worker processes that serve a model from Redis streams.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-)
+app = new_app("Run GPU (or CPU) worker processes that serve a model from Redis streams.")
 
 ENV = "MICROBATCH_WORKER_"
+EXIT_STATUS = (
+    "Exit status: 0 after a graceful stop (SIGTERM, Ctrl-C); 1 when the workers cannot start "
+    "(the model's error is printed) or one did not stop in time; 2 for a bad option, or when "
+    "Redis did not answer within --redis-wait when starting."
+)
 
 
 @app.callback()
-def _root() -> None:
+def _root(version: Annotated[bool, version_option()] = False) -> None:
     """microbatch workers."""
 
 
-@app.command()
+def run_supervisor(config: WorkerConfig) -> int:
+    """Run a supervisor for ``config`` until it stops; the exit status ``worker start`` gives.
+
+    Errors are one ``Error: ...`` line on stderr: 2 for bad settings or a Redis that never
+    answered (--redis-wait), 1 when the workers could not start.
+    """
+    from .supervisor import RedisUnreachable, StartError, Supervisor
+
+    def error(exc: BaseException, code: int) -> int:
+        print(f"Error: {exc}", file=sys.stderr, flush=True)
+        return code
+
+    try:
+        supervisor = Supervisor(config)
+    except (ValueError, DeviceError, ModelLoadError) as exc:
+        return error(exc, 2)
+    try:
+        return supervisor.run()
+    except RedisUnreachable as exc:
+        return error(exc, 2)
+    except StartError as exc:
+        return error(exc, 1)
+
+
+@app.command(epilog=EXIT_STATUS)
 def start(
     model: Annotated[
         str,
@@ -72,6 +97,16 @@ def start(
             help="Redis URL: redis://[user:password@]host:port/db, or rediss:// for TLS.",
         ),
     ] = DEFAULT_REDIS_URL,
+    redis_wait: Annotated[
+        float,
+        typer.Option(
+            envvar=f"{ENV}REDIS_WAIT",
+            min=0.0,
+            help="Seconds to wait at start-up for Redis to answer (saying so every 10 s) "
+            "before giving up with exit status 2. Once serving, a worker rides out Redis "
+            "outages and failovers however long they last.",
+        ),
+    ] = DEFAULT_REDIS_WAIT_S,
     batch_size: Annotated[
         int | None,
         typer.Option(
@@ -153,21 +188,14 @@ def start(
             "Worth it with a core to spare per worker, e.g. a GPU worker: try 1000.",
         ),
     ] = 0,
-    log_level: Annotated[
-        str, typer.Option(envvar=f"{ENV}LOG_LEVEL", help="DEBUG, INFO, WARNING or ERROR.")
-    ] = "INFO",
-    log_format: Annotated[
-        str,
-        typer.Option(envvar=f"{ENV}LOG_FORMAT", help="text, or json: one JSON object per line."),
-    ] = "text",
+    log_level: Annotated[str, log_level_option(f"{ENV}LOG_LEVEL")] = "info",
+    log_format: Annotated[str, log_format_option(f"{ENV}LOG_FORMAT")] = "text",
 ) -> None:
     """Start worker processes serving MODEL until SIGTERM or Ctrl-C.
 
     Every option also reads its environment variable (REDIS_URL for --redis, otherwise
     MICROBATCH_WORKER_<OPTION>, e.g. MICROBATCH_WORKER_BATCH_SIZE).
     """
-    from .supervisor import StartError, Supervisor
-
     try:
         configure_logging(log_level, log_format)
         config = WorkerConfig(
@@ -178,6 +206,7 @@ def start(
             workers=workers,
             prefix=prefix,
             redis_url=redis,
+            redis_wait=redis_wait,
             batch_size=batch_size,
             max_latency=max_latency,
             metrics_port=metrics_port,
@@ -191,16 +220,9 @@ def start(
             log_level=log_level,
             log_format=log_format,
         )
-        supervisor = Supervisor(config)
-    except (ValueError, DeviceError, ModelLoadError) as exc:
-        typer.echo(f"Error: {exc}", err=True)
-        raise typer.Exit(2) from None
-    try:
-        code = supervisor.run()
-    except StartError as exc:
-        typer.echo(f"Error: {exc}", err=True)
-        raise typer.Exit(1) from None
-    raise typer.Exit(code)
+    except (ValueError, DeviceError) as exc:
+        fail(str(exc))
+    raise typer.Exit(run_supervisor(config))
 
 
 def main() -> None:

@@ -23,7 +23,8 @@ futures, ``destroy_workers``, ``batch_size``, ``max_latency``, ``worker_num``,
 
 What changes (docs/migration.md has the details): items and results travel as msgpack (never
 pickle), so they must be msgpack types or numpy arrays / torch tensors (tuples come back as
-lists, tensors as numpy arrays; anything else raises ``CodecError`` at once); a model that raises
+lists, tensors as CPU tensors: see :mod:`gpu_worker.compat_values`; anything else raises
+``CodecError`` at once); a model that raises
 fails its own items with ``ModelError`` at once instead of a 20 s hang; a timeout raises
 ``StreamerTimeout``, which is both microbatch's ``DeadlineExceeded`` and the built-in
 ``TimeoutError`` that service_streamer raised.
@@ -54,6 +55,7 @@ from broker.client import Streamer as BrokerStreamer
 from broker.errors import DeadlineExceeded
 from broker.keys import DEFAULT_PREFIX, check_prefix
 
+from .compat_values import from_wire, to_wire
 from .local import LocalStreamer
 from .model import ManagedModel as MicrobatchModel
 
@@ -127,7 +129,12 @@ class _FunctionModel(MicrobatchModel):
         self.predict_function = predict_function
 
     def predict(self, batch: list[Any]) -> Sequence[Any]:
-        return self.predict_function(batch)
+        return _predict_values(self.predict_function, batch)
+
+
+def _predict_values(predict: Callable[[list[Any]], Sequence[Any]], batch: list[Any]) -> list[Any]:
+    """Call a service_streamer predict function with tensors as its callers sent them."""
+    return [to_wire(output) for output in predict([from_wire(item) for item in batch])]
 
 
 class _BaseStreamer:
@@ -150,13 +157,14 @@ class _BaseStreamer:
         :class:`StreamerTimeout` when no result came within ``timeout`` (default 20 s).
         """
         try:
-            return self._live().predict(batch, timeout=timeout)
+            outputs = self._live().predict(_items(batch), timeout=timeout)
         except DeadlineExceeded as exc:
             raise _compat_error(exc) from exc
+        return [from_wire(output) for output in outputs]
 
     def submit(self, batch: list[Any], timeout: float | None = None) -> Future[list[Any]]:
         """Like predict, without waiting: ``future.result()`` gives the outputs."""
-        raw = self._live().submit(batch, timeout=timeout)
+        raw = self._live().submit(_items(batch), timeout=timeout)
         future: Future[list[Any]] = Future()
 
         def chain(done: Future[list[Any]]) -> None:
@@ -165,7 +173,7 @@ class _BaseStreamer:
             elif (error := done.exception()) is not None:
                 future.set_exception(_compat_error(error))
             else:
-                future.set_result(done.result())
+                future.set_result([from_wire(output) for output in done.result()])
 
         raw.add_done_callback(chain)
         future.add_done_callback(lambda f: raw.cancel() if f.cancelled() else None)
@@ -176,6 +184,12 @@ class _BaseStreamer:
         streamer, self._streamer = self._streamer, None
         if streamer is not None:
             streamer.close()
+
+
+def _items(batch: Any) -> Any:
+    if not isinstance(batch, (list, tuple)):  # the Streamer refuses it with its own message
+        return batch
+    return [to_wire(item) for item in batch]
 
 
 class ThreadedStreamer(_BaseStreamer):
@@ -256,7 +270,11 @@ class Streamer(_BaseStreamer):
             group.start(redis_url)
             group.wait_ready(start_timeout)
             self._streamer = BrokerStreamer(
-                COMPAT_NAME, redis_url=redis_url, prefix=prefix, timeout=timeout
+                COMPAT_NAME,
+                redis_url=redis_url,
+                prefix=prefix,
+                timeout=timeout,
+                wait_for_workers=True,  # as service_streamer: wait while workers restart
             )
         except BaseException:
             self.destroy_workers()
@@ -303,7 +321,11 @@ class RedisStreamer(_BaseStreamer):
         self._redis_broker = redis_broker
         super().__init__(
             BrokerStreamer(
-                name, redis_url=redis_url(redis_broker), prefix=_prefix(prefix), timeout=timeout
+                name,
+                redis_url=redis_url(redis_broker),
+                prefix=_prefix(prefix),
+                timeout=timeout,
+                wait_for_workers=True,  # as service_streamer: queue until workers come
             )
         )
 
@@ -487,6 +509,8 @@ class CompatWorker(MicrobatchModel):
         for entry in reversed(spec.get("sys_path", [])):
             if entry not in sys.path:
                 sys.path.insert(0, entry)
+        if "argv" in spec:  # the parent's, as multiprocessing's spawned children see them
+            sys.argv[:] = spec["argv"]
         ref = spec["target"]
         target = _lookup(_import(ref["module"], spec.get("main_path")), ref["qualname"])
         if ref["attr"]:
@@ -506,7 +530,7 @@ class CompatWorker(MicrobatchModel):
             self.predict_function = target
 
     def predict(self, batch: list[Any]) -> Sequence[Any]:
-        return self.predict_function(batch)
+        return _predict_values(self.predict_function, batch)
 
 
 class _WorkerGroup:
@@ -541,6 +565,7 @@ class _WorkerGroup:
             "init_kwargs": dict(model_init_kwargs or {}),
             "main_path": _main_module_path(),
             "sys_path": sys_path,
+            "argv": [str(arg) for arg in sys.argv],
             "cuda": devices is not None,
             "visible_preset": os.environ.get("CUDA_VISIBLE_DEVICES"),
         }
@@ -556,7 +581,7 @@ class _WorkerGroup:
             "prefix": prefix,
             "batch_size": batch_size,
             "max_latency": float(max_latency),
-            "log_level": os.environ.get("MICROBATCH_WORKER_LOG_LEVEL", "WARNING"),
+            "log_level": os.environ.get("MICROBATCH_WORKER_LOG_LEVEL", "warning"),
         }
         self.keys_name, self.prefix, self.url = name, prefix, ""
         self.worker_num = worker_num
@@ -641,14 +666,16 @@ class _WorkerGroup:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        if self.relay is not None:  # it ends once it has read the supervisor's last line
+            self.relay.join(5.0)
 
 
 def _supervise() -> int:
     """The supervisor process of a compat worker group (started by _WorkerGroup)."""
+    from broker.logs import configure_logging
+
+    from .cli import run_supervisor
     from .config import WorkerConfig
-    from .devices import DeviceError
-    from .model import ModelLoadError
-    from .supervisor import StartError, Supervisor
 
     config = WorkerConfig(**json.loads(os.environ[CONFIG_ENV]))
     parent = int(os.environ.get(PARENT_ENV, "0"))
@@ -660,17 +687,5 @@ def _supervise() -> int:
 
     if parent:
         threading.Thread(target=orphaned, name="compat-parent-watch", daemon=True).start()
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
-    )
-    try:
-        supervisor = Supervisor(config)
-    except (ValueError, DeviceError, ModelLoadError) as exc:
-        print(f"Error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    try:
-        return supervisor.run()
-    except StartError as exc:
-        print(f"Error: {exc}", file=sys.stderr, flush=True)
-        return 1
+    configure_logging(config.log_level, config.log_format)
+    return run_supervisor(config)

@@ -10,6 +10,7 @@ from broker.keys import DEFAULT_PREFIX, check_name, check_prefix
 
 from .batching import MODEL_THREAD_MODES
 
+DEFAULT_REDIS_WAIT_S = 60.0
 MAX_BUSY_POLL_US = 100_000  # past a tenth of a second, spinning buys nothing a sleep would not
 
 
@@ -24,6 +25,7 @@ class WorkerConfig:
     workers: int = 1
     prefix: str = DEFAULT_PREFIX
     redis_url: str = DEFAULT_REDIS_URL
+    redis_wait: float = DEFAULT_REDIS_WAIT_S
     batch_size: int | None = None
     max_latency: float | None = None
     metrics_port: int | None = None
@@ -35,7 +37,7 @@ class WorkerConfig:
     max_deliveries: int = 3
     model_thread: str = "auto"
     busy_poll_us: int = 0
-    log_level: str = "INFO"
+    log_level: str = "info"
     log_format: str = "text"
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -50,6 +52,8 @@ class WorkerConfig:
             raise ValueError("--batch-size must be at least 1")
         if self.max_latency is not None and self.max_latency < 0:
             raise ValueError("--max-latency cannot be negative")
+        if self.redis_wait < 0:
+            raise ValueError("--redis-wait cannot be negative")
         if self.batch_timeout <= 0 or self.heartbeat_ttl <= 0:
             raise ValueError("--batch-timeout and --heartbeat-ttl must be positive")
         if self.max_deliveries < 1:

@@ -17,6 +17,7 @@ from typing import Any
 import redis
 
 from broker.keys import ModelKeys
+from broker.logs import Every
 
 log = logging.getLogger("microbatch.heartbeat")
 
@@ -31,6 +32,8 @@ class Heartbeats:
         self.client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
         self.keys = keys
         self.ttl_ms = int(ttl_s * 1000)
+        self._warn = Every(10.0)  # during an outage: one line every 10 s, not one per renewal
+        self._failing = False
 
     def renew(self, states: Mapping[str, Mapping[str, Any]]) -> bool:
         """Vouch for consumers for another TTL; False (logged) if Redis is unreachable.
@@ -53,8 +56,14 @@ class Heartbeats:
                 pipe.set(self.keys.heartbeat(consumer), value, px=self.ttl_ms)
             pipe.execute()
         except redis.RedisError as exc:
-            log.warning("cannot renew heartbeats: %s", exc)
+            self._failing = True
+            if self._warn.due():
+                log.warning("cannot renew heartbeats (Redis unreachable?): %s", exc)
             return False
+        if self._failing:
+            self._failing = False
+            self._warn.reset()
+            log.info("heartbeats renewed again")
         return True
 
     def retire(self, consumer: str) -> None:

@@ -45,6 +45,7 @@ class LocalStreamer(Streamer):
             model=instance,
             timeout=timeout,
             max_queue_items=max_queue_items,
+            wait_for_workers=True,  # its worker is the batch loop in this process
         )
         self.settings = BatchSettings(
             batch_size=batch_size if batch_size is not None else instance.batch_size,

@@ -24,6 +24,7 @@ from typing import Any
 import redis
 
 from broker.keys import ModelKeys
+from broker.logs import redact_url
 
 from .batch_state import STATE_FILE_ENV, BatchState
 from .child import CONFIG_ENV, DEVICE_ENV, STATUS_FD_ENV
@@ -37,10 +38,16 @@ log = logging.getLogger("microbatch.supervisor")
 RESTART_BACKOFF_S = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 HEALTHY_AFTER_S = 60.0
 HEARTBEAT_EVERY_S = 1.0
+REDIS_WAIT_LOG_EVERY_S = 10.0
+REDIS_WAIT_POLL_S = 0.5
 
 
 class StartError(RuntimeError):
     """Workers could not be started; the message says why."""
+
+
+class RedisUnreachable(StartError):
+    """Redis did not answer within --redis-wait at start-up, or refused our credentials."""
 
 
 @dataclass
@@ -206,8 +213,10 @@ class Supervisor:
         """Serve until SIGTERM/SIGINT; return the exit code. Raises StartError if workers can't."""
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
-        start_deadline = time.monotonic() + self.config.start_timeout
         try:
+            if not self._wait_for_redis():
+                return self._drain()
+            start_deadline = time.monotonic() + self.config.start_timeout
             for slot in self.slots:
                 self._spawn(slot)
             while not self._stopping:
@@ -218,6 +227,43 @@ class Supervisor:
             self.request_stop()
             self._drain(grace=5.0)
             raise
+
+    def _wait_for_redis(self) -> bool:
+        """Return once Redis answers PING (True), or when asked to stop first (False).
+
+        Says that it waits, once every 10 s; raises RedisUnreachable after --redis-wait
+        seconds, or at once if Redis refuses the credentials (waiting will not help).
+        """
+        where = redact_url(self.config.redis_url)
+        started = time.monotonic()
+        next_log = started
+        waited_before = False
+        while not self._stopping:
+            try:
+                self.heartbeats.client.ping()
+            except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
+                raise RedisUnreachable(f"Redis at {where} refused the credentials: {exc}") from None
+            except (redis.RedisError, OSError) as exc:
+                now = time.monotonic()
+                if now - started >= self.config.redis_wait:
+                    raise RedisUnreachable(
+                        f"Redis at {where} did not answer within {self.config.redis_wait:g} s "
+                        f"(--redis-wait): {exc}"
+                    ) from None
+                if now >= next_log:
+                    left = self.config.redis_wait - (now - started)
+                    log.warning(
+                        "waiting for Redis at %s (%s); giving up in %.0f s (--redis-wait)",
+                        where, exc, left,
+                    )  # fmt: skip
+                    next_log = now + REDIS_WAIT_LOG_EVERY_S
+                    waited_before = True
+                time.sleep(min(REDIS_WAIT_POLL_S, max(0.0, started + self.config.redis_wait - now)))
+                continue
+            if waited_before:
+                log.info("Redis at %s answers", where)
+            return True
+        return False
 
     def _step(self, start_deadline: float) -> None:
         for key, _ in self.selector.select(timeout=min(0.2, self._heartbeat_every)):

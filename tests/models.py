@@ -26,7 +26,8 @@ class Toy(ManagedModel):
     """Returns each item with the order it was computed in and the size of its batch.
 
     ``{"fail": msg}`` makes predict raise ValueError(msg); ``{"sleep": s}`` sleeps s seconds
-    first. With MICROBATCH_TEST_RECORD_DIR set, every computed item is recorded per process.
+    first; ``{"until": path}`` holds the batch until that file exists (60 s at most). With
+    MICROBATCH_TEST_RECORD_DIR set, every computed item is recorded per process.
     """
 
     name = "toy"
@@ -46,6 +47,10 @@ class Toy(ManagedModel):
         for item in batch:
             if isinstance(item, dict) and "sleep" in item:
                 time.sleep(item["sleep"])
+            if isinstance(item, dict) and "until" in item:
+                deadline = time.monotonic() + 60
+                while not os.path.exists(item["until"]) and time.monotonic() < deadline:
+                    time.sleep(0.01)
         if self.delay:
             time.sleep(self.delay)
         for item in batch:

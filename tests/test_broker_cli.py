@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import msgpack
 
@@ -21,46 +22,58 @@ def broker_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "broker.cli", *args],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "80"},
         capture_output=True,
         text=True,
         timeout=60,
     )
 
 
-def test_status_json_matches_redis(redis_server: RedisServer, prefix: str) -> None:
+def test_status_json_matches_redis(redis_server: RedisServer, prefix: str, tmp_path: Path) -> None:
     client = redis_server.client()
     keys = ModelKeys("toy", prefix)
+    release = tmp_path / "release"
     with worker_process(
         redis_server.url, "tests.models:Toy", prefix, "--workers", "2", expect_consumers=2
     ):
         streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix)
         streamer.predict(["a", "b", "c"])
-        blocker = streamer.submit([{"sleep": 0.25}] * 8)  # a full batch keeps a worker busy
-        queued = streamer.submit(["q1", "q2", "q3"])
+        # a full batch that a worker holds until we release it
+        blocker = streamer.submit([{"until": str(release)}] * 8)
         client.xadd(keys.dead_letters, {"id": "x", "dead_reason": "test", "data": b"123"})
-        result = broker_cli("status", "--redis", redis_server.url, "--prefix", prefix, "--json")
-        assert result.returncode == 0, result.stderr
-        (model,) = json.loads(result.stdout)
+        command = ("status", "--redis", redis_server.url, "--prefix", prefix, "--json")
+        # the supervisor reports the batch in hand with its next heartbeat (every second)
+        deadline = time.monotonic() + 30
+        while True:
+            result = broker_cli(*command)
+            assert result.returncode == 0, result.stderr
+            (model,) = json.loads(result.stdout)
+            if max(c["current_batch"] for c in model["consumers"]) == 8:
+                break
+            assert time.monotonic() < deadline, model
+            time.sleep(0.2)
+        queued = streamer.submit(["q1", "q2", "q3"])
+        deadline = time.monotonic() + 30  # the other worker answers these meanwhile
+        while model["stream_length"] != 8:
+            assert time.monotonic() < deadline, model
+            (model,) = json.loads(broker_cli(*command).stdout)
         assert (model["prefix"], model["model"]) == (prefix, "toy")
         assert model["live_consumers"] == 2
         assert model["dead_letters"] == 1 == client.xlen(keys.dead_letters)
-        assert model["stream_length"] == client.xlen(keys.stream) >= 3  # while the batch runs
-        # the supervisor reports the batch in hand with its next heartbeat (every second)
-        deadline, batches = time.monotonic() + 1.8, [0]
-        while max(batches) != 8 and time.monotonic() < deadline:
-            command = ("status", "--redis", redis_server.url, "--prefix", prefix, "--json")
-            batches = [
-                c["current_batch"] for c in json.loads(broker_cli(*command).stdout)[0]["consumers"]
-            ]
-        assert max(batches) == 8
+        assert model["stream_length"] == client.xlen(keys.stream)  # the batch held, unanswered
+        assert model["pending"] == 8
         assert {c["name"] for c in model["consumers"]} == {
             name.decode() for name in client.zrange(keys.consumers, 0, -1)
         }
+        release.touch()
         assert [len(f.result(timeout=20)) for f in (blocker, queued)] == [8, 3]
         streamer.close()
-    human = broker_cli("status", "--redis", redis_server.url, "--prefix", prefix)
-    assert human.returncode == 0 and "toy" in human.stdout
+        human = broker_cli("status", "--redis", redis_server.url, "--prefix", prefix)
+        assert human.returncode == 0 and "toy" in human.stdout
+        # nothing is cut at 80 columns (COLUMNS in the test's environment) or at a pipe's width
+        for consumer in model["consumers"]:
+            assert consumer["name"] in human.stdout
+        assert prefix in human.stdout and "…" not in human.stdout
 
 
 def test_dead_letters_list_replay_purge(redis_server: RedisServer, prefix: str) -> None:

@@ -43,14 +43,17 @@ COMPAT_IMPORT = "from gpu_worker.compat import"
 # -- the two interpreters and the two copies of the programs ------------------------------------
 @pytest.fixture(scope="session")
 def service_streamer_python() -> str:
-    """A python with the real service_streamer 0.1.2, redis and flask (made once, then reused).
+    """A python with the real service_streamer 0.1.2, redis, flask and torch (made once, then
+    reused).
 
     Built with ``python -m venv`` + ``pip install service_streamer==0.1.2 redis flask`` under
-    .cache/ (git-ignored); rebuilt when it does not import the real package.
+    .cache/ (git-ignored); torch is this environment's, reached through a .pth file (after the
+    virtualenv's own packages) rather than installed a second time. Rebuilt when it does not
+    import the real package.
     """
     python = VENV / "bin" / "python"
     check = (
-        "import importlib.metadata as m, service_streamer, flask, redis; "
+        "import importlib.metadata as m, service_streamer, flask, redis, torch; "
         "assert m.version('service_streamer') == '0.1.2'"
     )
     if python.exists() and subprocess.run([python, "-c", check], timeout=60).returncode == 0:
@@ -60,6 +63,17 @@ def service_streamer_python() -> str:
     subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True, timeout=120)
     install = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     subprocess.run([*install, REAL, "redis", "flask"], check=True, timeout=600)
+    import torch
+
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout.strip()
+    torch_home = Path(torch.__file__).resolve().parent.parent
+    (Path(site) / "microbatch-test-torch.pth").write_text(f"{torch_home}\n")
     subprocess.run([python, "-c", check], check=True, timeout=60)
     return str(python)
 
@@ -95,11 +109,15 @@ def variants(
 
 
 def run_program(
-    variant: tuple[str, Path, dict[str, str]], name: str, timeout: float = 120, **env: str
+    variant: tuple[str, Path, dict[str, str]],
+    name: str,
+    timeout: float = 120,
+    args: tuple[str, ...] = (),
+    **env: str,
 ) -> Any:
     python, directory, base = variant
     done = subprocess.run(
-        [python, name],
+        [python, name, *args],
         cwd=directory,
         env={**base, **env},
         capture_output=True,
@@ -238,6 +256,35 @@ def test_redis_streamers_on_two_prefixes(variants: dict[str, Any], redis_server:
     ]
 
 
+def test_workers_see_the_programs_own_arguments(variants: dict[str, Any]) -> None:
+    args = ("--suffix", "+argv")
+    results = {
+        name: run_program(variant, "argv_streamer.py", args=args)
+        for name, variant in variants.items()
+    }
+    assert results["compat"] == results["real"]
+    batch = ["hello world", "the arguments reach the workers"]
+    assert results["real"]["outputs"] == [expected(s, "+argv") for s in batch]
+
+
+def test_torch_tensors_arrive_and_return_as_tensors(variants: dict[str, Any]) -> None:
+    results = {
+        name: run_program(variant, "torch_streamers.py") for name, variant in variants.items()
+    }
+    assert results["compat"] == results["real"]
+    threaded = results["real"]["threaded"]
+    assert threaded[0]["seen"] == {"tensor": "torch.float32", "shape": [2, 3], "data": [
+        [0.0, 1.0, 2.0], [3.0, 4.0, 5.0]
+    ]}  # fmt: skip
+    assert threaded[0]["doubled"]["data"] == [[0.0, 2.0, 4.0], [6.0, 8.0, 10.0]]
+    assert threaded[2]["seen"]["ids"] == {"tensor": "torch.int64", "shape": [1, 3], "data": [
+        [101, 7592, 102]
+    ]}  # fmt: skip
+    assert threaded[2]["doubled"]["mask"]["tensor"] == "torch.int32"
+    assert threaded[3]["seen"] == {"tensor": "torch.bfloat16", "shape": [], "data": 1.5}
+    assert results["real"]["streamer"] == threaded
+
+
 # -- what microbatch changes: errors at once, never a 20 s hang ----------------------------------
 class Picky:
     """A predict function's owner: fails on 'boom', sleeps on 'sleep'."""
@@ -335,3 +382,35 @@ def test_streamer_on_a_redis_of_your_own(redis_server: RedisServer) -> None:
         assert streamer.predict(["x", ["y"]]) == ["X", ["y"]]
     finally:
         streamer.destroy_workers()
+
+
+def test_tensors_stay_tensors_and_arrays_stay_arrays() -> None:
+    import torch
+
+    from broker import codec
+    from gpu_worker.compat_values import from_wire, to_wire
+
+    seen: list[Any] = []
+
+    def double(batch: list[Any]) -> list[Any]:
+        seen.extend(batch)
+        return [item * 2 for item in batch]
+
+    streamer = compat.ThreadedStreamer(double, batch_size=8, max_latency=0)
+    try:
+        tensor, array = torch.arange(4, dtype=torch.int16), np.arange(3, dtype=np.float32)
+        out_tensor, out_array = streamer.predict([tensor, array])
+    finally:
+        streamer.destroy_workers()
+    assert isinstance(seen[0], torch.Tensor) and seen[0].dtype == torch.int16
+    assert isinstance(seen[1], np.ndarray) and not isinstance(seen[1], torch.Tensor)
+    assert torch.equal(out_tensor, tensor * 2) and out_tensor.dtype == torch.int16
+    np.testing.assert_array_equal(out_array, array * 2)
+    # at any depth, through the codec; what holds no tensor is passed through untouched
+    value = {"a": [torch.ones(2, dtype=torch.bfloat16), "x"], "b": (1, 2.5)}
+    back = from_wire(codec.decode(codec.encode(to_wire(value))))
+    assert back["a"][0].dtype == torch.bfloat16 and torch.equal(back["a"][0], value["a"][0])
+    assert back["a"][1] == "x" and back["b"] == [1, 2.5]
+    plain = {"a": [1, "x"], "b": np.zeros(2)}
+    assert to_wire(plain) is plain and from_wire(plain) is plain
+    back["a"][0].add_(1)  # a writable copy, as unpickling gives

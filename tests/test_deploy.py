@@ -694,6 +694,21 @@ def test_scaledobject_scales_the_workers_on_their_stream() -> None:
     assert yaml.safe_load(patch["patch"]) == [
         {"op": "replace", "path": "/spec/minReplicaCount", "value": 0}
     ]
+    # ... and lets the gateways queue requests while workers scale up from zero (the base
+    # answers them with 503 NoWorkers once a model has had no worker for the grace period)
+    (generator,) = overlay["configMapGenerator"]
+    assert (generator["name"], generator["behavior"]) == ("microbatch", "merge")
+    added = dict(literal.split("=", 1) for literal in generator["literals"])
+    assert added == {"MICROBATCH_GATEWAY_WAIT_FOR_WORKERS": "true"}
+    assert "MICROBATCH_GATEWAY_WAIT_FOR_WORKERS" not in literals
+    from web_gateway.settings import GatewaySettings
+
+    value = added["MICROBATCH_GATEWAY_WAIT_FOR_WORKERS"]
+    assert GatewaySettings(wait_for_workers=value).wait_for_workers is True
+    assert GatewaySettings().wait_for_workers is False
+    gateway = k8s_find("Deployment", "microbatch-gateway")
+    (container,) = gateway["spec"]["template"]["spec"]["containers"]
+    assert {"configMapRef": {"name": "microbatch"}} in container["envFrom"]
 
 
 def test_kustomization_lists_every_manifest() -> None:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from broker import Streamer
-from broker.devserver import RedisServer
-from tests.conftest import worker_process
+from broker.devserver import RedisServer, free_port
+from broker.keys import ModelKeys
+from gpu_worker.config import WorkerConfig
+from tests.conftest import wait_for_consumers, worker_process
 from tests.test_devices import run_worker_cli
 
 
@@ -106,3 +110,81 @@ def test_a_busy_poll_out_of_range_gives_one_line(value: str) -> None:
     result = run_worker_cli("--model", "tests.models:Toy", "--busy-poll-us", value)
     assert result.returncode == 2
     assert result.stderr.strip() == "Error: --busy-poll-us must be between 0 and 100000"
+
+
+# -- Redis at start-up, and after ------------------------------------------------------------------
+def test_redis_unreachable_at_start_exits_2_after_redis_wait() -> None:
+    port = free_port()
+    url = f"redis://worker:s3cret@127.0.0.1:{port}/0"
+    env = {"MICROBATCH_WORKER_REDIS_WAIT": "2"}
+    started = time.monotonic()
+    result = run_worker_cli("--model", "tests.models:Toy", "--redis", url, env=env)
+    assert result.returncode == 2, result.stderr
+    assert time.monotonic() - started < 2 + 30  # the wait is bounded (generously: shared CPUs)
+    lines = result.stderr.strip().splitlines()
+    assert len([line for line in lines if "waiting for Redis" in line]) == 1  # one per 10 s
+    assert lines[-1].startswith(
+        f"Error: Redis at redis://127.0.0.1:{port}/0 did not answer within 2 s (--redis-wait)"
+    )
+    assert "ready" not in result.stderr and "serving" not in result.stderr
+    assert "s3cret" not in result.stderr
+
+
+def test_waiting_for_redis_says_so_every_10_s(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    from gpu_worker import supervisor
+
+    monkeypatch.setattr(supervisor, "REDIS_WAIT_LOG_EVERY_S", 1.0)  # 10 s, scaled down
+    config = WorkerConfig(
+        model="tests.models:Toy", redis_url=f"redis://127.0.0.1:{free_port()}/0", redis_wait=2.5
+    )
+    with (
+        caplog.at_level(logging.INFO, "microbatch.supervisor"),
+        pytest.raises(supervisor.RedisUnreachable, match=r"within 2\.5 s"),
+    ):
+        supervisor.Supervisor(config).run()
+    waiting = [r.getMessage() for r in caplog.records if "waiting for Redis" in r.getMessage()]
+    assert len(waiting) == 3  # at 0, 1 and 2 s
+    assert "giving up in 2 s" in waiting[1] or "giving up in 1 s" in waiting[1]
+
+
+def test_a_worker_waits_for_redis_then_rides_out_its_outages(tmp_path: Path, prefix: str) -> None:
+    server = RedisServer()
+    log_path = tmp_path / "worker.log"
+    keys = ModelKeys("toy", prefix)
+    args = ("--redis-wait", "60", "--heartbeat-ttl", "1")
+    try:
+        with worker_process(
+            server.url, "tests.models:Toy", prefix, *args, expect_consumers=None, log_path=log_path
+        ) as proc:
+            wait_for_line(log_path, "waiting for Redis", proc)
+            server.start()  # Redis comes up during the wait: the worker starts serving
+            wait_for_consumers(server.url, keys, 1)
+            with Streamer("toy", redis_url=server.url, prefix=prefix) as streamer:
+                assert streamer.predict(["before"])[0]["item"] == "before"
+            log = log_path.read_text()
+            assert log.index("waiting for Redis") < log.index("answers") < log.index("ready")
+
+            server.kill()  # an outage longer than --redis-wait does not stop a worker that served
+            wait_for_line(log_path, "broker unavailable", proc)
+            time.sleep(3)
+            assert proc.poll() is None
+            server.start()
+            wait_for_consumers(server.url, keys, 1)
+            with Streamer("toy", redis_url=server.url, prefix=prefix) as streamer:
+                assert streamer.predict(["after"])[0]["item"] == "after"
+            assert proc.poll() is None
+        assert proc.returncode == 0
+    finally:
+        server.stop()
+    log = log_path.read_text()
+    # outage messages: a line when it starts, then one every 10 s at most (not one per retry)
+    assert log.count("broker unavailable") == 1
+    assert log.count("cannot renew heartbeats") == 1
+
+
+def wait_for_line(path: Path, text: str, proc: Any, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in (path.read_text() if path.exists() else ""):
+        assert proc.poll() is None, path.read_text()
+        assert time.monotonic() < deadline, f"{text!r} never appeared in the worker's log"
+        time.sleep(0.05)

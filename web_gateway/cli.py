@@ -129,6 +129,17 @@ def start(
             help="Per-model bound on queued payload bytes (0: no bound).",
         ),
     ] = 0,
+    wait_for_workers: Annotated[
+        bool,
+        typer.Option(
+            "--wait-for-workers",
+            envvar=f"{ENV}WAIT_FOR_WORKERS",
+            help="Let requests wait for a worker until their timeout, however long their model "
+            "has had none (e.g. while workers scale up from zero). Without it, a request whose "
+            "model has had no live worker for MICROBATCH_GATEWAY_WORKERS_GRACE seconds "
+            "(default 10) gets 503 NoWorkers, its items withdrawn.",
+        ),
+    ] = False,
     auth_tokens_file: Annotated[
         Path | None,
         typer.Option(
@@ -223,6 +234,7 @@ def start(
         "BODY_TIMEOUT": str(body_timeout),
         "KEEPALIVE_TIMEOUT": str(keepalive_timeout),
         "MAX_CONNECTIONS": str(max_connections),
+        "WAIT_FOR_WORKERS": "true" if wait_for_workers else "false",
         "GRACEFUL_TIMEOUT": str(graceful_timeout),
         "LOG_LEVEL": log_level,
         "LOG_FORMAT": log_format,

@@ -15,6 +15,7 @@ ModelError                 500     the model raised on this item (the model's me
 InvalidOutput, Protocol..  500     the model or the deployment misbehaved (never the input)
 QueueFull                  503     the model's queue is at its bound (Retry-After)
 BrokerUnavailable          503     Redis cannot be reached (Retry-After)
+NoWorkers                  503     no live worker has consumed the model for a while (Retry-After)
 DeadlineExceeded           504     no result within the request's timeout
 =========================  ======  ========================================================
 """
@@ -35,6 +36,7 @@ from broker.errors import (
     InvalidOutput,
     MicrobatchError,
     ModelError,
+    NoWorkers,
     PoisonRequest,
     ProtocolError,
     QueueFull,
@@ -49,6 +51,7 @@ STATUS_BY_ERROR: dict[type[MicrobatchError], int] = {
     ProtocolError: 500,
     QueueFull: 503,
     BrokerUnavailable: 503,
+    NoWorkers: 503,
     DeadlineExceeded: 504,
 }
 

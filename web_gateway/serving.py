@@ -53,6 +53,8 @@ class ServedModel:
             timeout=settings.default_timeout,
             max_queue_items=settings.max_queue_items,
             max_queue_bytes=settings.max_queue_bytes,
+            wait_for_workers=settings.wait_for_workers,
+            workers_grace=settings.workers_grace,
         )
 
     @classmethod

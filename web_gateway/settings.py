@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from broker.client import DEFAULT_REDIS_URL
 from broker.keys import DEFAULT_PREFIX, check_prefix
+from broker.worker_watch import DEFAULT_GRACE_S
 
 ENV_PREFIX = "MICROBATCH_GATEWAY_"
 
@@ -57,6 +58,17 @@ class GatewaySettings(BaseSettings):
     )
     max_queue_bytes: int = Field(
         default=0, ge=0, description="Per-model queue bound in bytes (0: none)."
+    )
+    wait_for_workers: bool = Field(
+        default=False,
+        description="Let requests wait for a worker until their timeout, however long the model "
+        "has had none (e.g. while workers scale up from zero), instead of 503 NoWorkers.",
+    )
+    workers_grace: float = Field(
+        default=DEFAULT_GRACE_S,
+        gt=0,
+        description="Seconds a model may have no live worker before its requests get 503 "
+        "NoWorkers (at least twice the workers' --heartbeat-ttl).",
     )
     retry_after: int = Field(default=1, ge=0, description="Retry-After seconds sent with a 503.")
     preprocess_threads: int = Field(

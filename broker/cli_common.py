@@ -1,0 +1,97 @@
+"""What every microbatch command line shares (``worker``, ``gateway``, ``broker``).
+
+Plain help (no boxes, nothing cut), ``-h`` as ``--help``, ``--version``, ``--log-level``
+(debug, info, warning, error or critical, in any case) and ``--log-format``; a bad value is one
+``Error: ...`` line and exit status 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib import metadata
+from typing import Any, NoReturn
+
+import typer
+
+from .logs import parse_format, parse_level
+
+CONTEXT_SETTINGS: dict[str, Any] = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+LOG_LEVEL_HELP = "debug, info, warning, error or critical (any case)."
+LOG_FORMAT_HELP = "text, or json: one JSON object per line."
+
+
+def new_app(help: str, **options: Any) -> typer.Typer:
+    """A Typer app with the shared conventions (plain click help, ``-h``, no completion)."""
+    options.setdefault("no_args_is_help", True)
+    return typer.Typer(
+        help=help,
+        add_completion=False,
+        pretty_exceptions_enable=False,
+        rich_markup_mode=None,
+        context_settings=CONTEXT_SETTINGS,
+        **options,
+    )
+
+
+def version() -> str:
+    """The installed microbatch's version."""
+    try:
+        return metadata.version("microbatch")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """Print ``Error: message`` on stderr (one line) and exit with ``code``."""
+    typer.echo(f"Error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"microbatch {version()}")
+        raise typer.Exit()
+
+
+def _checked(parse: Callable[[str], str]) -> Callable[[str | None], str | None]:
+    def callback(value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            return parse(value)
+        except ValueError as exc:
+            fail(str(exc))
+
+    return callback
+
+
+def version_option() -> Any:
+    """``--version``: print ``microbatch <version>`` and exit 0."""
+    return typer.Option(
+        "--version",
+        callback=_print_version,
+        is_eager=True,
+        help="Print the version (microbatch <version>) and exit.",
+    )
+
+
+def log_level_option(envvar: str) -> Any:
+    """``--log-level``, read from ``envvar`` too; the value arrives in lower case."""
+    return typer.Option(
+        "--log-level",
+        envvar=envvar,
+        metavar="LEVEL",
+        callback=_checked(parse_level),
+        help=LOG_LEVEL_HELP,
+    )
+
+
+def log_format_option(envvar: str) -> Any:
+    """``--log-format`` (text or json), read from ``envvar`` too."""
+    return typer.Option(
+        "--log-format",
+        envvar=envvar,
+        metavar="FORMAT",
+        callback=_checked(parse_format),
+        help=LOG_FORMAT_HELP,
+    )

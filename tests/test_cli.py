@@ -1,0 +1,122 @@
+"""The command lines agree: plain help with nothing cut, -h, --version, --log-level, log format."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import subprocess
+import sys
+from importlib import import_module
+
+import click
+import pytest
+import typer
+
+from broker.cli_common import version
+from broker.devserver import RedisServer
+from broker.logs import TEXT_FORMAT, configure_logging
+from tests.conftest import ROOT
+
+# (module, the command's name); each module has ``app``, a Typer app.
+CLIS = [("gpu_worker.cli", "worker"), ("broker.cli", "broker")]
+BOX = re.compile("[\u2500-\u257f]")  # box-drawing characters: rich's panels
+
+
+def run_cli(module: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "80", **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def commands(group: click.Command, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every command path of a click group: (), ("start",), ("dead-letters", "list"), ..."""
+    found = [path]
+    if isinstance(group, click.Group):
+        for name, command in group.commands.items():
+            found += commands(command, (*path, name))
+    return found
+
+
+def find(group: click.Command, path: tuple[str, ...]) -> click.Command:
+    for name in path:
+        assert isinstance(group, click.Group)
+        group = group.commands[name]
+    return group
+
+
+@pytest.mark.parametrize(("module", "prog"), CLIS)
+def test_help_is_plain_whole_and_answers_to_h(module: str, prog: str) -> None:
+    root = typer.main.get_command(import_module(module).app)
+    for path in commands(root):
+        long = run_cli(module, *path, "--help")
+        short = run_cli(module, *path, "-h")
+        assert long.returncode == short.returncode == 0, long.stderr
+        assert short.stdout == long.stdout
+        assert long.stdout.startswith(f"Usage: {' '.join((prog, *path))} ")
+        assert not BOX.search(long.stdout), f"{prog} {' '.join(path)}: rich boxes"
+        body = long.stdout.split("\n", 1)[1]  # after "Usage: ... [ARGS]..."
+        assert "..." not in body, f"{prog} {' '.join(path)}: a help text was cut"
+        for param in find(root, path).params:
+            for envvar in [param.envvar] if isinstance(param.envvar, str) else param.envvar or []:
+                found = re.search(rf"\b{envvar}\b", long.stdout)
+                assert found, f"{envvar} is missing or cut in {prog} {' '.join(path)}"
+
+
+@pytest.mark.parametrize(("module", "prog"), CLIS)
+def test_version_prints_microbatch_and_its_version(module: str, prog: str) -> None:
+    done = run_cli(module, "--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"microbatch {version()}\n"
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", version())
+
+
+@pytest.mark.parametrize(
+    ("module", "args"),
+    [
+        ("gpu_worker.cli", ("start", "--model", "tests.models:Toy", "--log-level")),
+        ("broker.cli", ("--log-level",)),
+    ],
+)
+def test_log_levels_any_case_and_nothing_else(
+    module: str, args: tuple[str, ...], redis_server: RedisServer
+) -> None:
+    tail = ("status", "--redis", redis_server.url) if module == "broker.cli" else ()
+    for bad in ("verbose", "warn", "10", ""):
+        done = run_cli(module, *args, bad, *tail)
+        assert done.returncode == 2, (bad, done.stderr)
+        assert done.stderr.splitlines() == [
+            f"Error: --log-level must be one of debug, info, warning, error, critical, not {bad!r}"
+        ]
+    for good in ("WARNING", "Error", "critical"):
+        if module == "broker.cli":
+            done = run_cli(module, *args, good, *tail)
+            assert done.returncode == 0, (good, done.stderr)
+        else:  # accepted: the worker goes on to its model (which does not exist)
+            done = run_cli(module, "start", "--model", "tests.models:Missing", "--log-level", good)
+            assert done.returncode == 2
+            assert done.stderr.splitlines()[-1].startswith("Error: ")
+            assert "Missing" in done.stderr and "--log-level" not in done.stderr
+
+
+def test_every_process_logs_in_one_format(capfd: pytest.CaptureFixture[str]) -> None:
+    configure_logging("info", "text")
+    try:
+        logging.getLogger("microbatch.test").info("hello %s", "there")
+        line = capfd.readouterr().err.strip().splitlines()[-1]
+    finally:
+        logging.getLogger().handlers.clear()
+    assert TEXT_FORMAT == "%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"
+    assert re.fullmatch(
+        rf"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d{{3}} INFO microbatch.test \[{os.getpid()}\] "
+        r"hello there",
+        line,
+    )
+    # the compat supervisor uses the shared set-up too (no format string of its own)
+    compat = (ROOT / "gpu_worker" / "compat.py").read_text()
+    assert "configure_logging(" in compat and "basicConfig" not in compat
