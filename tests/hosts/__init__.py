@@ -21,13 +21,16 @@ that use them fail saying so (they are marked ``slow``: `make test-slow`, `.ci/r
   (3 primaries with a replica each, by ``redis-cli --cluster create``), each on its own
   host(s). A new topology subclasses :class:`RedisTopology`: its nodes, its ``url`` (what
   ``--redis`` gets) and ``admin`` access.
+- :mod:`~tests.hosts.services`: `worker start` and `gateway start` on hosts, the load
+  generator (:mod:`~tests.hosts.load`, run on a client host, results as JSON) and the figures
+  the fault tests print.
 
-Typical use (see test_harness.py)::
+Typical use (test_multihost.py builds a whole stack this way)::
 
-    def test_x(network):
+    def test_x(network, prefix):
         redis = SingleRedis(network.host("redis")).start()
         worker = network.host("w1")
-        worker.python("gpu_worker.cli", "start", "--model", ..., "--redis", redis.url)
+        start_worker(worker, redis.url, prefix, tag=1)  # `worker start` on that host
         ...
         worker.kill_all()  # or worker.link_down(); ...; worker.link_up()
 """
