@@ -111,19 +111,19 @@ def _protected() -> set[int]:
 
 def kill_namespace(namespace: str, timeout: float = 10.0) -> list[int]:
     """SIGKILL every process in a namespace until none is left; return the pids killed."""
-    protected, killed = _protected(), []
+    protected, killed = _protected(), set()
     deadline = time.monotonic() + timeout
     while pids := [pid for pid in namespace_pids(namespace) if pid not in protected]:
-        for pid in pids:
+        for pid in pids:  # one still listed may be dying of the last round's SIGKILL
             try:
                 os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
+                killed.add(pid)
             except ProcessLookupError:
                 pass
         if time.monotonic() > deadline:
             raise RuntimeError(f"processes {pids} in {namespace} survived SIGKILL")
         time.sleep(0.02)
-    return killed
+    return sorted(killed)
 
 
 def _alive(pid: int) -> bool:
