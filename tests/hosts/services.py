@@ -86,22 +86,42 @@ def worker_consumers(topology: RedisTopology, prefix: str, host: Host) -> list[s
     return [name for name in topology.admin(names) if name.rsplit("-", 1)[1] in pids]
 
 
-def held_inputs(topology: RedisTopology, prefix: str, consumers: list[str]) -> list[int]:
-    """The call indices of the entries these consumers hold (delivered, unanswered)."""
+def held_entries(topology: RedisTopology, prefix: str, consumers: list[str]) -> dict[str, int]:
+    """The entries these consumers hold (delivered, unanswered): entry id -> call index."""
     keys = ModelKeys(MODEL_NAME, prefix)
 
-    def held(client: Any) -> list[int]:
-        out = []
+    def held(client: Any) -> dict[str, int]:
+        out = {}
         for consumer in consumers:
             pending = client.xpending_range(
                 keys.stream, keys.group, "-", "+", 10_000, consumername=consumer
             )
             for entry in pending:
-                for _, fields in client.xrange(keys.stream, entry["message_id"], "+", count=1):
-                    out.append(int(codec.decode(fields[b"data"])[0]))
+                entry_id = entry["message_id"]
+                for _, fields in client.xrange(keys.stream, entry_id, entry_id):
+                    out[entry_id.decode()] = int(codec.decode(fields[b"data"])[0])
         return out
 
     return topology.admin(held)
+
+
+def held_inputs(topology: RedisTopology, prefix: str, consumers: list[str]) -> list[int]:
+    """The call indices of the entries these consumers hold."""
+    return sorted(held_entries(topology, prefix, consumers).values())
+
+
+def still_pending(topology: RedisTopology, prefix: str, entry_ids: list[str]) -> list[str]:
+    """Those of ``entry_ids`` that some consumer still holds (not yet answered and acked)."""
+    keys = ModelKeys(MODEL_NAME, prefix)
+
+    def pending(client: Any) -> list[str]:
+        if not client.exists(keys.stream):
+            return []
+        held = client.xpending_range(keys.stream, keys.group, "-", "+", 100_000)
+        ids = {entry["message_id"].decode() for entry in held}
+        return [entry_id for entry_id in entry_ids if entry_id in ids]
+
+    return topology.admin(pending)
 
 
 def queue_state(topology: RedisTopology, prefix: str) -> tuple[int, int, int]:
