@@ -122,3 +122,30 @@ class WhichThread(ManagedModel):
         import threading
 
         return [threading.current_thread().name] * len(batch)
+
+
+class HostTagged(ManagedModel):
+    """FP32[2] -> FP32[3]: ``[2 * a, b + 1, tag]``, where tag is the number in
+    MICROBATCH_TEST_TAG (which host computed it; 0 if unset). Every batch sleeps
+    MICROBATCH_TEST_BATCH_DELAY seconds, so a worker holds its items for a while."""
+
+    name = "hosttagged"
+    inputs = [TensorSpec("input", "FP32", [2])]
+    outputs = [TensorSpec("output", "FP32", [3])]
+    batch_size = 8
+
+    def init_model(self) -> None:
+        self.tag = float(os.environ.get(TAG_ENV) or 0)
+        self.delay = float(os.environ.get(DELAY_ENV, "0"))
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        import numpy as np
+
+        if self.delay:
+            time.sleep(self.delay)
+        return [np.array([2 * item[0], item[1] + 1, self.tag], dtype=np.float32) for item in batch]
+
+
+def host_tagged_expected(item: list[float]) -> list[float]:
+    """What :class:`HostTagged` answers for ``item``, without the tag."""
+    return [2 * item[0], item[1] + 1]

@@ -1,0 +1,213 @@
+"""Many hosts, really: Redis, two worker hosts, two gateway hosts and a client host, each its own
+network namespace (tests/hosts/netns.py), the product's real commands on each.
+
+The client host runs the load generator (tests/hosts/load.py): open-loop single-item calls,
+spread over a Streamer talking to Redis and the two gateways over HTTP. Every input is distinct
+and every answer is checked against its own input, and says which worker host computed it.
+Each test prints one ``FIGURES`` line (docs/reliability.md carries them)::
+
+    .venv/bin/python -m pytest -q -s tests/hosts/test_multihost.py
+
+*lost*: a call that ended with neither an answer nor a typed error; *recovery_s*: from the
+fault to the first right answer after it; *takeover_s*: from the fault to the answer of the
+last item the faulty host held; *dup_replies*: replies the client's inbox got twice and dropped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from tests.hosts.netns import Host, Network
+from tests.hosts.redis_topologies import SingleRedis, wait_for
+from tests.hosts.services import (
+    Load,
+    by_index,
+    figures,
+    held_entries,
+    held_inputs,
+    queue_state,
+    start_gateway,
+    start_worker,
+    still_pending,
+    wait_for_gateway,
+    wait_for_workers,
+    worker_consumers,
+)
+
+pytestmark = pytest.mark.slow
+
+HEARTBEAT_TTL = "2"  # a dead or cut-off worker host is noticed after 2 s
+
+
+@dataclass
+class Stack:
+    redis: SingleRedis
+    workers: list[Host]
+    gateways: list[Host]
+    bases: list[str]
+    client: Host
+
+    @property
+    def targets(self) -> list[str]:
+        """Where the load goes, call after call: the Streamer, then each gateway."""
+        return ["redis", *self.bases]
+
+    def delay(self, network: Network) -> str:
+        return f"{network.delay_method}:{network.delay_s * 1000:g}ms"
+
+
+def build_stack(network: Network, prefix: str, batch_delay: float, batch_size: int = 8) -> Stack:
+    """Redis, two worker hosts (tags 1 and 2), two gateway hosts and a client host, running."""
+    redis_host = network.host("redis")
+    workers = [network.host("w1"), network.host("w2")]
+    gateways = [network.host("gw1"), network.host("gw2")]
+    client = network.host("client")
+    redis = SingleRedis(redis_host).start()
+    for tag, host in enumerate(workers, start=1):
+        args = ("--heartbeat-ttl", HEARTBEAT_TTL, "--batch-size", str(batch_size))
+        start_worker(host, redis.url, prefix, tag, *args, batch_delay=batch_delay)
+    bases = [start_gateway(host, redis.url, prefix) for host in gateways]
+    wait_for_workers(redis, prefix, 2)
+    for base in bases:
+        wait_for_gateway(base, client)
+    return Stack(redis, workers, gateways, bases, client)
+
+
+def answered_by(call: dict[str, Any]) -> float:
+    """The tag of the worker host that answered a call (0 if it got no answer)."""
+    output = call["output"]
+    return float(output[2]) if call["error"] is None and isinstance(output, list) else 0.0
+
+
+def test_two_worker_hosts_and_two_gateway_hosts_answer_every_call_right(
+    network: Network, prefix: str
+) -> None:
+    stack = build_stack(network, prefix, batch_delay=0.0)
+    before = time.monotonic()
+    load = Load(
+        stack.client, stack.redis.url, prefix, stack.targets, rate=100, seconds=6, timeout=10
+    )
+    results = load.result()
+    relay = stack.redis.nodes[0].relay.stats(fresh_after=time.monotonic())
+    calls = results["calls"]
+    per_target = {t: sum(1 for c in calls if c["target"] == t) for t in stack.targets}
+    peers = relay["peers"]
+    client_trips = peers.get(stack.client.addr, {}).get("round_trips", 0)
+    gateway_trips = sum(peers.get(h.addr, {}).get("round_trips", 0) for h in stack.gateways)
+    worker_trips = sum(peers.get(h.addr, {}).get("round_trips", 0) for h in stack.workers)
+    hosts_used = sorted({answered_by(c) for c in calls} - {0.0})
+    numbers = figures(
+        "hosts-topology", results, {1.0, 2.0}, link_delay=stack.delay(network),
+        worker_hosts_used=hosts_used,
+        streamer_round_trips_per_call=round(client_trips / per_target["redis"], 2),
+        gateway_round_trips_per_call=round(
+            gateway_trips / sum(per_target[b] for b in stack.bases), 2
+        ),
+        worker_round_trips_per_item=round(worker_trips / len(calls), 2),
+        redis_commands=relay["total"]["command_count"],
+        load_s=round(results["ended"] - results["started"], 2),
+    )  # fmt: skip
+    assert before < results["started"]
+    assert numbers.lost == 0 and numbers.wrong == 0 and numbers.errors == {}
+    assert numbers.answered == numbers.sent == 600
+    assert hosts_used == [1.0, 2.0], "both worker hosts should have computed some"
+    for target in stack.targets:  # the Streamer and both gateways answered their share
+        assert per_target[target] == 200
+    assert client_trips > 0 and gateway_trips > 0  # the relay saw each caller host's traffic
+    assert queue_state(stack.redis, prefix) == (0, 0, 0)
+
+
+def hold_then(stack: Stack, prefix: str, victim: Host, want: int = 4) -> list[str]:
+    """Wait until ``victim``'s workers hold ``want`` items (for up to 5 s, then any will do, for
+    up to 5 s more); return their consumers."""
+    consumers = worker_consumers(stack.redis, prefix, victim)
+    assert consumers, f"no consumer of the model runs on {victim}"
+    deadline = time.monotonic() + 5.0
+    wait_for(
+        lambda: len(held_inputs(stack.redis, prefix, consumers))
+        >= (want if time.monotonic() < deadline else 1),
+        10.0, f"{victim} to hold items", every=0.01,
+    )  # fmt: skip
+    return consumers
+
+
+def test_a_worker_host_killed_under_load_loses_nothing(network: Network, prefix: str) -> None:
+    stack = build_stack(network, prefix, batch_delay=0.1, batch_size=16)
+    victim = stack.workers[0]
+    load = Load(
+        stack.client, stack.redis.url, prefix, stack.targets, rate=80, seconds=10, timeout=15
+    )
+    started = load.wait_started()
+    time.sleep(max(0.0, started + 3.0 - time.monotonic()))
+    consumers = hold_then(stack, prefix, victim)
+    killed = victim.kill_all()
+    fault = time.monotonic()
+    held = held_inputs(stack.redis, prefix, consumers)  # nobody else can claim them for 2 s
+    results = load.result()
+    calls = by_index(results)
+    takeover = max(calls[i]["done"] for i in held) - fault if held else float("nan")
+    numbers = figures(
+        "hosts-kill-worker-host", results, {1.0, 2.0}, fault, link_delay=stack.delay(network),
+        processes_killed=len(killed), held_by_victim=len(held), takeover_s=takeover,
+        answered_after_fault_by=sorted(
+            {answered_by(c) for c in results["calls"] if c["sent"] > fault} - {0.0}
+        ),
+    )  # fmt: skip
+    assert len(killed) >= 2 and victim.pids() == []  # the supervisor and its worker, at least
+    assert held, "the host was killed holding nothing"
+    assert numbers.lost == 0 and numbers.wrong == 0 and numbers.errors == {}
+    assert numbers.answered == numbers.sent == 800
+    for i in held:  # each item the dead host held was answered by the other one
+        assert answered_by(calls[i]) == 2.0, calls[i]
+    assert queue_state(stack.redis, prefix) == (0, 0, 0)
+    assert all(gateway.pids() for gateway in stack.gateways)
+
+
+def test_a_worker_host_cut_off_and_healed_is_taken_over_without_a_wrong_answer(
+    network: Network, prefix: str
+) -> None:
+    stack = build_stack(network, prefix, batch_delay=0.1, batch_size=16)
+    victim = stack.workers[0]
+    load = Load(
+        stack.client, stack.redis.url, prefix, stack.targets, rate=80, seconds=14, timeout=15
+    )
+    started = load.wait_started()
+    time.sleep(max(0.0, started + 3.0 - time.monotonic()))
+    consumers = hold_then(stack, prefix, victim)
+    pids = sorted(victim.pids())
+    victim.link_down()
+    cut = time.monotonic()
+    time.sleep(0.3)  # what was in flight when the cable was pulled is lost or stuck
+    entries = held_entries(stack.redis, prefix, consumers)
+    held = sorted(entries.values())
+    # heal once the other host has taken over and answered all of them (bounded)
+    taken = wait_for(
+        lambda: not still_pending(stack.redis, prefix, list(entries)), 20, "the takeover",
+        every=0.05,
+    )  # fmt: skip
+    victim.link_up()
+    healed = time.monotonic()
+    results = load.result()
+    calls = by_index(results)
+    takeover = max(calls[i]["done"] for i in held) - cut if held else float("nan")
+    back = [c["done"] for c in results["calls"] if c["sent"] > healed and answered_by(c) == 1.0]
+    numbers = figures(
+        "hosts-cut-worker-host", results, {1.0, 2.0}, cut, link_delay=stack.delay(network),
+        held_by_cut_host=len(held), takeover_s=takeover, cut_s=healed - cut,
+        cut_host_serving_again_s=min(back) - healed if back else None,
+        cut_host_processes_unchanged=sorted(victim.pids()) == pids,
+    )  # fmt: skip
+    assert held, "the host was cut off holding nothing"
+    assert taken < 20
+    assert numbers.lost == 0 and numbers.wrong == 0 and numbers.errors == {}
+    assert numbers.answered == numbers.sent == 14 * 80
+    for i in held:  # answered by the other host (unless answered before the cut), whose
+        # answer came first: the cut host's, sent after healing, is a duplicate reply
+        assert answered_by(calls[i]) == 2.0 or calls[i]["done"] < cut, calls[i]
+    assert sorted(victim.pids()) == pids, "a process of the cut-off host died or restarted"
+    assert back, "the cut-off host never answered again after the link was healed"
+    assert queue_state(stack.redis, prefix) == (0, 0, 0)
