@@ -8,7 +8,7 @@ import os
 import time
 from typing import Any
 
-from gpu_worker import ManagedModel
+from gpu_worker import ManagedModel, TensorSpec
 
 RECORD_ENV = "MICROBATCH_TEST_RECORD_DIR"
 TAG_ENV = "MICROBATCH_TEST_TAG"
