@@ -12,7 +12,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from . import admin
+from . import admin, functions
 from .client import DEFAULT_REDIS_URL
 from .keys import DEFAULT_PREFIX, ModelKeys
 
@@ -31,6 +31,12 @@ dead_app = typer.Typer(
     rich_markup_mode=None,
 )
 app.add_typer(dead_app, name="dead-letters")
+functions_app = typer.Typer(
+    help="The Redis Functions library that gateways, callers and workers call (microbatch).",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(functions_app, name="functions")
 
 RedisOption = Annotated[
     str,
@@ -196,6 +202,34 @@ def purge(
         raise typer.Exit(1)
     count = admin.purge_dead_letters(_connect(redis_url), ModelKeys(name, prefix), ids)
     typer.echo(f"purged {count} dead letter(s) of {name}")
+
+
+@functions_app.command("load")
+def load_functions(redis_url: RedisOption = DEFAULT_REDIS_URL) -> None:
+    """Load the microbatch library into Redis, replacing any older one (FUNCTION LOAD REPLACE).
+
+    Run it once per Redis (and again after a Redis without persistence restarts, or after an
+    upgrade of microbatch), as a user allowed to load functions. Safe to repeat.
+    """
+    client = _connect(redis_url)
+    try:
+        before, after = functions.load(client)
+    except redis.RedisError as exc:
+        typer.echo(f"Error: could not load the microbatch functions: {exc}", err=True)
+        raise typer.Exit(1) from None
+    if before is None:
+        typer.echo(f"loaded the microbatch library, version {after}")
+    else:
+        typer.echo(f"loaded the microbatch library, version {after} (replaced version {before})")
+
+
+@functions_app.command("dump")
+def dump_functions() -> None:
+    """Print the library's Lua code (for redis-cli or a managed Redis's console).
+
+    broker functions dump | redis-cli -x FUNCTION LOAD REPLACE
+    """
+    typer.echo(functions.CODE, nl=False)
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ HEARTBEAT_TEMPLATE = "mb:{{{prefix}:{model}}}:heartbeat:{consumer}"
 CONSUMERS_TEMPLATE = "mb:{{{prefix}:{model}}}:consumers"
 CANCELLED_TEMPLATE = "mb:{{{prefix}:{model}}}:cancelled"
 QUEUED_BYTES_TEMPLATE = "mb:{{{prefix}:{model}}}:queued-bytes"
+QUEUE_BOUND_TEMPLATE = "mb:{{{prefix}:{model}}}:queue-bound"
 
 NAME_PATTERN = re.compile(r"^[a-z0-9_-]+$")
 PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -79,6 +80,12 @@ class ModelKeys:
     def queued_bytes(self) -> str:
         """Counter of the data bytes queued in the stream (for the byte bound)."""
         return QUEUED_BYTES_TEMPLATE.format(prefix=self.prefix, model=self.model)
+
+    @property
+    def queue_bound(self) -> str:
+        """Hash of the model's queue bound, written by its workers: ``items`` per live
+        worker, ``bytes`` in all (0 or absent: no bound)."""
+        return QUEUE_BOUND_TEMPLATE.format(prefix=self.prefix, model=self.model)
 
     def inbox(self, client: str) -> str:
         """The reply list of one client process (or one request, for simple callers)."""

@@ -34,6 +34,10 @@ if [ -z "$version" ]; then
     echo "redis-start.sh: cannot tell the version of $server (set REDIS_VERSION)" >&2
     exit 1
 fi
+if [ "${version%%.*}" -lt 7 ]; then
+    echo "redis-start.sh: microbatch needs Redis 7.0 or later (Functions); $server is $version" >&2
+    exit 1
+fi
 
 # password:VAR -> "on #<sha256>" or "off"
 substitutions=""

@@ -227,13 +227,18 @@ class BatchLoop:
     async def _serve(self) -> None:
         backoff = 0.05
         ready = False
+        outage: str | None = None  # the last outage warned of, until Redis answers again
         while True:
             try:
                 if not ready:
                     await self.transport.ensure_group(self.keys)
+                    await self.transport.check_functions()
                     await self.clock.sync()
                     ready = True
                     backoff = 0.05  # Redis answers again; a stale pooled connection may still fail
+                    if outage is not None:
+                        log.info("broker available again")
+                        outage = None
                     # After a start or an outage: answer what this consumer still holds.
                     await self.redeliver(own=True)
                 # Also with a batch read ahead: under a backlog there always is one, and a dead
@@ -286,7 +291,12 @@ class BatchLoop:
                 if self._stopping:
                     log.warning("broker unavailable (%s) while stopping; stopping now", exc)
                     return
-                log.warning("broker unavailable (%s); retrying in %.2f s", exc, backoff)
+                # One line per outage (and per change of reason), not one per retry.
+                if str(exc) != outage:
+                    outage = str(exc)
+                    log.warning("broker unavailable (%s); retrying until it answers", exc)
+                else:
+                    log.debug("broker still unavailable (%s)", exc)
                 ready = False
                 await asyncio.sleep(backoff)
                 backoff = min(1.0, backoff * 2)

@@ -31,6 +31,7 @@ class Heartbeats:
         self.client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
         self.keys = keys
         self.ttl_ms = int(ttl_s * 1000)
+        self._failing = False  # a warning is standing: one line per outage, not per renewal
 
     def renew(self, states: Mapping[str, Mapping[str, Any]]) -> bool:
         """Vouch for consumers for another TTL; False (logged) if Redis is unreachable.
@@ -53,8 +54,15 @@ class Heartbeats:
                 pipe.set(self.keys.heartbeat(consumer), value, px=self.ttl_ms)
             pipe.execute()
         except redis.RedisError as exc:
-            log.warning("cannot renew heartbeats: %s", exc)
+            if not self._failing:
+                self._failing = True
+                log.warning("cannot renew heartbeats: %s", exc)
+            else:
+                log.debug("cannot renew heartbeats: %s", exc)
             return False
+        if self._failing:
+            self._failing = False
+            log.info("heartbeats renewed again")
         return True
 
     def retire(self, consumer: str) -> None:

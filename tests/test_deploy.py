@@ -266,7 +266,7 @@ def test_compose_config_is_valid_and_env_example_holds_the_defaults(
 
 def test_compose_services(tmp_path: Path) -> None:
     default = compose_config(COMPOSE_FILES, {}, tmp_path)["services"]
-    assert set(default) == {"redis", "gateway", "nginx", "worker"}
+    assert set(default) == {"redis", "functions", "gateway", "nginx", "worker"}
     redis_service = default["redis"]
     assert redis_service["image"].startswith("redis:")
     assert any(str(v).endswith(":/data") or ":/data:" in str(v) for v in redis_service["volumes"])
@@ -279,12 +279,22 @@ def test_compose_services(tmp_path: Path) -> None:
     assert "--cuda" in worker["command"]
     (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
-    for name in ("gateway", "worker"):
+    for name in ("gateway", "worker", "functions"):
         assert default[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+    # The functions are loaded, by the gateway image's `broker`, before anyone calls them.
+    functions = default["functions"]
+    assert functions["entrypoint"] == ["broker", "functions", "load"]
+    assert functions["build"] == default["gateway"]["build"]
+    assert functions["environment"]["REDIS_URL"].startswith("redis://admin:")
+    for name in ("gateway", "worker"):
+        condition = default[name]["depends_on"]["functions"]["condition"]
+        assert condition == "service_completed_successfully"
     # The CPU variant: the GPU worker is off (profile gpu), a CPU worker without --cuda is on.
     cpu = compose_config(CPU_FILES, {}, tmp_path)["services"]
     assert cpu["worker"]["profiles"] == ["gpu"]
     assert "profiles" not in cpu["worker-cpu"] and "deploy" not in cpu["worker-cpu"]
+    condition = cpu["worker-cpu"]["depends_on"]["functions"]["condition"]
+    assert condition == "service_completed_successfully"
     assert "--cuda" not in cpu["worker-cpu"]["command"]
 
 
@@ -308,7 +318,19 @@ def fake_redis_server(tmp_path: Path, version: str) -> Path:
     return fake
 
 
-@pytest.mark.parametrize("version", ["6.2.14", "7.0.15", "7.2.4"])
+def test_redis_start_refuses_redis_before_7(tmp_path: Path) -> None:
+    env = {
+        **base_env(),
+        "REDIS_SERVER": str(fake_redis_server(tmp_path, "6.2.14")),
+        "MICROBATCH_REDIS_ACLFILE": str(tmp_path / "users.acl"),
+    }
+    done = subprocess.run(
+        ["sh", str(DEPLOY / "redis-start.sh")], env=env, capture_output=True, text=True, timeout=10
+    )
+    assert done.returncode == 1 and "needs Redis 7.0 or later" in done.stderr
+
+
+@pytest.mark.parametrize("version", ["7.0.15", "7.2.4"])
 def test_acl_template_renders_for_each_redis_version(tmp_path: Path, version: str) -> None:
     aclfile = tmp_path / "users.acl"
     env = {
@@ -328,11 +350,15 @@ def test_acl_template_renders_for_each_redis_version(tmp_path: Path, version: st
     assert "off" in users["default"] and "on" not in users["default"]
     assert "off" in users["admin"] and "off" in users["keda"]  # no password given: disabled
     assert users["gateway"][1:3] == ["on", "#" + _sha256("gateway-secret")]
-    assert ("+blmpop" in users["gateway"]) == (version >= "7.0")
     assert ("+client|setinfo" in users["worker"]) == (version >= "7.2")
     for fields in users.values():
         assert "~mb:*" in fields or "off" in fields
         assert "+@all" not in fields and "allkeys" not in fields
+        assert not {"+eval", "+evalsha", "+script", "+@scripting"} & set(fields)
+    # no service user runs Lua of its own or loads any: FCALL only
+    for name in ("gateway", "worker", "keda"):
+        assert "+function|load" not in users[name] and "+function" not in users[name]
+    assert "+fcall" in users["gateway"] and "+fcall" in users["worker"]
 
 
 def _sha256(text: str) -> str:
@@ -384,6 +410,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     )
     try:
         wait_until(admin.ping, "redis-server", processes, 10)
+
+        # the functions: loaded by the compose init service's command, as in Docker
+        functions = services["functions"]
+        done = subprocess.run(
+            [*functions["entrypoint"], *(functions.get("command") or [])],
+            env={**base_env(), **service_env(functions, redis_port)},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert done.returncode == 0, done.stderr
+        assert "loaded the microbatch library" in done.stdout
 
         # the CPU worker and the gateway: Dockerfile ENTRYPOINT + compose command, as in Docker.
         worker = services["worker-cpu"]
@@ -694,6 +732,19 @@ def test_scaledobject_scales_the_workers_on_their_stream() -> None:
     assert yaml.safe_load(patch["patch"]) == [
         {"op": "replace", "path": "/spec/minReplicaCount", "value": 0}
     ]
+
+
+def test_the_gateway_pods_load_the_functions_first_and_alone_hold_the_admin_url() -> None:
+    pod = k8s_find("Deployment", "microbatch-gateway")["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["image"] == pod["containers"][0]["image"]
+    assert init["command"] == ["broker", "functions", "load"]
+    (env,) = init["env"]
+    assert env["name"] == "REDIS_URL"
+    assert env["valueFrom"]["secretKeyRef"]["key"] == "admin-url"
+    for deployment in ("microbatch-gateway", "microbatch-worker"):
+        containers = k8s_find("Deployment", deployment)["spec"]["template"]["spec"]["containers"]
+        assert "admin-url" not in json.dumps(containers)
 
 
 def test_kustomization_lists_every_manifest() -> None:
