@@ -562,6 +562,14 @@ def test_acl_users_are_confined(stack: dict[str, Any]) -> None:
             worker.flushall()
         with pytest.raises(redis.exceptions.NoPermissionError):
             worker.keys("*")
+        # replies only to inboxes: no RPUSH or EXPIRE of anything else
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            worker.expire(stream, 60)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            worker.rpush(ModelKeys("mlp").dead_letters, b"x")
+        inbox = ModelKeys("mlp").inbox("acl-test")
+        assert worker.rpush(inbox, b"x") == 1 and worker.expire(inbox, 60)
+        worker.delete(inbox)
     with pytest.raises(redis.AuthenticationError):
         client("worker", "MICROBATCH_REDIS_GATEWAY_PASSWORD").ping()
     # What the other test relies on: ACL LOG records such refusals.
