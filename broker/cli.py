@@ -12,7 +12,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
-from . import admin, functions
+from . import acl, admin, functions
 from .client import DEFAULT_REDIS_URL
 from .keys import DEFAULT_PREFIX, ModelKeys
 
@@ -202,6 +202,84 @@ def purge(
         raise typer.Exit(1)
     count = admin.purge_dead_letters(_connect(redis_url), ModelKeys(name, prefix), ids)
     typer.echo(f"purged {count} dead letter(s) of {name}")
+
+
+@app.command("acl")
+def acl_users(
+    prefixes: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--prefix",
+            help="Print the users of this prefix (tenant): PREFIX-gateway, -worker, -admin and "
+            "-keda, each limited to the prefix's keys (repeatable).",
+        ),
+    ] = None,
+    server: Annotated[
+        bool,
+        typer.Option(
+            "--server",
+            help="Also print the server-wide users: default (off), operator (loads the "
+            "functions, reads every prefix, diagnosis) and replication.",
+        ),
+    ] = False,
+    password_env: Annotated[
+        str,
+        typer.Option(
+            help="Name of the environment variable holding each user's password; {ROLE} "
+            "becomes GATEWAY, WORKER, ADMIN, KEDA, OPERATOR or REPLICATION and {TENANT} the "
+            "prefix in upper case ('.' and '-' as '_'). Several prefixes need {TENANT}.",
+        ),
+    ] = acl.DEFAULT_PASSWORD_ENV,
+    redis_version: Annotated[
+        str,
+        typer.Option(
+            help="The Redis version the users are for (X.Y): commands newer than it are left "
+            "out, since Redis refuses an ACL naming a command it does not know. Give 7.2 or "
+            "later on such a server, so that redis-py's CLIENT SETINFO is allowed.",
+        ),
+    ] = acl.OLDEST_REDIS,
+    cluster: Annotated[
+        bool,
+        typer.Option(
+            "--cluster",
+            help="Also allow what cluster-aware clients send: CLUSTER SLOTS|SHARDS, ASKING, "
+            "READONLY.",
+        ),
+    ] = False,
+    template: Annotated[
+        bool,
+        typer.Option(
+            "--template",
+            help="Print the template deploy/redis-start.sh renders (deploy/users.acl) instead.",
+        ),
+    ] = False,
+) -> None:
+    """Print Redis ACL users (ACL file lines) for one or more prefixes.
+
+    Passwords come from environment variables and are printed only as SHA-256 hashes
+    ('on #<hash>'); a user whose variable is unset or empty is printed 'off' (it cannot log
+    in), and said so on stderr. Load the lines as Redis' aclfile, or as ACL SETUSER commands.
+    """
+    if template:
+        typer.echo(acl.template(), nl=False)
+        return
+    if not prefixes and not server:
+        typer.echo("Error: give --prefix PREFIX (repeatable), --server, or --template", err=True)
+        raise typer.Exit(2)
+    try:
+        lines, unset = acl.render(
+            prefixes or [],
+            server=server,
+            password_env=password_env,
+            redis_version=redis_version,
+            cluster=cluster,
+        )
+    except (ValueError, KeyError, IndexError) as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    for variable in unset:
+        typer.echo(f"note: {variable} is not set: its user is off", err=True)
+    typer.echo("\n".join(lines))
 
 
 @functions_app.command("load")
