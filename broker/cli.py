@@ -12,7 +12,7 @@ from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 
-from . import admin
+from . import acl, admin, functions
 from .cli_common import fail, log_format_option, log_level_option, new_app, version_option
 from .client import DEFAULT_REDIS_URL
 from .keys import DEFAULT_PREFIX, ModelKeys
@@ -43,6 +43,12 @@ def _root(
 ) -> None:
     """microbatch queues, workers and dead letters."""
     configure_logging(log_level, log_format)
+
+
+functions_app = new_app(
+    "The Redis Functions library that gateways, callers and workers call (microbatch)."
+)
+app.add_typer(functions_app, name="functions")
 
 
 RedisOption = Annotated[
@@ -206,6 +212,112 @@ def purge(
         raise typer.Exit(1)
     count = admin.purge_dead_letters(_connect(redis_url), ModelKeys(name, prefix), ids)
     typer.echo(f"purged {count} dead letter(s) of {name}")
+
+
+@app.command("acl")
+def acl_users(
+    prefixes: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--prefix",
+            help="Print the users of this prefix (tenant): PREFIX-gateway, -worker, -admin and "
+            "-keda, each limited to the prefix's keys (repeatable).",
+        ),
+    ] = None,
+    server: Annotated[
+        bool,
+        typer.Option(
+            "--server",
+            help="Also print the server-wide users: default (off), operator (loads the "
+            "functions, reads every prefix, diagnosis) and replication.",
+        ),
+    ] = False,
+    password_env: Annotated[
+        str,
+        typer.Option(
+            help="Name of the environment variable holding each user's password; {ROLE} "
+            "becomes GATEWAY, WORKER, ADMIN, KEDA, OPERATOR or REPLICATION and {TENANT} the "
+            "prefix in upper case ('.' and '-' as '_'). Several prefixes need {TENANT}.",
+        ),
+    ] = acl.DEFAULT_PASSWORD_ENV,
+    redis_version: Annotated[
+        str,
+        typer.Option(
+            help="The Redis version the users are for (X.Y): commands newer than it are left "
+            "out, since Redis refuses an ACL naming a command it does not know. Give 7.2 or "
+            "later on such a server, so that redis-py's CLIENT SETINFO is allowed.",
+        ),
+    ] = acl.OLDEST_REDIS,
+    cluster: Annotated[
+        bool,
+        typer.Option(
+            "--cluster",
+            help="Also allow what cluster-aware clients send: CLUSTER SLOTS|SHARDS, ASKING, "
+            "READONLY.",
+        ),
+    ] = False,
+    template: Annotated[
+        bool,
+        typer.Option(
+            "--template",
+            help="Print the template deploy/redis-start.sh renders (deploy/users.acl) instead.",
+        ),
+    ] = False,
+) -> None:
+    """Print Redis ACL users (ACL file lines) for one or more prefixes.
+
+    Passwords come from environment variables and are printed only as SHA-256 hashes
+    ('on #<hash>'); a user whose variable is unset or empty is printed 'off' (it cannot log
+    in), and said so on stderr. Load the lines as Redis' aclfile, or as ACL SETUSER commands.
+    """
+    if template:
+        typer.echo(acl.template(), nl=False)
+        return
+    if not prefixes and not server:
+        typer.echo("Error: give --prefix PREFIX (repeatable), --server, or --template", err=True)
+        raise typer.Exit(2)
+    try:
+        lines, unset = acl.render(
+            prefixes or [],
+            server=server,
+            password_env=password_env,
+            redis_version=redis_version,
+            cluster=cluster,
+        )
+    except (ValueError, KeyError, IndexError) as exc:
+        typer.echo(f"Error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    for variable in unset:
+        typer.echo(f"note: {variable} is not set: its user is off", err=True)
+    typer.echo("\n".join(lines))
+
+
+@functions_app.command("load")
+def load_functions(redis_url: RedisOption = DEFAULT_REDIS_URL) -> None:
+    """Load the microbatch library into Redis, replacing any older one (FUNCTION LOAD REPLACE).
+
+    Run it once per Redis (and again after a Redis without persistence restarts, or after an
+    upgrade of microbatch), as a user allowed to load functions. Safe to repeat.
+    """
+    client = _connect(redis_url)
+    try:
+        before, after = functions.load(client)
+    except redis.RedisError as exc:
+        typer.echo(f"Error: could not load the microbatch functions: {exc}", err=True)
+        raise typer.Exit(1) from None
+    if before is None:
+        typer.echo(f"loaded the microbatch library, version {after}")
+    else:
+        typer.echo(f"loaded the microbatch library, version {after} (replaced version {before})")
+
+
+@functions_app.command("dump")
+def dump_functions() -> None:
+    """Print the library's Lua code (for redis-cli or a managed Redis's console).
+
+    broker functions dump | redis-cli -x FUNCTION LOAD REPLACE
+    """
+    typer.echo(functions.CODE, nl=False)
 
 
 def main() -> None:

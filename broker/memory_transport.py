@@ -121,6 +121,9 @@ class InMemoryTransport:
     async def ensure_group(self, keys: ModelKeys) -> None:
         self._stream(keys.stream)
 
+    async def check_functions(self) -> None:
+        return None  # nothing to load in-process
+
     async def read_batch(
         self, keys: ModelKeys, consumer: str, count: int, block_ms: int, busy_poll_s: float = 0.0
     ) -> list[Entry]:

@@ -2,7 +2,9 @@
 
 The hot path (enqueue, the reply reader, the worker's reads, replies and acks) runs on lean
 connections (:class:`broker.resp_lane.RespLane`); the rest (consumer groups, taking over a
-dead worker's entries, dead letters, INFO) on redis-py's asyncio client.
+dead worker's entries, dead letters, INFO) on redis-py's asyncio client. What must be atomic
+(the bounded enqueue, withdrawals, retiring a consumer) or checked key by key (replies) runs in
+Redis as the functions of :mod:`broker.functions`.
 """
 
 from __future__ import annotations
@@ -15,23 +17,23 @@ from typing import Any
 
 import hiredis
 import redis.asyncio as aioredis
+from redis.exceptions import BusyLoadingError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from .errors import BrokerUnavailable, MicrobatchError, QueueFull
+from . import functions
+from .errors import BrokerUnavailable, InvalidInput, MicrobatchError, QueueFull
+from .functions import ENQUEUE, MAX_CALL_BYTES, MAX_CALL_ENTRIES, REPLY, RETIRE, WITHDRAW
 from .keys import ModelKeys
 from .liveness import lapsed_s
-from .protocol import CallRequests, request_fields
-from .resp_lane import CONNECT_TIMEOUT_S, RespLane, bulk_strings, keepalive_options
+from .protocol import CallRequests
+from .resp_lane import CONNECT_TIMEOUT_S, RespLane, keepalive_options
 from .resp_packing import use_hiredis_packing
-from .scripts import ENQUEUE_SCRIPT, RETIRE_CONSUMER_SCRIPT, WITHDRAW_SCRIPT, pack_args
 from .transport import Entry, QueueBound, Redelivery, entry_data_size
 
 log = logging.getLogger("microbatch.redis")
 
 UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError)
-CANCELLED_TTL_MS = 10 * 60 * 1000  # how long a withdrawal is remembered for workers to skip
 
 
 def connect(url: str, **options: Any) -> aioredis.Redis:
@@ -43,64 +45,12 @@ def connect(url: str, **options: Any) -> aioredis.Redis:
     return use_hiredis_packing(aioredis.Redis.from_url(url, decode_responses=False, **options))
 
 
-_MULTI = hiredis.pack_command(("MULTI",))
-_EXEC = hiredis.pack_command(("EXEC",))
-_ID_MARK, _DATA_MARK = "\0id\0", b"\0data\0"
-
-
-class XaddPacker:
-    """XADD commands of request items, RESP-encoded by hand around each item's id and data.
-
-    The rest of a call's entry (stream, reply key, timeout, trace) is packed once into a
-    template, kept for the next call with the same ones. (Packing every field of every item
-    through hiredis was a tenth of a caller's CPU.)
-    """
-
-    MAX_TEMPLATES = 64
-
-    def __init__(self) -> None:
-        self._templates: dict[tuple[str, str, int], tuple[bytes, bytes, bytes]] = {}
-
-    def pack(self, stream: str, call: CallRequests) -> bytes:
-        """One XADD per item of ``call``, in order."""
-        if call.traceparent is None:  # a traced call's template is its own: not kept
-            key = (stream, call.reply_key, call.timeout_ms)
-            template = self._templates.get(key)
-            if template is None:
-                if len(self._templates) >= self.MAX_TEMPLATES:
-                    self._templates.clear()
-                template = self._templates[key] = self._template(stream, call)
-        else:
-            template = self._template(stream, call)
-        head, middle, tail = template
-        return b"".join(
-            [
-                b"%s$%d\r\n%s\r\n%s$%d\r\n%s\r\n%s"
-                % (head, len(rid), rid, middle, len(data), data, tail)
-                for rid, data in zip(
-                    [rid.encode() for rid in call.request_ids], call.payloads, strict=True
-                )
-            ]
-        )
-
-    @staticmethod
-    def _template(stream: str, call: CallRequests) -> tuple[bytes, bytes, bytes]:
-        """The RESP before an item's id, between its id and its data, and after its data."""
-        fields = request_fields(
-            _ID_MARK, call.reply_key, call.timeout_ms, _DATA_MARK, call.traceparent
-        )
-        args = ["XADD", stream, "*", *_flatten(fields)]
-        at_id, at_data = args.index(_ID_MARK), args.index(_DATA_MARK)
-        head = b"*%d\r\n%s" % (len(args), bulk_strings(args[:at_id]))
-        return head, bulk_strings(args[at_id + 1 : at_data]), bulk_strings(args[at_data + 1 :])
-
-
 def _unavailable(exc: BaseException) -> BrokerUnavailable:
     return BrokerUnavailable(f"cannot reach Redis: {exc}")
 
 
 class RedisTransport:
-    """:class:`broker.transport.Transport` over a Redis server (6.2 or later)."""
+    """:class:`broker.transport.Transport` over a Redis server (7.0 or later)."""
 
     def __init__(self, url: str, **options: Any) -> None:
         self.url = url
@@ -110,120 +60,139 @@ class RedisTransport:
         # blocking reads, each bounded by its own timeout instead of the lane's reply timeout
         self._reads = RespLane(url, connect_timeout_s, None)  # the worker's XREADGROUP
         self._replies = RespLane(url, connect_timeout_s, None)  # the caller's BLMPOP
-        self._xadds = XaddPacker()
-        self._has_blmpop: bool | None = None
         self.cancellations_pending = True  # as of the last finish(); True until known
+        self._may_load: bool | None = None  # whether this user may load the library
+        self._library_warned = False  # a warning about the library is standing
+        self._loading_warned = False  # a warning about Redis loading its data is standing
+        self._replies_checked = -1  # the lane connection on which mb_reply last answered
+        self._refused = ""  # the last refusal of an enqueue warned of
 
-    async def _server_has_blmpop(self) -> bool:
-        if self._has_blmpop is None:
-            info = await self.redis.info("server")
-            major = int(str(info.get("redis_version", "6")).split(".")[0])
-            self._has_blmpop = major >= 7
-        return self._has_blmpop
+    # -- the functions library ------------------------------------------------------------
+    async def _library_failed(self, error: ResponseError, warn: bool = True) -> None:
+        """FCALL found the library missing or old: load it if this Redis user may (once, and
+        never again once refused), else raise BrokerUnavailable saying what to do (with
+        ``warn``, logged once until the library answers again; a worker's loop logs its own)."""
+        if self._may_load is not False:
+            try:
+                await self._lane.execute(*functions.LOAD_COMMAND)
+            except ResponseError as exc:  # NOPERM: an operator's job (broker functions load)
+                self._may_load = False
+                log.debug("may not load the microbatch functions: %s", exc)
+            else:
+                self._may_load = True
+                log.info("loaded the microbatch functions (version %d)", functions.VERSION)
+                return
+        message = functions.missing_message(error)
+        if warn and not self._library_warned:
+            self._library_warned = True
+            log.warning("%s", message)
+        raise BrokerUnavailable(message)
+
+    def _library_answered(self) -> None:
+        if self._library_warned:
+            self._library_warned = False
+            log.info("the microbatch functions answer again")
+
+    async def _fcall(
+        self, name: str, keys: Sequence[str], args: Sequence[Any], warn: bool = True
+    ) -> Any:
+        """FCALL one of the library's functions on the lane, loading the library first if
+        it is missing and this user may."""
+        command = ("FCALL", name, len(keys), *keys, functions.VERSION, *args)
+        try:
+            try:
+                reply = await self._lane.execute(*command)
+            except ResponseError as exc:
+                if not functions.is_missing(exc):
+                    raise
+                await self._library_failed(exc, warn)
+                reply = await self._lane.execute(*command)
+        except UNAVAILABLE as exc:
+            raise _unavailable(exc) from exc
+        self._library_answered()
+        return reply
+
+    async def check_functions(self) -> None:
+        await self._fcall(REPLY, (), (0,), warn=False)  # no keys: a no-op it must answer
+        self._replies_checked = self._lane.generation
 
     # -- caller side ----------------------------------------------------------------------
     async def enqueue(
         self, keys: ModelKeys, calls: Sequence[CallRequests], bound: QueueBound
     ) -> list[list[str] | MicrobatchError]:
-        if not bound.max_items and not bound.max_bytes:
-            return await self._enqueue_unbounded(keys, calls)
-        # One script call per round trip, its arguments one msgpack blob, so that the bound is
-        # checked atomically with the XADDs.
-        blob = pack_args(
-            [
-                [call.data_size, *(_flatten(fields) for fields in call.entry_fields())]
-                for call in calls
-            ]
-        )
+        outcomes: list[list[str] | MicrobatchError | None] = [_too_large(call) for call in calls]
+        # One mb_enqueue per group of calls within the per-call caps (usually one), all in
+        # one round trip; each checks the bound atomically with its XADDs.
+        groups = _within_caps([i for i, outcome in enumerate(outcomes) if outcome is None], calls)
+        commands = [_enqueue_command(keys, [calls[i] for i in group], bound) for group in groups]
+        if not commands:
+            return [outcome for outcome in outcomes if outcome is not None]
         try:
-            results = await ENQUEUE_SCRIPT.run(
-                self._lane,
-                [keys.stream, keys.queued_bytes],
-                [bound.max_items, bound.max_bytes, blob],
-            )
+            results = await self._lane.pipeline_packed(b"".join(commands), len(commands))
+            missing = [i for i, r in enumerate(results) if _is_missing(r)]
+            if missing:  # nothing was queued by these: load the library, then send them again
+                await self._library_failed(results[missing[0]])
+                again = await self._lane.pipeline_packed(
+                    b"".join(commands[i] for i in missing), len(missing)
+                )
+                for i, result in zip(missing, again, strict=True):
+                    results[i] = result
+            _raise_unavailable(results)
         except UNAVAILABLE as exc:
-            raise _unavailable(exc) from exc
-        return [_enqueue_outcome(result, bound) for result in results]
+            raise self._caller_unavailable(exc) from exc
+        for group, result in zip(groups, results, strict=True):
+            if isinstance(result, ResponseError):
+                error = self._enqueue_error(result)
+                for i in group:
+                    outcomes[i] = error
+            else:
+                for i, outcome in zip(group, result, strict=True):
+                    outcomes[i] = _enqueue_outcome(outcome)
+        self._library_answered()
+        if self._loading_warned:
+            self._loading_warned = False
+            log.info("Redis has loaded its data: requests are taken again")
+        return [outcome for outcome in outcomes if outcome is not None]
 
-    async def _enqueue_unbounded(
-        self, keys: ModelKeys, calls: Sequence[CallRequests]
-    ) -> list[list[str] | MicrobatchError]:
-        """No bound to check: one transaction of plain XADDs and the byte count, no Lua (less
-        work for Redis; a blocked worker still wakes once, to the whole transaction)."""
-        stream = keys.stream
-        pack = self._xadds.pack
-        size = sum(call.data_size for call in calls)
-        commands = [_MULTI, *(pack(stream, call) for call in calls)]
-        incrby: tuple[Any, ...] = ("INCRBY", keys.queued_bytes, size)
-        commands.append(hiredis.pack_command(incrby))
-        commands.append(_EXEC)
-        count = 3 + sum(len(call.request_ids) for call in calls)
-        try:
-            replies = await self._lane.pipeline_packed(b"".join(commands), count)
-        except UNAVAILABLE as exc:
-            raise _unavailable(exc) from exc
-        executed = replies[-1]
-        if not isinstance(executed, list):  # EXECABORT: a command was refused as queued
-            raise next((r for r in replies if isinstance(r, ResponseError)), executed)
-        for result in executed:
-            if isinstance(result, ResponseError):  # e.g. the stream key holds another type
-                raise result
-        ids = [entry_id.decode() for entry_id in executed[:-1]]
-        outcomes: list[list[str] | MicrobatchError] = []
-        start = 0
-        for call in calls:
-            end = start + len(call.request_ids)
-            outcomes.append(ids[start:end])
-            start = end
-        return outcomes
+    def _caller_unavailable(self, exc: Exception) -> BrokerUnavailable:
+        """BrokerUnavailable for a failed enqueue; Redis loading its data after a restart
+        (every call fails until it is done) is logged once, not once per call."""
+        if isinstance(exc, BusyLoadingError) and not self._loading_warned:
+            self._loading_warned = True
+            log.warning("Redis is loading its data: requests fail (BrokerUnavailable) until done")
+        return _unavailable(exc)
+
+    def _enqueue_error(self, error: ResponseError) -> MicrobatchError:
+        """What the calls of an mb_enqueue that Redis refused get."""
+        text = str(error)
+        if text.startswith("OOM"):  # maxmemory reached, under noeviction: nothing was queued
+            return QueueFull(f"Redis is full (maxmemory): {text}")
+        if text.startswith("MBLIMIT"):
+            return InvalidInput(text.removeprefix("MBLIMIT ").strip())
+        # e.g. an ACL that lacks a command the function runs: a deployment error, said once
+        message = f"Redis refused the enqueue: {text}"
+        if message != self._refused:
+            self._refused = message
+            log.warning("%s", message)
+        return BrokerUnavailable(message)
 
     async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, int]]) -> None:
-        if not entries:
-            return
-        now_ms = await self.time_ms()
-        args = [
-            keys.group,
-            now_ms + CANCELLED_TTL_MS,
-            now_ms,
-            pack_args([item for entry in entries for item in entry]),
-        ]
-        try:
-            await WITHDRAW_SCRIPT.run(
-                self._lane, [keys.stream, keys.queued_bytes, keys.cancelled], args
+        ids = [entry_id for entry_id, _ in entries]
+        for start in range(0, len(ids), MAX_CALL_ENTRIES):
+            await self._fcall(
+                WITHDRAW,
+                (keys.stream, keys.queued_bytes, keys.cancelled),
+                (keys.group, *ids[start : start + MAX_CALL_ENTRIES]),
             )
-        except UNAVAILABLE as exc:
-            raise _unavailable(exc) from exc
-        except ResponseError as exc:
-            if "NOGROUP" not in str(exc):
-                raise
-            await self._delete_unread(keys, entries)
-
-    async def _delete_unread(self, keys: ModelKeys, entries: Sequence[tuple[str, int]]) -> None:
-        """Withdraw entries of a stream no worker has ever read (it has no consumer group):
-        delete them and release their bytes."""
-        try:
-            deleted = await self._lane.pipeline([("XDEL", keys.stream, e) for e, _ in entries])
-            released = sum(size for (_, size), n in zip(entries, deleted, strict=True) if n == 1)
-            if released:
-                await self._lane.execute("DECRBY", keys.queued_bytes, released)
-        except UNAVAILABLE as exc:
-            raise _unavailable(exc) from exc
 
     async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:
         try:
-            lane = self._replies
-            if await self._server_has_blmpop():
-                got: Any = await lane.execute_blocking(
-                    timeout_s, "BLMPOP", timeout_s, 1, inbox, "LEFT", "COUNT", count
-                )
-                return list(got[1]) if got else []
-            first = await lane.execute_blocking(timeout_s, "BLPOP", inbox, timeout_s)
-            if not first:
-                return []
-            more = await self._lane.execute("LPOP", inbox, count - 1) if count > 1 else None
-            return [first[1], *(more or [])]
+            got: Any = await self._replies.execute_blocking(
+                timeout_s, "BLMPOP", timeout_s, 1, inbox, "LEFT", "COUNT", count
+            )
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
+        return list(got[1]) if got else []
 
     # -- worker side ----------------------------------------------------------------------
     async def ensure_group(self, keys: ModelKeys) -> None:
@@ -268,27 +237,43 @@ class RedisTransport:
         reply_ttl_s: int,
         check: Sequence[str] = (),
     ) -> set[str]:
-        by_key: dict[str, list[bytes]] = {}
-        for key, payload in replies:
-            by_key.setdefault(key, []).append(payload)
-        commands: list[tuple[Any, ...]] = []
-        for key, payloads in by_key.items():
-            commands.append(("RPUSH", key, *payloads))
-            commands.append(("EXPIRE", key, reply_ttl_s))
-        commands += _removal(keys, entries)
+        reply = _reply_call(replies, reply_ttl_s) if replies else None
+        commands: list[tuple[Any, ...]] = _removal(keys, entries)
         if check:
             commands.append(("ZMSCORE", keys.cancelled, *check))
         commands.append(("ZCARD", keys.cancelled))
         try:
+            if reply is not None and self._lane.generation != self._replies_checked:
+                # The first replies on a connection (a fresh one may reach a Redis restarted
+                # without its functions) go alone: the entries are acknowledged only once
+                # their replies are written.
+                await self._send_replies(reply)
+                reply = None
+            if reply is not None:
+                reply_keys, reply_args = reply
+                command = ("FCALL", REPLY, len(reply_keys), *reply_keys, functions.VERSION)
+                commands.insert(0, (*command, *reply_args))
             results = await self._lane.pipeline(commands)
+            _raise_unavailable(results)
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
+        if reply is not None:
+            written = results.pop(0)
+            if _is_missing(written):
+                # The library went away under a live connection (FUNCTION FLUSH): the entries
+                # are acknowledged already; their replies can still go once it is back.
+                log.error("replies failed (%s); the entries were acknowledged already", written)
+                await self._send_replies(reply)
+            elif isinstance(written, ResponseError):
+                log.warning("replies could not be written: %s", written)
+            else:
+                _log_refused(written)
         pending = results.pop()
         self.cancellations_pending = not isinstance(pending, int) or pending > 0
         scores: Any = results.pop() if check else []
         for result in results:
-            if isinstance(result, Exception):  # e.g. a reply key that is not a list
-                log.warning("a reply could not be completed: %s", result)
+            if isinstance(result, Exception):
+                log.warning("an acknowledgement could not be completed: %s", result)
         if isinstance(scores, Exception):
             log.warning("could not check for withdrawn requests: %s", scores)
             return set()
@@ -297,6 +282,13 @@ class RedisTransport:
             # counter below zero: bring it back, so that it never loosens the byte bound.
             await self._floor_queued_bytes(keys, results[-1])
         return {entry_id for entry_id, score in zip(check, scores, strict=True) if score}
+
+    async def _send_replies(self, reply: tuple[list[str], list[Any]]) -> None:
+        """Run one mb_reply alone and wait for it (loading the library if it must and may)."""
+        generation = self._lane.generation
+        refused = await self._fcall(REPLY, *reply, warn=False)
+        self._replies_checked = generation if generation == self._lane.generation else -1
+        _log_refused(refused)
 
     async def withdrawn(self, keys: ModelKeys, entry_ids: Sequence[str]) -> set[str]:
         if not entry_ids:
@@ -326,8 +318,8 @@ class RedisTransport:
                         keys, consumer, holder, min_idle_ms, count - len(taken), own
                     )
                 if holder != consumer:
-                    await RETIRE_CONSUMER_SCRIPT.run(
-                        self._lane, [keys.stream, keys.heartbeat(holder)], [keys.group, holder]
+                    await self._fcall(
+                        RETIRE, (keys.stream, keys.heartbeat(holder)), (keys.group, holder), False
                     )
             return taken
         except UNAVAILABLE as exc:
@@ -397,6 +389,7 @@ class RedisTransport:
         commands += _removal(keys, entries)
         try:
             results = await self._lane.pipeline(commands)
+            _raise_unavailable(results)
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
         for result in results:
@@ -461,13 +454,80 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _enqueue_outcome(result: Any, bound: QueueBound) -> list[str] | MicrobatchError:
+def _enqueue_outcome(result: Any) -> list[str] | MicrobatchError:
     code = int(result[0])
     if code == 0:
         return [entry_id.decode() for entry_id in result[1:]]
-    if code == 1:
-        return QueueFull(f"queue is at its bound of {bound.max_items} items")
-    return QueueFull(f"queue is at its bound of {bound.max_bytes} bytes")
+    unit = "items" if code == 1 else "bytes"
+    return QueueFull(f"queue is at its bound of {int(result[1])} {unit}")
+
+
+def _too_large(call: CallRequests) -> MicrobatchError | None:
+    """InvalidInput for a call more than one mb_enqueue may carry, else None."""
+    count, size = len(call.request_ids), call.data_size
+    if count <= MAX_CALL_ENTRIES and size <= MAX_CALL_BYTES:
+        return None
+    return InvalidInput(
+        f"a call may carry at most {MAX_CALL_ENTRIES} items and {MAX_CALL_BYTES} bytes of "
+        f"encoded data (this one: {count} items, {size} bytes): split it"
+    )
+
+
+def _within_caps(indexes: Sequence[int], calls: Sequence[CallRequests]) -> list[list[int]]:
+    """The calls at ``indexes`` grouped, in order, so that no group exceeds what one
+    mb_enqueue may carry."""
+    groups: list[list[int]] = []
+    entries = size = 0
+    for i in indexes:
+        count, data = len(calls[i].request_ids), calls[i].data_size
+        if not groups or entries + count > MAX_CALL_ENTRIES or size + data > MAX_CALL_BYTES:
+            groups.append([])
+            entries = size = 0
+        groups[-1].append(i)
+        entries, size = entries + count, size + data
+    return groups
+
+
+def _enqueue_command(keys: ModelKeys, calls: Sequence[CallRequests], bound: QueueBound) -> bytes:
+    """One FCALL mb_enqueue of ``calls``, RESP-encoded."""
+    args: list[Any] = [
+        "FCALL", ENQUEUE, 4, keys.stream, keys.queued_bytes, keys.queue_bound, keys.consumers,
+        functions.VERSION, bound.max_items, bound.max_bytes,
+    ]  # fmt: skip
+    for call in calls:
+        args += (len(call.request_ids), call.reply_key, call.timeout_ms, call.traceparent or "")
+        args += chain.from_iterable(zip(call.request_ids, call.payloads, strict=True))
+    packed: bytes = hiredis.pack_command(tuple(args))
+    return packed
+
+
+def _reply_call(replies: Sequence[tuple[str, bytes]], ttl_s: int) -> tuple[list[str], list[Any]]:
+    """The keys and arguments (after the version) of one mb_reply of (reply key, reply)
+    pairs, grouped by key in order."""
+    by_key: dict[str, list[bytes]] = {}
+    for key, payload in replies:
+        by_key.setdefault(key, []).append(payload)
+    counts = [len(payloads) for payloads in by_key.values()]
+    return list(by_key), [ttl_s, *counts, *chain.from_iterable(by_key.values())]
+
+
+def _log_refused(refused: Any) -> None:
+    """Warn of the reply keys mb_reply refused (they hold something other than a list)."""
+    for key, kind in zip(refused[::2], refused[1::2], strict=False):
+        log.warning(
+            "replies to %s were not delivered: it holds a %s, not a list", _text(key), _text(kind)
+        )
+
+
+def _is_missing(result: Any) -> bool:
+    return isinstance(result, ResponseError) and functions.is_missing(result)
+
+
+def _raise_unavailable(results: Sequence[Any]) -> None:
+    """Raise the first connection error among a pipeline's replies (LOADING, say)."""
+    for result in results:
+        if isinstance(result, RedisConnectionError):
+            raise result
 
 
 def _removal(keys: ModelKeys, entries: Sequence[Entry]) -> list[tuple[Any, ...]]:

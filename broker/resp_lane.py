@@ -10,8 +10,10 @@ number may be in flight on one lane; a blocking command (XREADGROUP BLOCK, BLMPO
 lane until it returns, so blocking reads get a lane of their own.
 
 Replies come back raw (RESP2: bytes, ints, lists, None); error replies as redis-py's
-:class:`~redis.exceptions.ResponseError`, and a lost connection as its
-:class:`~redis.exceptions.ConnectionError`, so callers handle failures as they do with redis-py.
+:class:`~redis.exceptions.ResponseError`, except ``LOADING`` (a Redis reading its dataset after
+a restart), which is redis-py's :class:`~redis.exceptions.BusyLoadingError` as with redis-py, and
+a lost connection as its :class:`~redis.exceptions.ConnectionError`, so callers handle failures
+as they do with redis-py (both are connection errors: the server is not available yet).
 The lane reconnects on the next command after a connection is lost. Connection settings (TCP,
 TLS, unix socket; user, password, db) are read from the URL by redis-py.
 """
@@ -29,7 +31,7 @@ from typing import Any
 import hiredis
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.asyncio.connection import parse_url as parse_redis_url
-from redis.exceptions import AuthenticationError, ResponseError
+from redis.exceptions import AuthenticationError, BusyLoadingError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -63,6 +65,13 @@ def keepalive_options() -> dict[int, int]:
     return {getattr(socket, name): value for name, value in wanted if hasattr(socket, name)}
 
 
+def _reply_error(message: str) -> Exception:
+    """The exception an error reply becomes (hiredis calls this for each one)."""
+    if message.startswith("LOADING"):
+        return BusyLoadingError(message)
+    return ResponseError(message)
+
+
 class _Pipeline:
     """Replies still expected for one pipeline, collected for its future."""
 
@@ -82,7 +91,7 @@ class _RespProtocol(asyncio.Protocol):
     """
 
     def __init__(self, reply_timeout_s: float | None = None) -> None:
-        self.reader = hiredis.Reader(replyError=ResponseError)
+        self.reader = hiredis.Reader(replyError=_reply_error)
         self.waiting: deque[asyncio.Future[Any] | _Pipeline] = deque()
         self.transport: asyncio.Transport | None = None
         self.lost = False
@@ -206,6 +215,7 @@ class RespLane:
         self._connect_timeout_s = connect_timeout_s
         self._reply_timeout_s = reply_timeout_s
         self._protocol: _RespProtocol | None = None
+        self.generation = 0  # how many connections this lane has opened
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connecting: asyncio.Future[_RespProtocol] | None = None
 
@@ -215,7 +225,7 @@ class RespLane:
         future = asyncio.get_running_loop().create_future()
         protocol.send(hiredis.pack_command(args), future)
         reply = await future
-        if type(reply) is ResponseError:
+        if type(reply) is ResponseError or type(reply) is BusyLoadingError:
             raise reply
         return reply
 
@@ -247,13 +257,13 @@ class RespLane:
         finally:
             if guard is not None:
                 guard.cancel()
-        if type(reply) is ResponseError:
+        if type(reply) is ResponseError or type(reply) is BusyLoadingError:
             raise reply
         return reply
 
     async def pipeline(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
         """Send commands in one write; return their replies in order, error replies in place
-        (as ResponseError instances, not raised)."""
+        (as ResponseError or BusyLoadingError instances, not raised)."""
         if not commands:
             return []
         return await _send_pipeline(await self._ready(), commands)
@@ -293,6 +303,7 @@ class RespLane:
                 connecting.cancel()
             raise
         self._protocol = protocol
+        self.generation += 1
         self._connecting.set_result(protocol)
         return protocol
 
@@ -340,7 +351,7 @@ class RespLane:
             protocol.abort("handshake timed out")
             raise RedisTimeoutError(f"no answer from Redis at {self._where()}") from exc
         for command, reply in zip(commands, replies, strict=True):
-            if isinstance(reply, ResponseError):
+            if isinstance(reply, (ResponseError, BusyLoadingError)):
                 protocol.abort("handshake refused")
                 if command[0] == "AUTH":
                     raise AuthenticationError(str(reply))

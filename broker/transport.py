@@ -75,6 +75,12 @@ class Transport(Protocol):
         """Create the model's stream and its consumer group if missing."""
         ...
 
+    async def check_functions(self) -> None:
+        """Make sure the broker runs what a worker needs to answer (over Redis: the microbatch
+        functions, loaded here if they are missing and this user may). Raises
+        BrokerUnavailable saying what is missing, so that no entry is read meanwhile."""
+        ...
+
     async def read_batch(
         self, keys: ModelKeys, consumer: str, count: int, block_ms: int, busy_poll_s: float = 0.0
     ) -> list[Entry]:

@@ -1,14 +1,16 @@
 #!/bin/sh
 # Start redis-server with deploy/redis.conf and the ACL users of deploy/users.acl.
 #
+#   MICROBATCH_PREFIX=default MICROBATCH_REDIS_OPERATOR_PASSWORD=... \
 #   MICROBATCH_REDIS_GATEWAY_PASSWORD=... MICROBATCH_REDIS_WORKER_PASSWORD=... \
 #   MICROBATCH_REDIS_ADMIN_PASSWORD=... sh deploy/redis-start.sh [redis-server options ...]
 #
-# users.acl is a template (see its header): this script renders it into the ACL file Redis
-# loads, with the SHA-256 of each password taken from the environment (a user whose variable is
-# unset or empty is disabled) and the commands this server's version knows. Options given to
-# this script go to redis-server after the config file, so they win over it (e.g. --port 6380
-# --dir /tmp/data --maxmemory 4gb).
+# users.acl is a template (see its header; `broker acl --template` writes it): this script
+# renders it into the ACL file Redis loads, for the prefix MICROBATCH_PREFIX, with the SHA-256
+# of each password taken from the environment (a user whose variable is unset or empty is
+# disabled) and the commands this server's version knows, then adds the users of more prefixes
+# from MICROBATCH_REDIS_EXTRA_ACL. Options given to this script go to redis-server after the
+# config file, so they win over it (e.g. --port 6380 --dir /tmp/data --maxmemory 4gb).
 #
 #   sh deploy/redis-start.sh --render-acl     # only write the ACL file (for a Redis run elsewhere)
 #
@@ -17,6 +19,9 @@
 #   MICROBATCH_REDIS_ACL_TEMPLATE  the ACL template       [default: users.acl beside this script]
 #   MICROBATCH_REDIS_ACLFILE       where the rendered ACL file is written and loaded from
 #                                  [default: /tmp/microbatch-users.acl]
+#   MICROBATCH_PREFIX              the prefix (tenant) whose users are rendered [default: default]
+#   MICROBATCH_REDIS_EXTRA_ACL     a file of more ACL lines to add, e.g. the users of other
+#                                  prefixes from `broker acl --prefix P --password-env ...`
 #   REDIS_SERVER                   the redis-server binary [default: redis-server]
 #   REDIS_VERSION                  render for this Redis version (e.g. 7.2) instead of asking
 #                                  REDIS_SERVER (for --render-acl without a local redis-server)
@@ -27,11 +32,23 @@ conf=${MICROBATCH_REDIS_CONF:-$here/redis.conf}
 template=${MICROBATCH_REDIS_ACL_TEMPLATE:-$here/users.acl}
 aclfile=${MICROBATCH_REDIS_ACLFILE:-/tmp/microbatch-users.acl}
 server=${REDIS_SERVER:-redis-server}
+prefix=${MICROBATCH_PREFIX:-default}
+extra=${MICROBATCH_REDIS_EXTRA_ACL:-}
+
+case "$prefix" in
+    "" | *[!A-Za-z0-9_.-]*)
+        echo "redis-start.sh: invalid MICROBATCH_PREFIX '$prefix': use letters, digits, '_', '-' or '.'" >&2
+        exit 1 ;;
+esac
 
 # "7.2" from "Redis server v=7.2.4 sha=..."
 version=${REDIS_VERSION:-$("$server" --version | sed -n 's/.* v=\([0-9]*\)\.\([0-9]*\).*/\1.\2/p')}
 if [ -z "$version" ]; then
     echo "redis-start.sh: cannot tell the version of $server (set REDIS_VERSION)" >&2
+    exit 1
+fi
+if [ "${version%%.*}" -lt 7 ]; then
+    echo "redis-start.sh: microbatch needs Redis 7.0 or later (Functions); $server is $version" >&2
     exit 1
 fi
 
@@ -49,7 +66,8 @@ for var in $(sed -n '/^[[:space:]]*#/!s/.*password:\([A-Za-z0-9_]*\).*/\1/p' "$t
 done
 
 umask 077
-sed -e '/^[[:space:]]*#/d' -e '/^[[:space:]]*$/d' -e "${substitutions#;}" "$template" |
+sed -e '/^[[:space:]]*#/d' -e '/^[[:space:]]*$/d' -e "s/%PREFIX%/$prefix/g" \
+    -e "${substitutions#;}" "$template" |
     awk -v version="$version" '
         function newer(need,    a, b) {
             split(need, a, "."); split(version, b, ".")
@@ -67,6 +85,9 @@ sed -e '/^[[:space:]]*#/d' -e '/^[[:space:]]*$/d' -e "${substitutions#;}" "$temp
             }
             print line
         }' >"$aclfile"
+if [ -n "$extra" ]; then
+    sed -e '/^[[:space:]]*#/d' -e '/^[[:space:]]*$/d' "$extra" >>"$aclfile"
+fi
 
 if [ "${1:-}" = --render-acl ]; then
     echo "redis-start.sh: wrote $aclfile (for Redis $version)" >&2

@@ -58,6 +58,9 @@ async def _let_writes_go_out() -> None:
 PredictFn = Callable[[list[Any]], Sequence[Any]]
 
 MODEL_THREAD_MODES = ("auto", "on", "off")
+
+# Why an entry with no readable request id or reply key is dead-lettered.
+NO_READER = "malformed entry: no readable request id or reply key"
 # auto: full batches taking this long (a moving average) move the model to its own thread, so
 # that reading the next batch and sending replies overlap it; below the second figure it comes
 # back. Short CPU batches lose more to GIL hand-offs between the model's operations than the
@@ -85,12 +88,13 @@ class BatchSettings:
 @dataclass(slots=True)
 class PreparedBatch:
     """A batch read and decoded, ready for the model: its entries, the answers already known
-    (errors), the entries nothing can be answered to, and the requests and items to compute."""
+    (errors), the entries nothing can be answered to (with why), and the requests and items
+    to compute."""
 
     entries: list[Entry]
     now_ms: float
     replies: list[tuple[str, bytes]]
-    dead: list[Entry]
+    dead: list[tuple[Entry, str]]
     live: list[Request]
     items: list[Any]
 
@@ -205,6 +209,8 @@ class BatchLoop:
         self._slow_batches = False
         self._outage_log = Every(10.0)  # during a Redis outage: a line every 10 s, not per retry
         self._in_outage = False
+        # Why an entry whose reply key is not one of this model's inboxes is dead-lettered.
+        self._misdirected = f"reply key outside this model's inboxes ({keys.reply_namespace}*)"
 
     def stop(self) -> None:
         """Stop reading; the batches in hand are finished and answered first."""
@@ -243,6 +249,7 @@ class BatchLoop:
             try:
                 if not ready:
                     await self.transport.ensure_group(self.keys)
+                    await self.transport.check_functions()
                     await self.clock.sync()
                     if self._in_outage:
                         log.info("broker answers again")
@@ -364,7 +371,7 @@ class BatchLoop:
             request: Request | None = parse_request(*entry)
         except Exception:  # MalformedEntry: no caller that could be told
             request = None
-        if request is not None:
+        if request is not None and self.keys.may_reply_to(request.reply_key):
             error = PoisonRequest(f"request {reason}; it sits in the dead-letter stream")
             reply = (request.reply_key, encode_error(request.request_id, error))
             await self.transport.finish(self.keys, [reply], [], self.settings.reply_ttl_s)
@@ -519,6 +526,14 @@ class BatchLoop:
                 continue
             # Past its deadline: also when the clock estimate lags Redis' a little, an entry is
             # never before its own time (so one of timeout 0 is never computed).
+            if not self.keys.may_reply_to(request.reply_key):
+                batch.dead.append((entry, self._misdirected))
+                log.warning(
+                    "dead-lettered entry %s on %s: its reply key %r is not one of this "
+                    "model's inboxes", entry[0], self.keys.stream, request.reply_key[:200],
+                )  # fmt: skip
+                self.observer.answered("malformed")
+                continue
             deadline_ms = request.deadline_ms
             if deadline_ms <= now_ms or deadline_ms <= request.arrival_ms:
                 replies.append(self._expired(request))
@@ -543,10 +558,12 @@ class BatchLoop:
         if not isinstance(exc, MalformedEntry):  # parse_request raises nothing else
             log.error("cannot parse entry %s on %s: %s", entry[0], self.keys.stream, describe(exc))
             exc = MalformedEntry("entry could not be parsed")
-        if exc.request_id and exc.reply_key:
+        if not exc.request_id or not exc.reply_key:
+            batch.dead.append((entry, NO_READER))
+        elif self.keys.may_reply_to(exc.reply_key):
             batch.replies.append((exc.reply_key, encode_error(exc.request_id, exc)))
         else:
-            batch.dead.append(entry)
+            batch.dead.append((entry, self._misdirected))
         log.warning("malformed entry %s on %s: %s", entry[0], self.keys.stream, exc)
         self.observer.answered("malformed")
 
@@ -593,12 +610,10 @@ class BatchLoop:
             self.batches += 1
             self.items += len(batch.items)
         dead = batch.dead
-        if dead:
-            await self.transport.dead_letter(
-                self.keys, dead, "malformed entry: no readable request id or reply key"
-            )
-            self.dead_lettered += len(dead)
-        dead_ids = {entry_id for entry_id, _ in dead}
+        for reason in dict.fromkeys(reason for _, reason in dead):
+            entries = [entry for entry, why in dead if why == reason]
+            await self.transport.dead_letter(self.keys, entries, reason)
+        dead_ids = {entry_id for (entry_id, _), _ in dead}
         answered = [entry for entry in batch.entries if entry[0] not in dead_ids]
         await self._send_answers(replies, answered)
         observer.replies_sent()

@@ -47,7 +47,7 @@ def test_stopping_while_redis_is_away_leaves_no_reply_task_behind() -> None:
             lambda batch: batch, transport, keys, "c1", BatchSettings(batch_size=4, block_ms=20)
         )
         await transport.ensure_group(keys)
-        call = CallRequests("inbox", 5000, ["r1"], [codec.encode(1)])
+        call = CallRequests(keys.inbox("c"), 5000, ["r1"], [codec.encode(1)])
         await transport.enqueue(keys, [call], UNBOUNDED)
         transport.cancellations_pending = False  # replies go out as a task, not awaited
         transport.on_outage = loop.stop
@@ -122,13 +122,13 @@ async def serve_items(
     loop = BatchLoop(predict, transport, keys, "c1", settings)
     await transport.ensure_group(keys)
     ids = [f"r{i}" for i in range(len(items))]
-    call = CallRequests("inbox", 30_000, ids, [codec.encode(item) for item in items])
+    call = CallRequests(keys.inbox("c"), 30_000, ids, [codec.encode(item) for item in items])
     await transport.enqueue(keys, [call], UNBOUNDED)
     started = time.monotonic()
     serving = asyncio.ensure_future(loop.run())
     replies: dict[str, Reply] = {}
     while len(replies) < len(items):
-        for data in await transport.pop_replies("inbox", len(items), 10):
+        for data in await transport.pop_replies(keys.inbox("c"), len(items), 10):
             reply = decode_reply(data)
             replies[reply.request_id] = reply
     answered_after = time.monotonic() - started
@@ -192,14 +192,15 @@ def test_stopping_answers_the_batches_in_hand_on_the_model_thread() -> None:
         predict = Doubler(delay=0.05)
         loop = BatchLoop(predict, transport, keys, "c1", settings)
         await transport.ensure_group(keys)
-        call = CallRequests("inbox", 30_000, [f"r{i}" for i in range(40)], [codec.encode(1)] * 40)
+        ids = [f"r{i}" for i in range(40)]
+        call = CallRequests(keys.inbox("c"), 30_000, ids, [codec.encode(1)] * 40)
         await transport.enqueue(keys, [call], UNBOUNDED)
         serving = asyncio.ensure_future(loop.run())
         while transport.most_in_hand < 8:  # a batch computing, the next one read ahead
             await asyncio.sleep(0.005)
         loop.stop()
         await asyncio.wait_for(serving, 5)
-        answered = len(await transport.pop_replies("inbox", 100, 0.1))
+        answered = len(await transport.pop_replies(keys.inbox("c"), 100, 0.1))
         return transport, answered, sum(size for _, size in predict.calls)
 
     transport, answered, computed = asyncio.run(main())
@@ -252,7 +253,7 @@ def test_a_busy_polling_read_lets_the_loop_run_and_takes_what_arrives() -> None:
     async def main() -> tuple[list[Any], float]:
         keys, transport = ModelKeys("double", "t"), InMemoryTransport()
         await transport.ensure_group(keys)
-        call = CallRequests("inbox", 30_000, ["r1"], [codec.encode(1)])
+        call = CallRequests(keys.inbox("c"), 30_000, ["r1"], [codec.encode(1)])
         asyncio.get_running_loop().call_later(
             0.01, lambda: asyncio.ensure_future(transport.enqueue(keys, [call], UNBOUNDED))
         )

@@ -44,6 +44,7 @@ BIN = Path(sys.executable).parent
 COMPOSE_FILES = ["docker-compose.yml"]
 CPU_FILES = ["docker-compose.yml", "docker-compose.cpu.yml"]
 PASSWORD_VARS = (
+    "MICROBATCH_REDIS_OPERATOR_PASSWORD",
     "MICROBATCH_REDIS_GATEWAY_PASSWORD",
     "MICROBATCH_REDIS_WORKER_PASSWORD",
     "MICROBATCH_REDIS_ADMIN_PASSWORD",
@@ -266,7 +267,7 @@ def test_compose_config_is_valid_and_env_example_holds_the_defaults(
 
 def test_compose_services(tmp_path: Path) -> None:
     default = compose_config(COMPOSE_FILES, {}, tmp_path)["services"]
-    assert set(default) == {"redis", "gateway", "nginx", "worker"}
+    assert set(default) == {"redis", "functions", "gateway", "nginx", "worker"}
     redis_service = default["redis"]
     assert redis_service["image"].startswith("redis:")
     assert any(str(v).endswith(":/data") or ":/data:" in str(v) for v in redis_service["volumes"])
@@ -279,12 +280,22 @@ def test_compose_services(tmp_path: Path) -> None:
     assert "--cuda" in worker["command"]
     (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
-    for name in ("gateway", "worker"):
+    for name in ("gateway", "worker", "functions"):
         assert default[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+    # The functions are loaded, by the gateway image's `broker`, before anyone calls them.
+    functions = default["functions"]
+    assert functions["entrypoint"] == ["broker", "functions", "load"]
+    assert functions["build"] == default["gateway"]["build"]
+    assert functions["environment"]["REDIS_URL"].startswith("redis://operator:")
+    for name in ("gateway", "worker"):
+        condition = default[name]["depends_on"]["functions"]["condition"]
+        assert condition == "service_completed_successfully"
     # The CPU variant: the GPU worker is off (profile gpu), a CPU worker without --cuda is on.
     cpu = compose_config(CPU_FILES, {}, tmp_path)["services"]
     assert cpu["worker"]["profiles"] == ["gpu"]
     assert "profiles" not in cpu["worker-cpu"] and "deploy" not in cpu["worker-cpu"]
+    condition = cpu["worker-cpu"]["depends_on"]["functions"]["condition"]
+    assert condition == "service_completed_successfully"
     assert "--cuda" not in cpu["worker-cpu"]["command"]
 
 
@@ -308,31 +319,80 @@ def fake_redis_server(tmp_path: Path, version: str) -> Path:
     return fake
 
 
-@pytest.mark.parametrize("version", ["6.2.14", "7.0.15", "7.2.4"])
+def test_redis_start_refuses_redis_before_7(tmp_path: Path) -> None:
+    env = {
+        **base_env(),
+        "REDIS_SERVER": str(fake_redis_server(tmp_path, "6.2.14")),
+        "MICROBATCH_REDIS_ACLFILE": str(tmp_path / "users.acl"),
+    }
+    done = subprocess.run(
+        ["sh", str(DEPLOY / "redis-start.sh")], env=env, capture_output=True, text=True, timeout=10
+    )
+    assert done.returncode == 1 and "needs Redis 7.0 or later" in done.stderr
+
+
+def test_the_acl_template_is_what_broker_acl_prints() -> None:
+    done = subprocess.run(
+        [str(BIN / "broker"), "acl", "--template"],
+        capture_output=True, text=True, timeout=30, env=base_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == (DEPLOY / "users.acl").read_text(), (
+        "deploy/users.acl is generated: broker acl --template > deploy/users.acl"
+    )
+
+
+@pytest.mark.parametrize("version", ["7.0.15", "7.2.4"])
 def test_acl_template_renders_for_each_redis_version(tmp_path: Path, version: str) -> None:
     aclfile = tmp_path / "users.acl"
+    extra = tmp_path / "extra.acl"
+    extra.write_text("# more prefixes\nuser other-gateway reset off\n\n")
     env = {
         **base_env(),
         "REDIS_SERVER": str(fake_redis_server(tmp_path, version)),
         "MICROBATCH_REDIS_ACLFILE": str(aclfile),
+        "MICROBATCH_PREFIX": "t1.x",
         "MICROBATCH_REDIS_GATEWAY_PASSWORD": "gateway-secret",
         "MICROBATCH_REDIS_WORKER_PASSWORD": "worker-secret",
+        "MICROBATCH_REDIS_OPERATOR_PASSWORD": "operator-secret",
     }
-    subprocess.run(["sh", str(DEPLOY / "redis-start.sh")], env=env, check=True, timeout=10)
+    subprocess.run(
+        ["sh", str(DEPLOY / "redis-start.sh")],
+        env={**env, "MICROBATCH_REDIS_EXTRA_ACL": str(extra)},
+        check=True,
+        timeout=10,
+    )
     text = aclfile.read_text()
     assert not [line for line in text.splitlines() if not line.startswith("user ")]
-    assert "secret" not in text and "password:" not in text
+    assert "secret" not in text and "password:" not in text and "%PREFIX%" not in text
     assert not re.search(r"@[0-9]", text)  # version marks resolved
+    # the shell's rendering is broker acl's, byte for byte (plus the extra file's lines)
+    short = ".".join(version.split(".")[:2])
+    done = subprocess.run(
+        [str(BIN / "broker"), "acl", "--server", "--prefix", "t1.x", "--redis-version", short],
+        capture_output=True, text=True, timeout=30, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert text == done.stdout + "user other-gateway reset off\n"
     users = acl_lines(aclfile)
-    assert set(users) == {"default", "gateway", "worker", "admin", "keda"}
+    tenant = {"t1.x-gateway", "t1.x-worker", "t1.x-admin", "t1.x-keda"}
+    assert set(users) == {"default", "operator", "replication", "other-gateway"} | tenant
     assert "off" in users["default"] and "on" not in users["default"]
-    assert "off" in users["admin"] and "off" in users["keda"]  # no password given: disabled
-    assert users["gateway"][1:3] == ["on", "#" + _sha256("gateway-secret")]
-    assert ("+blmpop" in users["gateway"]) == (version >= "7.0")
-    assert ("+client|setinfo" in users["worker"]) == (version >= "7.2")
+    assert "off" in users["t1.x-admin"] and "off" in users["t1.x-keda"]  # no password: disabled
+    assert "off" in users["replication"]
+    assert users["t1.x-gateway"][1:3] == ["on", "#" + _sha256("gateway-secret")]
+    assert ("+client|setinfo" in users["t1.x-worker"]) == (version >= "7.2")
+    for name in tenant:  # every key pattern of a tenant's user is inside its prefix
+        patterns = [f.strip("()") for f in users[name] if re.match(r"\(?%?(R|W|RW)?~", f)]
+        assert patterns and all(re.sub(r"^%?\w*~", "", p).startswith("mb:{t1.x:") for p in patterns)
     for fields in users.values():
-        assert "~mb:*" in fields or "off" in fields
-        assert "+@all" not in fields and "allkeys" not in fields
+        assert "+@all" not in fields and "allkeys" not in fields and "~*" not in fields
+        assert not {"+eval", "+evalsha", "+script", "+@scripting"} & set(fields)
+    # no service user runs Lua of its own or loads any: FCALL only
+    for name in tenant:
+        assert "+function|load" not in users[name] and "+function" not in users[name]
+    assert "+function|load" in users["operator"]
+    assert "+fcall" in users["t1.x-gateway"] and "+fcall" in users["t1.x-worker"]
 
 
 def _sha256(text: str) -> str:
@@ -378,12 +438,24 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     redis_process = start("redis", argv, redis_env)
     admin = redis.Redis(
         port=redis_port,
-        username="admin",
-        password=passwords["MICROBATCH_REDIS_ADMIN_PASSWORD"],
+        username="operator",
+        password=passwords["MICROBATCH_REDIS_OPERATOR_PASSWORD"],
         socket_timeout=5,
     )
     try:
         wait_until(admin.ping, "redis-server", processes, 10)
+
+        # the functions: loaded by the compose init service's command, as in Docker
+        functions = services["functions"]
+        done = subprocess.run(
+            [*functions["entrypoint"], *(functions.get("command") or [])],
+            env={**base_env(), **service_env(functions, redis_port)},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert done.returncode == 0, done.stderr
+        assert "loaded the microbatch library" in done.stdout
 
         # the CPU worker and the gateway: Dockerfile ENTRYPOINT + compose command, as in Docker.
         worker = services["worker-cpu"]
@@ -467,18 +539,24 @@ def test_compose_commands_serve_a_request_with_acl_users(stack: dict[str, Any]) 
     unexpected = {item for item in refused if item[:2] not in EXPECTED_DENIALS}
     assert not unexpected, f"Redis refused these (user, command or key, reason): {unexpected}"
 
-    # `broker status` works as the admin user and sees the worker.
-    url = f"redis://admin:{stack['passwords']['MICROBATCH_REDIS_ADMIN_PASSWORD']}@127.0.0.1:{stack['redis_port']}/0"
-    done = subprocess.run(
-        [str(BIN / "broker"), "status", "--json", "--redis", url],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=base_env(),
-    )
-    assert done.returncode == 0, done.stderr
-    (status_of_mlp,) = [m for m in json.loads(done.stdout) if m["model"] == "mlp"]
-    assert status_of_mlp["live_consumers"] >= 1
+    # `broker status` works as the prefix's admin user and as the operator, and sees the worker.
+    passwords, port = stack["passwords"], stack["redis_port"]
+    for user, variable, prefix in (
+        ("default-admin", "MICROBATCH_REDIS_ADMIN_PASSWORD", ["--prefix", "default"]),
+        ("operator", "MICROBATCH_REDIS_OPERATOR_PASSWORD", []),
+    ):
+        url = f"redis://{user}:{passwords[variable]}@127.0.0.1:{port}/0"
+        done = subprocess.run(
+            [str(BIN / "broker"), "status", "--json", "--redis", url, *prefix],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env=base_env(),
+        )
+        assert done.returncode == 0, done.stderr
+        (status_of_mlp,) = [m for m in json.loads(done.stdout) if m["model"] == "mlp"]
+        assert status_of_mlp["live_consumers"] >= 1
+    assert not acl_refusals(admin)
 
 
 def _text(value: Any) -> str:
@@ -508,7 +586,7 @@ def test_acl_users_are_confined(stack: dict[str, Any]) -> None:
 
     with client(None) as anonymous, pytest.raises(redis.AuthenticationError):
         anonymous.ping()
-    with client("gateway", "MICROBATCH_REDIS_GATEWAY_PASSWORD") as gateway:
+    with client("default-gateway", "MICROBATCH_REDIS_GATEWAY_PASSWORD") as gateway:
         assert gateway.ping()
         with pytest.raises(redis.exceptions.NoPermissionError):
             gateway.xreadgroup("workers", "intruder", {stream: ">"}, count=1)
@@ -516,7 +594,7 @@ def test_acl_users_are_confined(stack: dict[str, Any]) -> None:
             gateway.get("not-microbatch")
         with pytest.raises(redis.exceptions.NoPermissionError):
             gateway.config_get("*")
-    with client("worker", "MICROBATCH_REDIS_WORKER_PASSWORD") as worker:
+    with client("default-worker", "MICROBATCH_REDIS_WORKER_PASSWORD") as worker:
         assert worker.ping()
         with pytest.raises(redis.exceptions.NoPermissionError):
             worker.set("elsewhere", 1)
@@ -524,14 +602,21 @@ def test_acl_users_are_confined(stack: dict[str, Any]) -> None:
             worker.flushall()
         with pytest.raises(redis.exceptions.NoPermissionError):
             worker.keys("*")
+        # replies only to inboxes: no RPUSH or EXPIRE of anything else
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            worker.expire(stream, 60)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            worker.rpush(ModelKeys("mlp").dead_letters, b"x")
+        inbox = ModelKeys("mlp").inbox("acl-test")
+        assert worker.rpush(inbox, b"x") == 1 and worker.expire(inbox, 1)
     with pytest.raises(redis.AuthenticationError):
-        client("worker", "MICROBATCH_REDIS_GATEWAY_PASSWORD").ping()
+        client("default-worker", "MICROBATCH_REDIS_GATEWAY_PASSWORD").ping()
     # What the other test relies on: ACL LOG records such refusals.
     refused = {item[:2] for item in acl_refusals(stack["admin"])}
     assert {
-        ("gateway", "xreadgroup"),
-        ("gateway", "not-microbatch"),
-        ("worker", "flushall"),
+        ("default-gateway", "xreadgroup"),
+        ("default-gateway", "not-microbatch"),
+        ("default-worker", "flushall"),
     } <= refused
     # Forget them, so that the other test's check of the log holds in any order.
     stack["admin"].execute_command("ACL", "LOG", "RESET")
@@ -709,6 +794,19 @@ def test_scaledobject_scales_the_workers_on_their_stream() -> None:
     gateway = k8s_find("Deployment", "microbatch-gateway")
     (container,) = gateway["spec"]["template"]["spec"]["containers"]
     assert {"configMapRef": {"name": "microbatch"}} in container["envFrom"]
+
+
+def test_the_gateway_pods_load_the_functions_first_and_alone_hold_the_operator_url() -> None:
+    pod = k8s_find("Deployment", "microbatch-gateway")["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["image"] == pod["containers"][0]["image"]
+    assert init["command"] == ["broker", "functions", "load"]
+    (env,) = init["env"]
+    assert env["name"] == "REDIS_URL"
+    assert env["valueFrom"]["secretKeyRef"]["key"] == "operator-url"
+    for deployment in ("microbatch-gateway", "microbatch-worker"):
+        containers = k8s_find("Deployment", deployment)["spec"]["template"]["spec"]["containers"]
+        assert "operator-url" not in json.dumps(containers)
 
 
 def test_kustomization_lists_every_manifest() -> None:

@@ -147,6 +147,57 @@ def test_malformed_entries_are_answered_or_dead_lettered_and_never_executed(
     assert client.xlen(keys.stream) == 0
 
 
+def test_replies_go_only_to_the_models_inboxes_and_never_give_a_key_a_ttl(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """An entry whose reply key is anything but an inbox of its own model is dead-lettered,
+    not answered, and that key is left exactly as it was; an inbox-shaped key that is not a
+    list gets no reply and no TTL."""
+    client = redis_server.client()
+    keys = ModelKeys("toy", prefix)
+    other_prefix, other_model = ModelKeys("toy", f"{prefix}x"), ModelKeys("other", prefix)
+    client.xgroup_create(other_prefix.stream, "workers", id="0", mkstream=True)
+    client.xadd(other_prefix.stream, {"queued": "by another tenant"})
+    client.rpush(other_model.inbox("c"), b"theirs")
+    client.set(keys.queued_bytes, 0)
+    client.hset(keys.inbox("a-hash"), "f", "v")
+    client.set("elsewhere", "v")
+    targets = {  # reply key -> its type, which must not change
+        other_prefix.stream: b"stream",  # another prefix's request stream
+        other_prefix.dead_letters: b"none",  # another prefix's dead letters
+        keys.dead_letters: b"stream",  # its own dead-letter stream (stream once it has one)
+        keys.queued_bytes: b"string",  # its own counter
+        other_model.inbox("c"): b"list",  # another model's inbox
+        "elsewhere": b"string",  # not microbatch's at all
+        keys.reply_namespace: b"none",  # the namespace itself, with no client part
+    }
+    with worker_process(redis_server.url, "tests.models:Toy", prefix):
+        for i, target in enumerate(targets):
+            client.xadd(keys.stream, request_fields(f"bad-{i}", target, 10_000, b"\xa1x"))
+        client.xadd(keys.stream, request_fields("hash", keys.inbox("a-hash"), 10_000, b"\xa1x"))
+        streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix)
+        assert streamer.predict(["innocent"])[0]["item"] == "innocent"
+        streamer.close()
+        deadline = time.monotonic() + 10
+        while client.xlen(keys.stream) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    dead = client.xrange(keys.dead_letters)
+    assert sorted(fields[b"id"].decode() for _, fields in dead) == [
+        f"bad-{i}" for i in range(len(targets))
+    ]
+    reason = f"reply key outside this model's inboxes ({keys.reply_namespace}*)"
+    assert {fields[b"dead_reason"].decode() for _, fields in dead} == {reason}
+    for target, kind in targets.items():
+        assert client.type(target) == kind, target
+        assert client.ttl(target) in (-1, -2), target  # no TTL, or no key at all
+    assert client.xlen(other_prefix.stream) == 1  # their queued request, untouched
+    assert client.lrange(other_model.inbox("c"), 0, -1) == [b"theirs"]
+    assert client.get("elsewhere") == b"v" and client.xlen(keys.stream) == 0
+    # inbox-shaped, but not a list: allowed as a reply key, refused by mb_reply
+    assert client.type(keys.inbox("a-hash")) == b"hash" and client.ttl(keys.inbox("a-hash")) == -1
+    assert client.hgetall(keys.inbox("a-hash")) == {b"f": b"v"}
+
+
 def _command_calls(client: redis.Redis, command: str) -> int:
     stats = client.info("commandstats")
     return int(stats.get(f"cmdstat_{command}", {}).get("calls", 0))

@@ -1,53 +1,302 @@
-"""RedisTransport's hand-packed XADDs: byte for byte what hiredis packs from the fields."""
+"""RedisTransport and the functions library it calls (broker/functions.py), on a real Redis."""
 
 from __future__ import annotations
 
-import hiredis
-import pytest
+import asyncio
+import logging
+import uuid
+from collections.abc import Iterator
 
+import pytest
+import redis
+
+from broker import functions
+from broker.devserver import RedisServer
+from broker.errors import BrokerUnavailable, InvalidInput
+from broker.keys import ModelKeys
 from broker.protocol import CallRequests, request_fields
-from broker.redis_transport import XaddPacker
+from broker.redis_transport import RedisTransport, _within_caps
+from broker.transport import UNBOUNDED, QueueBound
 
 TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
-def packed_by_hiredis(stream: str, call: CallRequests) -> bytes:
-    commands = []
-    for request_id, data in zip(call.request_ids, call.payloads, strict=True):
-        fields = request_fields(request_id, call.reply_key, call.timeout_ms, data, TRACE)
-        if call.traceparent is None:
-            del fields["traceparent"]
-        args = ["XADD", stream, "*"]
-        for name, value in fields.items():
-            args += [name, value]
-        commands.append(hiredis.pack_command(tuple(args)))
-    return b"".join(commands)
+def run(coroutine):  # type: ignore[no-untyped-def]
+    return asyncio.run(coroutine)
 
 
-@pytest.mark.parametrize("trace", [None, TRACE])
-def test_xadds_match_hiredis_packing(trace: str | None) -> None:
-    packer = XaddPacker()
+@pytest.fixture
+def restricted(redis_server: RedisServer) -> Iterator[str]:
+    """The URL of a user that may call the functions and do a worker's and a caller's work,
+    but not load functions (as the users of deploy/ ACLs)."""
+    name, password = f"u{uuid.uuid4().hex[:8]}", uuid.uuid4().hex
+    admin = redis_server.client()
+    admin.acl_setuser(
+        name, enabled=True, passwords=[f"+{password}"], keys=["mb:*"],
+        commands=["-@all", "+fcall", "+ping", "+time", "+info", "+blmpop", "+xgroup|create",
+                  "+xreadgroup", "+xack", "+xdel", "+xadd", "+xlen", "+get", "+incrby",
+                  "+decrby", "+hmget", "+zcount", "+type", "+pttl", "+rpush", "+expire",
+                  "+zmscore", "+zcard", "+xpending", "+xinfo|consumers", "+exists"],
+    )  # fmt: skip
+    try:
+        yield f"redis://{name}:{password}@127.0.0.1:{redis_server.port}/0"
+    finally:
+        admin.acl_deluser(name)
+        functions.load(admin)  # as the other tests expect to find it (or load it themselves)
+        admin.close()
+
+
+def test_enqueued_entries_are_the_documented_fields(redis_server: RedisServer) -> None:
+    keys = ModelKeys("m", f"t{uuid.uuid4().hex[:8]}")
     calls = [
-        CallRequests("mb:inbox:a", 30_000, ["a.1"], [b"\x93\x01\x02\x03"], trace),
-        CallRequests("mb:inbox:a", 30_000, ["a.2", "a.3"], [b"", b"x" * 70_000], trace),
-        CallRequests("mb:inbox:b", 5, ["b.1"], [b"\r\n$3\r\n"], trace),  # RESP-like bytes
-        CallRequests("mb:inbox:\u00e9", 1, ["\u00e9.1"], [b"\x00"], trace),  # non-ASCII
+        CallRequests(keys.inbox("a"), 30_000, ["a.1"], [b"\x93\x01\x02\x03"]),
+        CallRequests(keys.inbox("a"), 5, ["a.2", "a.3"], [b"", b"x" * 70_000], TRACE),
+        CallRequests(keys.inbox("\u00e9"), 1, ["\u00e9.1"], [b"\r\n$3\r\n"]),  # RESP-like bytes
     ]
-    for stream in ("mb:stream:m", "mb:stream:other"):
-        for call in calls:  # twice each: a template made, then one reused
-            assert packer.pack(stream, call) == packed_by_hiredis(stream, call)
-            assert packer.pack(stream, call) == packed_by_hiredis(stream, call)
+
+    async def main() -> list[list[str]]:
+        transport = RedisTransport(redis_server.url)
+        try:
+            outcomes = await transport.enqueue(keys, calls, UNBOUNDED)
+        finally:
+            await transport.close()
+        assert all(isinstance(outcome, list) for outcome in outcomes)
+        return outcomes  # type: ignore[return-value]
+
+    outcomes = run(main())
+    client = redis_server.client()
+    entries = client.xrange(keys.stream)
+    assert [entry_id.decode() for entry_id, _ in entries] == [i for ids in outcomes for i in ids]
+    expected = [
+        {name.encode(): value if isinstance(value, bytes) else value.encode()
+         for name, value in request_fields(rid, call.reply_key, call.timeout_ms, data,
+                                           call.traceparent).items()}
+        for call in calls
+        for rid, data in zip(call.request_ids, call.payloads, strict=True)
+    ]  # fmt: skip
+    assert [fields for _, fields in entries] == expected
+    assert [list(fields) for _, fields in entries] == [list(fields) for fields in expected]
+    assert int(client.get(keys.queued_bytes) or 0) == sum(len(d) for c in calls for d in c.payloads)
 
 
-def test_invalid_traceparent_is_dropped_not_sent() -> None:
-    call = CallRequests("mb:inbox:a", 1000, ["a.1"], [b"x"], "not-a-trace\r\n")
-    assert call.traceparent is None
-    assert b"traceparent" not in XaddPacker().pack("mb:stream:m", call)
+def test_the_caller_bound_refuses_whole_calls(redis_server: RedisServer) -> None:
+    keys = ModelKeys("m", f"t{uuid.uuid4().hex[:8]}")
+
+    def call(n: int, size: int = 1) -> CallRequests:
+        return CallRequests(keys.inbox("a"), 1000, [f"a.{i}" for i in range(n)], [b"x" * size] * n)
+
+    async def main() -> list[object]:
+        transport = RedisTransport(redis_server.url)
+        try:
+            first = await transport.enqueue(keys, [call(3), call(3), call(1)], QueueBound(4, 0))
+            second = await transport.enqueue(keys, [call(1, 10)], QueueBound(0, 12))
+            return [*first, *second]
+        finally:
+            await transport.close()
+
+    ok, refused, fits, over_bytes = run(main())
+    assert isinstance(ok, list) and len(ok) == 3 and isinstance(fits, list) and len(fits) == 1
+    assert "bound of 4 items" in str(refused)
+    assert "bound of 12 bytes" in str(over_bytes)
+    assert redis_server.client().xlen(keys.stream) == 4
 
 
-def test_templates_are_bounded() -> None:
-    packer = XaddPacker()
-    for timeout_ms in range(1, 3 * XaddPacker.MAX_TEMPLATES):
-        call = CallRequests("mb:inbox:a", timeout_ms, ["a.1"], [b"x"])
-        assert packer.pack("mb:stream:m", call) == packed_by_hiredis("mb:stream:m", call)
-    assert len(packer._templates) <= XaddPacker.MAX_TEMPLATES
+def test_the_models_bound_scales_with_its_live_workers_and_callers_may_only_tighten_it(
+    redis_server: RedisServer,
+) -> None:
+    keys = ModelKeys("m", f"t{uuid.uuid4().hex[:8]}")
+    client = redis_server.client()
+    client.hset(keys.queue_bound, mapping={"items": 3, "bytes": 100})
+
+    def call(n: int, size: int = 1) -> CallRequests:
+        return CallRequests(keys.inbox("a"), 1000, [f"a.{i}" for i in range(n)], [b"x" * size] * n)
+
+    async def enqueue(calls: list[CallRequests], bound: QueueBound = UNBOUNDED) -> list[object]:
+        transport = RedisTransport(redis_server.url)
+        try:
+            return list(await transport.enqueue(keys, calls, bound))
+        finally:
+            await transport.close()
+
+    def fits(outcomes: list[object]) -> list[bool]:
+        return [isinstance(outcome, list) for outcome in outcomes]
+
+    # no live worker: the bound of one (so that callers can queue while workers start)
+    assert fits(run(enqueue([call(2), call(2)]))) == [True, False]
+    now_ms = int(client.time()[0]) * 1000
+    client.zadd(keys.consumers, {"w1": now_ms + 60_000, "w2": now_ms + 60_000, "old": 1})
+    refused = run(enqueue([call(2), call(3), call(2)]))  # 2 live workers: 6 items
+    assert fits(refused) == [True, False, True] and "bound of 6 items" in str(refused[1])
+    assert client.xlen(keys.stream) == 6
+    # a caller's own bound is an extra, stricter cap; a looser one changes nothing
+    assert fits(run(enqueue([call(1)], QueueBound(100, 0)))) == [False]
+    client.delete(keys.stream, keys.queued_bytes)
+    assert fits(run(enqueue([call(3), call(3)], QueueBound(5, 0)))) == [True, False]
+    over = run(enqueue([call(1, 95), call(1, 5)], QueueBound(0, 1000)))  # 100 bytes in all
+    assert fits(over) == [True, False] and "bound of 100 bytes" in str(over[1])
+    client.delete(keys.queue_bound)  # no bound stored: only the caller's
+    assert fits(run(enqueue([call(10)]))) == [True]
+
+
+def test_calls_are_split_within_the_per_call_caps_and_one_too_large_is_refused(
+    redis_server: RedisServer,
+) -> None:
+    keys = ModelKeys("m", f"t{uuid.uuid4().hex[:8]}")
+    big = functions.MAX_CALL_ENTRIES // 2 + 1
+
+    def call(n: int) -> CallRequests:
+        return CallRequests(keys.inbox("a"), 1000, [f"a.{i}" for i in range(n)], [b"x"] * n)
+
+    calls = [call(big), call(big), call(1), call(functions.MAX_CALL_ENTRIES + 1)]
+    assert _within_caps(range(3), calls) == [[0], [1, 2]]
+
+    async def main() -> list[object]:
+        transport = RedisTransport(redis_server.url)
+        try:
+            return list(await transport.enqueue(keys, calls, UNBOUNDED))
+        finally:
+            await transport.close()
+
+    outcomes = run(main())
+    assert [len(o) for o in outcomes[:3]] == [big, big, 1]  # type: ignore[arg-type]
+    assert isinstance(outcomes[3], InvalidInput) and "split it" in str(outcomes[3])
+    assert redis_server.client().xlen(keys.stream) == 2 * big + 1
+    # what a foreign caller sending one mb_enqueue over the caps gets: refused, nothing queued
+    args = [1, 0, 0, functions.MAX_CALL_ENTRIES + 1, keys.inbox("b"), 1000, ""]
+    args += ["id", "x"] * (functions.MAX_CALL_ENTRIES + 1)
+    with pytest.raises(redis.ResponseError, match="MBLIMIT"):
+        redis_server.client().fcall(
+            functions.ENQUEUE, 4, keys.stream, keys.queued_bytes, keys.queue_bound,
+            keys.consumers, *args,
+        )  # fmt: skip
+    assert redis_server.client().xlen(keys.stream) == 2 * big + 1
+
+
+def test_missing_functions_are_loaded_by_a_user_who_may(redis_server: RedisServer) -> None:
+    keys = ModelKeys("m", f"t{uuid.uuid4().hex[:8]}")
+    admin = redis_server.client()
+    admin.function_flush()
+    call = CallRequests(keys.inbox("a"), 1000, ["a.0"], [b"x"])
+
+    async def main() -> None:
+        transport = RedisTransport(redis_server.url)  # the default user: may load
+        try:
+            (ids,) = await transport.enqueue(keys, [call], UNBOUNDED)
+            assert isinstance(ids, list)
+        finally:
+            await transport.close()
+
+    run(main())
+    assert functions.loaded_version(admin) == functions.VERSION
+    # An older library (its version below this code's) is detected and replaced the same way.
+    admin.function_load(functions.CODE.replace("local VERSION = 1", "local VERSION = 0"), True)
+    assert functions.loaded_version(admin) == 0
+    run(main())
+    assert functions.loaded_version(admin) == functions.VERSION
+    assert admin.xlen(keys.stream) == 2
+
+
+def test_missing_functions_are_a_clear_broker_unavailable_for_a_user_who_may_not(
+    redis_server: RedisServer, restricted: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    keys = ModelKeys("m", f"t{uuid.uuid4().hex[:8]}")
+    admin = redis_server.client()
+    admin.function_flush()
+    call = CallRequests(keys.inbox("a"), 1000, ["a.0"], [b"x"])
+
+    async def main() -> None:
+        transport = RedisTransport(restricted)
+        try:
+            for _ in range(5):
+                with pytest.raises(BrokerUnavailable, match="broker functions load"):
+                    await transport.enqueue(keys, [call], UNBOUNDED)
+            with pytest.raises(BrokerUnavailable, match="broker functions load"):
+                await transport.check_functions()  # what a worker waits on before reading
+            functions.load(admin)  # the operator runs `broker functions load`
+            (ids,) = await transport.enqueue(keys, [call], UNBOUNDED)
+            assert isinstance(ids, list)
+            await transport.check_functions()
+        finally:
+            await transport.close()
+
+    with caplog.at_level(logging.INFO, logger="microbatch.redis"):
+        run(main())
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]  # one line, not one per call
+    assert "broker functions load" in warnings[0].getMessage() and not warnings[0].exc_info
+    assert admin.xlen(keys.stream) == 1
+    user = restricted.split("//")[1].split(":")[0]
+    tries = [e for e in admin.acl_log() if e["username"] == user and e["object"] == "function|load"]
+    assert len(tries) == 1  # it tried to load the library once, then only said what to do
+
+
+def test_replies_never_touch_a_key_that_is_not_a_list_nor_set_a_ttl_they_did_not_make(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    keys = ModelKeys("m", f"t{uuid.uuid4().hex[:8]}")
+    client = redis_server.client()
+    client.hset(keys.inbox("hash"), "f", "v")
+    client.rpush(keys.inbox("persistent"), b"mine")
+    replies = [
+        (keys.inbox("new"), b"r1"),
+        (keys.inbox("hash"), b"r2"),
+        (keys.inbox("persistent"), b"r3"),
+        (keys.inbox("new"), b"r4"),
+    ]
+
+    async def main() -> None:
+        transport = RedisTransport(redis_server.url)
+        try:
+            await transport.finish(keys, replies, [], 60)  # the first: alone, then checked
+            await transport.finish(keys, replies[:2], [], 60)  # pipelined with the acks
+        finally:
+            await transport.close()
+
+    with caplog.at_level(logging.WARNING, logger="microbatch.redis"):
+        run(main())
+    assert client.lrange(keys.inbox("new"), 0, -1) == [b"r1", b"r4", b"r1"]
+    assert 0 < client.ttl(keys.inbox("new")) <= 60
+    assert client.type(keys.inbox("hash")) == b"hash" and client.ttl(keys.inbox("hash")) == -1
+    assert client.hgetall(keys.inbox("hash")) == {b"f": b"v"}
+    assert client.lrange(keys.inbox("persistent"), 0, -1) == [b"mine", b"r3"]
+    assert client.ttl(keys.inbox("persistent")) == -1
+    refused = [r.getMessage() for r in caplog.records if "not delivered" in r.getMessage()]
+    assert refused == [f"replies to {keys.inbox('hash')} were not delivered: it holds a hash, "
+                       "not a list"] * 2  # fmt: skip
+
+
+def test_a_worker_without_the_functions_reads_nothing_until_they_are_loaded(
+    redis_server: RedisServer, restricted: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from broker.protocol import decode_reply
+    from gpu_worker.batching import BatchLoop, BatchSettings
+
+    keys = ModelKeys("m", f"t{uuid.uuid4().hex[:8]}")
+    admin = redis_server.client()
+    admin.function_flush()
+    fields = request_fields("r.1", keys.inbox("c"), 30_000, b"\xa2hi")
+    admin.xadd(keys.stream, fields)  # type: ignore[arg-type]
+
+    async def main() -> tuple[int, int]:
+        transport = RedisTransport(restricted)
+        loop = BatchLoop(lambda items: items, transport, keys, "w", BatchSettings(block_ms=50))
+        serving = asyncio.ensure_future(loop.run())
+        try:
+            await asyncio.sleep(1.5)  # several retries
+            pending = int(admin.xpending(keys.stream, keys.group)["pending"])
+            functions.load(admin)  # the operator's `broker functions load`
+            popped = await asyncio.to_thread(admin.blpop, [keys.inbox("c")], 10)
+            assert popped is not None and decode_reply(popped[1]).result == "hi"
+            return pending, loop.batches
+        finally:
+            loop.stop()
+            await serving
+            await transport.close()
+
+    with caplog.at_level(logging.INFO):
+        pending, batches = run(main())
+    assert pending == 0  # nothing was read while the library was missing
+    assert batches == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "broker functions load" in warnings[0], warnings
+    assert "broker available again" in [r.getMessage() for r in caplog.records]

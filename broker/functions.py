@@ -1,0 +1,287 @@
+"""The Redis Functions library microbatch runs in Redis (``microbatch``), and how it is loaded.
+
+Four functions, called with FCALL (docs/protocol.md, sections 6, 7, 8 and 10.6):
+
+- ``mb_enqueue``: append calls' entries to a model's stream, each call only if it fits the
+  queue bound, atomically with the check (so many gateways cannot overshoot it together, and
+  a blocked worker wakes once, to a whole call);
+- ``mb_withdraw``: take back entries whose caller gave up;
+- ``mb_retire``: remove a dead consumer from the group once it holds nothing;
+- ``mb_reply``: push replies to reply lists, never to a key that is not a list, and never
+  giving a TTL to a key the reply did not create.
+
+Every function takes the library version its caller was written for as its first argument and
+refuses a newer one (``MBVERSION``), so a library older than its callers is detected on the
+first call. The library is loaded with ``FUNCTION LOAD REPLACE`` by ``broker functions load``
+(an operator's user); a caller or worker whose Redis user may load functions (the default user
+of a development Redis) loads it by itself when it finds it missing or old.
+
+Arguments are flat (no blob to unpack): Redis hands a function its arguments as Lua strings,
+and each function checks their shape and its per-call caps before it writes anything.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+LIBRARY = "microbatch"
+VERSION = 1
+
+ENQUEUE = "mb_enqueue"
+WITHDRAW = "mb_withdraw"
+RETIRE = "mb_retire"
+REPLY = "mb_reply"
+
+# What one FCALL of mb_enqueue (or mb_withdraw) may carry: Redis runs a function to its end
+# without serving anyone else, so one call's work is capped (about 5 ms of Redis time for
+# 4096 XADDs). The Python client splits its round trips to stay within them; one call of
+# more items or bytes is refused before it is sent (InvalidInput).
+MAX_CALL_ENTRIES = 4096
+MAX_CALL_BYTES = 64 * 1024 * 1024  # data bytes: one item at the codec's size limit fits
+
+CANCELLED_TTL_MS = 10 * 60 * 1000  # how long a withdrawal is remembered for workers to skip
+PUSH_CHUNK = 1000  # replies per RPUSH inside mb_reply (Lua's unpack has a stack limit)
+
+CODE = (
+    r"""#!lua name=microbatch
+-- microbatch's functions: broker/functions.py and docs/protocol.md are their documentation.
+local VERSION = @VERSION@
+local MAX_ENTRIES, MAX_BYTES = @MAX_ENTRIES@, @MAX_BYTES@
+local CANCELLED_TTL_MS, PUSH_CHUNK = @CANCELLED_TTL_MS@, @PUSH_CHUNK@
+
+-- Every call names the library version its caller was written for: a newer one is refused.
+local function version_error(args)
+  local wanted = tonumber(args[1])
+  if wanted and wanted >= 1 and wanted <= VERSION then return nil end
+  return redis.error_reply('MBVERSION this Redis holds version ' .. VERSION ..
+    ' of the microbatch library; the caller needs version ' .. tostring(args[1]) ..
+    ': run `broker functions load`')
+end
+
+local function limit_error(name)
+  return redis.error_reply('MBLIMIT one ' .. name .. ' may carry at most ' .. MAX_ENTRIES ..
+    ' entries and ' .. MAX_BYTES .. ' data bytes')
+end
+
+-- The tighter of two bounds, 0 meaning none.
+local function tighter(a, b)
+  if a > 0 and (b <= 0 or a < b) then return a end
+  return b
+end
+
+-- KEYS: stream, queued-bytes counter, queue bound (hash), consumers (sorted set).
+-- ARGV: version, the caller's max items, max bytes (0: none; they can only tighten the
+--   model's bound), then for each call: n, reply key, timeout (ms), traceparent ('' for none),
+--   then n pairs of request id and data.
+-- The model's bound (written by its workers) is `items` per live worker (at least one) and
+-- `bytes` in all. Returns one result per call: {0, entry id, ...} when queued, {1, bound}
+-- when refused by the item bound, {2, bound} when refused by the byte bound.
+local function enqueue(keys, args)
+  local err = version_error(args)
+  if err then return err end
+  local max_items, max_bytes = tonumber(args[2]) or 0, tonumber(args[3]) or 0
+  -- The shape and the caps are checked before anything is written.
+  local calls, entries, bytes, at = {}, 0, 0, 4
+  while at <= #args do
+    local n = tonumber(args[at])
+    if not n or n < 1 or n % 1 ~= 0 or at + 3 + 2 * n > #args then
+      return redis.error_reply('MBARGS malformed mb_enqueue arguments at ' .. at)
+    end
+    if entries + n > MAX_ENTRIES then return limit_error('mb_enqueue') end
+    local size = 0
+    for j = at + 5, at + 3 + 2 * n, 2 do size = size + #args[j] end
+    entries, bytes = entries + n, bytes + size
+    if bytes > MAX_BYTES then return limit_error('mb_enqueue') end
+    calls[#calls + 1] = {at, n, size}
+    at = at + 4 + 2 * n
+  end
+  local bound = redis.call('HMGET', keys[3], 'items', 'bytes')
+  local per_worker = tonumber(bound[1]) or 0
+  if per_worker > 0 then
+    local time = redis.call('TIME')
+    local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+    local live = redis.call('ZCOUNT', keys[4], now_ms, '+inf')
+    max_items = tighter(max_items, per_worker * math.max(live, 1))
+  end
+  max_bytes = tighter(max_bytes, tonumber(bound[2]) or 0)
+  local length = max_items > 0 and redis.call('XLEN', keys[1]) or 0
+  local queued = max_bytes > 0 and tonumber(redis.call('GET', keys[2]) or '0') or 0
+  local results, added = {}, 0
+  for c, call in ipairs(calls) do
+    local first, n, size = call[1], call[2], call[3]
+    if max_items > 0 and length + n > max_items then
+      results[c] = {1, max_items}
+    elseif max_bytes > 0 and queued + size > max_bytes then
+      results[c] = {2, max_bytes}
+    else
+      local reply, timeout, trace = args[first + 1], args[first + 2], args[first + 3]
+      local out = {0}
+      for j = first + 4, first + 2 + 2 * n, 2 do
+        if trace == '' then
+          out[#out + 1] = redis.call('XADD', keys[1], '*', 'v', '1', 'id', args[j],
+            'reply', reply, 'timeout', timeout, 'data', args[j + 1])
+        else
+          out[#out + 1] = redis.call('XADD', keys[1], '*', 'v', '1', 'id', args[j],
+            'reply', reply, 'timeout', timeout, 'data', args[j + 1], 'traceparent', trace)
+        end
+      end
+      length, queued, added = length + n, queued + size, added + size
+      results[c] = out
+    end
+  end
+  if added > 0 then redis.call('INCRBY', keys[2], added) end
+  return results
+end
+
+-- KEYS: stream, queued-bytes counter, cancelled set. ARGV: version, group, entry id, ...
+-- An entry no worker has read is deleted and its data bytes released; one a worker holds is
+-- marked in the cancelled set (scored by expiry, ms) for the worker to skip. Returns the
+-- bytes released.
+local function withdraw(keys, args)
+  local err = version_error(args)
+  if err then return err end
+  if #args - 2 > MAX_ENTRIES then return limit_error('mb_withdraw') end
+  local time = redis.call('TIME')
+  local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+  local released = 0
+  for i = 3, #args do
+    local id = args[i]
+    local pending = redis.pcall('XPENDING', keys[1], args[2], id, id, 1)
+    if type(pending) == 'table' and pending.err == nil and #pending > 0 then
+      redis.call('ZADD', keys[3], now_ms + CANCELLED_TTL_MS, id)
+    else
+      local found = redis.pcall('XRANGE', keys[1], id, id)
+      if type(found) == 'table' and found.err == nil and #found > 0 then
+        local fields = found[1][2]
+        for f = 1, #fields - 1, 2 do
+          if fields[f] == 'data' then released = released + #fields[f + 1] end
+        end
+        redis.call('XDEL', keys[1], id)
+      end
+    end
+  end
+  if released > 0 then redis.call('DECRBY', keys[2], released) end
+  redis.call('ZREMRANGEBYSCORE', keys[3], '-inf', now_ms)
+  return released
+end
+
+-- KEYS: stream, the consumer's heartbeat key. ARGV: version, group, consumer.
+-- Removes the consumer from the group only if it holds no entries and has no heartbeat.
+local function retire(keys, args)
+  local err = version_error(args)
+  if err then return err end
+  if redis.call('EXISTS', keys[2]) == 1 then return 0 end
+  if #redis.call('XPENDING', keys[1], args[2], '-', '+', 1, args[3]) > 0 then return 0 end
+  return redis.call('XGROUP', 'DELCONSUMER', keys[1], args[2], args[3])
+end
+
+-- KEYS: reply keys. ARGV: version, TTL (s), one count per key, then the replies, key by key.
+-- A key that does not exist gets its replies and the TTL; a list gets its replies, and the
+-- TTL only if it has one already (a reply never gives a TTL to a key it did not create);
+-- any other type gets nothing. Returns {key, type, ...} of the keys refused.
+local function reply(keys, args)
+  local err = version_error(args)
+  if err then return err end
+  local ttl, at, refused = args[2], 3 + #keys, {}
+  for k, key in ipairs(keys) do
+    local count = tonumber(args[2 + k])
+    if not count or count < 0 or at + count - 1 > #args then
+      return redis.error_reply('MBARGS malformed mb_reply arguments for key ' .. k)
+    end
+    local kind = redis.call('TYPE', key)['ok']
+    if kind == 'none' or kind == 'list' then
+      local expires = kind == 'none' or redis.call('PTTL', key) >= 0
+      for first = at, at + count - 1, PUSH_CHUNK do
+        redis.call('RPUSH', key, unpack(args, first, math.min(first + PUSH_CHUNK, at + count) - 1))
+      end
+      if expires and count > 0 then redis.call('EXPIRE', key, ttl) end
+    else
+      refused[#refused + 1] = key
+      refused[#refused + 1] = kind
+    end
+    at = at + count
+  end
+  return refused
+end
+
+redis.register_function{function_name='mb_enqueue', callback=enqueue,
+  description='microbatch v' .. VERSION .. ': queue calls under the bound'}
+redis.register_function{function_name='mb_withdraw', callback=withdraw, flags={'allow-oom'},
+  description='microbatch v' .. VERSION .. ': withdraw entries whose caller gave up'}
+redis.register_function{function_name='mb_retire', callback=retire, flags={'allow-oom'},
+  description='microbatch v' .. VERSION .. ': remove a dead consumer holding nothing'}
+redis.register_function{function_name='mb_reply', callback=reply, flags={'allow-oom'},
+  description='microbatch v' .. VERSION .. ': push replies to reply lists'}
+""".replace("@VERSION@", str(VERSION))
+    .replace("@MAX_ENTRIES@", str(MAX_CALL_ENTRIES))
+    .replace("@MAX_BYTES@", str(MAX_CALL_BYTES))
+    .replace("@CANCELLED_TTL_MS@", str(CANCELLED_TTL_MS))
+    .replace("@PUSH_CHUNK@", str(PUSH_CHUNK))
+)
+
+LOAD_COMMAND = ("FUNCTION", "LOAD", "REPLACE", CODE)
+
+HOW_TO_LOAD = (
+    "run `broker functions load --redis URL` as a Redis user allowed to load functions "
+    "(docs/deployment.md, 'Functions')"
+)
+
+_VERSION_LINE = re.compile(r"^local VERSION = (\d+)$", re.MULTILINE)
+
+
+def code_version(code: str) -> int | None:
+    """The library version written in a library's code (None if it has none)."""
+    found = _VERSION_LINE.search(code)
+    return int(found.group(1)) if found else None
+
+
+def is_missing(error: BaseException) -> bool:
+    """Whether an error reply to FCALL means the library is not loaded, or too old, or the
+    server has no Functions at all (Redis before 7.0)."""
+    text = str(error)
+    lowered = text.lower()
+    return (
+        "function not found" in lowered
+        or text.startswith("MBVERSION")
+        or ("unknown command" in lowered and "fcall" in lowered)
+    )
+
+
+def missing_message(error: BaseException) -> str:
+    """Why FCALL failed, and what the operator should do about it."""
+    text = str(error)
+    if "unknown command" in text.lower():
+        return f"this Redis has no Functions ({text}): microbatch needs Redis 7.0 or later"
+    if text.startswith("MBVERSION"):
+        return f"the microbatch library in Redis is older than this code: {HOW_TO_LOAD}"
+    return f"the microbatch functions are not loaded in Redis: {HOW_TO_LOAD}"
+
+
+def loaded_version(client: Any) -> int | None:
+    """The version of the library loaded in Redis (a redis-py client), or None if none is."""
+    found: Any = client.execute_command("FUNCTION", "LIST", "LIBRARYNAME", LIBRARY, "WITHCODE")
+    for library in found or []:
+        info = _as_dict(library)
+        if _text(info.get("library_name")) == LIBRARY:
+            return code_version(_text(info.get("library_code", "")))
+    return None
+
+
+def load(client: Any) -> tuple[int | None, int]:
+    """Load (or replace) the library with a redis-py client: (the version it replaced, or
+    None, and the version now loaded)."""
+    before = loaded_version(client)
+    client.execute_command(*LOAD_COMMAND)
+    return before, VERSION
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return {_text(k): v for k, v in value.items()}
+    items = list(value)
+    return {_text(k): v for k, v in zip(items[::2], items[1::2], strict=False)}
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
