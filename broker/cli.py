@@ -48,7 +48,9 @@ def _root(
 functions_app = new_app(
     "The Redis Functions library that gateways, callers and workers call (microbatch)."
 )
-app.add_typer(functions_app, name="functions")
+app.add_typer(
+    functions_app, name="functions", short_help="Load or check the Redis Functions library."
+)
 
 
 RedisOption = Annotated[
@@ -214,7 +216,7 @@ def purge(
     typer.echo(f"purged {count} dead letter(s) of {name}")
 
 
-@app.command("acl")
+@app.command("acl", short_help="Print the Redis ACL users of one or more tenants (prefixes).")
 def acl_users(
     prefixes: Annotated[
         list[str] | None,

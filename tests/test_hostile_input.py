@@ -244,7 +244,14 @@ timeouts = field(
     st.integers(0, 10**40).map(lambda n: str(n).encode()),
 )
 ids = field(st.text(min_size=1, max_size=12).map(str.encode), st.just(b""), st.just(b"\xff\xfe"))
-reply_keys = field(st.just(b"hostile-inbox"), st.just(b""), st.just(b"\xffinbox"))
+MODEL = ModelKeys("m", "t")
+reply_keys = field(
+    st.just(MODEL.inbox("hostile").encode()),
+    st.just(b""),
+    st.just(b"\xffinbox"),
+    st.just(b"mb:{t:other}:inbox:x"),  # another model's inbox: dead-lettered, never written
+    st.just(b"mb:{t:m}:requests"),  # the stream itself
+)
 versions = field(st.just(b"1"), st.sampled_from([b"2", b"1.0", b"", b"\x00", b"1" * 100]))
 datas = field(
     st.just(codec.encode([1, 2])),
@@ -353,7 +360,8 @@ def test_the_input_check_passes_a_fitting_array_as_it_is_and_refuses_the_wrong_s
 
 
 # -- the batch loop over the in-memory transport ---------------------------------------------------
-INBOX = "innocent-inbox"
+INBOX = MODEL.inbox("innocent")
+ODD_INBOX = MODEL.inbox("odd")
 
 
 class RawTransport(InMemoryTransport):
@@ -418,7 +426,7 @@ def check_everyone_answered(
     expected_replies: dict[str, list[str]] = {}
     for fields in hostile:
         request_id, reply_key = readable(fields.get(b"id")), readable(fields.get(b"reply"))
-        if request_id and reply_key:
+        if request_id and reply_key and keys.may_reply_to(reply_key):
             expected_replies.setdefault(reply_key, []).append(request_id)
     answered = 0
     for key, request_ids in expected_replies.items():
@@ -430,6 +438,8 @@ def check_everyone_answered(
             outcomes[name] = outcomes.get(name, 0) + 1
         answered += len(replies)
     assert answered + len(dead) == len(hostile)  # exactly one answer or dead letter each
+    for key in ("mb:{t:other}:inbox:x", keys.stream):  # never written outside its inboxes
+        assert transport.replies(key) == []
     assert transport.left(keys) == 0  # nothing pending, nothing queued
     return outcomes
 
@@ -439,7 +449,7 @@ def check_everyone_answered(
 def test_the_batch_loop_answers_hostile_entries_alone_and_innocent_ones_right(
     hostile: list[dict[bytes, bytes]],
 ) -> None:
-    hostile = [f for f in hostile if readable(f.get(b"reply")) not in (INBOX, "odd-inbox")]
+    hostile = [f for f in hostile if readable(f.get(b"reply")) not in (INBOX, ODD_INBOX)]
     innocent = [np.arange(4, dtype=np.float32) + i for i in range(6)]
     transport, _, _ = asyncio.run(serve_mixed(hostile, innocent, None))
     check_everyone_answered(transport, hostile, innocent)
@@ -451,17 +461,17 @@ def test_the_batch_loop_with_an_input_check_refuses_what_does_not_fit(
     hostile: list[dict[bytes, bytes]], item: Any
 ) -> None:
     fields = innocent_fields(99, 0)
-    fields[b"id"], fields[b"reply"] = b"odd-item", b"odd-inbox"
+    fields[b"id"], fields[b"reply"] = b"odd-item", ODD_INBOX.encode()
     try:
         fields[b"data"] = codec.encode(item)
     except CodecError:
         return
-    hostile = [f for f in hostile if readable(f.get(b"reply")) not in (INBOX, "odd-inbox")]
+    hostile = [f for f in hostile if readable(f.get(b"reply")) not in (INBOX, ODD_INBOX)]
     hostile.append(fields)
     innocent = [np.arange(4, dtype=np.float32) + i for i in range(6)]
     transport, _, _ = asyncio.run(serve_mixed(hostile, innocent, TensorSpec("x", "FP32", [4])))
     outcomes = check_everyone_answered(transport, hostile, innocent)
-    (odd,) = [decode_reply(data) for data in transport.replies("odd-inbox")]
+    (odd,) = [decode_reply(data) for data in transport.replies(ODD_INBOX)]
     try:
         fits = np.asarray(item).shape == (4,)
     except ValueError:  # ragged
@@ -489,12 +499,14 @@ def test_the_documented_cases_get_the_documented_answers() -> None:
         "killer": ({**good, b"data": KILLER}, "CodecError"),
         "bad-trace": ({**good, b"traceparent": b"\xff\n"}, "ok"),
     }  # fmt: skip
+    documented = MODEL.inbox("documented")
     hostile = []
     for name, (fields, _) in cases.items():
-        hostile.append({**fields, b"id": name.encode(), b"reply": b"documented"})
-    hostile.append({**good, b"id": b"\xff", b"reply": b"documented"})  # dead-lettered
+        hostile.append({**fields, b"id": name.encode(), b"reply": documented.encode()})
+    hostile.append({**good, b"id": b"\xff", b"reply": documented.encode()})  # dead-lettered
+    hostile.append({**good, b"id": b"elsewhere", b"reply": b"documented"})  # dead-lettered
     transport, _, _ = asyncio.run(serve_mixed(hostile, [], None))
-    replies = {r.request_id: r for r in map(decode_reply, transport.replies("documented"))}
+    replies = {r.request_id: r for r in map(decode_reply, transport.replies(documented))}
     for name, (_, expected) in cases.items():
         reply = replies[name]
         assert (reply.ok and expected == "ok") or reply.error_type == expected, (name, reply)
@@ -507,7 +519,8 @@ def test_the_documented_cases_get_the_documented_answers() -> None:
     assert replies["bad-utf8-v"].error_message == (
         "unsupported protocol version '" + "\ufffd" * 32 + "...' (this worker speaks '1')"
     )
-    assert len(transport.dead[ModelKeys("m", "t").dead_letters]) == 1
+    assert len(transport.dead[MODEL.dead_letters]) == 2
+    assert transport.replies("documented") == []
 
 
 # -- the client's reply reader ---------------------------------------------------------------------

@@ -299,4 +299,4 @@ def test_a_worker_without_the_functions_reads_nothing_until_they_are_loaded(
     assert batches == 1
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "broker functions load" in warnings[0], warnings
-    assert "broker available again" in [r.getMessage() for r in caplog.records]
+    assert "broker answers again" in [r.getMessage() for r in caplog.records]

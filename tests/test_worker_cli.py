@@ -124,7 +124,8 @@ def test_redis_unreachable_at_start_exits_2_after_redis_wait() -> None:
     lines = result.stderr.strip().splitlines()
     assert len([line for line in lines if "waiting for Redis" in line]) == 1  # one per 10 s
     assert lines[-1].startswith(
-        f"Error: Redis at redis://127.0.0.1:{port}/0 did not answer within 2 s (--redis-wait)"
+        f"Error: Redis at redis://worker:***@127.0.0.1:{port}/0 "
+        "did not answer within 2 s (--redis-wait)"
     )
     assert "ready" not in result.stderr and "serving" not in result.stderr
     assert "s3cret" not in result.stderr
