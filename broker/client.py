@@ -286,10 +286,12 @@ class Streamer:
     ``Streamer("mlp", redis_url=..., prefix=...)`` talks to every worker serving model ``mlp``
     under ``prefix``. With ``model=MLP`` (a ManagedModel class or instance) the model's
     ``preprocess`` runs on each item before it is sent and ``postprocess`` on each result, so
-    Python callers send the same raw inputs as HTTP callers. With ``max_queue_items`` or
-    ``max_queue_bytes``, a call that would take the model's queue over either bound is refused
-    at once with :class:`QueueFull` (checked atomically with the enqueue). Safe to share
-    between threads, and across fork: each process makes its own connections on first use.
+    Python callers send the same raw inputs as HTTP callers. A call that would take the
+    model's queue over its bound (stored with the model by its workers: `worker start
+    --max-queue-items/--max-queue-bytes`) is refused at once with :class:`QueueFull`, checked
+    atomically with the enqueue; ``max_queue_items`` and ``max_queue_bytes`` add a stricter cap
+    of this caller's own (0: none). Safe to share between threads, and across fork: each
+    process makes its own connections on first use.
     """
 
     # Whether apredict may run on the caller's loop (False where the transport lives on the

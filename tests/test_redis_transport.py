@@ -15,7 +15,7 @@ from broker.devserver import RedisServer
 from broker.errors import BrokerUnavailable, InvalidInput
 from broker.keys import ModelKeys
 from broker.protocol import CallRequests, request_fields
-from broker.redis_transport import RedisTransport, _within_caps
+from broker.redis_transport import EnqueuePacker, RedisTransport, _within_caps
 from broker.transport import UNBOUNDED, QueueBound
 
 TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -44,6 +44,36 @@ def restricted(redis_server: RedisServer) -> Iterator[str]:
         admin.acl_deluser(name)
         functions.load(admin)  # as the other tests expect to find it (or load it themselves)
         admin.close()
+
+
+def test_enqueue_commands_are_packed_as_hiredis_would() -> None:
+    import hiredis
+
+    keys = ModelKeys("m", "p")
+    calls = [
+        CallRequests(keys.inbox("a"), 30_000, ["a.1"], [b"\x93\x01\x02\x03"]),
+        CallRequests(keys.inbox("a"), 30_000, ["a.2", "a.3"], [b"", b"x" * 70_000], TRACE),
+        CallRequests(keys.inbox("b"), 5, ["b.1"], [b"\r\n$3\r\n"]),  # RESP-like bytes
+        CallRequests(keys.inbox("\u00e9"), 1, ["\u00e9.1"], [b"\x00"]),  # non-ASCII
+    ]
+    packer = EnqueuePacker()
+    for bound in (UNBOUNDED, QueueBound(7, 9)):
+        for group in (calls, calls[:1], calls[1:3]):  # twice: templates made, then reused
+            for _ in range(2):
+                args: list[object] = [
+                    "FCALL", functions.ENQUEUE, 4, keys.stream, keys.queued_bytes,
+                    keys.queue_bound, keys.consumers, functions.VERSION, bound.max_items,
+                    bound.max_bytes,
+                ]  # fmt: skip
+                for call in group:
+                    args += [len(call.request_ids), call.reply_key, call.timeout_ms]
+                    args.append(call.traceparent or "")
+                    for rid, data in zip(call.request_ids, call.payloads, strict=True):
+                        args += [rid, data]
+                assert packer.pack(keys, group, bound) == hiredis.pack_command(tuple(args))
+    for timeout_ms in range(1, 3 * EnqueuePacker.MAX_TEMPLATES):  # templates stay bounded
+        packer.pack(keys, [CallRequests(keys.inbox("a"), timeout_ms, ["a.1"], [b"x"])], UNBOUNDED)
+    assert len(packer._templates) <= EnqueuePacker.MAX_TEMPLATES
 
 
 def test_enqueued_entries_are_the_documented_fields(redis_server: RedisServer) -> None:
@@ -300,3 +330,23 @@ def test_a_worker_without_the_functions_reads_nothing_until_they_are_loaded(
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "broker functions load" in warnings[0], warnings
     assert "broker available again" in [r.getMessage() for r in caplog.records]
+
+
+def test_a_call_larger_than_the_whole_bound_says_it_can_never_fit(
+    redis_server: RedisServer,
+) -> None:
+    keys = ModelKeys("m", f"t{uuid.uuid4().hex[:8]}")
+    redis_server.client().hset(keys.queue_bound, mapping={"items": 4, "bytes": 0})
+    call = CallRequests(keys.inbox("a"), 1000, [f"a.{i}" for i in range(5)], [b"x"] * 5)
+
+    async def main() -> object:
+        transport = RedisTransport(redis_server.url)
+        try:
+            (outcome,) = await transport.enqueue(keys, [call], UNBOUNDED)
+            return outcome
+        finally:
+            await transport.close()
+
+    outcome = run(main())
+    assert "more items than the model's queue bound of 4 items" in str(outcome)
+    assert "split it" in str(outcome) and redis_server.client().xlen(keys.stream) == 0
