@@ -44,6 +44,8 @@ def connect(url: str, **options: Any) -> aioredis.Redis:
 
 
 def _unavailable(exc: BaseException) -> BrokerUnavailable:
+    if isinstance(exc, BusyLoadingError):  # Redis answers, but not before its data is loaded
+        return BrokerUnavailable("Redis is loading its data (after a restart); try again shortly")
     return BrokerUnavailable(f"cannot reach Redis: {exc}")
 
 
@@ -395,6 +397,8 @@ class RedisTransport:
         for result in results:
             if isinstance(result, ResponseError):
                 raise result
+        if isinstance(results[-1], int) and results[-1] < 0:  # the DECRBY: floored as in finish
+            await self._floor_queued_bytes(keys, results[-1])
 
     async def eviction_warning(self) -> str | None:
         """A warning if Redis may evict keys (streams would lose requests), else None."""
