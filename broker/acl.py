@@ -69,14 +69,14 @@ SERVER_USERS = (
         "operator",
         "OPERATOR",
         f"%R~mb:* resetchannels -@all {CONNECT} +time +info +function|load +function|list "
-        "+scan +xlen +get +mget +hgetall +zrange +xpending +xinfo|consumers +xinfo|groups "
-        "+xinfo|stream +xrange +type +ttl +pttl +exists +llen +lrange +zrangebyscore +acl|log "
-        "+acl|whoami +config|get +slowlog|get",
+        "+scan +xlen +get +mget +hgetall +hmget +zrange +xpending +xinfo|consumers "
+        "+xinfo|groups +xinfo|stream +xrange +type +ttl +pttl +exists +llen +lrange "
+        "+zrangebyscore +acl|log +acl|whoami +config|get +slowlog|get",
         """The server's operator (not a tenant's): loads the functions every tenant calls
 (`broker functions load`: FUNCTION LOAD REPLACE, FUNCTION LIST), reads every tenant's queues
-(`broker status` without --prefix: SCAN, TIME, XLEN, GET, MGET, ZRANGE, XPENDING, XINFO), the
-Redis healthcheck (PING), and diagnosis (TYPE, TTL, LRANGE, ...; ACL LOG, CONFIG GET, SLOWLOG
-GET: server-wide, so no tenant's user has them). Reads keys, writes none.""",
+(`broker status` without --prefix: SCAN, TIME, XLEN, GET, MGET, HMGET, ZRANGE, XPENDING,
+XINFO), the Redis healthcheck (PING), and diagnosis (TYPE, TTL, LRANGE, ...; ACL LOG,
+CONFIG GET, SLOWLOG GET: server-wide, so no tenant's user has them). Reads keys, writes none.""",
     ),
     User(
         "replication",
@@ -136,11 +136,11 @@ consumer, change a bound, delete or expire anything, nor touch workers' keys."""
         f"{PLACEHOLDER}-admin",
         "ADMIN",
         f"{TENANT_KEYS} resetchannels -@all {CONNECT} +time +info +scan +xlen +get +mget "
-        "+hgetall +zrange +xpending +xinfo|consumers +xinfo|groups +xinfo|stream +xrange "
+        "+hgetall +hmget +zrange +xpending +xinfo|consumers +xinfo|groups +xinfo|stream +xrange "
         "+multi +exec +discard +xadd +incrby +xdel +del +acl|whoami",
         """The prefix's operators: `broker status --prefix` and `broker dead-letters`
 (broker/admin.py).
-  status: SCAN, TIME, XLEN, GET, MGET, ZRANGE, XPENDING, XINFO CONSUMERS
+  status: SCAN, TIME, XLEN, GET, MGET, HMGET, ZRANGE, XPENDING, XINFO CONSUMERS
   dead letters: XRANGE, MULTI, XADD, INCRBY, XDEL, EXEC, DEL
 SCAN is not limited by key patterns: it lists the names (never the contents) of every key.""",
     ),

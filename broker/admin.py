@@ -56,6 +56,8 @@ class ModelStatus:
     queued_bytes: int
     dead_letters: int
     consumers: list[ConsumerStatus] = field(default_factory=list)
+    queue_bound_items: int = 0  # the model's item bound now: per live worker x live (0: none)
+    queue_bound_bytes: int = 0  # its byte bound (0: none)
 
     @property
     def live_consumers(self) -> int:
@@ -73,7 +75,8 @@ def model_status(client: redis.Redis, keys: ModelKeys) -> ModelStatus:
     pipe.get(keys.queued_bytes)
     pipe.xlen(keys.dead_letters)
     pipe.zrange(keys.consumers, 0, -1, withscores=True)
-    length, queued, dead, vouched = pipe.execute()
+    pipe.hmget(keys.queue_bound, ["items", "bytes"])
+    length, queued, dead, vouched, bound = pipe.execute()
     expiries = {_text(name): int(score) for name, score in vouched}
     try:
         summary: Any = client.xpending(keys.stream, keys.group)
@@ -99,7 +102,10 @@ def model_status(client: redis.Redis, keys: ModelKeys) -> ModelStatus:
                 current_batch_ms=int(state.get("batch_ms", 0)),
             )
         )
+    live = sum(consumer.alive for consumer in consumers)
     return ModelStatus(
+        queue_bound_items=_count(bound[0]) * max(live, 1),
+        queue_bound_bytes=_count(bound[1]),
         prefix=keys.prefix,
         model=keys.model,
         stream_length=int(length),
@@ -108,6 +114,13 @@ def model_status(client: redis.Redis, keys: ModelKeys) -> ModelStatus:
         dead_letters=int(dead),
         consumers=consumers,
     )
+
+
+def _count(value: Any) -> int:
+    try:
+        return max(0, int(value or 0))
+    except ValueError:
+        return 0
 
 
 def _heartbeat_state(value: Any) -> dict[str, Any]:

@@ -391,9 +391,11 @@ class Streamer:
     caller-side prepare (``preprocess``, then the check against its declared inputs: a value
     that does not fit raises :class:`InvalidInput` before anything is sent) runs on the items
     and ``postprocess`` on each result, so Python callers send the same raw inputs as HTTP
-    callers and are refused the same way. With ``max_queue_items`` or
-    ``max_queue_bytes``, a call that would take the model's queue over either bound is refused
-    at once with :class:`QueueFull` (checked atomically with the enqueue).
+    callers and are refused the same way. A call that would take the model's queue over its
+    bound (stored with the model by its workers: `worker start
+    --max-queue-items/--max-queue-bytes`) is refused at once with :class:`QueueFull`, checked
+    atomically with the enqueue; ``max_queue_items`` and ``max_queue_bytes`` add a stricter cap
+    of this caller's own (0: none).
 
     A call whose model has had no live worker for ``workers_grace`` seconds (default 10: twice
     the workers' default heartbeat TTL) fails with :class:`NoWorkers`, and its items are

@@ -76,7 +76,8 @@ end
 --   then n pairs of request id and data.
 -- The model's bound (written by its workers) is `items` per live worker (at least one) and
 -- `bytes` in all. Returns one result per call: {0, entry id, ...} when queued, {1, bound}
--- when refused by the item bound, {2, bound} when refused by the byte bound.
+-- when refused by the item bound, {2, bound} when refused by the byte bound, {3, bound} when
+-- the call alone has more items than the item bound (it can never be queued whole).
 local function enqueue(keys, args)
   local err = version_error(args)
   if err then return err end
@@ -110,7 +111,9 @@ local function enqueue(keys, args)
   local results, added = {}, 0
   for c, call in ipairs(calls) do
     local first, n, size = call[1], call[2], call[3]
-    if max_items > 0 and length + n > max_items then
+    if max_items > 0 and n > max_items then
+      results[c] = {3, max_items}
+    elseif max_items > 0 and length + n > max_items then
       results[c] = {1, max_items}
     elseif max_bytes > 0 and queued + size > max_bytes then
       results[c] = {2, max_bytes}

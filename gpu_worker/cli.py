@@ -12,7 +12,7 @@ from broker.client import DEFAULT_REDIS_URL
 from broker.keys import DEFAULT_PREFIX
 from broker.logs import configure_logging
 
-from .config import DEFAULT_REDIS_WAIT_S, WorkerConfig
+from .config import AUTO_QUEUE_BATCHES, AUTO_QUEUE_BYTES, DEFAULT_REDIS_WAIT_S, WorkerConfig
 from .devices import DeviceError, parse_cuda
 from .model import ModelLoadError
 
@@ -188,6 +188,25 @@ def start(
             "Worth it with a core to spare per worker, e.g. a GPU worker: try 1000.",
         ),
     ] = 0,
+    max_queue_items: Annotated[
+        str,
+        typer.Option(
+            envvar=f"{ENV}MAX_QUEUE_ITEMS",
+            help="The model's queue bound, stored with it in Redis for every caller: the most "
+            "items queued per live worker process of the model (at least one is counted), "
+            f"beyond which calls are refused at once (QueueFull, HTTP 503). auto: "
+            f"{AUTO_QUEUE_BATCHES} x --batch-size; 0: no item bound.",
+        ),
+    ] = "auto",
+    max_queue_bytes: Annotated[
+        str,
+        typer.Option(
+            envvar=f"{ENV}MAX_QUEUE_BYTES",
+            help="The most bytes of encoded items queued for the model in all (stored with "
+            f"it, like --max-queue-items). auto: {AUTO_QUEUE_BYTES // 2**20} MiB; 0: no byte "
+            "bound.",
+        ),
+    ] = "auto",
     log_level: Annotated[str, log_level_option(f"{ENV}LOG_LEVEL")] = "info",
     log_format: Annotated[str, log_format_option(f"{ENV}LOG_FORMAT")] = "text",
 ) -> None:
@@ -217,12 +236,27 @@ def start(
             max_deliveries=max_deliveries,
             model_thread=model_thread,
             busy_poll_us=busy_poll_us,
+            max_queue_items=_auto_or_count("--max-queue-items", max_queue_items),
+            max_queue_bytes=_auto_or_count("--max-queue-bytes", max_queue_bytes),
             log_level=log_level,
             log_format=log_format,
         )
     except (ValueError, DeviceError) as exc:
         fail(str(exc))
     raise typer.Exit(run_supervisor(config))
+
+
+def _auto_or_count(option: str, value: str) -> int | None:
+    """None for auto, else a count of at least 0 (ValueError saying what is wrong)."""
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        raise ValueError(f"{option} must be auto or a number, not {value!r}") from None
+    if count < 0:
+        raise ValueError(f"{option} must be auto, 0 (no bound) or a positive number")
+    return count
 
 
 def main() -> None:

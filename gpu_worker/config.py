@@ -13,6 +13,12 @@ from .batching import MODEL_THREAD_MODES
 DEFAULT_REDIS_WAIT_S = 60.0
 MAX_BUSY_POLL_US = 100_000  # past a tenth of a second, spinning buys nothing a sleep would not
 
+# The queue bound `worker start` stores with the model unless told otherwise ("auto"): this
+# many full batches per live worker (a burst of four batches per worker fits twice over, and an
+# item waits at most about this many batch times), and this many data bytes in all.
+AUTO_QUEUE_BATCHES = 8
+AUTO_QUEUE_BYTES = 256 * 1024 * 1024
+
 
 @dataclass
 class WorkerConfig:
@@ -37,6 +43,8 @@ class WorkerConfig:
     max_deliveries: int = 3
     model_thread: str = "auto"
     busy_poll_us: int = 0
+    max_queue_items: int | None = None  # per live worker; None: auto; 0: no item bound
+    max_queue_bytes: int | None = None  # in all; None: auto; 0: no byte bound
     log_level: str = "info"
     log_format: str = "text"
     extra: dict[str, str] = field(default_factory=dict)
@@ -62,6 +70,20 @@ class WorkerConfig:
             raise ValueError(f"--model-thread must be one of {', '.join(MODEL_THREAD_MODES)}")
         if not 0 <= self.busy_poll_us <= MAX_BUSY_POLL_US:
             raise ValueError(f"--busy-poll-us must be between 0 and {MAX_BUSY_POLL_US}")
+        for option, value in (
+            ("--max-queue-items", self.max_queue_items),
+            ("--max-queue-bytes", self.max_queue_bytes),
+        ):
+            if value is not None and value < 0:
+                raise ValueError(f"{option} must be auto, 0 (no bound) or a positive number")
+
+    def queue_bound(self, batch_size: int) -> tuple[int, int]:
+        """The queue bound to store with the model: (items per live worker, bytes in all)."""
+        items = self.max_queue_items
+        if items is None:
+            items = AUTO_QUEUE_BATCHES * batch_size
+        size = AUTO_QUEUE_BYTES if self.max_queue_bytes is None else self.max_queue_bytes
+        return items, size
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -1,4 +1,5 @@
-"""Heartbeats: the supervisor vouches for each live worker consumer in Redis.
+"""Heartbeats: the supervisor vouches for each live worker consumer in Redis (and keeps the
+model's queue bound there).
 
 Each consumer has a key ``heartbeat`` with a short TTL and a member in the model's ``consumers``
 sorted set, scored by when its heartbeat expires. Readers (gateway readiness, `broker status`,
@@ -28,10 +29,19 @@ FORGET_AFTER_MS = 3_600_000
 class Heartbeats:
     """Renew and retire the heartbeats of a set of consumers of one model."""
 
-    def __init__(self, redis_url: str, keys: ModelKeys, ttl_s: float = DEFAULT_TTL_S) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        keys: ModelKeys,
+        ttl_s: float = DEFAULT_TTL_S,
+        queue_bound: tuple[int, int] | None = None,
+    ) -> None:
         self.client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
         self.keys = keys
         self.ttl_ms = int(ttl_s * 1000)
+        # (items per live worker, bytes): written with every renewal, so that the bound is back
+        # within a second of a Redis that restarted without its data
+        self.queue_bound = queue_bound
         self._warn = Every(10.0)  # during an outage: one line every 10 s, not one per renewal
         self._failing = False
 
@@ -54,6 +64,9 @@ class Heartbeats:
             for consumer, state in states.items():
                 value = json.dumps({"expires_ms": expires_ms, **state})
                 pipe.set(self.keys.heartbeat(consumer), value, px=self.ttl_ms)
+            if self.queue_bound is not None:
+                items, size = self.queue_bound
+                pipe.hset(self.keys.queue_bound, mapping={"items": items, "bytes": size})
             pipe.execute()
         except redis.RedisError as exc:
             self._failing = True

@@ -88,7 +88,10 @@ class Supervisor:
             devices = [None] * config.workers
         self.slots = [Slot(index, device) for index, device in enumerate(devices)]
         self.keys = ModelKeys(config.name or self.model_class.name, config.prefix)
-        self.heartbeats = Heartbeats(config.redis_url, self.keys, config.heartbeat_ttl)
+        self.queue_bound = config.queue_bound(config.batch_size or self.model_class.batch_size)
+        self.heartbeats = Heartbeats(
+            config.redis_url, self.keys, config.heartbeat_ttl, self.queue_bound
+        )
         self._next_heartbeat = 0.0
         # Renew well within the TTL: a renewal can come up to one select timeout late.
         self._heartbeat_every = min(HEARTBEAT_EVERY_S, config.heartbeat_ttl / 3)
@@ -292,7 +295,13 @@ class Supervisor:
         if not self.all_ready_once:
             if all(slot.ready for slot in self.slots):
                 self.all_ready_once = True
-                log.info("all %d worker(s) ready", len(self.slots))
+                items, size = self.queue_bound
+                log.info(
+                    "all %d worker(s) ready; queue bound of %s: %s per live worker, %s",
+                    len(self.slots), self.keys.model,
+                    f"{items} items" if items else "no item bound",
+                    f"{size} bytes in all" if size else "no byte bound",
+                )  # fmt: skip
             elif now > start_deadline:
                 raise StartError(
                     f"workers not ready within {self.config.start_timeout:g} s (--start-timeout)"

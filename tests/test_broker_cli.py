@@ -59,6 +59,8 @@ def test_status_json_matches_redis(redis_server: RedisServer, prefix: str, tmp_p
             (model,) = json.loads(broker_cli(*command).stdout)
         assert (model["prefix"], model["model"]) == (prefix, "toy")
         assert model["live_consumers"] == 2
+        # the bound the workers store: 8 batches of Toy's 8 per live worker, 256 MiB in all
+        assert (model["queue_bound_items"], model["queue_bound_bytes"]) == (2 * 64, 2**28)
         assert model["dead_letters"] == 1 == client.xlen(keys.dead_letters)
         assert model["stream_length"] == client.xlen(keys.stream)  # the batch held, unanswered
         assert model["pending"] == 8

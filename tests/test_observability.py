@@ -46,6 +46,7 @@ def test_worker_metrics_count_the_batches_the_workers_ran(
 ) -> None:
     port = free_port()
     args = ("--workers", "2", "--batch-size", "4", "--metrics-port", str(port))
+    args += ("--max-queue-items", "0")  # 90 items are submitted at once: no bound here
     with worker_process(redis_server.url, "tests.models:Toy", prefix, *args, expect_consumers=2):
         streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix)
         futures = [streamer.submit([f"{call}-{i}" for i in range(3)]) for call in range(30)]

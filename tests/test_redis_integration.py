@@ -34,7 +34,8 @@ def test_two_workers_and_two_clients_share_a_stream_with_nothing_lost_or_duplica
     redis_server: RedisServer, prefix: str, tmp_path: Path
 ) -> None:
     env = {RECORD_ENV: str(tmp_path), DELAY_ENV: "0.01"}  # a batch takes a while: both work
-    args = ("--workers", "2", "--batch-size", "16")
+    # 1000 items are submitted at once: more than the default bound (8 batches per worker)
+    args = ("--workers", "2", "--batch-size", "16", "--max-queue-items", "0")
     with worker_process(
         redis_server.url, "tests.models:Toy", prefix, *args, env=env, expect_consumers=2
     ):
@@ -193,6 +194,7 @@ def test_replies_go_only_to_the_models_inboxes_and_never_give_a_key_a_ttl(
     assert client.xlen(other_prefix.stream) == 1  # their queued request, untouched
     assert client.lrange(other_model.inbox("c"), 0, -1) == [b"theirs"]
     assert client.get("elsewhere") == b"v" and client.xlen(keys.stream) == 0
+    assert int(client.get(keys.queued_bytes) or 0) == 0  # uncounted bare XADDs: floored at 0
     # inbox-shaped, but not a list: allowed as a reply key, refused by mb_reply
     assert client.type(keys.inbox("a-hash")) == b"hash" and client.ttl(keys.inbox("a-hash")) == -1
     assert client.hgetall(keys.inbox("a-hash")) == {b"f": b"v"}

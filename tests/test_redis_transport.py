@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -15,7 +17,7 @@ from broker.devserver import RedisServer
 from broker.errors import BrokerUnavailable, InvalidInput
 from broker.keys import ModelKeys
 from broker.protocol import CallRequests, request_fields
-from broker.redis_transport import RedisTransport, _within_caps
+from broker.redis_transport import EnqueuePacker, RedisTransport, _within_caps
 from broker.transport import UNBOUNDED, QueueBound
 
 TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -44,6 +46,36 @@ def restricted(redis_server: RedisServer) -> Iterator[str]:
         admin.acl_deluser(name)
         functions.load(admin)  # as the other tests expect to find it (or load it themselves)
         admin.close()
+
+
+def test_enqueue_commands_are_packed_as_hiredis_would() -> None:
+    import hiredis
+
+    keys = ModelKeys("m", "p")
+    calls = [
+        CallRequests(keys.inbox("a"), 30_000, ["a.1"], [b"\x93\x01\x02\x03"]),
+        CallRequests(keys.inbox("a"), 30_000, ["a.2", "a.3"], [b"", b"x" * 70_000], TRACE),
+        CallRequests(keys.inbox("b"), 5, ["b.1"], [b"\r\n$3\r\n"]),  # RESP-like bytes
+        CallRequests(keys.inbox("\u00e9"), 1, ["\u00e9.1"], [b"\x00"]),  # non-ASCII
+    ]
+    packer = EnqueuePacker()
+    for bound in (UNBOUNDED, QueueBound(7, 9)):
+        for group in (calls, calls[:1], calls[1:3]):  # twice: templates made, then reused
+            for _ in range(2):
+                args: list[object] = [
+                    "FCALL", functions.ENQUEUE, 4, keys.stream, keys.queued_bytes,
+                    keys.queue_bound, keys.consumers, functions.VERSION, bound.max_items,
+                    bound.max_bytes,
+                ]  # fmt: skip
+                for call in group:
+                    args += [len(call.request_ids), call.reply_key, call.timeout_ms]
+                    args.append(call.traceparent or "")
+                    for rid, data in zip(call.request_ids, call.payloads, strict=True):
+                        args += [rid, data]
+                assert packer.pack(keys, group, bound) == hiredis.pack_command(tuple(args))
+    for timeout_ms in range(1, 3 * EnqueuePacker.MAX_TEMPLATES):  # templates stay bounded
+        packer.pack(keys, [CallRequests(keys.inbox("a"), timeout_ms, ["a.1"], [b"x"])], UNBOUNDED)
+    assert len(packer._templates) <= EnqueuePacker.MAX_TEMPLATES
 
 
 def test_enqueued_entries_are_the_documented_fields(redis_server: RedisServer) -> None:
@@ -300,3 +332,131 @@ def test_a_worker_without_the_functions_reads_nothing_until_they_are_loaded(
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "broker functions load" in warnings[0], warnings
     assert "broker answers again" in [r.getMessage() for r in caplog.records]
+
+
+def test_a_call_larger_than_the_whole_bound_says_it_can_never_fit(
+    redis_server: RedisServer,
+) -> None:
+    keys = ModelKeys("m", f"t{uuid.uuid4().hex[:8]}")
+    redis_server.client().hset(keys.queue_bound, mapping={"items": 4, "bytes": 0})
+    call = CallRequests(keys.inbox("a"), 1000, [f"a.{i}" for i in range(5)], [b"x"] * 5)
+
+    async def main() -> object:
+        transport = RedisTransport(redis_server.url)
+        try:
+            (outcome,) = await transport.enqueue(keys, [call], UNBOUNDED)
+            return outcome
+        finally:
+            await transport.close()
+
+    outcome = run(main())
+    assert "more items than the model's queue bound of 4 items" in str(outcome)
+    assert "split it" in str(outcome) and redis_server.client().xlen(keys.stream) == 0
+
+
+@pytest.mark.slow
+def test_redis_loading_its_data_is_broker_unavailable_with_one_warning_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A real Redis restarted on a big RDB answers LOADING for seconds: callers (lean lanes),
+    redis-py paths, a worker's loop and the heartbeats each say so once, with no traceback,
+    and all carry on by themselves once it is done."""
+    import subprocess
+
+    from broker import Streamer
+    from broker.devserver import find_redis_server, free_port
+    from gpu_worker.batching import BatchLoop, BatchSettings
+    from gpu_worker.heartbeat import Heartbeats
+
+    port, keys = free_port(), ModelKeys("m", "loading")
+    base = [find_redis_server(), "--port", str(port), "--bind", "127.0.0.1", "--dir",
+            str(tmp_path), "--save", "", "--appendonly", "no", "--logfile", ""]  # fmt: skip
+    first = subprocess.Popen([*base, "--enable-debug-command", "yes"], stdout=subprocess.DEVNULL)
+    client = redis.Redis(port=port, socket_timeout=10)
+    try:
+        _wait_for(lambda: client.ping(), "redis-server")
+        client.execute_command("DEBUG", "POPULATE", 100_000)  # seconds to load, slowed below
+        functions.load(client)
+        client.save()
+    finally:
+        first.terminate()
+        first.wait(10)
+    # the same data, loaded slowly: every key waits 20 us, and clients are served meanwhile
+    slow = ["--key-load-delay", "20", "--loading-process-events-interval-bytes", "1024"]
+    server = subprocess.Popen([*base, *slow], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        _wait_for(lambda: _loading(client), "LOADING")
+        started = time.monotonic()
+
+        async def during_and_after() -> bytes:
+            transport = RedisTransport(url)  # the worker's
+            loop = BatchLoop(lambda items: items, transport, keys, "w", BatchSettings(block_ms=50))
+            serving = asyncio.ensure_future(loop.run())
+            streamer = Streamer("m", redis_url=url, prefix="loading", timeout=30)
+            beats = Heartbeats(url, keys)
+            try:
+                for _ in range(5):  # the caller: lean lanes
+                    with pytest.raises(BrokerUnavailable, match="loading its data"):
+                        await asyncio.to_thread(streamer.predict, ["x"])
+                other = RedisTransport(url)
+                with pytest.raises(BrokerUnavailable, match="loading its data"):  # a redis-py path
+                    await other.ensure_group(keys)
+                assert not await other.ping()
+                await other.close()
+                for _ in range(3):
+                    assert not beats.renew({"w": {}})
+                assert _loading(client), "Redis finished loading during the test: slow it more"
+                print(f"\nFIGURES loading: checks done {time.monotonic() - started:.1f} s in")
+                await asyncio.to_thread(_wait_for, lambda: not _loading(client), "loaded", 60)
+                print(f"FIGURES loading: loaded {time.monotonic() - started:.1f} s in")
+                assert beats.renew({"w": {}})
+                outputs = await asyncio.to_thread(streamer.predict, ["after"])
+                return outputs[0]  # type: ignore[no-any-return]
+            finally:
+                beats.close()
+                await streamer.aclose()
+                loop.stop()
+                await serving
+                await transport.close()
+
+        with caplog.at_level(logging.INFO):
+            assert run(during_and_after()) == "after"
+    finally:
+        client.close()
+        server.terminate()
+        server.wait(10)
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    by_logger = {r.name: 0 for r in warnings}
+    for record in warnings:
+        by_logger[record.name] += 1
+    assert by_logger == {
+        "microbatch.redis": 1,  # the caller: 5 failed calls
+        "microbatch.worker": 1,  # the worker's loop, retrying for seconds
+        "microbatch.heartbeat": 1,  # 3 failed renewals
+    }, [r.getMessage() for r in warnings]
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    infos = {r.getMessage() for r in caplog.records if r.levelno == logging.INFO}
+    assert {"broker answers again", "heartbeats renewed again"} <= infos
+    assert "Redis has loaded its data: requests are taken again" in infos
+
+
+def _loading(client: redis.Redis) -> bool:
+    try:
+        client.ping()
+    except redis.exceptions.BusyLoadingError:
+        return True
+    return False
+
+
+def _wait_for(check: Callable[[], object], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if check():
+                return
+        except redis.ConnectionError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.02)

@@ -99,7 +99,8 @@ def test_order_is_kept_inside_a_call(make_streamer: MakeStreamer) -> None:
 
 def test_calls_are_served_first_in_first_out(make_streamer: MakeStreamer) -> None:
     streamer = make_streamer(Toy, batch_size=3)
-    futures = [streamer.submit([f"{call}-{i}" for i in range(5)]) for call in range(6)]
+    # 4 calls of 5 items: within the default bound of 8 batches of 3 for one worker
+    futures = [streamer.submit([f"{call}-{i}" for i in range(5)]) for call in range(4)]
     sequences = [[out["seq"] for out in future.result(timeout=30)] for future in futures]
     for earlier, later in itertools.pairwise(sequences):
         assert max(earlier) < min(later)

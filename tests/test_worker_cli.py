@@ -189,3 +189,33 @@ def wait_for_line(path: Path, text: str, proc: Any, timeout: float = 60.0) -> No
         assert proc.poll() is None, path.read_text()
         assert time.monotonic() < deadline, f"{text!r} never appeared in the worker's log"
         time.sleep(0.05)
+
+
+def test_workers_store_the_queue_bound_with_the_model(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    from broker.keys import ModelKeys
+
+    client, keys = redis_server.client(), ModelKeys("toy", prefix)
+    log_path = tmp_path / "worker.log"
+    with worker_process(redis_server.url, "tests.models:Toy", prefix, "--batch-size", "4",
+                        log_path=log_path):  # fmt: skip
+        # auto: 8 batches per live worker, 256 MiB in all
+        assert client.hgetall(keys.queue_bound) == {b"items": b"32", b"bytes": b"268435456"}
+    assert "queue bound of toy: 32 items per live worker, 268435456 bytes in all" in (
+        log_path.read_text()
+    )
+    env = {"MICROBATCH_WORKER_MAX_QUEUE_ITEMS": "5"}
+    with worker_process(redis_server.url, "tests.models:Toy", prefix, "--max-queue-bytes", "0",
+                        env=env):  # fmt: skip
+        deadline = time.monotonic() + 5
+        while client.hget(keys.queue_bound, "items") != b"5" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert client.hgetall(keys.queue_bound) == {b"items": b"5", b"bytes": b"0"}
+
+
+@pytest.mark.parametrize("value", ["-1", "lots"])
+def test_a_bad_queue_bound_gives_one_line(value: str) -> None:
+    result = run_worker_cli("--model", "tests.models:Toy", "--max-queue-items", value)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("Error: --max-queue-items must be auto")

@@ -117,8 +117,10 @@ def start(
         typer.Option(
             envvar=f"{ENV}MAX_QUEUE_ITEMS",
             min=0,
-            help="Per-model bound on queued items, checked atomically with the enqueue; over "
-            "it a request gets 503 at once (0: no bound).",
+            help="An extra cap on each model's queued items, stricter than the bound its "
+            "workers store with it (worker start --max-queue-items), never looser; checked "
+            "atomically with the enqueue, over it a request gets 503 at once (0: only the "
+            "model's bound).",
         ),
     ] = 0,
     max_queue_bytes: Annotated[
@@ -126,7 +128,8 @@ def start(
         typer.Option(
             envvar=f"{ENV}MAX_QUEUE_BYTES",
             min=0,
-            help="Per-model bound on queued payload bytes (0: no bound).",
+            help="An extra cap on each model's queued payload bytes, stricter than the model's "
+            "own (0: only the model's bound).",
         ),
     ] = 0,
     wait_for_workers: Annotated[

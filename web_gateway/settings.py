@@ -54,10 +54,10 @@ class GatewaySettings(BaseSettings):
     max_items: int = Field(default=256, ge=1, description="Most items in one request.")
     max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1, description="Largest request body.")
     max_queue_items: int = Field(
-        default=0, ge=0, description="Per-model queue bound in items (0: none)."
+        default=0, ge=0, description="Extra, stricter cap on a model's queue, in items (0: none)."
     )
     max_queue_bytes: int = Field(
-        default=0, ge=0, description="Per-model queue bound in bytes (0: none)."
+        default=0, ge=0, description="Extra, stricter cap on a model's queue, in bytes (0: none)."
     )
     wait_for_workers: bool = Field(
         default=False,
