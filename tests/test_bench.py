@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the benchmark smoke runs: minutes in all
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -60,6 +60,8 @@ from tests.conftest import ROOT, stop_process, wait_for_consumers
 from tests.fault_models import BATCH_SLEEP_ENV, FIXED_ENV, GIL_SECONDS_ENV, RECORD_ENV
 from tests.test_gateway import check_error, gateway_process
 
+pytestmark = pytest.mark.slow  # real processes killed and restarted: minutes in all
+
 FAULTY = "tests.fault_models:Faulty"
 GILHOG = "tests.fault_models:GilHog"
 SLEEPER = "tests.fault_models:Sleeper"
