@@ -199,6 +199,7 @@ class BatchLoop:
         self._slow_batches = False
         # Why an entry whose reply key is not one of this model's inboxes is dead-lettered.
         self._misdirected = f"reply key outside this model's inboxes ({keys.reply_namespace}*)"
+        self._reply_namespace = keys.reply_namespace
 
     def stop(self) -> None:
         """Stop reading; the batches in hand are finished and answered first."""
@@ -362,7 +363,7 @@ class BatchLoop:
             request: Request | None = parse_request(*entry)
         except MalformedEntry:
             request = None  # no caller that could be told
-        if request is not None and self.keys.may_reply_to(request.reply_key):
+        if request is not None and self._may_reply_to(request.reply_key):
             error = PoisonRequest(f"request {reason}; it sits in the dead-letter stream")
             reply = (request.reply_key, encode_error(request.request_id, error))
             await self.transport.finish(self.keys, [reply], [], self.settings.reply_ttl_s)
@@ -510,14 +511,14 @@ class BatchLoop:
             except MalformedEntry as exc:
                 if not exc.request_id or not exc.reply_key:
                     batch.dead.append(((entry_id, fields), NO_READER))
-                elif self.keys.may_reply_to(exc.reply_key):
+                elif self._may_reply_to(exc.reply_key):
                     replies.append((exc.reply_key, encode_error(exc.request_id, exc)))
                 else:
                     batch.dead.append(((entry_id, fields), self._misdirected))
                 log.warning("malformed entry %s on %s: %s", entry_id, self.keys.stream, exc)
                 observer.answered("malformed")
                 continue
-            if not self.keys.may_reply_to(request.reply_key):
+            if not self._may_reply_to(request.reply_key):
                 batch.dead.append(((entry_id, fields), self._misdirected))
                 log.warning(
                     "dead-lettered entry %s on %s: its reply key %r is not one of this "
@@ -536,6 +537,11 @@ class BatchLoop:
                 continue
             live.append(request)
         return batch
+
+    def _may_reply_to(self, key: str) -> bool:
+        """ModelKeys.may_reply_to, without formatting the namespace for every entry."""
+        namespace = self._reply_namespace
+        return len(key) > len(namespace) and key.startswith(namespace)
 
     def _batch_started(self, batch: PreparedBatch) -> None:
         now_ms = batch.now_ms
