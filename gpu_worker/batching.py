@@ -211,6 +211,7 @@ class BatchLoop:
         self._in_outage = False
         # Why an entry whose reply key is not one of this model's inboxes is dead-lettered.
         self._misdirected = f"reply key outside this model's inboxes ({keys.reply_namespace}*)"
+        self._reply_namespace = keys.reply_namespace
 
     def stop(self) -> None:
         """Stop reading; the batches in hand are finished and answered first."""
@@ -371,7 +372,7 @@ class BatchLoop:
             request: Request | None = parse_request(*entry)
         except Exception:  # MalformedEntry: no caller that could be told
             request = None
-        if request is not None and self.keys.may_reply_to(request.reply_key):
+        if request is not None and self._may_reply_to(request.reply_key):
             error = PoisonRequest(f"request {reason}; it sits in the dead-letter stream")
             reply = (request.reply_key, encode_error(request.request_id, error))
             await self.transport.finish(self.keys, [reply], [], self.settings.reply_ttl_s)
@@ -524,9 +525,7 @@ class BatchLoop:
             except Exception as exc:  # MalformedEntry (were it anything else: not fatal)
                 self._malformed(entry, exc, batch)
                 continue
-            # Past its deadline: also when the clock estimate lags Redis' a little, an entry is
-            # never before its own time (so one of timeout 0 is never computed).
-            if not self.keys.may_reply_to(request.reply_key):
+            if not self._may_reply_to(request.reply_key):
                 batch.dead.append((entry, self._misdirected))
                 log.warning(
                     "dead-lettered entry %s on %s: its reply key %r is not one of this "
@@ -534,6 +533,8 @@ class BatchLoop:
                 )  # fmt: skip
                 self.observer.answered("malformed")
                 continue
+            # Past its deadline: also when the clock estimate lags Redis' a little, an entry is
+            # never before its own time (so one of timeout 0 is never computed).
             deadline_ms = request.deadline_ms
             if deadline_ms <= now_ms or deadline_ms <= request.arrival_ms:
                 replies.append(self._expired(request))
@@ -560,7 +561,7 @@ class BatchLoop:
             exc = MalformedEntry("entry could not be parsed")
         if not exc.request_id or not exc.reply_key:
             batch.dead.append((entry, NO_READER))
-        elif self.keys.may_reply_to(exc.reply_key):
+        elif self._may_reply_to(exc.reply_key):
             batch.replies.append((exc.reply_key, encode_error(exc.request_id, exc)))
         else:
             batch.dead.append((entry, self._misdirected))
@@ -577,6 +578,11 @@ class BatchLoop:
                 exc = CodecError(f"malformed payload: {type(exc).__name__}")
             self.observer.answered("codec_error")
         return request.reply_key, encode_error(request.request_id, exc)
+
+    def _may_reply_to(self, key: str) -> bool:
+        """ModelKeys.may_reply_to, without formatting the namespace for every entry."""
+        namespace = self._reply_namespace
+        return len(key) > len(namespace) and key.startswith(namespace)
 
     def _batch_started(self, batch: PreparedBatch) -> None:
         now_ms = batch.now_ms
