@@ -4,6 +4,7 @@ worker serving a model that declares its items' cost."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 from collections.abc import Callable
@@ -333,3 +334,13 @@ def test_sigterm_answers_the_batches_held_back(redis_server: RedisServer, prefix
     assert [out["item"] for out in outputs] == texts
     assert len({out["batch_no"] for out in outputs}) == 12
 
+
+def test_the_benchmarks_text_mix_is_the_seeded_one_and_mixes_short_and_long() -> None:
+    from bench.length_batching import MIX_PATH, make_mix
+    from examples.embedder import Tokenizer
+
+    texts = json.loads(MIX_PATH.read_text())
+    assert texts == make_mix()
+    tokenizer = Tokenizer()
+    lengths = sorted(len(tokenizer.encode(text)) for text in texts)
+    assert lengths[len(lengths) // 2] < 32 and lengths[-len(lengths) // 10] > 128
