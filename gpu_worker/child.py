@@ -61,12 +61,14 @@ async def serve(model: Any, config: Any, consumer: str) -> None:
     from .metrics import WorkerObserver
     from .model import input_check
 
+    budget = model.max_batch_cost if config.max_batch_cost is None else config.max_batch_cost
     settings = BatchSettings(
         batch_size=config.batch_size or model.batch_size,
         max_latency_s=config.max_latency if config.max_latency is not None else model.max_latency,
         max_deliveries=config.max_deliveries,
         model_thread=config.model_thread,
         busy_poll_s=config.busy_poll_us / 1e6,
+        max_batch_cost=budget or 0,
     )
     transport = RedisTransport(config.redis_url)
     keys = ModelKeys(config.name or model.name, config.prefix)
@@ -80,17 +82,18 @@ async def serve(model: Any, config: Any, consumer: str) -> None:
         log.warning("%s", warning)
     state_file = os.environ.get(STATE_FILE_ENV)
     observer = WorkerObserver(keys.model, consumer, BatchState(state_file) if state_file else None)
+    check = input_check(model.inputs)
     batch_loop = BatchLoop(
-        model.predict, transport, keys, consumer, settings, observer, input_check(model.inputs)
+        model.predict, transport, keys, consumer, settings, observer, check, model.item_cost
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, batch_loop.stop)
     log.info(
-        "worker %s serving %s on %s (batch_size=%d, max_latency=%gs, model_thread=%s, "
-        "busy_poll=%dus)",
+        "worker %s serving %s on %s (batch_size=%d, max_latency=%gs, max_batch_cost=%d, "
+        "model_thread=%s, busy_poll=%dus)",
         consumer, keys.stream, model.device, settings.batch_size, settings.max_latency_s,
-        settings.model_thread, config.busy_poll_us,
+        settings.max_batch_cost, settings.model_thread, config.busy_poll_us,
     )  # fmt: skip
     try:
         await batch_loop.run()

@@ -124,6 +124,16 @@ def start(
             "waits [default: the model's max_latency].",
         ),
     ] = None,
+    max_batch_cost: Annotated[
+        int | None,
+        typer.Option(
+            envvar=f"{ENV}MAX_BATCH_COST",
+            min=0,
+            help="Most a batch's items may cost together, by the model's item_cost (e.g. "
+            "tokens); batches then group items of similar cost, and an item over it runs "
+            "alone. 0 counts items only [default: the model's max_batch_cost].",
+        ),
+    ] = None,
     metrics_port: Annotated[
         int | None,
         typer.Option(
@@ -228,6 +238,7 @@ def start(
             redis_wait=redis_wait,
             batch_size=batch_size,
             max_latency=max_latency,
+            max_batch_cost=max_batch_cost,
             metrics_port=metrics_port,
             start_timeout=start_timeout,
             graceful_timeout=graceful_timeout,

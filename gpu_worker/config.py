@@ -34,6 +34,7 @@ class WorkerConfig:
     redis_wait: float = DEFAULT_REDIS_WAIT_S
     batch_size: int | None = None
     max_latency: float | None = None
+    max_batch_cost: int | None = None
     metrics_port: int | None = None
     start_timeout: float = 600.0
     graceful_timeout: float = 30.0
@@ -60,6 +61,8 @@ class WorkerConfig:
             raise ValueError("--batch-size must be at least 1")
         if self.max_latency is not None and self.max_latency < 0:
             raise ValueError("--max-latency cannot be negative")
+        if self.max_batch_cost is not None and self.max_batch_cost < 0:
+            raise ValueError("--max-batch-cost cannot be negative")
         if self.redis_wait < 0:
             raise ValueError("--redis-wait cannot be negative")
         if self.batch_timeout <= 0 or self.heartbeat_ttl <= 0:

@@ -21,7 +21,8 @@ class LocalStreamer(Streamer):
     (errors surface here), and then serves ``predict``/``submit``/``apredict`` exactly like a
     Streamer backed by Redis workers.
 
-    ``model_thread`` is the worker's ``--model-thread`` (auto, on, off). Callers' timeouts and
+    ``model_thread`` is the worker's ``--model-thread`` (auto, on, off), ``max_batch_cost``
+    its ``--max-batch-cost`` (default: the model's; 0 counts items only). Callers' timeouts and
     cancellations are handled on the same background loop as the batches: with the model
     inline, a call made while ``predict`` runs starts its timeout only when ``predict``
     returns; ``"on"`` keeps that loop free while the model computes.
@@ -37,6 +38,7 @@ class LocalStreamer(Streamer):
         device: str = "cpu",
         max_queue_items: int = 0,
         model_thread: str = "auto",
+        max_batch_cost: int | None = None,
     ) -> None:
         instance = model(device=device) if isinstance(model, type) else model
         super().__init__(
@@ -51,6 +53,10 @@ class LocalStreamer(Streamer):
             batch_size=batch_size if batch_size is not None else instance.batch_size,
             max_latency_s=max_latency if max_latency is not None else instance.max_latency,
             model_thread=model_thread,
+            max_batch_cost=(
+                max_batch_cost if max_batch_cost is not None else instance.max_batch_cost
+            )
+            or 0,
         )
         self._batch_loop: BatchLoop | None = None
         self._get_thread_core()  # build the model now, so that its errors surface here
@@ -71,6 +77,7 @@ class LocalStreamer(Streamer):
             "local",
             self.settings,
             check_item=input_check(model.inputs),
+            item_cost=model.item_cost,
         )
         core.loop.create_task(self._batch_loop.run())
 

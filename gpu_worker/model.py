@@ -184,8 +184,12 @@ class ManagedModel:
 
     Subclasses set ``name``, ``inputs`` and ``outputs`` and implement ``init_model`` and
     ``predict``. Heavy imports (torch, ...) belong inside ``init_model``, so that gateways can
-    import the class without them. ``batch_size`` and ``max_latency`` (seconds) are defaults
-    that the worker's command-line flags override.
+    import the class without them. ``batch_size``, ``max_latency`` (seconds) and
+    ``max_batch_cost`` are defaults that the worker's command-line flags override.
+
+    A model whose items differ in cost (texts padded to the longest of a batch) declares
+    ``item_cost`` and a budget per batch, ``max_batch_cost``: workers then form batches whose
+    items cost at most that together, of items of similar cost (docs/protocol.md, 10.3).
     """
 
     name: ClassVar[str] = ""
@@ -193,10 +197,14 @@ class ManagedModel:
     outputs: ClassVar[list[TensorSpec]] = []
     batch_size: ClassVar[int] = 32
     max_latency: ClassVar[float] = 0.0
+    max_batch_cost: ClassVar[int | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.name = check_name(cls.__dict__.get("name") or cls.__name__.lower())
+        budget = cls.max_batch_cost
+        if budget is not None and (type(budget) is not int or budget < 1):
+            raise ValueError(f"{cls.__name__}.max_batch_cost must be a positive int or None")
 
     def __init__(self, device: str = "cpu") -> None:
         self.device = device
@@ -210,6 +218,13 @@ class ManagedModel:
     def predict(self, batch: list[Any]) -> Sequence[Any]:
         """Compute one batch; return exactly one output per item, in order."""
         raise NotImplementedError(f"{type(self).__name__} must implement predict()")
+
+    def item_cost(self, item: Any) -> int:
+        """What one item costs against ``max_batch_cost``: a non-negative int, e.g. its
+        length in tokens. Runs in the worker on each item as ``predict`` will get it, before
+        its batch is formed (keep it cheap); used only when a budget is set. An exception
+        fails that item alone with ModelError. Default: 1."""
+        return 1
 
     def preprocess(self, item: Any) -> Any:
         """Caller side (gateway or Streamer(model=...)), on the CPU: raw input -> model input."""

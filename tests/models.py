@@ -149,3 +149,30 @@ class HostTagged(ManagedModel):
 def host_tagged_expected(item: list[float]) -> list[float]:
     """What :class:`HostTagged` answers for ``item``, without the tag."""
     return [2 * item[0], item[1] + 1]
+
+
+class Costed(ManagedModel):
+    """Items are strings; each costs its length (a budget of 24 per batch, 8 items at most).
+    Answers each item with its batch's lengths, the batch's number and the process; every
+    batch sleeps MICROBATCH_TEST_BATCH_DELAY seconds."""
+
+    name = "costed"
+    batch_size = 8
+    max_batch_cost = 24
+
+    def init_model(self) -> None:
+        self.batches = itertools.count()
+        self.delay = float(os.environ.get(DELAY_ENV, "0"))
+
+    def item_cost(self, item: Any) -> int:
+        return len(item)
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        if self.delay:
+            time.sleep(self.delay)
+        lengths = [len(item) for item in batch]
+        number = next(self.batches)
+        return [
+            {"item": item, "batch": lengths, "batch_no": number, "pid": os.getpid()}
+            for item in batch
+        ]
