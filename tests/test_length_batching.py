@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import redis
 
 from broker import Streamer, codec
 from broker.devserver import RedisServer
@@ -318,16 +319,30 @@ def test_a_negative_max_batch_cost_gives_one_line(redis_server: RedisServer) -> 
     assert result.returncode == 2 and "max-batch-cost" in result.stderr.lower()
 
 
+def pending(client: redis.Redis, keys: ModelKeys) -> int:
+    """Entries the model's workers have read and not acknowledged (0 before the group)."""
+    try:
+        return int(client.xpending(keys.stream, keys.group)["pending"])
+    except redis.ResponseError:  # NOGROUP: no worker has got that far yet
+        return 0
+
+
 def test_sigterm_answers_the_batches_held_back(redis_server: RedisServer, prefix: str) -> None:
     streamer = Streamer("costed", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True)
     texts = ["x" * 20] * 12  # one per batch: the first window read is 12 batches
     future = streamer.submit(texts)
     time.sleep(0.2)
     env = {"MICROBATCH_TEST_BATCH_DELAY": "0.2"}
+    keys = ModelKeys("costed", prefix)
+    client = redis.Redis.from_url(redis_server.url)
     with worker_process(redis_server.url, "tests.models:Costed", prefix, env=env) as proc:
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)  # while most of them are held
+        deadline = time.monotonic() + 60
+        while pending(client, keys) < len(texts):
+            assert time.monotonic() < deadline, "the worker read nothing"
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)  # the window is read: most of it held
         assert proc.wait(30) == 0
+    client.close()
     # answered before it exited: no other worker could have taken them over
     outputs = future.result(timeout=10)
     streamer.close()
