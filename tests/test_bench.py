@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -179,3 +180,166 @@ def test_cold_model_measures_each_condition() -> None:
     results = [json.loads(line) for line in out.stdout.decode().splitlines()]
     assert [r["condition"] for r in results] == list(CONDITIONS)
     assert all(0 < r["p50_ms"] <= r["p90_ms"] for r in results)
+
+
+# -- open-loop load (bench/openloop.py) -------------------------------------------------------
+
+
+class SlowHttpServer:
+    """A keep-alive HTTP/1.1 server on a free loopback port that answers every POST with 200
+    after ``delay`` seconds, one request at a time across all connections (a server whose
+    capacity is 1 / delay requests per second)."""
+
+    def __init__(self, delay: float) -> None:
+        import asyncio
+        import threading
+
+        self.delay = delay
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.answered = 0
+        self.port = 0
+
+    def __enter__(self) -> SlowHttpServer:
+        import asyncio
+
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self._stop(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+    async def _start(self) -> None:
+        import asyncio
+
+        self.lock = asyncio.Lock()
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def _stop(self) -> None:
+        import asyncio
+
+        self.server.close()
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _handle(self, reader: Any, writer: Any) -> None:
+        import asyncio
+
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                await reader.readexactly(length)
+                async with self.lock:
+                    await asyncio.sleep(self.delay)
+                self.answered += 1
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def _open_loop(url: str, rate: float, duration: float, **options: Any) -> Any:
+    from bench.openloop import HttpTarget, new_loop, run_open_loop
+
+    loop = new_loop()
+    try:
+        target = HttpTarget(url, b'{"inputs": [1]}')
+        return loop.run_until_complete(run_open_loop(target, rate, duration, **options))
+    finally:
+        loop.close()
+
+
+def test_open_loop_sends_every_scheduled_request() -> None:
+    with SlowHttpServer(0.0) as server:
+        url = f"http://127.0.0.1:{server.port}/v1/models/m/predict"
+        result = _open_loop(url, 200, 1.0, warmup=0.5)
+        assert server.answered == 300  # warm-up (100) + measured (200), each sent once
+    assert result.scheduled == 200 and result.completed == 200 and result.ok == 200
+    assert result.errors == {} and result.ok_fraction == 1.0
+    assert 0.8 * 200 <= result.achieved_rps <= 1.2 * 200  # generous: a shared machine
+    assert 0 < result.p50_ms <= result.p90_ms <= result.p99_ms <= result.p999_ms
+    assert result.generator_cpu > 0 and not result.generator_saturated
+
+
+def test_open_loop_latency_counts_from_the_scheduled_time() -> None:
+    """Offered twice what a one-at-a-time server does, over one connection: each request waits
+    for the ones before it, and that wait is part of its latency (a closed-loop generator would
+    report the server's 20 ms for every request). Below capacity the same server looks fast."""
+    with SlowHttpServer(0.02) as server:  # 50 requests/s at most
+        url = f"http://127.0.0.1:{server.port}/"
+        overloaded = _open_loop(url, 100, 1.0, lanes=1)
+        relaxed = _open_loop(url, 10, 1.0, lanes=1)
+    # request i is due at 10 i ms and answered at about 20 (i + 1) ms: p50 ~ 0.5 s, max ~ 1 s
+    assert overloaded.scheduled == 100 and overloaded.ok == 100
+    assert overloaded.p50_ms > 250 and overloaded.max_ms > 600
+    assert overloaded.send_lag_p99_ms > 500  # most of it spent waiting for the connection
+    assert overloaded.achieved_rps < 75
+    assert relaxed.ok == 10 and relaxed.p50_ms < 250
+
+
+def test_open_loop_names_errors_and_stops_early_when_the_sla_is_lost() -> None:
+    from bench.harness import free_port
+
+    refused = _open_loop(f"http://127.0.0.1:{free_port()}/", 100, 0.5)
+    assert refused.ok == 0 and refused.errors == {"ConnectionRefusedError": 50}
+    with SlowHttpServer(0.02) as server:
+        url = f"http://127.0.0.1:{server.port}/"
+        stopped = _open_loop(url, 200, 2.0, lanes=1, sla_p99_ms=50, min_success=0.999)
+    assert stopped.aborted == "p99 over the SLA"
+    assert stopped.scheduled == 400 and stopped.errors.get("not sent", 0) > 0
+
+
+def _run(rate: float, p99_ms: float, ok: float = 1.0, saturated: bool = False) -> Any:
+    from bench.openloop import RunResult
+
+    n = 1000
+    return RunResult(
+        rate=rate, duration_s=1.0, scheduled=n, completed=n, ok=round(ok * n),
+        errors={} if ok == 1 else {"503": n - round(ok * n)}, achieved_rps=rate,
+        p50_ms=p99_ms / 4, p90_ms=p99_ms / 2, p99_ms=p99_ms, p999_ms=p99_ms, max_ms=p99_ms,
+        send_lag_p99_ms=1.0, dispatch_lag_p99_ms=1.0, generator_cpu=0.1,
+        generator_saturated=saturated,
+    )  # fmt: skip
+
+
+def test_the_rate_search_brackets_the_highest_rate_within_the_sla() -> None:
+    from bench.openloop import find_max_rate, ladder
+
+    asked: list[float] = []
+
+    def system(rate: float) -> Any:  # within the SLA up to 1234/s
+        asked.append(rate)
+        return _run(rate, 10.0 if rate <= 1234 else 80.0)
+
+    sweep = find_max_rate(system, 50, 0.999, start_rate=500, tolerance=0.1, max_steps=20)
+    assert sweep.stopped == "converged"
+    assert 1234 / 1.1 <= sweep.max_rate <= 1234 and sweep.best is not None
+    assert asked[:3] == [500, 750, 1125]  # stepped up by 1.5 while within the SLA
+    assert [s.rate for s in sweep.steps] == asked
+    # bounded: a step limit, and a first rate already over the SLA is stepped down
+    assert len(find_max_rate(system, 50, 0.999, 500, max_steps=3).steps) == 3
+    down = find_max_rate(system, 50, 0.999, start_rate=5000, max_steps=20)
+    assert down.steps[1].rate == pytest.approx(5000 / 2.25) and down.max_rate <= 1234
+    # errors fail a rate whatever its latency; so does a run the generator could not keep up
+    failing = find_max_rate(lambda r: _run(r, 1.0, ok=0.99), 50, 0.999, 100, min_rate=10)
+    assert failing.best is None and failing.stopped == "fails even at the lowest rate"
+    saturated = find_max_rate(lambda r: _run(r, 1.0, saturated=True), 50, 0.999, 100)
+    assert saturated.stopped == "generator saturated" and len(saturated.steps) == 1
+    rungs = ladder(system, [1300, 400, 800, 1200, 1600], 50, 0.999)
+    assert [s.rate for s in rungs.steps] == [400, 800, 1200, 1300]
+    assert rungs.max_rate == 1200 and rungs.stopped == "failed a rung"
