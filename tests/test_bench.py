@@ -182,7 +182,7 @@ def test_cold_model_measures_each_condition() -> None:
     assert all(0 < r["p50_ms"] <= r["p90_ms"] for r in results)
 
 
-# -- open-loop load (bench/openloop.py) -------------------------------------------------------
+# -- open-loop load (bench/openloop.py) and the tuning sweep (bench/tune.py) ------------------
 
 
 class SlowHttpServer:
@@ -343,3 +343,148 @@ def test_the_rate_search_brackets_the_highest_rate_within_the_sla() -> None:
     rungs = ladder(system, [1300, 400, 800, 1200, 1600], 50, 0.999)
     assert [s.rate for s in rungs.steps] == [400, 800, 1200, 1300]
     assert rungs.max_rate == 1200 and rungs.stopped == "failed a rung"
+
+
+def test_tune_plans_a_search_or_a_ladder_from_the_budget() -> None:
+    from bench.tune import grid, ladder_fractions, parse_args, plan_config
+
+    args = parse_args(["--model", "examples.mlp:MLP", "--sla-p99-ms", "50"])
+    assert len(grid(args)) == 24 and args.out.name == "tune-mlp" and args.lanes == 1024
+    http = parse_args(["--model", "examples.mlp:MLP", "--sla-p99-ms", "50", "--http"])
+    assert len(grid(http)) == 48 and http.out.name == "tune-mlp-http" and http.lanes == 256
+    assert {c.gateway_workers for c in grid(http)} == {1, 2}
+    # 1 s warm-up + 3 s window + overhead per run; 8 s start-up and a 2 s probe per config
+    search = plan_config(args, 60, startup_s=8)
+    assert search is not None and search.mode == "search" and search.steps == args.max_steps
+    tight = plan_config(args, 30, startup_s=8)
+    assert tight is not None and tight.mode == "ladder" and 3 <= tight.steps < 5
+    assert plan_config(args, 15, startup_s=8) is None
+    assert ladder_fractions(3) == [0.3, 0.548, 1.0] and len(ladder_fractions(7)) == 7
+
+
+def _config_row(key_config: dict[str, int | float], max_rate: float, p99: float) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    from bench.tune import Config
+
+    config = Config(**key_config)  # type: ignore[arg-type]
+    best = _run(max_rate, p99).to_dict() if max_rate else None
+    if best:
+        best["extra"] = {"mean_batch": 7.5}
+    steps = [best] if best else [_run(300, 90.0).to_dict()]
+    return {
+        "type": "config", "model": "examples.mlp:MLP", "path": "client", "sla_p99_ms": 50.0,
+        "min_success": 0.999, "key": config.key, "config": asdict(config), "mode": "search",
+        "steps": steps, "stopped": "converged", "max_rate": max_rate, "best": best,
+        "capacity": {"rps": 2 * max_rate + 500},
+    }  # fmt: skip
+
+
+def _report_table(text: str) -> list[dict[str, str]]:
+    """The rows of report.md's "Every configuration" table, by column name."""
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    return [
+        dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")), strict=True))
+        for line in lines[1:]
+    ]
+
+
+def _check_report(report: str, sla_ms: float = 50) -> None:
+    """The recommendation is the table's fastest row within the SLA, and says so everywhere."""
+    rows = _report_table(report)
+    rate_column = "highest rate within the SLA, req/s"
+    rates = {
+        r["key"].strip("`"): float(r[rate_column].replace(",", ""))
+        for r in rows
+        if r[rate_column][0].isdigit()
+    }
+    marked = [r["key"].strip("`") for r in rows if "(recommended)" in r["configuration"]]
+    recommendation = report.split("## Recommendation")[1].split("## ")[0]
+    if not rates:
+        assert marked == [] and "No configuration met the SLA" in recommendation
+        return
+    fastest = max(rates, key=lambda k: rates[k])
+    assert marked == [fastest]
+    assert f"(`{fastest}`): {rates[fastest]:,.0f} requests/s within the SLA" in recommendation
+    for row in rows:  # each passing row's p99 meets the SLA stated in the report
+        if row["key"].strip("`") in rates:
+            assert float(row["p99 ms"]) <= sla_ms
+
+
+def test_tune_report_recommends_the_fastest_configuration_within_the_sla(
+    tmp_path: Path,
+) -> None:
+    from bench.tune import parse_args
+    from bench.tune_report import write_report
+
+    args = parse_args(["--model", "examples.mlp:MLP", "--sla-p99-ms", "50"])
+    rows = [
+        _config_row({"batch_size": 8, "max_latency_ms": 0, "workers": 1}, 900, 20.0),
+        _config_row({"batch_size": 32, "max_latency_ms": 2, "workers": 2}, 2500, 45.0),
+        _config_row({"batch_size": 64, "max_latency_ms": 5, "workers": 1}, 0, 0),
+        _config_row({"batch_size": 16, "max_latency_ms": 0, "workers": 1}, 1800, 30.0),
+    ]
+    verified = {"rate": 2500, "windows": [_run(2500, 41.0).to_dict()], "met": True,
+                "p99_ms_median": 41.0}  # fmt: skip
+    context = {"command": "python -m bench.tune ...", "machine": "test", "date": "today",
+               "load_before": (1.0, 1.0, 1.0), "load_after": (1.0, 1.0, 1.0), "elapsed_s": 60,
+               "torch_threads": 1, "lanes": 1024, "missing": ["b8-l5ms-w2"]}  # fmt: skip
+    text = write_report(tmp_path, args, rows, verified, context).read_text()
+    _check_report(text)
+    assert "`b32-l2ms-w2`" in text.split("## Every configuration")[0]
+    assert "worker start --model examples.mlp:MLP --batch-size 32 --max-latency 0.002 " \
+        "--workers 2" in text  # fmt: skip
+    assert "**meets the SLA**" in text and "`b8-l5ms-w2`" in text
+    assert "none (at 300/s: p99 90.0 ms" in text
+    assert (tmp_path / "tune.png").stat().st_size > 1000
+    # none within the SLA: no recommendation, and the report says so
+    nothing = write_report(tmp_path, args, [rows[2]], None, context).read_text()
+    _check_report(nothing)
+
+
+def _tune(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "bench.tune", "--model", "examples.mlp:MLP"]
+    command += ["--sla-p99-ms", "1000", "--max-latency-ms", "0", "--workers", "1"]
+    command += ["--window-s", "0.5", "--warmup-s", "0.3", "--probe-s", "0.5", "--max-steps", "3"]
+    command += ["--budget-min", "4", "--out", str(out), *extra]
+    return subprocess.run(
+        command, cwd=ROOT, check=True, timeout=300, capture_output=True, text=True
+    )
+
+
+@pytest.mark.timeout(300)
+def test_tune_measures_the_grid_then_resumes_without_measuring_again(tmp_path: Path) -> None:
+    """One configuration through the real stack, briefly; a rerun measures nothing."""
+    _tune(tmp_path, "--batch-sizes", "16", "--verify-repeats", "0")
+    results = tmp_path / "results.jsonl"
+    records = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["type"] for r in records] == ["config"] and records[0]["key"] == "b16-l0ms-w1"
+    (record,) = records
+    assert record["capacity"]["rps"] > 0 and 1 <= len(record["steps"]) <= 3
+    for step in record["steps"]:
+        assert step["scheduled"] > 0 and step["generator_cpu"] > 0
+        assert step["extra"]["mean_batch"] is None or 1 <= step["extra"]["mean_batch"] <= 16
+    assert (record["best"] is None) == (record["max_rate"] == 0)
+    before = results.read_text()
+    again = _tune(tmp_path, "--batch-sizes", "16", "--verify-repeats", "0")
+    assert results.read_text() == before
+    assert "1 measured before, 0 to measure" in " ".join(again.stderr.split())
+    _check_report((tmp_path / "report.md").read_text(), sla_ms=1000)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_tune_over_http_recommends_and_re_measures(tmp_path: Path) -> None:
+    """Two configurations through `gateway start`; the best is started again and re-measured."""
+    _tune(tmp_path, "--http", "--batch-sizes", "8,64", "--gateway-workers", "1")
+    records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    configs = [r for r in records if r["type"] == "config"]
+    assert sorted(r["key"] for r in configs) == ["b64-l0ms-w1-g1", "b8-l0ms-w1-g1"]
+    assert all(r["path"] == "http" for r in configs)
+    verified = [r for r in records if r["type"] == "verify"]
+    best = max(configs, key=lambda r: r["max_rate"])
+    if best["max_rate"] > 0:
+        assert [v["key"] for v in verified] == [best["key"]]
+        assert verified[0]["rate"] == best["max_rate"] and len(verified[0]["windows"]) == 3
+    _check_report((tmp_path / "report.md").read_text(), sla_ms=1000)
