@@ -496,15 +496,16 @@ def find_max_rate(
     start_rate: float,
     *,
     step_up: float = 1.5,
+    step_down: float = 1.5,
     tolerance: float = 0.1,
     max_steps: int = 8,
     budget_s: float | None = None,
     min_rate: float = 1.0,
 ) -> Sweep:
-    """Step the rate up by ``step_up`` while it meets the SLA (down by ``step_up``**2 while it
-    does not), then bisect (geometric mean) between the highest pass and the lowest failure
-    until they are within ``tolerance``; at most ``max_steps`` runs, and none started that the
-    time already spent says would end past ``budget_s``."""
+    """Step the rate up by ``step_up`` while it meets the SLA (down by ``step_down`` while it
+    does not, to ``min_rate`` at the lowest), then bisect (geometric mean) between the highest
+    pass and the lowest failure until they are within ``tolerance``; at most ``max_steps``
+    runs, and none started that the time already spent says would end past ``budget_s``."""
     started = time.monotonic()
     steps: list[RunResult] = []
     best: RunResult | None = None
@@ -532,7 +533,7 @@ def find_max_rate(
         elif best is not None:
             rate = rate * step_up
         else:
-            rate = rate / step_up**2
+            rate = rate / step_down
             if rate < min_rate:
                 return Sweep(best, steps, "fails even at the lowest rate")
 
@@ -542,11 +543,17 @@ def ladder(
     rates: list[float],
     sla_p99_ms: float,
     min_success: float,
+    budget_s: float | None = None,
 ) -> Sweep:
-    """Measure ``rates`` in increasing order until one fails the SLA."""
+    """Measure ``rates`` in increasing order until one fails the SLA (or, as in
+    ``find_max_rate``, the next would end past ``budget_s``)."""
+    started = time.monotonic()
     steps: list[RunResult] = []
     best = None
     for rate in sorted(rates):
+        spent = time.monotonic() - started
+        if budget_s is not None and steps and spent + spent / len(steps) > budget_s:
+            return Sweep(best, steps, "time limit")
         result = measure(rate)
         steps.append(result)
         if not meets(result, sla_p99_ms, min_success):

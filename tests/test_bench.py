@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -334,12 +336,21 @@ def test_the_rate_search_brackets_the_highest_rate_within_the_sla() -> None:
     # bounded: a step limit, and a first rate already over the SLA is stepped down
     assert len(find_max_rate(system, 50, 0.999, 500, max_steps=3).steps) == 3
     down = find_max_rate(system, 50, 0.999, start_rate=5000, max_steps=20)
-    assert down.steps[1].rate == pytest.approx(5000 / 2.25) and down.max_rate <= 1234
+    assert down.steps[1].rate == pytest.approx(5000 / 1.5) and down.max_rate <= 1234
     # errors fail a rate whatever its latency; so does a run the generator could not keep up
     failing = find_max_rate(lambda r: _run(r, 1.0, ok=0.99), 50, 0.999, 100, min_rate=10)
     assert failing.best is None and failing.stopped == "fails even at the lowest rate"
     saturated = find_max_rate(lambda r: _run(r, 1.0, saturated=True), 50, 0.999, 100)
     assert saturated.stopped == "generator saturated" and len(saturated.steps) == 1
+
+    # bounded in time: no run is started that would end past the budget
+    def slow(rate: float) -> Any:
+        time.sleep(0.05)
+        return _run(rate, 10.0)
+
+    timed = find_max_rate(slow, 50, 0.999, 100, max_steps=50, budget_s=0.12)
+    assert timed.stopped == "time limit" and len(timed.steps) < 50
+    assert ladder(slow, [100.0] * 50, 50, 0.999, budget_s=0.12).stopped == "time limit"
     rungs = ladder(system, [1300, 400, 800, 1200, 1600], 50, 0.999)
     assert [s.rate for s in rungs.steps] == [400, 800, 1200, 1300]
     assert rungs.max_rate == 1200 and rungs.stopped == "failed a rung"
@@ -425,8 +436,12 @@ def test_tune_report_recommends_the_fastest_configuration_within_the_sla(
         _config_row({"batch_size": 64, "max_latency_ms": 5, "workers": 1}, 0, 0),
         _config_row({"batch_size": 16, "max_latency_ms": 0, "workers": 1}, 1800, 30.0),
     ]
-    verified = {"rate": 2500, "windows": [_run(2500, 41.0).to_dict()], "met": True,
-                "p99_ms_median": 41.0}  # fmt: skip
+    missed = {"rate": 2500, "windows": [_run(2500, 61.0).to_dict()], "met": False,
+              "p99_ms_median": 61.0, "ok_fraction_min": 1.0}  # fmt: skip
+    met = {"rate": 2000, "windows": [_run(2000, 41.0).to_dict()], "met": True,
+           "p99_ms_median": 41.0, "ok_fraction_min": 1.0}  # fmt: skip
+    verified = {"key": "b32-l2ms-w2", "sweep_rate": 2500, "attempts": [missed, met],
+                "met": True, "rate": 2000}  # fmt: skip
     context = {"command": "python -m bench.tune ...", "machine": "test", "date": "today",
                "load_before": (1.0, 1.0, 1.0), "load_after": (1.0, 1.0, 1.0), "elapsed_s": 60,
                "torch_threads": 1, "lanes": 1024, "missing": ["b8-l5ms-w2"]}  # fmt: skip
@@ -435,7 +450,8 @@ def test_tune_report_recommends_the_fastest_configuration_within_the_sla(
     assert "`b32-l2ms-w2`" in text.split("## Every configuration")[0]
     assert "worker start --model examples.mlp:MLP --batch-size 32 --max-latency 0.002 " \
         "--workers 2" in text  # fmt: skip
-    assert "**meets the SLA**" in text and "`b8-l5ms-w2`" in text
+    assert "- at 2,500 requests/s: p99 61.0 ms (median 61.0), answered 100.00%: misses" in text
+    assert "**Shown to meet the SLA at 2,000 requests/s**" in text and "`b8-l5ms-w2`" in text
     assert "none (at 300/s: p99 90.0 ms" in text
     assert (tmp_path / "tune.png").stat().st_size > 1000
     # none within the SLA: no recommendation, and the report says so
@@ -486,5 +502,10 @@ def test_tune_over_http_recommends_and_re_measures(tmp_path: Path) -> None:
     best = max(configs, key=lambda r: r["max_rate"])
     if best["max_rate"] > 0:
         assert [v["key"] for v in verified] == [best["key"]]
-        assert verified[0]["rate"] == best["max_rate"] and len(verified[0]["windows"]) == 3
+        attempts = verified[0]["attempts"]
+        assert attempts[0]["rate"] == best["max_rate"] == verified[0]["sweep_rate"]
+        assert all(len(a["windows"]) == 3 for a in attempts)
+        assert [a["met"] for a in attempts[:-1]] == [False] * (len(attempts) - 1)  # until met
+        for before, after in itertools.pairwise(attempts):
+            assert after["rate"] == pytest.approx(0.8 * before["rate"])
     _check_report((tmp_path / "report.md").read_text(), sla_ms=1000)
