@@ -246,8 +246,14 @@ def write_report(
             for m in modes
         )
         + ".",
-        "- One run per rate: on this machine a single window can pass or fail by noise, which "
-        "is why the recommendation is started again and re-measured.",
+        "- Then the best rate found is measured once more and counts only if it meets the "
+        "SLA again (otherwise the next lower rate that passed is measured again, if the "
+        "configuration's runs allow): on this machine a single window can pass by luck. The "
+        "table's latencies are those of the worse of the two runs. *How found* ends with "
+        "`confirmed` when that second run passed, and the configuration has no rate when none "
+        "was confirmed.",
+        "- Finally the recommendation is started again and re-measured (below its "
+        "*Recommendation*).",
         "- Raw data: `results.jsonl` (one line per configuration, every run's figures, the "
         "errors by type; and the re-measurement).",
         "",

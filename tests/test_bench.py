@@ -356,6 +356,27 @@ def test_the_rate_search_brackets_the_highest_rate_within_the_sla() -> None:
     assert rungs.max_rate == 1200 and rungs.stopped == "failed a rung"
 
 
+def test_a_rate_counts_when_it_meets_the_sla_twice() -> None:
+    from bench.openloop import Sweep, confirm
+
+    steps = [_run(400, 10.0), _run(800, 20.0), _run(1200, 30.0), _run(1600, 90.0)]
+    lucky = Sweep(steps[2], steps, "converged")  # 1200/s passed once, by luck
+
+    def again(rate: float) -> Any:
+        return _run(rate, 90.0 if rate > 1000 else 25.0)
+
+    confirmed = confirm(again, lucky, 50, 0.999, runs=2)
+    assert [s.rate for s in confirmed.steps[4:]] == [1200, 800]
+    assert confirmed.max_rate == 800 and confirmed.stopped == "converged; confirmed"
+    assert confirmed.best is not None and confirmed.best.p99_ms == 25.0  # the worse of two
+    assert confirmed.steps[-1].extra["confirmation"] is True
+    alone = confirm(again, lucky, 50, 0.999, runs=1)
+    assert alone.best is None and alone.stopped == "converged; not confirmed"
+    assert confirm(again, Sweep(None, steps[3:], "x"), 50, 0.999).stopped == (
+        "x; nothing to confirm"
+    )
+
+
 def test_tune_plans_a_search_or_a_ladder_from_the_budget() -> None:
     from bench.tune import grid, ladder_fractions, parse_args, plan_config
 
