@@ -689,43 +689,64 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench.tune",
         description=__doc__.splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Grid values are comma-separated. docs/tuning.md explains the report.",
     )
-    parser.add_argument("--model", required=True, help="import path module:Class")
-    parser.add_argument("--sla-p99-ms", type=float, required=True, help="the p99 target, ms")
-    parser.add_argument(
-        "--min-success", type=float, default=0.999, help="least fraction answered 200"
+    add = parser.add_argument
+    add("--model", required=True, help="import path module:Class of the model")
+    add("--sla-p99-ms", type=float, required=True, help="the p99 latency target, ms")
+    add("--min-success", type=float, default=0.999, help="least fraction answered (0.999)")
+    add("--http", action="store_true", help="load through gateway start (default: the client)")
+    add(
+        "--batch-sizes",
+        type=ints,
+        default=[8, 16, 32, 64],
+        help="worker --batch-size values (8,16,32,64)",
     )
-    parser.add_argument("--http", action="store_true", help="load through gateway start")
-    parser.add_argument("--batch-sizes", type=ints, default=[8, 16, 32, 64])
-    parser.add_argument(
-        "--max-latency-ms", type=floats, default=[0.0, 2.0, 5.0], help="worker --max-latency"
+    add(
+        "--max-latency-ms",
+        type=floats,
+        default=[0.0, 2.0, 5.0],
+        help="worker --max-latency values, ms (0,2,5)",
     )
-    parser.add_argument("--workers", type=ints, default=[1, 2], help="worker processes")
-    parser.add_argument(
-        "--gateway-workers", type=ints, default=[1, 2], help="with --http: gateway processes"
+    add("--workers", type=ints, default=[1, 2], help="worker --workers values (1,2)")
+    add(
+        "--gateway-workers",
+        type=ints,
+        default=[1, 2],
+        help="with --http: gateway start --workers values (1,2)",
     )
-    parser.add_argument("--budget-min", type=float, default=18.0, help="the whole sweep's bound")
-    parser.add_argument("--mode", choices=["auto", "search", "ladder"], default="auto")
-    parser.add_argument("--window-s", type=float, default=3.0, help="measured s per rate")
-    parser.add_argument("--warmup-s", type=float, default=1.0, help="s sent first, not measured")
-    parser.add_argument("--probe-s", type=float, default=2.0, help="closed-loop capacity probe")
-    parser.add_argument("--drain-s", type=float, default=5.0, help="answers awaited after a run")
-    parser.add_argument(
-        "--max-steps", type=int, default=7, help="open-loop runs per configuration, at most"
+    add("--budget-min", type=float, default=18.0, help="bound on the whole sweep, min (18)")
+    add(
+        "--mode",
+        choices=["auto", "search", "ladder"],
+        default="auto",
+        help="how each configuration's rate is found (auto: search when 5 runs fit)",
     )
-    parser.add_argument("--verify-repeats", type=int, default=3, help="0: no re-measurement")
-    parser.add_argument(
+    add("--window-s", type=float, default=3.0, help="measured seconds per rate (3)")
+    add("--warmup-s", type=float, default=1.0, help="seconds sent before each window (1)")
+    add("--probe-s", type=float, default=2.0, help="closed-loop capacity probe, s (2)")
+    add("--drain-s", type=float, default=5.0, help="answers awaited after a run, s (5)")
+    add("--max-steps", type=int, default=7, help="open-loop runs per configuration (7)")
+    add(
+        "--verify-repeats",
+        type=int,
+        default=3,
+        help="windows per rate re-measuring the recommendation (3; 0: none)",
+    )
+    add(
         "--lanes",
         type=int,
-        help="most requests in flight: HTTP connections (default 256) or client tasks (1024)",
+        help="most requests in flight: HTTP connections (256) or client tasks (1024)",
     )
-    parser.add_argument(
-        "--torch-threads", type=int, default=1, help="OMP_NUM_THREADS of workers (0: unset)"
+    add(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="OMP_NUM_THREADS of the workers (1; 0: leave unset)",
     )
-    parser.add_argument("--startup-s", type=float, default=8.0, help="first guess, for the plan")
-    parser.add_argument("--item", help="one request's item as JSON (default: from the model)")
-    parser.add_argument("--out", type=Path, help="default bench/results/tune-<model>[-http]")
+    add("--startup-s", type=float, default=8.0, help="start-up guess for the first plan (8)")
+    add("--item", help="one request's item as JSON (default: made from the model's inputs)")
+    add("--out", type=Path, help="results directory (bench/results/tune-<name>[-http])")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     if args.lanes is None:
