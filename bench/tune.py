@@ -445,7 +445,7 @@ def run_config(
             sweep,
             args.sla_p99_ms,
             args.min_success,
-            runs=max(1, min(2, plan.steps - len(sweep.steps))),
+            runs=2,
             budget_s=max(left, step_s(args)),
         )
         startup = stack.startup_s

@@ -35,13 +35,7 @@ def table(rows: list[dict[str, Any]], best: dict[str, Any] | None) -> list[str]:
         s = row["best"]
         capacity = fmt(row["capacity"]["rps"], 0)
         if s is None:
-            lowest = min(row["steps"], key=lambda r: r["rate"]) if row["steps"] else None
-            note = (
-                f"none (at {lowest['rate']:,.0f}/s: p99 {fmt(lowest['p99_ms'])} ms, "
-                f"{lowest['ok_fraction']:.2%} answered)"
-                if lowest
-                else "none"
-            )
+            note = no_rate(row)
             lines.append(
                 f"| {rank} | {config.label} | `{row['key']}` | {note} | - | - | - | - | - | - | "
                 f"- | {capacity} | - | {method(row)} |"
@@ -55,6 +49,25 @@ def table(rows: list[dict[str, Any]], best: dict[str, Any] | None) -> list[str]:
             f"{s['generator_cpu']:.2f} | {method(row)} |"
         )
     return lines
+
+
+def no_rate(row: dict[str, Any]) -> str:
+    """Why a configuration has no rate: what its runs came closest to."""
+    steps = row["steps"]
+    if not steps:
+        return "none"
+    again = [s for s in steps if s["extra"].get("confirmation")]
+    if again:
+        first = max(again, key=lambda s: s["rate"])
+        return (
+            f"none confirmed (passed once at {first['rate']:,.0f}/s; again: p99 "
+            f"{fmt(first['p99_ms'])} ms, {first['ok_fraction']:.2%} answered)"
+        )
+    lowest = min(steps, key=lambda s: s["rate"])
+    return (
+        f"none (at {lowest['rate']:,.0f}/s: p99 {fmt(lowest['p99_ms'])} ms, "
+        f"{lowest['ok_fraction']:.2%} answered)"
+    )
 
 
 def plot(rows: list[dict[str, Any]], best: dict[str, Any] | None, sla: float, path: Path) -> bool:
@@ -140,7 +153,8 @@ def write_report(
         "runs of the same sweep are read back from `results.jsonl`).",
         "",
         f"**SLA**: p99 latency at most {sla:g} ms, at least {success:.1%} of the requests "
-        "answered 200, and the offered rate sustained (achieved at least 95% of it).",
+        "answered 200, and the offered rate sustained (answers arrived at 90% of it or more "
+        "during the measured span).",
         "",
         f"**Machine**: {context['machine']}; load average (1, 5, 15 min) "
         + ", ".join(f"{v:.2f}" for v in context["load_before"])
