@@ -379,14 +379,15 @@ def step_s(args: argparse.Namespace) -> float:
 
 
 def plan_config(args: argparse.Namespace, seconds: float, startup_s: float) -> Plan | None:
-    """What fits in ``seconds`` for one configuration (None: not even a 3-rung ladder)."""
+    """What fits in ``seconds`` for one configuration, the confirming run included (None: not
+    even a 3-rung ladder)."""
     steps = int((seconds - startup_s - args.probe_s - 1) // step_s(args))
     mode = args.mode
     if mode == "auto":
         mode = "search" if steps >= 5 else "ladder"
-    if steps < 3:
+    if steps < 4:  # 3 rates and the run that confirms the best
         return None
-    cap = LADDER_MAX_RUNGS if mode == "ladder" else steps
+    cap = LADDER_MAX_RUNGS + 1 if mode == "ladder" else steps
     return Plan(mode, min(steps, args.max_steps, cap), seconds)
 
 
@@ -604,7 +605,7 @@ def run(args: argparse.Namespace) -> Path:
             reserve = verify_s(args, startup) if args.verify_repeats else 0.0
             plan = plan_config(args, (left - reserve) / (len(pending) - index), startup)
             if plan is None and plan_config(args, left - reserve, startup) is not None:
-                plan = Plan("ladder", 3, left - reserve)  # the least that says anything
+                plan = Plan("ladder", 4, left - reserve)  # the least that says anything
             if plan is None:
                 progress.console.print(
                     f"budget spent: {len(pending) - index} configurations left for a rerun"
