@@ -400,7 +400,8 @@ def ladder_fractions(rungs: int) -> list[float]:
 
 
 def verify_s(args: argparse.Namespace, startup_s: float) -> float:
-    return startup_s + int(args.verify_repeats) * step_s(args)
+    """Time kept back for re-measuring the recommendation: every rate it may take."""
+    return startup_s + VERIFY_TRIES * int(args.verify_repeats) * step_s(args)
 
 
 # -- the sweep -------------------------------------------------------------------------------
@@ -635,7 +636,7 @@ def run(args: argparse.Namespace) -> Path:
         if args.verify_repeats and best is not None and verified is None:
             progress.update(task, left=f"{(budget - time.monotonic() + started) / 60:.1f} min")
             try:
-                deadline = started + budget + args.verify_repeats * step_s(args)
+                deadline = started + budget
                 verified = verify(tuner, best, deadline, progress, task)
             except Exception as exc:
                 progress.console.print(f"verify failed: {type(exc).__name__}: {exc}")
