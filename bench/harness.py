@@ -161,27 +161,8 @@ class Harness:
     def process(
         self, command: list[str], name: str, env: dict[str, str] | None = None
     ) -> Iterator[subprocess.Popen[bytes]]:
-        logfile = open(self.tmp / f"{name}.log", "wb")  # noqa: SIM115
-        proc = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env={**self.env, **(env or {})},
-            stdout=logfile,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # so that its children (gunicorn workers, ...) end with it
-        )
-        try:
+        with spawn(command, self.tmp / f"{name}.log", {**self.env, **(env or {})}) as proc:
             yield proc
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            except ProcessLookupError:
-                pass
-            logfile.close()
 
     def load(self, python: str | Path, kind: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
         spec = {**self.timing(), **spec}
@@ -201,24 +182,7 @@ class Harness:
 
     def wait_http(self, url: str, proc: subprocess.Popen[bytes], timeout: float = 180) -> None:
         """Until a POST of the benchmark's body answers 200."""
-        import urllib.request
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}")
-            try:
-                request = urllib.request.Request(
-                    url, self.body.encode(), {"Content-Type": "application/json"}
-                )
-                with urllib.request.urlopen(request, timeout=5) as response:
-                    if response.status == 200:
-                        json.loads(response.read())
-                        return
-            except Exception:
-                pass
-            time.sleep(0.25)
-        raise TimeoutError(f"{url} did not answer")
+        wait_http_post(url, self.body, proc, timeout)
 
     def wrk_once(self, url: str, concurrency: int, duration: float) -> dict[str, Any]:
         threads = min(concurrency, 2)
@@ -385,19 +349,10 @@ class Harness:
     def wait_worker(
         self, redis_url: str, model: str, prefix: str, proc: subprocess.Popen[bytes], count: int
     ) -> None:
-        import redis
-
-        from broker.keys import ModelKeys
-        from broker.liveness import live_consumers
-
-        client = redis.Redis.from_url(redis_url)
-        keys = ModelKeys(model, prefix)
-        deadline = time.monotonic() + 180
-        while len(live_consumers(client, keys)) < count:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("worker did not start: " + self.tail(f"worker-{model}"))
-            time.sleep(0.1)
-        client.close()
+        try:
+            wait_workers(redis_url, model, prefix, count, proc)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}: " + self.tail(f"worker-{model}")) from None
 
     def tail(self, name: str) -> str:
         try:
@@ -529,6 +484,85 @@ class Harness:
             "brackets": self.brackets,
             "results": self.rows,
         }
+
+
+@contextmanager
+def spawn(
+    command: list[str], log_path: Path, env: dict[str, str]
+) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``command`` in the repository root for the ``with`` block, its output to
+    ``log_path``, in a session of its own; then SIGTERM its whole group (SIGKILL after 30 s)."""
+    logfile = open(log_path, "wb")  # noqa: SIM115
+    proc = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=logfile,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # so that its children (gunicorn workers, ...) end with it
+    )
+    try:
+        yield proc
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        except ProcessLookupError:
+            pass
+        logfile.close()
+
+
+def wait_workers(
+    redis_url: str,
+    model: str,
+    prefix: str,
+    count: int,
+    proc: subprocess.Popen[bytes],
+    timeout: float = 180,
+) -> None:
+    """Until ``count`` live workers consume MODEL under PREFIX; RuntimeError if PROC exits."""
+    import redis
+
+    from broker.keys import ModelKeys
+    from broker.liveness import live_consumers
+
+    client = redis.Redis.from_url(redis_url)
+    keys = ModelKeys(model, prefix)
+    deadline = time.monotonic() + timeout
+    try:
+        while len(live_consumers(client, keys)) < count:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("worker did not start")
+            time.sleep(0.1)
+    finally:
+        client.close()
+
+
+def wait_http_post(
+    url: str, body: str, proc: subprocess.Popen[bytes], timeout: float = 180
+) -> None:
+    """Until a POST of ``body`` (JSON) to ``url`` answers 200; RuntimeError if PROC exits."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            request = urllib.request.Request(
+                url, body.encode(), {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(request, timeout=5) as response:
+                if response.status == 200:
+                    json.loads(response.read())
+                    return
+        except Exception:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"{url} did not answer")
 
 
 def tree_rss_mb(pid: int) -> float:

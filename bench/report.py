@@ -326,6 +326,10 @@ def write(
         "On a GPU (one H100: `--cuda` pinning checked, and the batching speed-ups with the models "
         "on the device): [gpu.md](gpu.md).",
         "",
+        "Which `--batch-size`, `--max-latency` and `--workers` give the most throughput within a "
+        "p99 latency SLA, under open-loop load (`python -m bench.tune`): "
+        "[tuning.md](tuning.md).",
+        "",
         "## Setup",
         "",
         f"- Machine: {report['machine']}",
