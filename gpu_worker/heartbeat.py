@@ -16,6 +16,7 @@ from typing import Any
 
 import redis
 
+from broker.connections import sync_client
 from broker.keys import ModelKeys
 from broker.logs import Every
 
@@ -29,7 +30,7 @@ class Heartbeats:
     """Renew and retire the heartbeats of a set of consumers of one model."""
 
     def __init__(self, redis_url: str, keys: ModelKeys, ttl_s: float = DEFAULT_TTL_S) -> None:
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+        self.client = sync_client(redis_url, socket_timeout=2, socket_connect_timeout=2)
         self.keys = keys
         self.ttl_ms = int(ttl_s * 1000)
         self._warn = Every(10.0)  # during an outage: one line every 10 s, not one per renewal
