@@ -5,6 +5,7 @@ itself, and fails fast, typed, while no master is known."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -182,3 +183,51 @@ def test_protected_sentinels_and_masters_take_their_own_passwords() -> None:
             connections.sync_client(setup.url(":wrong@", "?sentinel_password=watch-pw")) as client,
         ):
             client.ping()
+
+
+def test_the_broker_commands_and_a_streamer_take_a_sentinel_url(
+    sentinel: LocalSentinel, prefix: str
+) -> None:
+    """`broker functions load`, `broker status`, `broker dead-letters` and a Streamer served
+    by a worker's batch loop, all given the redis+sentinel:// URL."""
+    from typer.testing import CliRunner
+
+    from broker import Streamer
+    from broker.cli import app
+    from broker.keys import ModelKeys
+    from gpu_worker.batching import BatchLoop, BatchSettings
+
+    url = sentinel.url()
+    cli = CliRunner()
+    with sentinel.master.client() as admin:
+        admin.function_flush()
+    loaded = cli.invoke(app, ["functions", "load", "--redis", url])
+    assert loaded.exit_code == 0 and "loaded the microbatch library" in loaded.output
+    keys = ModelKeys("echo", prefix)
+
+    async def serve_and_call() -> list[object]:
+        transport = RedisTransport(url)
+        loop = BatchLoop(lambda items: items, transport, keys, "w-1", BatchSettings(block_ms=50))
+        serving = asyncio.ensure_future(loop.run())
+        try:
+            streamer = Streamer("echo", redis_url=url, prefix=prefix, wait_for_workers=True)
+            outputs: list[object] = await streamer.apredict(["a", "b"], timeout=10)
+            await streamer.aclose()
+            return outputs
+        finally:
+            loop.stop()
+            await serving
+            await transport.close()
+
+    assert asyncio.run(serve_and_call()) == ["a", "b"]
+    status = cli.invoke(app, ["status", "--redis", url, "--prefix", prefix, "--json"])
+    assert status.exit_code == 0, status.output
+    (model,) = json.loads(status.output)
+    assert (model["model"], model["stream_length"], model["pending"]) == ("echo", 0, 0)
+    with sentinel.master.client() as admin:
+        admin.xadd(keys.dead_letters, {"id": "x", "dead_reason": "test", "data": b"123"})
+    letters = cli.invoke(app, ["dead-letters", "list", "--name", "echo", "--prefix", prefix,
+                               "--redis", url, "--json"])  # fmt: skip
+    assert letters.exit_code == 0 and json.loads(letters.output)[0]["reason"] == "test"
+    bad = cli.invoke(app, ["status", "--redis", "redis+sentinel://s1:26379"])
+    assert bad.exit_code == 2 and "names no service" in bad.output
