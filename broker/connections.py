@@ -24,6 +24,9 @@ import redis
 import redis.asyncio as aioredis
 import redis.asyncio.sentinel as async_sentinel
 import redis.sentinel
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.retry import Retry as SyncRetry
 
 from .redis_url import RedisURL, SentinelURL, describe, parse
 from .resp_lane import (
@@ -92,23 +95,36 @@ class _AsyncSentinelRedis(aioredis.Redis):
             await self.sentinel_manager.aclose()
 
 
+# redis-py retries a failed command 10 times by default, with backoff: against a dead host (or
+# a dead sentinel asked first) one command would stall for half a minute. Every user of these
+# clients retries in its own loop (a worker's, the heartbeats', a caller's next call), so one
+# retry (a pooled connection the server closed meanwhile) is enough, and a sentinel that fails
+# is not retried: the next one is asked.
+RETRIES = 1
+
+
 def _sentinel_options(
-    url: SentinelURL, options: dict[str, Any]
+    url: SentinelURL, options: dict[str, Any], no_retry: Any
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(the master's connection options, the sentinels') with the caller's ``options``:
-    the URL's win, and the sentinels share the caller's socket settings."""
+    the URL's win, and the sentinels share the caller's socket settings, except that a
+    sentinel answers within the connect timeout or is taken for dead (the next one is asked)."""
     master = {**options, **url.master_kwargs()}
     sentinels = {k: v for k, v in options.items() if k.startswith("socket_")}
     sentinels.update(url.sentinel_kwargs())
+    sentinels["socket_timeout"] = sentinels.get("socket_connect_timeout") or CONNECT_TIMEOUT_S
+    sentinels["retry"] = no_retry
     return master, sentinels
 
 
 def sync_client(url: str | RedisURL, **options: Any) -> redis.Redis:
-    """redis-py's client of ``url``; ``options`` are redis-py's (socket_timeout, ...)."""
+    """redis-py's client of ``url`` (a failed command retried once); ``options`` are
+    redis-py's (socket_timeout, ...)."""
     parsed = parse(url)
+    options.setdefault("retry", SyncRetry(NoBackoff(), RETRIES))
     if not isinstance(parsed, SentinelURL):
         return redis.Redis.from_url(parsed.url, **options)
-    master, sentinel_kwargs = _sentinel_options(parsed, options)
+    master, sentinel_kwargs = _sentinel_options(parsed, options, SyncRetry(NoBackoff(), 0))
     manager = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
         [(a.host, a.port) for a in parsed.sentinels], sentinel_kwargs=sentinel_kwargs
     )
@@ -124,8 +140,12 @@ def sync_client(url: str | RedisURL, **options: Any) -> redis.Redis:
 
 def async_client(url: str | RedisURL, **options: Any) -> aioredis.Redis:
     """redis-py's asyncio client of ``url`` (bytes replies, TCP keepalive, a health check on
-    connections idle 15 s, commands packed by hiredis); ``options`` are redis-py's."""
+    connections idle 15 s, commands packed by hiredis, a failed command retried once, a
+    reply awaited for at most REPLY_TIMEOUT_S: none of microbatch's commands on it block);
+    ``options`` are redis-py's."""
     parsed = parse(url)
+    options.setdefault("retry", AsyncRetry(NoBackoff(), RETRIES))
+    options.setdefault("socket_timeout", REPLY_TIMEOUT_S)
     options.setdefault("socket_connect_timeout", CONNECT_TIMEOUT_S)
     options.setdefault("socket_keepalive", True)
     options.setdefault("socket_keepalive_options", keepalive_options())
@@ -133,7 +153,7 @@ def async_client(url: str | RedisURL, **options: Any) -> aioredis.Redis:
     options["decode_responses"] = False
     if not isinstance(parsed, SentinelURL):
         return use_hiredis_packing(aioredis.Redis.from_url(parsed.url, **options))
-    master, sentinel_kwargs = _sentinel_options(parsed, options)
+    master, sentinel_kwargs = _sentinel_options(parsed, options, AsyncRetry(NoBackoff(), 0))
     manager = async_sentinel.Sentinel(  # type: ignore[no-untyped-call]
         [(a.host, a.port) for a in parsed.sentinels], sentinel_kwargs=sentinel_kwargs
     )

@@ -73,7 +73,8 @@ class SentinelMaster:
             return known[1]
         self._known = None
         errors = []
-        for i, (name, lane) in enumerate(self._sentinels):
+        for entry in list(self._sentinels):  # (a concurrent call may reorder the list)
+            name, lane = entry
             try:
                 masters = await lane.execute("SENTINEL", "MASTERS")
             except (RedisConnectionError, RedisTimeoutError, ResponseError, OSError) as exc:
@@ -87,8 +88,9 @@ class SentinelMaster:
             elif not master_up(state):
                 errors.append(f"{name}: its master is {state.get('flags', '?')}")
             else:
-                if i:  # ask this one first next time
-                    self._sentinels.insert(0, self._sentinels.pop(i))
+                if self._sentinels[0] is not entry:  # ask this one first next time
+                    self._sentinels.remove(entry)
+                    self._sentinels.insert(0, entry)
                 address = state["ip"], int(state["port"])
                 self._known = time.monotonic(), address
                 return address

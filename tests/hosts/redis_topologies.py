@@ -22,7 +22,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import redis
+from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.retry import Retry
 from redis.sentinel import Sentinel
 
 from broker.devserver import find_redis_server
@@ -192,12 +194,16 @@ class SentinelRedis(RedisTopology):
 
     def master_node(self, via: Host | None = None) -> RedisNode:
         """The node the sentinels name as master now (asked from ``via``, default: the
-        first node's host)."""
-        address = self.master_address(via or self.nodes[0].host)
+        first of the topology's hosts that still runs something)."""
+        address = self.master_address(via or self._alive_host())
         return next(node for node in self.nodes if (node.host.addr, node.port) == address)
 
     def admin(self, fn: Callable[[redis.Redis], T], via: Host | None = None) -> T:
+        via = via or self._alive_host()
         return self.master_node(via).call(fn, via)
+
+    def _alive_host(self) -> Host:
+        return next((node.host for node in self.nodes if node.host.pids()), self.nodes[0].host)
 
     def start(self) -> SentinelRedis:
         for node in self.nodes:
@@ -221,7 +227,13 @@ class SentinelRedis(RedisTopology):
         """``fn(sentinel_client)`` on ``via``."""
 
         def call() -> T:
-            client = Sentinel(self.sentinels, socket_timeout=2)
+            # a dead sentinel (its host gone) costs one 1 s connect, not redis-py's retries
+            quick = {
+                "socket_timeout": 2,
+                "socket_connect_timeout": 1,
+                "retry": Retry(NoBackoff(), 0),
+            }
+            client = Sentinel(self.sentinels, sentinel_kwargs=quick, socket_timeout=2)
             try:
                 return fn(client)
             finally:
