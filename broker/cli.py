@@ -235,15 +235,16 @@ def acl_users(
         typer.Option(
             "--server",
             help="Also print the server-wide users: default (off), operator (loads the "
-            "functions, reads every prefix, diagnosis) and replication.",
+            "functions, reads every prefix, diagnosis), replication and sentinel.",
         ),
     ] = False,
     password_env: Annotated[
         str,
         typer.Option(
             help="Name of the environment variable holding each user's password; {ROLE} "
-            "becomes GATEWAY, WORKER, ADMIN, KEDA, OPERATOR or REPLICATION and {TENANT} the "
-            "prefix in upper case ('.' and '-' as '_'). Several prefixes need {TENANT}.",
+            "becomes GATEWAY, WORKER, ADMIN, KEDA, OPERATOR, REPLICATION or SENTINEL and "
+            "{TENANT} the prefix in upper case ('.' and '-' as '_'). Several prefixes need "
+            "{TENANT}.",
         ),
     ] = acl.DEFAULT_PASSWORD_ENV,
     redis_version: Annotated[
