@@ -85,6 +85,16 @@ CONFIG GET, SLOWLOG GET: server-wide, so no tenant's user has them). Reads keys,
         """Replicas of this Redis (`masteruser replication` and `masterauth` in their
 redis.conf; Sentinel setups): off unless its password is set.""",
     ),
+    User(
+        "sentinel",
+        "SENTINEL",
+        "resetchannels &__sentinel__:hello -@all +ping +info +role +multi +exec +slaveof "
+        "+config|rewrite +client|setname +client|kill +script|kill +subscribe +publish",
+        """Redis Sentinel's own connections to every node (`sentinel auth-user <service> sentinel`
+and `sentinel auth-pass <service> <its password>` in sentinel.conf): watching (PING, INFO,
+ROLE, the hello channel) and failing over (MULTI, SLAVEOF, CONFIG REWRITE, CLIENT KILL,
+EXEC). Off unless its password is set.""",
+    ),
 )
 
 TENANT_USERS = (
@@ -267,7 +277,7 @@ def render(
             if password == "off":
                 unset.append(variable)
         line = _line(user, password, tenant)
-        if cluster and user.name != "default" and user.role != "REPLICATION":
+        if cluster and user.name != "default" and user.role not in ("REPLICATION", "SENTINEL"):
             line += " " + CLUSTER_RULES
         lines.append(_for_version(line, redis_version))
     return lines, unset

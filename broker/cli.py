@@ -12,11 +12,12 @@ from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 
-from . import acl, admin, functions
+from . import acl, admin, connections, functions
 from .cli_common import fail, log_format_option, log_level_option, new_app, version_option
 from .client import DEFAULT_REDIS_URL
 from .keys import DEFAULT_PREFIX, ModelKeys
 from .logs import configure_logging
+from .redis_url import RedisURLError
 
 ENV = "MICROBATCH_BROKER_"
 EXIT_STATUS = "Exit status: 0 on success; 1 when Redis cannot be reached; 2 for a bad option."
@@ -58,7 +59,9 @@ RedisOption = Annotated[
     typer.Option(
         "--redis",
         envvar="REDIS_URL",
-        help="Redis URL: redis://[user:password@]host:port/db, or rediss:// for TLS.",
+        help="Redis URL: redis://[user:password@]host:port/db (rediss:// for TLS), or "
+        "redis+sentinel://[user:password@]host:26379,host:26379/service[/db] for a Sentinel "
+        "service's master (docs/deployment.md).",
     ),
 ]
 NameOption = Annotated[
@@ -71,7 +74,10 @@ JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts
 
 
 def _connect(url: str) -> redis.Redis:
-    client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=5)
+    try:
+        client = connections.sync_client(url, socket_connect_timeout=2, socket_timeout=5)
+    except RedisURLError as exc:
+        fail(f"--redis: {exc}", 2)
     try:
         client.ping()
     except redis.RedisError as exc:
@@ -231,15 +237,16 @@ def acl_users(
         typer.Option(
             "--server",
             help="Also print the server-wide users: default (off), operator (loads the "
-            "functions, reads every prefix, diagnosis) and replication.",
+            "functions, reads every prefix, diagnosis), replication and sentinel.",
         ),
     ] = False,
     password_env: Annotated[
         str,
         typer.Option(
             help="Name of the environment variable holding each user's password; {ROLE} "
-            "becomes GATEWAY, WORKER, ADMIN, KEDA, OPERATOR or REPLICATION and {TENANT} the "
-            "prefix in upper case ('.' and '-' as '_'). Several prefixes need {TENANT}.",
+            "becomes GATEWAY, WORKER, ADMIN, KEDA, OPERATOR, REPLICATION or SENTINEL and "
+            "{TENANT} the prefix in upper case ('.' and '-' as '_'). Several prefixes need "
+            "{TENANT}.",
         ),
     ] = acl.DEFAULT_PASSWORD_ENV,
     redis_version: Annotated[

@@ -34,6 +34,7 @@ from .keys import DEFAULT_PREFIX, ModelKeys
 from .logs import Every, ThrottledWarning
 from .loop_thread import LoopThread
 from .protocol import CallRequests, Reply, decode_reply
+from .redis_url import parse as parse_redis_url
 from .transport import UNBOUNDED, QueueBound, Transport
 from .worker_watch import CHECK_EVERY_S, DEFAULT_GRACE_S, WorkerWatch
 
@@ -426,6 +427,8 @@ class Streamer:
         self.wait_for_workers = wait_for_workers
         self.workers_grace = WorkerWatch(workers_grace).grace_s  # checked here
         self.redis_url = redis_url or os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
+        if redis_url is not None:  # a malformed URL fails here (RedisURLError, a ValueError)
+            parse_redis_url(redis_url)
         self.timeout = _check_timeout(timeout)
         self.model = model() if isinstance(model, type) else model
         self._reset_for_process()

@@ -99,9 +99,10 @@ def dict_config(level: str = "info", fmt: str = "text", loggers: tuple[str, ...]
 
 
 def redact_url(url: str) -> str:
-    """``url`` with its password (in the userinfo or a ``password=`` query) replaced by ``***``.
+    """``url`` with its passwords (in the userinfo, or a query option whose name holds
+    ``password``, e.g. ``sentinel_password``) replaced by ``***``.
 
-    What a log may show of a Redis URL: scheme, user, host, port, db.
+    What a log may show of a Redis URL: scheme, user, hosts, ports, db (or service and db).
     """
     try:
         parts = urlsplit(url)
@@ -114,7 +115,7 @@ def redact_url(url: str) -> str:
         if "password" in query.lower():
             pairs = parse_qsl(query, keep_blank_values=True)
             query = urlencode(
-                [(k, "***" if k.lower() == "password" else v) for k, v in pairs], safe="*"
+                [(k, "***" if "password" in k.lower() else v) for k, v in pairs], safe="*"
             )
         if "://" not in url:
             return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))

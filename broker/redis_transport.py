@@ -2,7 +2,9 @@
 
 The hot path (enqueue, the reply reader, the worker's reads, replies and acks) runs on lean
 connections (:class:`broker.resp_lane.RespLane`); the rest (consumer groups, taking over a
-dead worker's entries, dead letters, INFO) on redis-py's asyncio client. What must be atomic
+dead worker's entries, dead letters, INFO) on redis-py's asyncio client; both made by
+:mod:`broker.connections` from the URL (one Redis, or a Sentinel service's master, followed
+across failovers: a failing connection is BrokerUnavailable until it is back). What must be atomic
 (the bounded enqueue, withdrawals, retiring a consumer) or checked key by key (replies) runs in
 Redis as the functions of :mod:`broker.functions`.
 """
@@ -20,14 +22,14 @@ from redis.exceptions import BusyLoadingError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from . import functions
+from . import connections, functions
 from .errors import BrokerUnavailable, InvalidInput, MicrobatchError, QueueFull
 from .functions import ENQUEUE, MAX_CALL_BYTES, MAX_CALL_ENTRIES, REPLY, RETIRE, WITHDRAW
 from .keys import ModelKeys
 from .liveness import lapsed_s
 from .protocol import CallRequests
-from .resp_lane import CONNECT_TIMEOUT_S, RespLane, bulk_strings, keepalive_options
-from .resp_packing import use_hiredis_packing
+from .redis_url import parse as parse_url
+from .resp_lane import CONNECT_TIMEOUT_S, bulk_strings
 from .transport import Entry, QueueBound, Redelivery, entry_data_size
 
 log = logging.getLogger("microbatch.redis")
@@ -35,13 +37,7 @@ log = logging.getLogger("microbatch.redis")
 UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
-def connect(url: str, **options: Any) -> aioredis.Redis:
-    """An asyncio Redis client for ``url`` (redis://, rediss://, unix://; user, password, db)."""
-    options.setdefault("socket_connect_timeout", CONNECT_TIMEOUT_S)
-    options.setdefault("socket_keepalive", True)
-    options.setdefault("socket_keepalive_options", keepalive_options())
-    options.setdefault("health_check_interval", 15)
-    return use_hiredis_packing(aioredis.Redis.from_url(url, decode_responses=False, **options))
+connect = connections.async_client  # an asyncio redis-py client of a URL
 
 
 def _unavailable(exc: BaseException) -> BrokerUnavailable:
@@ -55,12 +51,14 @@ class RedisTransport:
 
     def __init__(self, url: str, **options: Any) -> None:
         self.url = url
-        self.redis = connect(url, **options)
+        parsed = parse_url(url)
+        self.redis = connections.async_client(parsed, **options)
         connect_timeout_s = float(options.get("socket_connect_timeout") or CONNECT_TIMEOUT_S)
-        self._lane = RespLane(url, connect_timeout_s)  # commands that answer at once
+        target = connections.lane_target(parsed, connect_timeout_s)  # shared: one sentinel query
+        self._lane = connections.lane(target, connect_timeout_s)  # commands that answer at once
         # blocking reads, each bounded by its own timeout instead of the lane's reply timeout
-        self._reads = RespLane(url, connect_timeout_s, None)  # the worker's XREADGROUP
-        self._replies = RespLane(url, connect_timeout_s, None)  # the caller's BLMPOP
+        self._reads = connections.lane(target, connect_timeout_s, None)  # the worker's XREADGROUP
+        self._replies = connections.lane(target, connect_timeout_s, None)  # the caller's BLMPOP
         self.cancellations_pending = True  # as of the last finish(); True until known
         self._enqueues = EnqueuePacker()
         self._may_load: bool | None = None  # whether this user may load the library
@@ -409,6 +407,7 @@ class RedisTransport:
         commands = [("TIME",), ("ZRANGEBYSCORE", keys.consumers, "-inf", "+inf", "WITHSCORES")]
         try:
             time, flat = await self._lane.pipeline(commands)
+            _raise_unavailable((time, flat))
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
         for result in (time, flat):

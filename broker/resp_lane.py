@@ -14,8 +14,14 @@ Replies come back raw (RESP2: bytes, ints, lists, None); error replies as redis-
 a restart), which is redis-py's :class:`~redis.exceptions.BusyLoadingError` as with redis-py, and
 a lost connection as its :class:`~redis.exceptions.ConnectionError`, so callers handle failures
 as they do with redis-py (both are connection errors: the server is not available yet).
-The lane reconnects on the next command after a connection is lost. Connection settings (TCP,
-TLS, unix socket; user, password, db) are read from the URL by redis-py.
+The lane reconnects on the next command after a connection is lost. Where it connects and how it
+logs in is a :class:`LaneTarget`: a fixed address read from a redis://, rediss:// or unix:// URL
+by redis-py, or an address asked of an :class:`AddressSource` at each connect (the current
+master of a Sentinel service: :mod:`broker.sentinel`; :mod:`broker.connections` makes lanes from
+any URL). An error reply saying the server is no master any more (``READONLY``, ``UNBLOCKED``
+after a role change, ``MASTERDOWN``: a failover moved the master) drops the connection and
+is a :class:`ReplicaError`, a connection error too, so the next command reconnects to wherever
+the master is now.
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import hiredis
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
@@ -45,6 +53,9 @@ BLOCKING_GRACE_S = 5.0
 # How long commands that answer at once may wait with no reply before the connection is
 # presumed dead (redis-py's asyncio client, without a socket_timeout, would wait forever).
 REPLY_TIMEOUT_S = 10.0
+# How often a lane whose address comes from a source (a Sentinel service's master) checks,
+# while connected, that the source still names the server it is connected to.
+FOLLOW_EVERY_S = 1.0
 
 # TCP keepalive on every connection to Redis: a probe after 15 s idle, then every 5 s, dead
 # after 3 unanswered. Firewalls and NAT gateways that drop idle connections silently (often
@@ -65,11 +76,79 @@ def keepalive_options() -> dict[int, int]:
     return {getattr(socket, name): value for name, value in wanted if hasattr(socket, name)}
 
 
+# Error replies of a server that is no master (any more): a failover demoted it.
+NOT_MASTER = ("READONLY", "UNBLOCKED", "MASTERDOWN")
+
+
+class ReplicaError(RedisConnectionError):
+    """The server answered as a replica (a failover moved the master): the connection is
+    dropped, and the next command connects to wherever the master is now."""
+
+
 def _reply_error(message: str) -> Exception:
     """The exception an error reply becomes (hiredis calls this for each one)."""
     if message.startswith("LOADING"):
         return BusyLoadingError(message)
+    if message.startswith(NOT_MASTER):
+        return ReplicaError(f"Redis is not the master (failover?): {message}")
     return ResponseError(message)
+
+
+_RAISED = (ResponseError, BusyLoadingError, ReplicaError)  # error replies execute() raises
+
+
+class AddressSource(Protocol):
+    """Where a lane's server is now, asked at each connect (e.g. a Sentinel service's master)."""
+
+    async def address(self, max_age_s: float = 0.0) -> tuple[str, int]:
+        """(host, port), as learnt at most ``max_age_s`` ago; a redis-py ConnectionError
+        when it cannot be known now."""
+        ...
+
+    def close(self) -> None:
+        """Drop whatever connections finding the address holds."""
+        ...
+
+
+@dataclass
+class LaneTarget:
+    """Where a lane connects and how it logs in: a fixed host and port (or unix socket), or
+    the address ``source`` gives at each connect."""
+
+    host: str = "localhost"
+    port: int = 6379
+    path: str | None = None  # a unix socket
+    ssl: ssl.SSLContext | None = None
+    db: int = 0
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    source: AddressSource | None = None
+    label: str = ""  # how errors name it (instead of host:port)
+
+    @classmethod
+    def from_url(cls, url: str) -> LaneTarget:
+        """The target of a redis://, rediss:// or unix:// URL, as redis-py reads it."""
+        options: dict[str, Any] = dict(parse_redis_url(url))
+        connection_class = options.pop("connection_class", None)
+        # Only to read what redis-py makes of the URL (TLS context, defaults); never connected.
+        settings: Any = (connection_class or Connection)(**options)
+        unix = connection_class is UnixDomainSocketConnection
+        return cls(
+            host=getattr(settings, "host", "localhost"),
+            port=int(getattr(settings, "port", 6379)),
+            path=settings.path if unix else None,
+            ssl=settings.ssl_context.get() if isinstance(settings, SSLConnection) else None,
+            db=int(options.get("db", 0) or 0),
+            username=options.get("username"),
+            password=options.get("password"),
+        )
+
+
+def ssl_context(options: dict[str, Any]) -> ssl.SSLContext:
+    """The TLS context redis-py makes of its ``ssl_*`` connection options."""
+    settings = SSLConnection(**{k: v for k, v in options.items() if k.startswith("ssl_")})
+    context: ssl.SSLContext = settings.ssl_context.get()
+    return context
 
 
 class _Pipeline:
@@ -91,7 +170,8 @@ class _RespProtocol(asyncio.Protocol):
     """
 
     def __init__(self, reply_timeout_s: float | None = None) -> None:
-        self.reader = hiredis.Reader(replyError=_reply_error)
+        self.reader = hiredis.Reader(replyError=self._reply_error)
+        self.demoted = False  # an error reply said the server is no master
         self.waiting: deque[asyncio.Future[Any] | _Pipeline] = deque()
         self.transport: asyncio.Transport | None = None
         self.lost = False
@@ -103,6 +183,12 @@ class _RespProtocol(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
         if self.reply_timeout_s:
             self._watch()
+
+    def _reply_error(self, message: str) -> Exception:
+        error = _reply_error(message)
+        if type(error) is ReplicaError:
+            self.demoted = True
+        return error
 
     def _watch(self) -> None:
         timeout = self.reply_timeout_s
@@ -144,6 +230,8 @@ class _RespProtocol(asyncio.Protocol):
                         head.set_result(reply)  # type: ignore[union-attr]
         except (hiredis.ProtocolError, IndexError) as exc:  # garbage, or a reply nobody asked for
             self.abort(f"protocol error: {exc!r}")
+        if self.demoted:  # what follows on this connection would fail the same way
+            self.abort("Redis is not the master any more")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -188,7 +276,8 @@ def bulk_strings(args: Sequence[Any]) -> bytes:
 
 
 class RespLane:
-    """One lean connection to the Redis at ``url``, (re)connected on first use.
+    """One lean connection to the Redis at ``target`` (a :class:`LaneTarget`, or a redis://,
+    rediss:// or unix:// URL), (re)connected on first use.
 
     ``reply_timeout_s`` bounds how long commands may go unanswered (None: no bound; blocking
     commands have their own, from their timeout).
@@ -196,26 +285,23 @@ class RespLane:
 
     def __init__(
         self,
-        url: str,
+        target: str | LaneTarget,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
         reply_timeout_s: float | None = REPLY_TIMEOUT_S,
     ) -> None:
-        options: dict[str, Any] = dict(parse_redis_url(url))
-        connection_class = options.pop("connection_class", None)
-        # Only to read what redis-py makes of the URL (TLS context, defaults); never connected.
-        settings: Any = (connection_class or Connection)(**options)
-        unix = connection_class is UnixDomainSocketConnection
-        self._path: str | None = settings.path if unix else None
-        self._host: str = getattr(settings, "host", "localhost")
-        self._port: int = int(getattr(settings, "port", 6379))
-        self._ssl = settings.ssl_context.get() if isinstance(settings, SSLConnection) else None
-        self._db = int(options.get("db", 0) or 0)
-        self._username: str | None = options.get("username")
-        self._password: str | None = options.get("password")
+        if isinstance(target, str):
+            target = LaneTarget.from_url(target)
+        self.target = target
+        self._path = target.path
+        self._host, self._port = target.host, target.port
+        self._ssl = target.ssl
+        self._db = target.db
+        self._username, self._password = target.username, target.password
         self._connect_timeout_s = connect_timeout_s
         self._reply_timeout_s = reply_timeout_s
         self._protocol: _RespProtocol | None = None
         self.generation = 0  # how many connections this lane has opened
+        self._follower: asyncio.Task[None] | None = None  # see _follow
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connecting: asyncio.Future[_RespProtocol] | None = None
 
@@ -225,7 +311,7 @@ class RespLane:
         future = asyncio.get_running_loop().create_future()
         protocol.send(hiredis.pack_command(args), future)
         reply = await future
-        if type(reply) is ResponseError or type(reply) is BusyLoadingError:
+        if type(reply) in _RAISED:
             raise reply
         return reply
 
@@ -257,7 +343,7 @@ class RespLane:
         finally:
             if guard is not None:
                 guard.cancel()
-        if type(reply) is ResponseError or type(reply) is BusyLoadingError:
+        if type(reply) in _RAISED:
             raise reply
         return reply
 
@@ -273,10 +359,19 @@ class RespLane:
         return await _send_packed(await self._ready(), packed, count)
 
     def close(self) -> None:
-        """Drop the connection (a later command reconnects)."""
+        """Drop the connection, and the source's (a later command reconnects)."""
+        self._drop()
+        if self.target.source is not None:
+            self.target.source.close()
+
+    def _drop(self) -> None:
         protocol, self._protocol = self._protocol, None
-        if protocol is not None and protocol.transport is not None:
+        follower, self._follower = self._follower, None
+        if follower is not None and not follower.done():
             with contextlib.suppress(RuntimeError):  # its event loop is closed: nothing to do
+                follower.cancel()
+        if protocol is not None and protocol.transport is not None:
+            with contextlib.suppress(RuntimeError):
                 protocol.transport.close()
 
     async def _ready(self) -> _RespProtocol:
@@ -289,7 +384,7 @@ class RespLane:
         loop = asyncio.get_running_loop()
         if self._connecting is not None and self._loop is loop and not self._connecting.done():
             return await asyncio.shield(self._connecting)  # one connect for concurrent callers
-        self.close()
+        self._drop()
         self._loop = loop
         self._connecting = loop.create_future()
         try:
@@ -304,13 +399,33 @@ class RespLane:
             raise
         self._protocol = protocol
         self.generation += 1
+        if self.target.source is not None:
+            self._follower = loop.create_task(self._follow(protocol, (self._host, self._port)))
         self._connecting.set_result(protocol)
         return protocol
+
+    async def _follow(self, protocol: _RespProtocol, address: tuple[str, int]) -> None:
+        """While connected, ask the source every :data:`FOLLOW_EVERY_S` where the server is,
+        and drop the connection once it names another: a master replaced by a failover may
+        take its time to refuse writes (Sentinel demotes a live old master only seconds
+        later), and writes it took meanwhile would be lost."""
+        source = self.target.source
+        assert source is not None
+        while not protocol.lost:
+            await asyncio.sleep(FOLLOW_EVERY_S)
+            try:
+                now = await source.address(max_age_s=FOLLOW_EVERY_S / 2)
+            except Exception:  # nothing is known now: the connection speaks for itself
+                continue
+            if now != address and not protocol.lost:
+                protocol.abort(f"the master moved to {now[0]}:{now[1]}")
 
     async def _open(self, loop: asyncio.AbstractEventLoop) -> _RespProtocol:
         def protocol_factory() -> _RespProtocol:
             return _RespProtocol(self._reply_timeout_s)
 
+        if self.target.source is not None:  # asked anew at each connect: it may have moved
+            self._host, self._port = await self.target.source.address()
         if self._path is not None:
             opening = loop.create_unix_connection(protocol_factory, self._path)
         else:
@@ -358,4 +473,5 @@ class RespLane:
                 raise reply
 
     def _where(self) -> str:
-        return self._path or f"{self._host}:{self._port}"
+        where = self._path or f"{self._host}:{self._port}"
+        return f"{self.target.label} at {where}" if self.target.label else where

@@ -25,6 +25,15 @@
 #   REDIS_SERVER                   the redis-server binary [default: redis-server]
 #   REDIS_VERSION                  render for this Redis version (e.g. 7.2) instead of asking
 #                                  REDIS_SERVER (for --render-acl without a local redis-server)
+#   MICROBATCH_REDIS_RUN_CONF      the copy of the config file Redis runs from (Sentinel rewrites
+#                                  a node's config at a failover: never the file shipped here)
+#                                  [default: beside the ACL file, <its name without .acl>.conf]
+#   MICROBATCH_REDIS_REPLICATION_PASSWORD
+#                                  also: this node logs in to its master as the replication user
+#                                  whenever it is a replica (Sentinel setups: every node, since
+#                                  any may be demoted); the password goes into the copy (mode
+#                                  600), not onto the command line. Add --replicaof HOST PORT to
+#                                  start a replica.
 set -eu
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -93,4 +102,17 @@ if [ "${1:-}" = --render-acl ]; then
     echo "redis-start.sh: wrote $aclfile (for Redis $version)" >&2
     exit 0
 fi
-exec "$server" "$conf" --aclfile "$aclfile" "$@"
+
+# Redis runs from a copy of the config file, made anew at each start: CONFIG REWRITE (which
+# Sentinel sends when it reconfigures a node) then never touches the file shipped here.
+runconf=${MICROBATCH_REDIS_RUN_CONF:-${aclfile%.acl}.conf}
+cp "$conf" "$runconf"
+if [ -n "${MICROBATCH_REDIS_REPLICATION_PASSWORD:-}" ]; then
+    case "$MICROBATCH_REDIS_REPLICATION_PASSWORD" in
+        *[!A-Za-z0-9_.-]*)
+            echo "redis-start.sh: MICROBATCH_REDIS_REPLICATION_PASSWORD: use letters, digits, '_', '-' or '.'" >&2
+            exit 1 ;;
+    esac
+    printf '\nmasteruser replication\nmasterauth %s\n' "$MICROBATCH_REDIS_REPLICATION_PASSWORD" >>"$runconf"
+fi
+exec "$server" "$runconf" --aclfile "$aclfile" "$@"

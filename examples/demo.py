@@ -21,13 +21,14 @@ import numpy as np
 import redis
 
 from broker import ModelKeys, Streamer
+from broker.connections import sync_client
 from broker.devserver import RedisServer
 from examples.mlp import MLP
 
 
 def redis_answers(url: str) -> bool:
     """True if a Redis server answers PING at ``url`` within a second."""
-    client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
+    client = sync_client(url, socket_connect_timeout=1, socket_timeout=1)
     try:
         return bool(client.ping())
     except (redis.RedisError, OSError, ValueError):
@@ -44,7 +45,7 @@ def worker_command() -> list[str]:
 
 def delete_keys(url: str, keys: ModelKeys) -> None:
     """Remove what the demo left in a shared Redis (replies and heartbeats expire by themselves)."""
-    with redis.Redis.from_url(url) as client:
+    with sync_client(url) as client:
         client.delete(keys.stream, keys.dead_letters, keys.consumers, keys.cancelled)
 
 

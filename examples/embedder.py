@@ -309,11 +309,12 @@ def _redis_or_private(stack: Any) -> str:
     import redis
 
     from broker.client import DEFAULT_REDIS_URL
+    from broker.connections import sync_client
     from broker.devserver import RedisServer
     from broker.logs import redact_url
 
     url = os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
-    client = redis.Redis.from_url(url, socket_connect_timeout=1, socket_timeout=1)
+    client = sync_client(url, socket_connect_timeout=1, socket_timeout=1)
     try:
         client.ping()
         print(f"Using the Redis at {redact_url(url)}", flush=True)

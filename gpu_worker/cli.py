@@ -94,7 +94,9 @@ def start(
         str,
         typer.Option(
             envvar="REDIS_URL",
-            help="Redis URL: redis://[user:password@]host:port/db, or rediss:// for TLS.",
+            help="Redis URL: redis://[user:password@]host:port/db (rediss:// for TLS), or "
+            "redis+sentinel://[user:password@]host:26379,host:26379/service[/db] for a "
+            "Sentinel service's master (docs/deployment.md).",
         ),
     ] = DEFAULT_REDIS_URL,
     redis_wait: Annotated[

@@ -623,14 +623,13 @@ class _WorkerGroup:
 
     def wait_ready(self, timeout: float) -> None:
         """Return once every worker consumes the stream; raise RuntimeError if they cannot."""
-        import redis
-
+        from broker.connections import sync_client
         from broker.keys import ModelKeys
         from broker.liveness import live_consumers
 
         assert self.process is not None
         keys = ModelKeys(self.keys_name, self.prefix)
-        client = redis.Redis.from_url(self.url, socket_timeout=5)
+        client = sync_client(self.url, socket_timeout=5)
         deadline = time.monotonic() + timeout
         try:
             while True:

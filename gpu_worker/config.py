@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from broker.client import DEFAULT_REDIS_URL
 from broker.keys import DEFAULT_PREFIX, check_name, check_prefix
+from broker.redis_url import parse as parse_redis_url
 
 from .batching import MODEL_THREAD_MODES
 
@@ -55,6 +56,10 @@ class WorkerConfig:
         if self.name is not None:
             check_name(self.name)
         check_prefix(self.prefix)
+        try:
+            parse_redis_url(self.redis_url)
+        except ValueError as exc:
+            raise ValueError(f"--redis: {exc}") from None
         if self.workers < 1:
             raise ValueError("--workers must be at least 1")
         if self.batch_size is not None and self.batch_size < 1:

@@ -17,6 +17,7 @@ from typing import Any
 
 import redis
 
+from broker.connections import sync_client
 from broker.keys import ModelKeys
 from broker.logs import Every
 
@@ -36,7 +37,7 @@ class Heartbeats:
         ttl_s: float = DEFAULT_TTL_S,
         queue_bound: tuple[int, int] | None = None,
     ) -> None:
-        self.client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+        self.client = sync_client(redis_url, socket_timeout=2, socket_connect_timeout=2)
         self.keys = keys
         self.ttl_ms = int(ttl_s * 1000)
         # (items per live worker, bytes): written with every renewal, so that the bound is back

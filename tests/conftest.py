@@ -12,8 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import redis
 
+from broker.connections import sync_client
 from broker.devserver import RedisServer
 from broker.keys import ModelKeys
 from broker.liveness import live_consumers
@@ -36,7 +36,7 @@ def prefix() -> str:
 
 def wait_for_consumers(url: str, keys: ModelKeys, count: int, timeout: float = 60.0) -> None:
     """Wait until ``count`` live workers are vouched for by their supervisor."""
-    client = redis.Redis.from_url(url)
+    client = sync_client(url)  # any URL microbatch takes, a Sentinel one too
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:

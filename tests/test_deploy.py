@@ -34,6 +34,8 @@ from redis.retry import Retry
 
 from broker.devserver import find_redis_server
 from broker.keys import ModelKeys
+from broker.redis_url import Address, SentinelURL
+from broker.redis_url import parse as parse_redis_url
 from gpu_worker.model import load_model_class
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,6 +45,8 @@ K8S_BASE = DEPLOY / "k8s" / "base"
 BIN = Path(sys.executable).parent
 COMPOSE_FILES = ["docker-compose.yml"]
 CPU_FILES = ["docker-compose.yml", "docker-compose.cpu.yml"]
+SENTINEL_FILES = ["docker-compose.yml", "docker-compose.sentinel.yml"]
+SENTINEL_CPU_FILES = [*CPU_FILES, "docker-compose.sentinel.yml", "docker-compose.sentinel-cpu.yml"]
 PASSWORD_VARS = (
     "MICROBATCH_REDIS_OPERATOR_PASSWORD",
     "MICROBATCH_REDIS_GATEWAY_PASSWORD",
@@ -236,7 +240,11 @@ def seconds(duration: str) -> float:
 
 
 # -- compose --------------------------------------------------------------------------------------
-@pytest.mark.parametrize("files", [COMPOSE_FILES, CPU_FILES], ids=["default", "cpu"])
+@pytest.mark.parametrize(
+    "files",
+    [COMPOSE_FILES, CPU_FILES, SENTINEL_FILES, SENTINEL_CPU_FILES],
+    ids=["default", "cpu", "sentinel", "sentinel-cpu"],
+)
 def test_compose_config_is_valid_and_env_example_holds_the_defaults(
     files: list[str], tmp_path: Path
 ) -> None:
@@ -263,6 +271,133 @@ def test_compose_config_is_valid_and_env_example_holds_the_defaults(
         timeout=60,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_compose_sentinel_variant(tmp_path: Path) -> None:
+    """docker-compose.sentinel.yml: a master, two replicas and three sentinels; every data node
+    has the same ACL users and passwords; every side's URL names the sentinels and service."""
+    services = compose_config(SENTINEL_CPU_FILES, {}, tmp_path)["services"]
+    nodes = ["redis", "redis-replica-1", "redis-replica-2"]
+    sentinels = ["sentinel-1", "sentinel-2", "sentinel-3"]
+    assert set(services) >= {*nodes, *sentinels}
+    environments = [services[name]["environment"] for name in nodes]
+    assert all(env == environments[0] for env in environments)  # ACLs do not replicate
+    assert {*PASSWORD_VARS, "MICROBATCH_REDIS_REPLICATION_PASSWORD",
+            "MICROBATCH_REDIS_SENTINEL_PASSWORD"} <= set(environments[0])  # fmt: skip
+    for name in nodes:
+        node = services[name]
+        assert node["entrypoint"][-1].endswith("redis-start.sh") and "healthcheck" in node
+        command = node["command"]
+        assert command[command.index("--replica-announce-ip") + 1] == name
+        if name != "redis":
+            assert command[command.index("--replicaof") + 1 :][:2] == ["redis", "6379"]
+    service_name = services["sentinel-1"]["environment"]["MICROBATCH_SENTINEL_SERVICE"]
+    client_password = services["sentinel-1"]["environment"]["MICROBATCH_SENTINEL_PASSWORD"]
+    for name in sentinels:
+        sentinel = services[name]
+        assert sentinel["entrypoint"][-1].endswith("sentinel-start.sh")
+        env = sentinel["environment"]
+        assert env["MICROBATCH_SENTINEL_MASTER_HOST"] == "redis"
+        assert (
+            env["MICROBATCH_REDIS_SENTINEL_PASSWORD"]
+            == (environments[0]["MICROBATCH_REDIS_SENTINEL_PASSWORD"])
+        )
+        assert env["MICROBATCH_SENTINEL_CONF"].startswith("/data/")  # kept in its volume
+    users = {"functions": "operator", "gateway": "default-gateway", "worker": "default-worker",
+             "worker-cpu": "default-worker"}  # fmt: skip
+    for name, user in users.items():
+        url = parse_redis_url(services[name]["environment"]["REDIS_URL"])
+        assert isinstance(url, SentinelURL), name
+        assert url.sentinels == tuple(Address(s, 26379) for s in sentinels)
+        assert (url.service, url.db, url.username) == (service_name, 0, user)
+        assert url.sentinel_password == client_password
+    for name in sentinels:
+        assert services["functions"]["depends_on"][name]["condition"] == "service_healthy"
+
+
+def test_sentinel_scripts_watch_and_fail_over_nodes_logged_in_as_acl_users(
+    tmp_path: Path,
+) -> None:
+    """deploy/redis-start.sh for a master and a replica, deploy/sentinel-start.sh for a
+    sentinel, as the compose Sentinel variant runs them (on loopback ports): the replica syncs
+    as `replication`, the sentinel watches both as `sentinel`, a SENTINEL FAILOVER goes through,
+    and neither node refused the sentinel or the replica anything (ACL LOG)."""
+    shipped = (DEPLOY / "redis.conf").read_text()
+    passwords = {var: f"pw-{i}" for i, var in enumerate(PASSWORD_VARS)}
+    passwords["MICROBATCH_REDIS_REPLICATION_PASSWORD"] = "repl-pw"
+    passwords["MICROBATCH_REDIS_SENTINEL_PASSWORD"] = "sentinel-pw"
+    ports = [free_port(), free_port()]
+    sentinel_port = free_port()
+    processes: list[subprocess.Popen[bytes]] = []
+
+    def start(name: str, argv: list[str], env: dict[str, str]) -> None:
+        with open(tmp_path / f"{name}.log", "wb") as log:
+            processes.append(subprocess.Popen(
+                argv, cwd=tmp_path, env={**base_env(), **env}, stdout=log, stderr=log
+            ))  # fmt: skip
+
+    def node(port: int) -> redis.Redis:
+        return redis.Redis(port=port, username="operator", socket_timeout=5, retry=NO_RETRY,
+                           password=passwords["MICROBATCH_REDIS_OPERATOR_PASSWORD"])  # fmt: skip
+
+    for i, port in enumerate(ports):
+        (tmp_path / f"data{i}").mkdir()
+        argv = ["sh", str(DEPLOY / "redis-start.sh"), "--port", str(port), "--bind",
+                "127.0.0.1", "--dir", str(tmp_path / f"data{i}"), "--replica-announce-ip",
+                "127.0.0.1", "--repl-diskless-sync-delay", "0"]  # fmt: skip
+        if i:
+            argv += ["--replicaof", "127.0.0.1", str(ports[0])]
+        env = {**passwords, "REDIS_SERVER": find_redis_server(),
+               "MICROBATCH_REDIS_ACLFILE": str(tmp_path / f"users{i}.acl")}  # fmt: skip
+        start(f"redis{i}", argv, env)
+    sentinel_env = {
+        "MICROBATCH_SENTINEL_SERVICE": "mb", "MICROBATCH_SENTINEL_MASTER_HOST": "127.0.0.1",
+        "MICROBATCH_SENTINEL_MASTER_PORT": str(ports[0]), "MICROBATCH_SENTINEL_QUORUM": "1",
+        "MICROBATCH_SENTINEL_DOWN_AFTER_MS": "1000", "MICROBATCH_SENTINEL_PASSWORD": "client-pw",
+        "MICROBATCH_REDIS_SENTINEL_PASSWORD": "sentinel-pw", "REDIS_SERVER": find_redis_server(),
+        "MICROBATCH_SENTINEL_CONF": str(tmp_path / "sentinel.conf"),
+    }  # fmt: skip
+    sentinel = redis.Redis(port=sentinel_port, password="client-pw", socket_timeout=5,
+                           retry=NO_RETRY)  # fmt: skip
+    try:
+        wait_until(lambda: node(ports[1]).info("replication")["master_link_status"] == "up",
+                   "the replica to sync as `replication`", processes, 30)  # fmt: skip
+        argv = ["sh", str(DEPLOY / "sentinel-start.sh"), "--port", str(sentinel_port),
+                "--bind", "127.0.0.1"]  # fmt: skip
+        start("sentinel", argv, sentinel_env)
+
+        def watching() -> bool:
+            (replica,) = sentinel.sentinel_slaves("mb")
+            return not replica["is_sdown"] and replica["master-link-status"] == "ok"
+
+        wait_until(watching, "the sentinel to watch both nodes", processes, 30)
+        sentinel.execute_command("SENTINEL", "FAILOVER", "mb")
+
+        def role(port: int) -> str:
+            return str(node(port).info("replication")["role"])
+
+        wait_until(lambda: role(ports[1]) == "master", "the failover", processes, 30)
+        wait_until(lambda: role(ports[0]) == "slave", "the old master demoted", processes, 60)
+        url = f"redis+sentinel://operator:{passwords['MICROBATCH_REDIS_OPERATOR_PASSWORD']}@"
+        url += f"127.0.0.1:{sentinel_port}/mb?sentinel_password=client-pw"
+        from broker.connections import sync_client
+
+        with sync_client(url) as client:
+            assert client.info("replication")["role"] == "master"
+            assert client.connection_pool.get_master_address()[1] == ports[1]
+        for port in ports:
+            denied = node(port).acl_log()
+            assert not denied, (port, denied)
+        conf = (tmp_path / "sentinel.conf").read_text()
+        assert "sentinel-pw" not in (tmp_path / "sentinel.log").read_text()
+        assert "auth-user mb sentinel" in conf
+        # the failover rewrote the nodes' configs (CONFIG REWRITE): their copies, not ours
+        assert "replicaof" in (tmp_path / "users0.conf").read_text()
+        assert (DEPLOY / "redis.conf").read_text() == shipped
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
 
 
 def test_compose_services(tmp_path: Path) -> None:
@@ -376,10 +511,12 @@ def test_acl_template_renders_for_each_redis_version(tmp_path: Path, version: st
     assert text == done.stdout + "user other-gateway reset off\n"
     users = acl_lines(aclfile)
     tenant = {"t1.x-gateway", "t1.x-worker", "t1.x-admin", "t1.x-keda"}
-    assert set(users) == {"default", "operator", "replication", "other-gateway"} | tenant
+    assert (
+        set(users) == {"default", "operator", "replication", "sentinel", "other-gateway"} | tenant
+    )
     assert "off" in users["default"] and "on" not in users["default"]
     assert "off" in users["t1.x-admin"] and "off" in users["t1.x-keda"]  # no password: disabled
-    assert "off" in users["replication"]
+    assert "off" in users["replication"] and "off" in users["sentinel"]
     assert users["t1.x-gateway"][1:3] == ["on", "#" + _sha256("gateway-secret")]
     assert ("+client|setinfo" in users["t1.x-worker"]) == (version >= "7.2")
     for name in tenant:  # every key pattern of a tenant's user is inside its prefix

@@ -29,11 +29,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
+from broker.connections import async_client
 from broker.errors import MicrobatchError
 from broker.liveness import alive_consumers
 from broker.logs import redact_url
 from broker.protocol import valid_traceparent
-from broker.redis_transport import connect, eviction_warning
+from broker.redis_transport import eviction_warning
 from gpu_worker.model import DATATYPES
 
 from . import access_log, kserve, metrics, package_version
@@ -96,7 +97,7 @@ class Gateway:
         self.pool = ThreadPoolExecutor(
             self.settings.preprocess_threads, thread_name_prefix="gateway-cpu"
         )
-        self.redis = connect(self.settings.redis_url, socket_timeout=PING_TIMEOUT_S)
+        self.redis = async_client(self.settings.redis_url, socket_timeout=PING_TIMEOUT_S)
         warning = await eviction_warning(self.redis)
         if warning:
             log.warning("%s", warning)

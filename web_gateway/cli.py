@@ -17,6 +17,7 @@ import typer
 from broker.client import DEFAULT_REDIS_URL
 from broker.keys import DEFAULT_PREFIX
 from broker.logs import FORMATS, check_level
+from broker.redis_url import parse as parse_redis_url
 
 from . import package_version
 
@@ -74,7 +75,9 @@ def start(
         str,
         typer.Option(
             envvar="REDIS_URL",
-            help="Redis URL: redis://[user:password@]host:port/db, or rediss:// for TLS.",
+            help="Redis URL: redis://[user:password@]host:port/db (rediss:// for TLS), or "
+            "redis+sentinel://[user:password@]host:26379,host:26379/service[/db] for a "
+            "Sentinel service's master (docs/deployment.md).",
         ),
     ] = DEFAULT_REDIS_URL,
     host: Annotated[
@@ -256,6 +259,10 @@ def start(
     from .settings import GatewaySettings
 
     try:
+        try:
+            parse_redis_url(redis)
+        except ValueError as exc:
+            raise ValueError(f"--redis: {exc}") from None
         check_level(log_level)
         if log_format not in FORMATS:
             raise ValueError(

@@ -9,9 +9,9 @@ delay (unless netem already does) and counts commands and round trips per client
 A topology gives the product what it needs to reach it (:attr:`RedisTopology.url`), its hosts
 (faults are injected on hosts: :meth:`~tests.hosts.netns.Host.kill_all`,
 :meth:`~tests.hosts.netns.Host.link_down`) and admin access from inside the network
-(:meth:`RedisTopology.admin`). :class:`SingleRedis` is what the product speaks today;
-:class:`SentinelRedis` and :class:`ClusterRedis` form and are checked by the harness's own
-tests, for the client work that will speak them.
+(:meth:`RedisTopology.admin`). The product speaks :class:`SingleRedis` and
+:class:`SentinelRedis` (its ``redis+sentinel://`` URL); :class:`ClusterRedis` forms and is
+checked by the harness's own tests, for the client work that will speak it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import redis
+from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.retry import Retry
 from redis.sentinel import Sentinel
 
 from broker.devserver import find_redis_server
@@ -157,8 +159,9 @@ class SentinelRedis(RedisTopology):
     """A master and replicas, one per host, and a sentinel on each of those hosts (a trio by
     default: quorum 2, so the two survivors of a dead host fail over).
 
-    The product cannot reach it yet (it speaks no Sentinel): the harness checks that it forms
-    and fails over. :attr:`sentinels` and :attr:`service` are what a Sentinel client needs.
+    :attr:`url` is the product's ``redis+sentinel://`` URL of it; :attr:`sentinels` and
+    :attr:`service` are what redis-py's Sentinel client needs. :meth:`admin` reaches the master
+    the sentinels name now (another node after a failover).
     """
 
     def __init__(
@@ -176,7 +179,9 @@ class SentinelRedis(RedisTopology):
 
     @staticmethod
     def _announce(host: Host) -> dict[str, str]:
-        return {"replica-announce-ip": host.addr, "replica-announce-port": str(REDIS_PORT)}
+        # (a replica's first sync starts at once, not after the default 5 s diskless delay)
+        return {"replica-announce-ip": host.addr, "replica-announce-port": str(REDIS_PORT),
+                "repl-diskless-sync-delay": "0"}  # fmt: skip
 
     @property
     def sentinels(self) -> list[tuple[str, int]]:
@@ -184,7 +189,21 @@ class SentinelRedis(RedisTopology):
 
     @property
     def url(self) -> str:
-        raise NotImplementedError("the product speaks no Sentinel yet; use sentinels/service")
+        hosts = ",".join(f"{addr}:{port}" for addr, port in self.sentinels)
+        return f"redis+sentinel://{hosts}/{self.service}/0"
+
+    def master_node(self, via: Host | None = None) -> RedisNode:
+        """The node the sentinels name as master now (asked from ``via``, default: the
+        first of the topology's hosts that still runs something)."""
+        address = self.master_address(via or self._alive_host())
+        return next(node for node in self.nodes if (node.host.addr, node.port) == address)
+
+    def admin(self, fn: Callable[[redis.Redis], T], via: Host | None = None) -> T:
+        via = via or self._alive_host()
+        return self.master_node(via).call(fn, via)
+
+    def _alive_host(self) -> Host:
+        return next((node.host for node in self.nodes if node.host.pids()), self.nodes[0].host)
 
     def start(self) -> SentinelRedis:
         for node in self.nodes:
@@ -208,7 +227,13 @@ class SentinelRedis(RedisTopology):
         """``fn(sentinel_client)`` on ``via``."""
 
         def call() -> T:
-            client = Sentinel(self.sentinels, socket_timeout=2)
+            # a dead sentinel (its host gone) costs one 1 s connect, not redis-py's retries
+            quick = {
+                "socket_timeout": 2,
+                "socket_connect_timeout": 1,
+                "retry": Retry(NoBackoff(), 0),
+            }
+            client = Sentinel(self.sentinels, sentinel_kwargs=quick, socket_timeout=2)
             try:
                 return fn(client)
             finally:

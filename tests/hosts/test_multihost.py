@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from tests.hosts.netns import Host, Network
-from tests.hosts.redis_topologies import SingleRedis, wait_for
+from tests.hosts.redis_topologies import RedisTopology, SentinelRedis, SingleRedis, wait_for
 from tests.hosts.services import (
     Load,
     by_index,
@@ -45,7 +45,7 @@ HEARTBEAT_TTL = "2"  # a dead or cut-off worker host is noticed after 2 s
 
 @dataclass
 class Stack:
-    redis: SingleRedis
+    redis: RedisTopology
     workers: list[Host]
     gateways: list[Host]
     bases: list[str]
@@ -60,13 +60,17 @@ class Stack:
         return f"{network.delay_method}:{network.delay_s * 1000:g}ms"
 
 
-def build_stack(network: Network, prefix: str, batch_delay: float, batch_size: int = 8) -> Stack:
-    """Redis, two worker hosts (tags 1 and 2), two gateway hosts and a client host, running."""
-    redis_host = network.host("redis")
+def build_stack(
+    network: Network, prefix: str, batch_delay: float, batch_size: int = 8,
+    redis: RedisTopology | None = None,
+) -> Stack:  # fmt: skip
+    """Redis (one on its host, unless another topology, started, is given), two worker hosts
+    (tags 1 and 2), two gateway hosts and a client host, running."""
+    if redis is None:
+        redis = SingleRedis(network.host("redis")).start()
     workers = [network.host("w1"), network.host("w2")]
     gateways = [network.host("gw1"), network.host("gw2")]
     client = network.host("client")
-    redis = SingleRedis(redis_host).start()
     for tag, host in enumerate(workers, start=1):
         args = ("--heartbeat-ttl", HEARTBEAT_TTL, "--batch-size", str(batch_size))
         start_worker(host, redis.url, prefix, tag, *args, batch_delay=batch_delay)
@@ -211,3 +215,71 @@ def test_a_worker_host_cut_off_and_healed_is_taken_over_without_a_wrong_answer(
     assert sorted(victim.pids()) == pids, "a process of the cut-off host died or restarted"
     assert back, "the cut-off host never answered again after the link was healed"
     assert queue_state(stack.redis, prefix) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("lag", [0.0, 0.3], ids=["killed", "host-lost-replicas-behind"])
+def test_the_sentinel_master_s_host_killed_under_load_fails_over_and_loses_nothing(
+    network: Network, prefix: str, lag: float
+) -> None:
+    """A Sentinel trio (master and two replicas, a sentinel on each of their hosts); the
+    product is given the redis+sentinel:// URL. The master's host dies (every process on it:
+    Redis, its relay, its sentinel) under load; the two other sentinels promote a replica, and
+    every worker, gateway and caller moves to it by itself.
+
+    With ``lag``, the host is lost as in a power cut (its cable pulled as its processes die:
+    no FIN or RST reaches anyone, its connections just go silent), and the replicas are that
+    far behind when it goes (their hosts cut off that long before, plugged back after): the
+    writes of that window are lost with the master, as asynchronous replication allows, and
+    their callers end with DeadlineExceeded."""
+    sentinel = SentinelRedis([network.host(f"redis{i}") for i in (1, 2, 3)]).start()
+    stack = build_stack(network, prefix, batch_delay=0.05, batch_size=16, redis=sentinel)
+    old = sentinel.master_node(stack.client)
+    replicas = [node.host for node in sentinel.nodes if node is not old]
+    serving = [*stack.workers, *stack.gateways]
+    pids = {host.name: sorted(host.pids()) for host in serving}
+    load = Load(stack.client, sentinel.url, prefix, stack.targets, rate=80, seconds=14, timeout=8)
+    started = load.wait_started()
+    time.sleep(max(0.0, started + 3.0 - time.monotonic()))
+    try:
+        if lag:
+            for host in replicas:
+                host.link_down()
+            time.sleep(lag)
+            old.host.link_down()  # a host that dies says nothing more: not even its kernel
+        killed = old.host.kill_all()
+        fault = time.monotonic()
+    finally:
+        if lag:
+            for host in replicas:
+                host.link_up()
+    promoted = wait_for(
+        lambda: sentinel.master_address(stack.client)[0] != old.host.addr, 30, "the failover",
+        every=0.05,
+    )  # fmt: skip
+    new = sentinel.master_node(stack.client)
+    results = load.result()
+    calls = results["calls"]
+    dropped = [c for c in calls if c["error"] == "DeadlineExceeded"]
+    name = "host-lost-replicas-behind" if lag else "killed"
+    numbers = figures(
+        f"hosts-sentinel-master-{name}", results, {1.0, 2.0}, fault,
+        link_delay=stack.delay(network), processes_killed=len(killed), failover_s=promoted,
+        replication_dropped=len(dropped), new_master=new.host.name,
+    )  # fmt: skip
+    assert new.host is not old.host and old.host.pids() == []
+    assert numbers.lost == 0 and numbers.wrong == 0
+    assert numbers.answered + sum(numbers.errors.values()) == numbers.sent == 14 * 80
+    # fail-fast while no master was known, and the calls whose writes the dead master took
+    # without passing them on (asynchronous replication): sent before it died
+    assert set(numbers.errors) <= {"BrokerUnavailable", "DeadlineExceeded"}, numbers.errors
+    assert all(c["sent"] < fault for c in dropped), [c for c in dropped if c["sent"] >= fault]
+    if lag:  # the calls in flight when it died had written only to the master
+        assert dropped, "no write was lost with the master, though the replicas lagged"
+    # back by itself: every call sent once the failover was done (and connections had 3 s
+    # to follow it) was answered right
+    late = [c for c in calls if c["sent"] > fault + promoted + 3.0]
+    assert late and all(c["error"] is None for c in late), [c for c in late if c["error"]][:5]
+    assert numbers.recovery_s is not None and numbers.recovery_s < float("inf")
+    # no process on a worker or gateway host died, hung or was restarted
+    assert {host.name: sorted(host.pids()) for host in serving} == pids
+    assert queue_state(sentinel, prefix) == (0, 0, 0)

@@ -1,0 +1,188 @@
+"""Every Redis connection microbatch makes is made here, from a URL (:mod:`broker.redis_url`).
+
+- :func:`sync_client`: redis-py's client (heartbeats, the `broker` CLI, admin tools);
+- :func:`async_client`: redis-py's asyncio client (consumer groups, takeovers, INFO, health);
+- :func:`lane`: a lean hot-path connection (:class:`~broker.resp_lane.RespLane`).
+
+A redis://, rediss:// or unix:// URL goes to redis-py as it is, and lanes connect to its fixed
+address. A redis+sentinel:// URL gives redis-py clients through
+:meth:`redis.sentinel.Sentinel.master_for`, which ask the sentinels where the master is at each
+connect and reconnect after a failover (a ``READONLY`` reply included), and lanes that do the
+same (:class:`~broker.sentinel.SentinelMaster`); both also re-ask about once a second while in
+use, and leave a master that a failover replaced even while it still takes writes. Another
+topology (a cluster router, say) is one more kind of parsed URL and its branch here; lanes
+themselves only ever connect to one server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+import redis.asyncio.sentinel as async_sentinel
+import redis.sentinel
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.retry import Retry as SyncRetry
+
+from .redis_url import RedisURL, SentinelURL, describe, parse
+from .resp_lane import (
+    CONNECT_TIMEOUT_S,
+    FOLLOW_EVERY_S,
+    REPLY_TIMEOUT_S,
+    LaneTarget,
+    RespLane,
+    keepalive_options,
+)
+from .resp_lane import ssl_context as make_ssl_context
+from .resp_packing import use_hiredis_packing
+from .sentinel import SentinelMaster
+
+
+class _FollowingPool(redis.sentinel.SentinelConnectionPool):
+    """redis-py's Sentinel pool, which also asks the sentinels where the master is when a
+    connection is taken (at most every FOLLOW_EVERY_S): its idle connections to a master a
+    failover replaced are dropped then, not only once the old master refuses a write."""
+
+    _asked_at = float("-inf")
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        now = time.monotonic()
+        if now - self._asked_at >= FOLLOW_EVERY_S:
+            self._asked_at = now
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                self.get_master_address()  # type: ignore[no-untyped-call]  # drops stale idle ones
+        return super().get_connection(*args, **kwargs)
+
+
+class _AsyncFollowingPool(async_sentinel.SentinelConnectionPool):
+    """:class:`_FollowingPool` for redis-py's asyncio client."""
+
+    _asked_at = float("-inf")
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        now = time.monotonic()
+        if now - self._asked_at >= FOLLOW_EVERY_S:
+            self._asked_at = now
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                await self.get_master_address()  # type: ignore[no-untyped-call]
+        return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+
+class _SyncSentinelRedis(redis.Redis):
+    """A master_for client that also closes its sentinels' connections when closed."""
+
+    sentinel_manager: redis.sentinel.Sentinel | None = None
+
+    def close(self) -> None:
+        super().close()
+        if self.sentinel_manager is not None:
+            for client in self.sentinel_manager.sentinels:
+                client.close()
+
+
+class _AsyncSentinelRedis(aioredis.Redis):
+    """A master_for client that also closes its sentinels' connections when closed."""
+
+    sentinel_manager: async_sentinel.Sentinel | None = None
+
+    async def aclose(self, close_connection_pool: bool | None = None) -> None:
+        await super().aclose(close_connection_pool)
+        if self.sentinel_manager is not None:
+            await self.sentinel_manager.aclose()
+
+
+# redis-py retries a failed command 10 times by default, with backoff: against a dead host (or
+# a dead sentinel asked first) one command would stall for half a minute. Every user of these
+# clients retries in its own loop (a worker's, the heartbeats', a caller's next call), so one
+# retry (a pooled connection the server closed meanwhile) is enough, and a sentinel that fails
+# is not retried: the next one is asked.
+RETRIES = 1
+
+
+def _sentinel_options(
+    url: SentinelURL, options: dict[str, Any], no_retry: Any
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the master's connection options, the sentinels') with the caller's ``options``:
+    the URL's win, and the sentinels share the caller's socket settings, except that a
+    sentinel answers within the connect timeout or is taken for dead (the next one is asked)."""
+    master = {**options, **url.master_kwargs()}
+    sentinels = {k: v for k, v in options.items() if k.startswith("socket_")}
+    sentinels.update(url.sentinel_kwargs())
+    sentinels["socket_timeout"] = sentinels.get("socket_connect_timeout") or CONNECT_TIMEOUT_S
+    sentinels["retry"] = no_retry
+    return master, sentinels
+
+
+def sync_client(url: str | RedisURL, **options: Any) -> redis.Redis:
+    """redis-py's client of ``url`` (a failed command retried once); ``options`` are
+    redis-py's (socket_timeout, ...)."""
+    parsed = parse(url)
+    options.setdefault("retry", SyncRetry(NoBackoff(), RETRIES))
+    if not isinstance(parsed, SentinelURL):
+        return redis.Redis.from_url(parsed.url, **options)
+    master, sentinel_kwargs = _sentinel_options(parsed, options, SyncRetry(NoBackoff(), 0))
+    manager = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+        [(a.host, a.port) for a in parsed.sentinels], sentinel_kwargs=sentinel_kwargs
+    )
+    client: _SyncSentinelRedis = manager.master_for(  # type: ignore[no-untyped-call]
+        parsed.service,
+        redis_class=_SyncSentinelRedis,
+        connection_pool_class=_FollowingPool,
+        **master,
+    )
+    client.sentinel_manager = manager
+    return client
+
+
+def async_client(url: str | RedisURL, **options: Any) -> aioredis.Redis:
+    """redis-py's asyncio client of ``url`` (bytes replies, TCP keepalive, a health check on
+    connections idle 15 s, commands packed by hiredis, a failed command retried once, a
+    reply awaited for at most REPLY_TIMEOUT_S: none of microbatch's commands on it block);
+    ``options`` are redis-py's."""
+    parsed = parse(url)
+    options.setdefault("retry", AsyncRetry(NoBackoff(), RETRIES))
+    options.setdefault("socket_timeout", REPLY_TIMEOUT_S)
+    options.setdefault("socket_connect_timeout", CONNECT_TIMEOUT_S)
+    options.setdefault("socket_keepalive", True)
+    options.setdefault("socket_keepalive_options", keepalive_options())
+    options.setdefault("health_check_interval", 15)
+    options["decode_responses"] = False
+    if not isinstance(parsed, SentinelURL):
+        return use_hiredis_packing(aioredis.Redis.from_url(parsed.url, **options))
+    master, sentinel_kwargs = _sentinel_options(parsed, options, AsyncRetry(NoBackoff(), 0))
+    manager = async_sentinel.Sentinel(  # type: ignore[no-untyped-call]
+        [(a.host, a.port) for a in parsed.sentinels], sentinel_kwargs=sentinel_kwargs
+    )
+    client = manager.master_for(
+        parsed.service, redis_class=_AsyncSentinelRedis,
+        connection_pool_class=_AsyncFollowingPool, **master,
+    )  # fmt: skip
+    client.sentinel_manager = manager
+    return use_hiredis_packing(client)
+
+
+def lane_target(url: str | RedisURL, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> LaneTarget:
+    """Where a lane of ``url`` connects, and how it logs in."""
+    parsed = parse(url)
+    if not isinstance(parsed, SentinelURL):
+        return LaneTarget.from_url(parsed.url)
+    tls = make_ssl_context(dict(parsed.options)) if parsed.tls else None
+    return LaneTarget(
+        ssl=tls, db=parsed.db, username=parsed.username, password=parsed.password,
+        source=SentinelMaster(parsed, connect_timeout_s, tls), label=describe(parsed),
+    )  # fmt: skip
+
+
+def lane(
+    url: str | RedisURL | LaneTarget,
+    connect_timeout_s: float = CONNECT_TIMEOUT_S,
+    reply_timeout_s: float | None = REPLY_TIMEOUT_S,
+) -> RespLane:
+    """A lean connection to ``url``'s Redis (its master, for a Sentinel URL). Lanes given
+    one :func:`lane_target` share its way of finding the master."""
+    target = url if isinstance(url, LaneTarget) else lane_target(url, connect_timeout_s)
+    return RespLane(target, connect_timeout_s, reply_timeout_s)

@@ -1,0 +1,146 @@
+"""Redis URLs: every accepted form parses into its typed description; malformed ones fail with
+one clear line that never shows a password."""
+
+from __future__ import annotations
+
+import pytest
+
+from broker.logs import redact_url
+from broker.redis_url import (
+    Address,
+    DirectURL,
+    RedisURLError,
+    SentinelURL,
+    describe,
+    parse,
+)
+
+SECRET = "s3cr3t-Pw"
+
+
+def test_direct_urls_keep_redis_py_s_reading() -> None:
+    plain = parse("redis://127.0.0.1:6379/0")
+    assert plain == DirectURL("redis://127.0.0.1:6379/0", False, Address("127.0.0.1", 6379),
+                              None, 0, None, None)  # fmt: skip
+    tls = parse(f"rediss://app:{SECRET}%40x@cache.example:6380/2?ssl_cert_reqs=none")
+    assert isinstance(tls, DirectURL) and tls.tls and tls.db == 2
+    assert (tls.username, tls.password) == ("app", SECRET + "@x")  # percent-decoded
+    assert tls.address == Address("cache.example", 6380)
+    unix = parse("unix:///run/redis.sock?db=3")
+    assert isinstance(unix, DirectURL)
+    assert (unix.address, unix.path, unix.db) == (None, "/run/redis.sock", 3)
+    assert parse("redis://[::1]:7000").address == Address("::1", 7000)  # type: ignore[union-attr]
+    assert parse("redis://h").address == Address("h", 6379)  # type: ignore[union-attr]
+    assert parse(" REDIS://h:1/4 ").db == 4  # scheme in any case, blanks around
+
+
+def test_a_sentinel_url_names_the_sentinels_the_service_and_the_db() -> None:
+    url = (
+        f"redis+sentinel://app:{SECRET}@s1:26380,s2,[fd00::3]:5000/my%20master/3"
+        f"?sentinel_username=watch&sentinel_password={SECRET}2&socket_timeout=2.5"
+    )
+    parsed = parse(url)
+    assert isinstance(parsed, SentinelURL)
+    assert parsed.sentinels == (Address("s1", 26380), Address("s2", 26379),
+                                Address("fd00::3", 5000))  # fmt: skip
+    assert (parsed.service, parsed.db, parsed.tls) == ("my master", 3, False)
+    assert (parsed.username, parsed.password) == ("app", SECRET)
+    assert (parsed.sentinel_username, parsed.sentinel_password) == ("watch", SECRET + "2")
+    assert parsed.options == {"socket_timeout": 2.5}
+    assert parsed.master_kwargs() == {
+        "db": 3, "socket_timeout": 2.5, "username": "app", "password": SECRET,
+    }  # fmt: skip
+    assert parsed.sentinel_kwargs() == {
+        "socket_timeout": 2.5, "username": "watch", "password": SECRET + "2",
+    }  # fmt: skip
+    assert str(parsed.sentinels[2]) == "[fd00::3]:5000"
+    assert describe(parsed) == (
+        "service 'my master' (db 3) via sentinels s1:26380,s2:26379,[fd00::3]:5000"
+    )
+    assert SECRET not in repr(parsed)
+
+
+def test_defaults_and_tls_of_a_sentinel_url() -> None:
+    parsed = parse("redis+sentinel://s1/mymaster")
+    assert isinstance(parsed, SentinelURL)
+    assert parsed.sentinels == (Address("s1", 26379),) and parsed.db == 0
+    assert (parsed.username, parsed.password, parsed.sentinel_password) == (None, None, None)
+    assert parsed.master_kwargs() == {"db": 0} and parsed.sentinel_kwargs() == {}
+    tls = parse("rediss+sentinel://:pw@s1:1,s2:2/m/1?ssl_ca_certs=/ca.pem&ssl_cert_reqs=required")
+    assert isinstance(tls, SentinelURL) and tls.tls
+    assert (tls.username, tls.password) == (None, "pw")
+    assert tls.master_kwargs()["ssl"] is True
+    assert tls.sentinel_kwargs() == {
+        "ssl": True, "ssl_ca_certs": "/ca.pem", "ssl_cert_reqs": "required",
+    }  # fmt: skip
+    assert parse("redis+sentinel://s1/m/").db == 0  # a trailing slash is no db
+    assert parse(parse("redis+sentinel://s1/m")) == parse("redis+sentinel://s1/m")
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("", "empty"),
+        ("127.0.0.1:6379", "no scheme"),
+        ("http://h:1/0", "'http://'"),
+        ("redis-sentinel://s1/m", "'redis-sentinel://'"),
+        ("redis://h/abc", "database number"),
+        ("redis://h:port/0", "port"),
+        ("redis://h:99999/0", "port"),
+        ("redis://h/0?socket_timeout=soon", "socket_timeout"),
+        ("unix://", "socket's path"),
+        ("redis+sentinel:///m", "names no sentinel"),
+        ("redis+sentinel://s1:26379", "names no service"),
+        ("redis+sentinel://s1:26379/", "names no service"),
+        ("redis+sentinel://s1/m/x", "db (after the service) must be a number"),
+        ("redis+sentinel://s1/m/0/extra", "/<service> or /<service>/<db>"),
+        ("redis+sentinel://s1//0", "names no service"),
+        ("redis+sentinel://s1,,s2/m", "sentinel address 2 is empty"),
+        ("redis+sentinel://s1:0/m", "sentinel address 1 (s1) has a bad port"),
+        ("redis+sentinel://s1,s2:70000/m", "sentinel address 2 (s2) has a bad port"),
+        ("redis+sentinel://:1/m", "has no host"),
+        ("redis+sentinel://[::1/m", "malformed"),
+        ("redis+sentinel://[nothost]:1/m", "no IPv6 address"),
+        ("redis+sentinel://fd00::1/m", "IPv6 addresses in [ ]"),
+        ("redis+sentinel://s1/m?db=2", "db in its path"),
+        ("redis+sentinel://s1/m?colour=blue", "unknown option 'colour'"),
+        ("redis+sentinel://s1/m?socket_timeout=soon", "option socket_timeout has a bad value"),
+        ("redis+sentinel://s1/m?ssl_ca_certs=/ca.pem", "use rediss+sentinel://"),
+        ("redis+sentinel://s1/m?=x", "malformed"),
+        ("redis+sentinel://s1/m#frag", "fragment"),
+    ],
+)
+def test_malformed_urls_fail_in_one_line(url: str, says: str) -> None:
+    with pytest.raises(RedisURLError, match=None) as caught:
+        parse(url)
+    message = str(caught.value)
+    assert says in message
+    assert "\n" not in message
+    assert isinstance(caught.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        f"redis://user:{SECRET}",  # no host: the password reads as a port
+        f"redis+sentinel://user:{SECRET}/m",
+        f"redis+sentinel://user:{SECRET}@s1:x/m",
+        f"redis+sentinel://user:a/{SECRET}@s1/m",  # an unencoded '/' in the password
+        f"redis://user:a#{SECRET}@h/0",
+        f"rediss://user:a?{SECRET}@h/0",
+        f"redis+sentinel://s1/m?sentinel_password={SECRET}&socket_timeout=x",
+        f"redis+sentinel://s1/m?sentinel_pasword={SECRET}",  # a misspelt option
+        f"redis://:{SECRET}@h:port/0",
+    ],
+)
+def test_errors_never_show_a_password(url: str) -> None:
+    with pytest.raises(RedisURLError) as caught:
+        parse(url)
+    assert SECRET not in str(caught.value)
+
+
+def test_logs_show_sentinel_urls_without_their_passwords() -> None:
+    url = f"redis+sentinel://app:{SECRET}@s1,s2/m/0?sentinel_password={SECRET}&socket_timeout=1"
+    shown = redact_url(url)
+    assert SECRET not in shown
+    assert shown == "redis+sentinel://app:***@s1,s2/m/0?sentinel_password=***&socket_timeout=1"

@@ -1,0 +1,233 @@
+"""Connections from a redis+sentinel:// URL against real sentinels on loopback: every kind of
+connection (lean lane, redis-py sync and asyncio) reaches the master, follows a failover by
+itself, and fails fast, typed, while no master is known."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from broker import connections
+from broker.errors import BrokerUnavailable
+from broker.redis_transport import RedisTransport
+from broker.resp_lane import ReplicaError, RespLane
+from broker.sentinel import MasterNotFound
+from tests.sentinel_local import LocalSentinel, wait_for
+
+
+@pytest.fixture
+def sentinel() -> Iterator[LocalSentinel]:
+    with LocalSentinel(replicas=1, sentinels=1) as setup:
+        yield setup
+
+
+def key() -> str:
+    return f"sentinel:{uuid.uuid4().hex[:8]}"
+
+
+async def until_answers(lane: RespLane, *command: object, timeout: float = 20.0) -> object:
+    """The lane's reply to ``command`` once it answers; the errors met on the way must all be
+    connection errors (BrokerUnavailable's kind), never anything else or a hang."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await asyncio.wait_for(lane.execute(*command), 5)
+        except RedisConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
+def test_a_lane_reaches_the_master_and_follows_a_failover(sentinel: LocalSentinel) -> None:
+    k = key()
+
+    async def main() -> tuple[int, int]:
+        lane = connections.lane(sentinel.url())
+        assert await lane.execute("SET", k, "before") == b"OK"
+        assert (await lane.execute("ROLE"))[0] == b"master"
+        first = lane.generation
+        wait_for(lambda: sentinel.node(sentinel.replicas[0].port).client().get(k), 10, "sync")
+        old, new = await asyncio.to_thread(sentinel.failover)
+        # The old master lives on and takes writes for seconds (until Sentinel demotes it):
+        # the lane leaves it by itself once the sentinels name the new one.
+        deadline = time.monotonic() + 10
+        while lane.generation == first:
+            assert time.monotonic() < deadline, "the lane stayed with the old master"
+            await until_answers(lane, "PING")
+            await asyncio.sleep(0.05)
+        assert await until_answers(lane, "SET", k, "after") == b"OK"
+        assert (await lane.execute("ROLE"))[0] == b"master"
+        assert await lane.execute("GET", k) == b"after"
+        lane.close()
+        return old, new
+
+    old, new = asyncio.run(main())
+    assert old != new
+    with sentinel.node(new).client() as client:
+        assert client.get(k) == b"after"
+
+
+def test_a_demoted_master_s_readonly_reply_drops_the_connection(sentinel: LocalSentinel) -> None:
+    """A lane straight at a replica (what a lane still connected to a demoted master meets):
+    READONLY is a connection error, and the connection is dropped."""
+    replica = sentinel.replicas[0]
+
+    async def main() -> None:
+        lane = RespLane(replica.url)
+        assert await lane.execute("PING") == b"PONG"
+        generation = lane.generation
+        with pytest.raises(ReplicaError, match="READONLY"):
+            await lane.execute("SET", key(), "x")
+        replies = await lane.pipeline([("GET", key()), ("SET", key(), "x")])
+        assert replies[0] is None and isinstance(replies[1], ReplicaError)
+        assert lane.generation == generation + 1  # dropped after the first, reconnected
+        lane.close()
+
+    asyncio.run(main())
+
+
+def test_redis_py_clients_of_a_sentinel_url_follow_a_failover(sentinel: LocalSentinel) -> None:
+    k = key()
+    client = connections.sync_client(sentinel.url(), socket_timeout=2)
+    assert client.set(k, "1") and client.role()[0] == b"master"
+    _, new = sentinel.failover()
+    direct = sentinel.node(new).client()
+
+    def landed(value: str) -> bool:
+        """Whether a write of ``value`` reached the new master (the old one takes writes too,
+        until Sentinel demotes it)."""
+        return bool(client.set(k, value)) and direct.get(k) == value.encode()
+
+    wait_for(lambda: landed("2"), 10, "the sync client to write to the new master")
+    client.close()
+
+    async def main() -> None:
+        aclient = connections.async_client(sentinel.url())
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if await aclient.set(k, "3") and direct.get(k) == b"3":
+                    break
+            except RedisConnectionError:
+                pass
+            assert time.monotonic() < deadline, "the asyncio client never reached the master"
+            await asyncio.sleep(0.05)
+        assert (await aclient.role())[0] == b"master"
+        await aclient.aclose()
+
+    asyncio.run(main())
+    direct.close()
+
+
+def test_without_a_master_calls_fail_fast_with_broker_unavailable() -> None:
+    """No sentinel answers (or none names an up master): connecting fails at once, typed."""
+    with LocalSentinel(replicas=0, sentinels=1, down_after_ms=200) as setup:
+        url = setup.url()
+        setup.master.kill()
+        wait_for(
+            lambda: "s_down" in setup.ask(lambda c: c.sentinel_master("mbmaster"))[0]["flags"]
+            or setup.ask(lambda c: c.sentinel_master("mbmaster"))[0]["is_sdown"],
+            10, "the sentinel to see the master down",
+        )  # fmt: skip
+
+        async def main() -> None:
+            lane = connections.lane(url)
+            started = time.monotonic()
+            with pytest.raises(MasterNotFound, match="s_down"):
+                await lane.execute("PING")
+            transport = RedisTransport(url)
+            with pytest.raises(BrokerUnavailable, match="no sentinel names an up master"):
+                await transport.time_ms()
+            assert time.monotonic() - started < 2.0  # no connect timeout was waited out
+            await transport.close()
+            lane.close()
+
+        asyncio.run(main())
+    gone = "redis+sentinel://127.0.0.1:1,127.0.0.1:2/mbmaster"
+
+    async def nobody() -> None:
+        with pytest.raises(MasterNotFound, match=r"127\.0\.0\.1:1: .*127\.0\.0\.1:2: "):
+            await connections.lane(gone).execute("PING")
+
+    asyncio.run(nobody())
+
+
+def test_protected_sentinels_and_masters_take_their_own_passwords() -> None:
+    with LocalSentinel(replicas=0, sentinels=1, sentinel_password="watch-pw") as setup:
+        # the sentinel itself must log in to the master it watches
+        setup.ask(lambda c: c.sentinel_set("mbmaster", "auth-pass", "data-pw"))
+        with setup.master.client() as admin:
+            admin.config_set("requirepass", "data-pw")
+        good = setup.url(":data-pw@", "?sentinel_password=watch-pw")
+
+        async def main() -> None:
+            lane = connections.lane(good)
+            assert await lane.execute("PING") == b"PONG"
+            lane.close()
+            with pytest.raises(MasterNotFound, match=r"(?i)auth|password") as caught:
+                await connections.lane(setup.url(":data-pw@")).execute("PING")
+            assert "watch-pw" not in str(caught.value) and "data-pw" not in str(caught.value)
+
+        asyncio.run(main())
+        with connections.sync_client(good) as client:
+            assert client.ping()
+        with (
+            pytest.raises(redis.AuthenticationError),
+            connections.sync_client(setup.url(":wrong@", "?sentinel_password=watch-pw")) as client,
+        ):
+            client.ping()
+
+
+def test_the_broker_commands_and_a_streamer_take_a_sentinel_url(
+    sentinel: LocalSentinel, prefix: str
+) -> None:
+    """`broker functions load`, `broker status`, `broker dead-letters` and a Streamer served
+    by a worker's batch loop, all given the redis+sentinel:// URL."""
+    from typer.testing import CliRunner
+
+    from broker import Streamer
+    from broker.cli import app
+    from broker.keys import ModelKeys
+    from gpu_worker.batching import BatchLoop, BatchSettings
+
+    url = sentinel.url()
+    cli = CliRunner()
+    with sentinel.master.client() as admin:
+        admin.function_flush()
+    loaded = cli.invoke(app, ["functions", "load", "--redis", url])
+    assert loaded.exit_code == 0 and "loaded the microbatch library" in loaded.output
+    keys = ModelKeys("echo", prefix)
+
+    async def serve_and_call() -> list[object]:
+        transport = RedisTransport(url)
+        loop = BatchLoop(lambda items: items, transport, keys, "w-1", BatchSettings(block_ms=50))
+        serving = asyncio.ensure_future(loop.run())
+        try:
+            streamer = Streamer("echo", redis_url=url, prefix=prefix, wait_for_workers=True)
+            outputs: list[object] = await streamer.apredict(["a", "b"], timeout=10)
+            await streamer.aclose()
+            return outputs
+        finally:
+            loop.stop()
+            await serving
+            await transport.close()
+
+    assert asyncio.run(serve_and_call()) == ["a", "b"]
+    status = cli.invoke(app, ["status", "--redis", url, "--prefix", prefix, "--json"])
+    assert status.exit_code == 0, status.output
+    (model,) = json.loads(status.output)
+    assert (model["model"], model["stream_length"], model["pending"]) == ("echo", 0, 0)
+    with sentinel.master.client() as admin:
+        admin.xadd(keys.dead_letters, {"id": "x", "dead_reason": "test", "data": b"123"})
+    letters = cli.invoke(app, ["dead-letters", "list", "--name", "echo", "--prefix", prefix,
+                               "--redis", url, "--json"])  # fmt: skip
+    assert letters.exit_code == 0 and json.loads(letters.output)[0]["reason"] == "test"
+    bad = cli.invoke(app, ["status", "--redis", "redis+sentinel://s1:26379"])
+    assert bad.exit_code == 2 and "names no service" in bad.output
