@@ -166,6 +166,20 @@ class ClientCore:
             self._forget(call)
             raise
 
+    def start_call(
+        self, payloads: Sequence[bytes], timeout_s: float, trace: str | None = None
+    ) -> asyncio.Future[list[Any]]:
+        """Queue encoded items; must be called on this core's loop. The future gets the raw
+        results; cancelling it withdraws the call."""
+        future: asyncio.Future[list[Any]] = self.loop.create_future()
+        if not payloads:
+            future.set_result([])
+            return future
+        call = self._new_call(payloads, future, timeout_s, trace)
+        future.add_done_callback(lambda done: self._forget(call) if done.cancelled() else None)
+        self._accept(call)
+        return future
+
     def call_blocking(
         self, payloads: Sequence[bytes], timeout_s: float, trace: str | None = None
     ) -> list[Any]:
@@ -297,15 +311,18 @@ class ClientCore:
                         self._resolve(reply)
                 finally:
                     self._waking = None
-                    if waking:
-                        # Calls the woken threads make next go out together, as asyncio
-                        # callers' do: the last thread of the batch to wake lets them go.
-                        self._incoming.hold()
-                        self._relay.settle(waking, self._incoming.release)
+                    if waking:  # once this task has sent its next read, as asyncio would
+                        self.loop.call_soon(self._wake, waking)
         finally:
             self._reader = None
             if self._pending and not self._closing:  # a call arrived as the reader left
                 self._reader = self.loop.create_task(self._read_replies())
+
+    def _wake(self, waking: list[tuple[Waiter, Any, BaseException | None]]) -> None:
+        # Calls the woken threads make next go out together, as asyncio callers' do: the last
+        # thread of the batch to wake lets them go.
+        self._incoming.hold()
+        self._relay.settle(waking, self._incoming.release)
 
     def _resolve(self, reply: Reply) -> None:
         found = self._pending.pop(reply.request_id, None)
