@@ -133,16 +133,18 @@ class Harness:
             "p90_ms": med("p90_ms"),
             "p99_ms": med("p99_ms"),
             "mean_batch": med("mean_batch"),
+            "load_cpu_us_per_item": med("load_cpu_us_per_item"),  # Python-client arms
             "errors": sum(int(w.get("errors") or 0) for w in windows),
             "requests": sum(int(w.get("requests") or 0) for w in windows),
             "windows": windows,
         }
         self.rows.append(row)
         batch = f"{row['mean_batch']:.1f}" if row["mean_batch"] else "-"
+        cpu = row["load_cpu_us_per_item"]
         log(
             f"{model:8} {scenario:42} c={concurrency:<3} {row['items_per_s']:9,.0f} items/s "
             f"p50 {row['p50_ms']:.2f} p99 {row['p99_ms']:.2f} ms batch {batch} "
-            f"errors {row['errors']}"
+            f"errors {row['errors']}" + (f" client CPU {cpu:.0f} us/item" if cpu else "")
         )
 
     def failed(self, model: str, scenario: str, concurrency: int, error: str) -> None:

@@ -3,7 +3,9 @@
 Only the standard library and numpy at module level, so any of the benchmark's virtualenvs can
 run it with this repository on PYTHONPATH. Every generator does a warm-up, then ``repeats``
 windows of ``duration`` seconds each, and prints one JSON line: a list of windows, each
-``{"items_per_s", "p50_ms", "p90_ms", "p99_ms", "requests", "errors", "mean_batch"}``.
+``{"items_per_s", "p50_ms", "p90_ms", "p99_ms", "requests", "errors", "mean_batch",
+"load_cpu_us_per_item"}`` (the last: CPU time of this whole process, client and load loop, per
+item answered).
 
 The mean batch size of a window comes from a *batch probe*: ``metrics:URL`` (a worker's
 Prometheus endpoint: microbatch_worker_batch_size_sum / _count), ``file:PATH`` (the batch-size log
@@ -93,9 +95,9 @@ def windows(
     out = []
     for _ in range(repeats):
         before = probe.totals()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), sum(os.times()[:2])
         done, latencies, errors = run_window(duration)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, sum(os.times()[:2]) - cpu
         out.append(
             {
                 "items_per_s": done / elapsed,
@@ -103,6 +105,8 @@ def windows(
                 "requests": done,
                 "errors": errors,
                 "mean_batch": probe.mean(before, probe.totals(), done),
+                # this process: the client and the load loop around it, every thread
+                "load_cpu_us_per_item": cpu / done * 1e6 if done else None,
             }
         )
     return out

@@ -2,14 +2,17 @@
 
 A :class:`ClientCore` does the I/O of one Streamer on one event loop: concurrent submits are
 coalesced into one round trip, and every reply comes through one inbox list, routed to its call
-by request id. Synchronous callers share a core on a private loop thread; asyncio callers get a
-core on their own running loop, so ``apredict`` never crosses threads. :class:`Streamer` makes
-its cores lazily in each process, so it is safe to create before gunicorn forks.
+by request id. Synchronous callers share a core on a private loop thread (their calls and
+results cross threads through :mod:`broker.handoff`, a few wake-ups per batch rather than a
+chain of futures per call); asyncio callers get a core on their own running loop, so
+``apredict`` never crosses threads. :class:`Streamer` makes its cores lazily in each process,
+so it is safe to create before gunicorn forks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -30,6 +33,7 @@ from .errors import (
     describe_error,
     error_from_wire,
 )
+from .handoff import Mailbox, Relay, Waiter
 from .keys import DEFAULT_PREFIX, ModelKeys
 from .logs import Every, ThrottledWarning
 from .loop_thread import LoopThread
@@ -47,6 +51,8 @@ REPLY_WAIT_S = 1.0
 LOG_EVERY_S = 60.0  # garbage flooding an inbox logs a line a minute, not one per reply
 
 AnyFuture = Future[list[Any]] | asyncio.Future[list[Any]]
+Outcome = AnyFuture | Waiter  # where a call's results go: a future, or a blocked thread's waiter
+STUCK_S = 5.0  # a blocked caller gives up this long after its deadline if the loop never answers
 
 # Bumped in a forked child: a Streamer made before the fork must not use its parent's loop
 # thread or connections. (Cheaper than comparing os.getpid(), a system call, on every call.)
@@ -65,15 +71,22 @@ class _Call:
     """One predict/submit call: N items, one future."""
 
     __slots__ = (
-        "abandoned", "accepted_at", "deadline", "entries", "errors", "future", "ids", "remaining",
-        "requests", "results", "timeout_s",
+        "abandoned", "accepted_at", "deadline", "entries", "errors", "future", "ids", "post",
+        "remaining", "requests", "results", "timeout_s",
     )  # fmt: skip
 
-    def __init__(self, requests: CallRequests, future: AnyFuture, timeout_s: float) -> None:
+    def __init__(
+        self,
+        requests: CallRequests,
+        future: Outcome,
+        timeout_s: float,
+        post: Callable[[list[Any]], list[Any]] | None = None,
+    ) -> None:
         self.requests = requests
         self.ids = ids = requests.request_ids
         self.future = future
         self.timeout_s = timeout_s
+        self.post = post  # applied to the results before the future gets them
         self.entries: list[str] = []  # stream entry ids, once queued
         self.results: list[Any] = [None] * len(ids)
         self.errors: dict[int, MicrobatchError] = {}
@@ -103,6 +116,9 @@ class ClientCore:
         self._ids = itertools.count()
         self._pending: dict[str, tuple[_Call, int]] = {}
         self._outbox: list[_Call] = []
+        self._incoming: Mailbox[_Call] = Mailbox(loop, self._accept)  # calls from other threads
+        self._relay = Relay()  # wakes the blocked threads of one batch of replies in turn
+        self._waking: list[tuple[Waiter, Any, BaseException | None]] | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._reader: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -121,35 +137,94 @@ class ClientCore:
         self._watch_log = Every(10.0)
 
     def _new_call(
-        self, payloads: Sequence[bytes], future: AnyFuture, timeout_s: float, trace: str | None
+        self,
+        payloads: Sequence[bytes],
+        future: Outcome,
+        timeout_s: float,
+        trace: str | None,
+        post: Callable[[list[Any]], list[Any]] | None = None,
     ) -> _Call:
         ids = [f"{self.client_id}.{next(self._ids)}" for _ in payloads]
         timeout_ms = max(1, int(timeout_s * 1000))
-        call = _Call(CallRequests(self.inbox, timeout_ms, ids, payloads, trace), future, timeout_s)
-        future.add_done_callback(lambda done: self._on_done(done, call))
-        return call
+        requests = CallRequests(self.inbox, timeout_ms, ids, payloads, trace)
+        return _Call(requests, future, timeout_s, post)
 
-    def start_call_threadsafe(
+    async def call(
         self, payloads: Sequence[bytes], timeout_s: float, trace: str | None = None
-    ) -> Future[list[Any]]:
-        """Queue encoded items from any thread; the future gets the raw results."""
-        future: Future[list[Any]] = Future()
+    ) -> list[Any]:
+        """Run a call on this core's loop and return its raw results.
+
+        Cancelled (the caller's task), the call is withdrawn.
+        """
         if not payloads:
-            future.set_result([])
-            return future
+            return []
+        future: asyncio.Future[list[Any]] = self.loop.create_future()
         call = self._new_call(payloads, future, timeout_s, trace)
-        self.loop.call_soon_threadsafe(self._accept, call)
-        return future
+        self._accept(call)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._forget(call)
+            raise
 
     def start_call(
         self, payloads: Sequence[bytes], timeout_s: float, trace: str | None = None
     ) -> asyncio.Future[list[Any]]:
-        """Queue encoded items; must be called on this core's loop."""
+        """Queue encoded items; must be called on this core's loop. The future gets the raw
+        results; cancelling it withdraws the call."""
         future: asyncio.Future[list[Any]] = self.loop.create_future()
         if not payloads:
             future.set_result([])
             return future
-        self._accept(self._new_call(payloads, future, timeout_s, trace))
+        call = self._new_call(payloads, future, timeout_s, trace)
+        future.add_done_callback(lambda done: self._forget(call) if done.cancelled() else None)
+        self._accept(call)
+        return future
+
+    def call_blocking(
+        self, payloads: Sequence[bytes], timeout_s: float, trace: str | None = None
+    ) -> list[Any]:
+        """Run a call from any thread but the loop's and wait for its raw results.
+
+        Interrupted (KeyboardInterrupt, ...), the call is withdrawn before the error goes on.
+        """
+        if not payloads:
+            return []
+        waiter = Waiter(self._relay)
+        call = self._new_call(payloads, waiter, timeout_s, trace)
+        try:
+            self._incoming.post(call)
+            results: list[Any] = waiter.wait(timeout_s + STUCK_S)
+        except TimeoutError:  # the loop never answered: its thread is stuck or gone
+            self._forget_threadsafe(call)
+            raise DeadlineExceeded(f"no reply within {timeout_s:g} s", index=0) from None
+        except BaseException:
+            waiter.abandon()
+            if waiter.cancelled():
+                self._forget_threadsafe(call)
+            raise
+        return results
+
+    def _forget_threadsafe(self, call: _Call) -> None:
+        with contextlib.suppress(RuntimeError):  # a closed loop has nothing left to withdraw
+            self.loop.call_soon_threadsafe(self._forget, call)
+
+    def start_call_threadsafe(
+        self,
+        payloads: Sequence[bytes],
+        timeout_s: float,
+        trace: str | None = None,
+        post: Callable[[list[Any]], list[Any]] | None = None,
+    ) -> Future[list[Any]]:
+        """Queue encoded items from any thread; the future gets the raw results, or what
+        ``post`` (run on the loop thread) makes of them. Cancelling it withdraws the call."""
+        future: Future[list[Any]] = Future()
+        if not payloads:
+            future.set_result([])
+            return future
+        call = self._new_call(payloads, future, timeout_s, trace, post)
+        future.add_done_callback(lambda done: self._on_done(done, call))
+        self._incoming.post(call)
         return future
 
     def _accept(self, call: _Call) -> None:
@@ -226,17 +301,29 @@ class ClientCore:
                 if not payloads and not self._pending:
                     break
                 backoff = 0.05
-                for payload in payloads:
-                    try:
-                        reply = decode_reply(payload)
-                    except Exception as exc:  # nothing routes it: its call ends at its deadline
-                        self._unreadable.note(describe_error(exc))
-                        continue
-                    self._resolve(reply)
+                self._waking = waking = []  # type: ignore[var-annotated]
+                try:
+                    for payload in payloads:
+                        try:
+                            reply = decode_reply(payload)
+                        except Exception as exc:  # nothing routes it: it ends at its deadline
+                            self._unreadable.note(describe_error(exc))
+                            continue
+                        self._resolve(reply)
+                finally:
+                    self._waking = None
+                    if waking:  # once this task has sent its next read, as asyncio would
+                        self.loop.call_soon(self._wake, waking)
         finally:
             self._reader = None
             if self._pending and not self._closing:  # a call arrived as the reader left
                 self._reader = self.loop.create_task(self._read_replies())
+
+    def _wake(self, waking: list[tuple[Waiter, Any, BaseException | None]]) -> None:
+        # Calls the woken threads make next go out together, as asyncio callers' do: the last
+        # thread of the batch to wake lets them go.
+        self._incoming.hold()
+        self._relay.settle(waking, self._incoming.release)
 
     def _resolve(self, reply: Reply) -> None:
         found = self._pending.pop(reply.request_id, None)
@@ -254,12 +341,22 @@ class ClientCore:
     def _settle(self, call: _Call) -> None:
         if call.deadline is not None:
             self._deadlines.discard(call, call.deadline)
-        if call.future.done():
+        future = call.future
+        if future.done():
             return
-        if call.errors:
-            call.future.set_exception(call.errors[min(call.errors)])
+        results: Any = call.results
+        error: BaseException | None = call.errors[min(call.errors)] if call.errors else None
+        if error is None and call.post is not None:
+            try:
+                results = call.post(results)
+            except Exception as exc:
+                error = exc
+        if self._waking is not None and isinstance(future, Waiter):
+            self._waking.append((future, results, error))  # woken with the whole batch
+        elif error is not None:
+            future.set_exception(error)
         else:
-            call.future.set_result(call.results)
+            future.set_result(results)
 
     def _fail_items(self, call: _Call, make_error: Callable[[int], MicrobatchError]) -> None:
         for index, rid in enumerate(call.ids):
@@ -337,16 +434,14 @@ class ClientCore:
             if call.entries:
                 self._withdraw(call)
 
-    def _on_done(self, future: AnyFuture, call: _Call) -> None:
-        if not future.cancelled() or self.loop.is_closed():
-            return
-        if isinstance(future, asyncio.Future):  # callbacks of these run on our loop already
-            self._forget(call)
-        else:
-            self.loop.call_soon_threadsafe(self._forget, call)
+    def _on_done(self, future: Future[list[Any]], call: _Call) -> None:
+        if future.cancelled() and not self.loop.is_closed():
+            self._forget_threadsafe(call)
 
     def _forget(self, call: _Call) -> None:
         """The caller gave up on ``call``: drop it, and withdraw its items still queued."""
+        if call.remaining == 0:  # settled meanwhile: nothing of it is left in Redis
+            return
         if call.deadline is not None:
             self._deadlines.discard(call, call.deadline)
         for rid in call.ids:
@@ -526,27 +621,10 @@ class Streamer:
     ) -> Future[list[Any]]:
         """Submit a list of items; the future's result is their outputs, in order."""
         timeout_s = self.timeout if timeout is None else _check_timeout(timeout)
-        raw = self._get_thread_core().start_call_threadsafe(
-            self._encode(batch), timeout_s, traceparent
+        post = None if self.model is None else self._postprocess
+        return self._get_thread_core().start_call_threadsafe(
+            self._encode(batch), timeout_s, traceparent, post
         )
-        if self.model is None:
-            return raw
-        result: Future[list[Any]] = Future()
-
-        def chain(done: Future[list[Any]]) -> None:
-            if done.cancelled():
-                result.cancel()
-            elif (error := done.exception()) is not None:
-                result.set_exception(error)
-            else:
-                try:
-                    result.set_result(self._postprocess(done.result()))
-                except Exception as exc:
-                    result.set_exception(exc)
-
-        raw.add_done_callback(chain)
-        result.add_done_callback(lambda f: raw.cancel() if f.cancelled() else None)
-        return result
 
     def predict(
         self, batch: Sequence[Any], timeout: float | None = None, *, traceparent: str | None = None
@@ -558,10 +636,8 @@ class Streamer:
         their batch.
         """
         timeout_s = self.timeout if timeout is None else _check_timeout(timeout)
-        future = self._get_thread_core().start_call_threadsafe(
-            self._encode(batch), timeout_s, traceparent
-        )
-        return self._postprocess(future.result())
+        core = self._get_thread_core()
+        return self._postprocess(core.call_blocking(self._encode(batch), timeout_s, traceparent))
 
     async def apredict(
         self, batch: Sequence[Any], timeout: float | None = None, *, traceparent: str | None = None
@@ -570,7 +646,7 @@ class Streamer:
         timeout_s = self.timeout if timeout is None else _check_timeout(timeout)
         payloads = self._encode(batch)
         if self.native_async:
-            outputs = await self._get_loop_core().start_call(payloads, timeout_s, traceparent)
+            outputs = await self._get_loop_core().call(payloads, timeout_s, traceparent)
         else:
             thread_core = self._get_thread_core()
             future = thread_core.start_call_threadsafe(payloads, timeout_s, traceparent)

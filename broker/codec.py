@@ -106,14 +106,24 @@ def pack_array(array: np.ndarray) -> bytes | None:
     return None
 
 
-def _unpack_bare_array(data: bytes) -> np.ndarray | None:
-    """Decode a payload that is exactly one array (the common case), else None."""
-    start = _EXT_HEADER_SIZES.get(data[0]) if data else None
-    if start is None or len(data) <= start or data[start - 1] != ARRAY_EXT_TYPE:
+def _unpack_bare_array(data: bytes, offset: int = 0) -> np.ndarray | None:
+    """Decode ``data[offset:]`` if it is exactly one array (the common case), else None."""
+    start = _EXT_HEADER_SIZES.get(data[offset]) if len(data) > offset else None
+    if start is None:
         return None
-    if int.from_bytes(data[1 : start - 1], "big") != len(data) - start:
+    start += offset
+    if len(data) <= start or data[start - 1] != ARRAY_EXT_TYPE:
+        return None
+    if int.from_bytes(data[offset + 1 : start - 1], "big") != len(data) - start:
         return None
     return _unpack_array(data, start)
+
+
+def decode_array_at(data: bytes, offset: int) -> np.ndarray | None:
+    """The array packed by :func:`encode` that makes up ``data[offset:]``, without a copy;
+    None if that is not one array. Raises :class:`CodecError`, and nothing else, for a
+    malformed one."""
+    return _unpack_bare_array(data, offset)
 
 
 def _default(obj: Any) -> Any:

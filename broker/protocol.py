@@ -264,10 +264,42 @@ class Reply:
     error_message: str = ""
 
 
+def _decode_array_result(data: bytes) -> Reply | None:
+    """The reply as :func:`encode_result` packs an array result, read without msgpack (the
+    hot path of every client); None for any other reply."""
+    at = len(_RESULT_HEAD)
+    if len(data) <= at + 1 or not data.startswith(_RESULT_HEAD):
+        return None
+    marker = data[at]
+    if marker & 0xE0 == 0xA0:  # fixstr
+        start, end = at + 1, at + 1 + (marker & 0x1F)
+    elif marker == 0xD9:  # str 8
+        start = at + 2
+        end = start + data[at + 1]
+    else:
+        return None
+    if data[end : end + len(_RESULT_OK)] != _RESULT_OK:
+        return None
+    array = codec.decode_array_at(data, end + len(_RESULT_OK))
+    if array is None:
+        return None
+    try:
+        request_id = data[start:end].decode()
+    except UnicodeDecodeError:
+        return None
+    return Reply(request_id, True, result=array)
+
+
 def decode_reply(data: bytes) -> Reply:
     """Decode a reply. Raises :class:`CodecError` or :class:`ProtocolError` (and nothing else)
     when it has no string ``id`` to route it by; a reply whose ``id`` can be read but whose
     rest is malformed becomes a ``ProtocolError`` answer to that request."""
+    fast = _decode_array_result(data)
+    return fast if fast is not None else _decode_reply_map(data)
+
+
+def _decode_reply_map(data: bytes) -> Reply:
+    """:func:`decode_reply` through msgpack: any reply."""
     message = codec.decode(data)
     request_id = message.get("id") if isinstance(message, dict) else None
     if not isinstance(request_id, str):

@@ -127,6 +127,30 @@ def test_a_scenario_filter_runs_exactly_the_scenarios_it_names(tmp_path: Path) -
     rows = json.loads((tmp_path / "harness-quick.json").read_text())["results"]
     assert not [r for r in rows if "error" in r]
     assert sorted(r["scenario"] for r in rows) == sorted(wanted)
+    (threads,) = [r for r in rows if r["scenario"] == "redis, python client (threads)"]
+    assert threads["load_cpu_us_per_item"] > 0  # the load process's own CPU per item
+
+
+def test_client_cost_alternates_trees_and_reports_each_arm(tmp_path: Path) -> None:
+    out = tmp_path / "cost.json"
+    command = [sys.executable, "-m", "bench.client_cost", "--code", str(ROOT), "--code", "."]
+    command += ["--rounds", "1", "--duration", "0.5", "--warmup", "0.2"]
+    command += ["--arms", "threads:4,asyncio:4", "--json", str(out)]
+    shown = subprocess.run(
+        command, cwd=ROOT, check=True, timeout=120, capture_output=True, text=True
+    ).stdout
+    assert "threads c=4" in shown and "machine: reference MLP direct" in shown
+    report = json.loads(out.read_text())
+    assert [(w["tree"], w["arm"]) for w in report["windows"]] == [
+        (str(ROOT), "threads c=4"),
+        (str(ROOT), "threads c=4"),
+        (str(ROOT), "asyncio c=4"),
+        (str(ROOT), "asyncio c=4"),
+    ]
+    for window in report["windows"]:
+        assert window["items_per_s"] > 0 and window["errors"] == 0
+        assert window["cpu_us_per_item_client"] > 0
+        assert window["cpu_us_per_item_worker"] > 0 and window["cpu_us_per_item_redis"] >= 0
 
 
 def test_a_requested_scenario_that_runs_nothing_is_reported() -> None:

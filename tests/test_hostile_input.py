@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from broker import codec
+from broker import codec, protocol
 from broker.client import ClientCore
 from broker.errors import (
     WIRE_ERRORS,
@@ -556,6 +556,35 @@ def test_decode_reply_returns_a_reply_or_raises_codec_or_protocol_error(data: by
         return
     assert isinstance(reply, Reply) and isinstance(reply.request_id, str)
     assert reply.ok or (isinstance(reply.error_type, str) and isinstance(reply.error_message, str))
+
+
+def reply_outcome(decode: Any, data: bytes) -> Any:
+    """What a decoder makes of ``data``, comparable with ==."""
+    try:
+        reply = decode(data)
+    except Exception as exc:
+        return type(exc)
+    result = reply.result
+    if isinstance(result, np.ndarray):
+        result = (result.dtype.str, result.shape, result.tobytes(), result.flags.writeable)
+    return (reply.request_id, reply.ok, result, reply.error_type, reply.error_message)
+
+
+@QUICK
+@given(all_array_bodies, st.text(max_size=100), st.integers(-3, 3))
+def test_array_results_read_without_msgpack_decode_as_msgpack_reads_them(
+    case: tuple[bytes, Any], request_id: str, change: int
+) -> None:
+    body, expected = case
+    result = msgpack.ExtType(codec.ARRAY_EXT_TYPE, body)
+    data = msgpack.packb({"id": request_id, "ok": True, "result": result}, use_bin_type=True)
+    if expected is not None and len(request_id.encode()) < 256:
+        assert data == encode_result(request_id, codec.decode(codec.encode(result)))
+    if change < 0:  # cut short
+        data = data[:change]
+    elif change > 0:  # trailing bytes
+        data += bytes(change)
+    assert reply_outcome(decode_reply, data) == reply_outcome(protocol._decode_reply_map, data)
 
 
 async def client_reads(hostile: list[bytes]) -> tuple[list[Any], Any, Any]:

@@ -5,14 +5,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
 import redis
 
 from broker import DeadlineExceeded, ModelError, QueueFull, Streamer
+from broker import client as client_module
 from broker.devserver import RedisServer
 from examples.mlp import MLP
 from gpu_worker import LocalStreamer, ManagedModel
@@ -189,3 +193,93 @@ def test_cancelled_calls_are_never_computed(make_streamer: MakeStreamer) -> None
         assert int(client.get(streamer.keys.queued_bytes) or 0) == 0
         assert client.xlen(streamer.keys.stream) == 0
         client.close()
+
+
+def test_many_threads_calling_at_once_each_get_their_own_outputs(
+    make_streamer: MakeStreamer,
+) -> None:
+    streamer = make_streamer(Toy, batch_size=16)
+    wrong: list[tuple[list[str], list[object]]] = []
+
+    def caller(thread: int) -> None:
+        for call in range(15):
+            items = [f"{thread}-{call}-{i}" for i in range(1 + (thread + call) % 3)]
+            if call % 5 == 4:
+                outputs = streamer.submit(items, timeout=30).result(timeout=30)
+            else:
+                outputs = streamer.predict(items, timeout=30)
+            if [out["item"] for out in outputs] != items:
+                wrong.append((items, outputs))
+
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(32)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads)
+    assert wrong == []
+
+
+def test_a_blocking_call_interrupted_by_ctrl_c_is_withdrawn(make_streamer: MakeStreamer) -> None:
+    streamer = make_streamer(Toy, batch_size=1)
+    blocker = streamer.submit([{"sleep": 1.0}])
+    time.sleep(0.2)  # the slow batch runs: the next call waits in the queue behind it
+    interrupt = threading.Timer(0.3, signal.pthread_kill, (threading.get_ident(), signal.SIGINT))
+    interrupt.start()
+    with pytest.raises(KeyboardInterrupt):
+        streamer.predict(["interrupted-1", "interrupted-2"], timeout=10)
+    interrupt.join()
+    time.sleep(0.2)  # the withdrawal goes out
+    after = streamer.predict(["after"], timeout=10)
+    # "after" was computed right behind the slow batch: the interrupted items were skipped
+    assert after[0]["seq"] == blocker.result(timeout=10)[0]["seq"] + 1
+    if not isinstance(streamer, LocalStreamer):
+        client = redis.Redis.from_url(streamer.redis_url)
+        assert int(client.get(streamer.keys.queued_bytes) or 0) == 0
+        assert client.xlen(streamer.keys.stream) == 0
+        client.close()
+
+
+def test_a_blocking_caller_is_not_held_past_its_deadline_by_a_stuck_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The model inline on the in-process streamer's loop: a slow batch holds that loop, so
+    # nothing there can expire the late call; the caller's own wait gives up instead.
+    monkeypatch.setattr(client_module, "STUCK_S", 0.1)
+    streamer = LocalStreamer(Toy, batch_size=1, model_thread="off")
+    try:
+        slow = streamer.submit([{"sleep": 2.0}], timeout=10)
+        time.sleep(0.2)
+        with pytest.raises(DeadlineExceeded) as caught:
+            streamer.predict(["late"], timeout=0.2)
+        assert caught.value.index == 0
+        assert not slow.done()  # it gave up while the loop was still stuck
+        assert slow.result(timeout=10)[0]["item"] == {"sleep": 2.0}
+        # the late call was forgotten before it went out: the next item follows the slow one
+        after = streamer.predict(["after"], timeout=10)
+        assert after[0]["seq"] == slow.result()[0]["seq"] + 1
+    finally:
+        streamer.close()
+
+
+class Checked(Toy):
+    """Toy whose caller-side postprocess refuses one output."""
+
+    def postprocess(self, output: Any) -> Any:
+        if output["item"] == "refused":
+            raise ValueError("postprocess refused it")
+        return {**output, "post": True}
+
+
+def test_submit_and_predict_run_postprocess_and_raise_its_error() -> None:
+    streamer = LocalStreamer(Checked, batch_size=4)
+    try:
+        assert streamer.submit(["a", "b"]).result(timeout=10)[1]["post"] is True
+        assert streamer.predict(["c"])[0]["post"] is True
+        with pytest.raises(ValueError, match="refused"):
+            streamer.submit(["ok", "refused"]).result(timeout=10)
+        with pytest.raises(ValueError, match="refused"):
+            streamer.predict(["refused"])
+        assert streamer.submit([]).result(timeout=10) == []
+    finally:
+        streamer.close()
