@@ -269,9 +269,11 @@ def test_the_sentinel_master_s_host_killed_under_load_fails_over_and_loses_nothi
     assert new.host is not old.host and old.host.pids() == []
     assert numbers.lost == 0 and numbers.wrong == 0
     assert numbers.answered + sum(numbers.errors.values()) == numbers.sent == 14 * 80
-    # fail-fast while no master was known, and the calls whose writes the dead master took
-    # without passing them on (asynchronous replication): sent before it died
-    assert set(numbers.errors) <= {"BrokerUnavailable", "DeadlineExceeded"}, numbers.errors
+    # fail-fast while no master was known, the calls whose writes the dead master took
+    # without passing them on (asynchronous replication): sent before it died, and refusals
+    # of the model's queue bound while the backlog of the outage was over it
+    allowed = {"BrokerUnavailable", "DeadlineExceeded", "QueueFull"}
+    assert set(numbers.errors) <= allowed, numbers.errors
     assert all(c["sent"] < fault for c in dropped), [c for c in dropped if c["sent"] >= fault]
     if lag:  # the calls in flight when it died had written only to the master
         assert dropped, "no write was lost with the master, though the replicas lagged"
