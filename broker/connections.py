@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -39,7 +40,7 @@ from .resp_lane import (
 )
 from .resp_lane import ssl_context as make_ssl_context
 from .resp_packing import use_hiredis_packing
-from .sentinel import SentinelMaster
+from .sentinel import NoAnswer, SentinelMaster, first_answer, first_answer_sync
 
 
 class _FollowingPool(redis.sentinel.SentinelConnectionPool):
@@ -70,6 +71,61 @@ class _AsyncFollowingPool(async_sentinel.SentinelConnectionPool):
             with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
                 await self.get_master_address()  # type: ignore[no-untyped-call]
         return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+
+class _ConcurrentSyncSentinel(redis.sentinel.Sentinel):
+    """redis-py's Sentinel, asking all its sentinels at once (see :class:`_ConcurrentSentinel`)."""
+
+    def discover_master(self, service_name: str) -> tuple[str, int]:
+        sentinels = list(self.sentinels)
+
+        def asker(sentinel: Any) -> Callable[[], tuple[str, int]]:
+            def ask() -> tuple[str, int]:
+                state = sentinel.sentinel_masters().get(service_name)
+                check = self.check_master_state
+                if not state or not check(state, service_name):  # type: ignore[no-untyped-call]
+                    raise NoAnswer(f"names no up master of {service_name!r}")
+                ip = self._force_master_ip if self._force_master_ip is not None else state["ip"]
+                return ip, state["port"]
+
+            return ask
+
+        found = first_answer_sync([asker(s) for s in sentinels])
+        return _found(self.sentinels, sentinels, service_name, found, redis.sentinel)
+
+
+def _found(
+    preferred: list[Any], asked: list[Any], service_name: str,
+    found: tuple[int, tuple[str, int] | None, list[tuple[int, str]]], module: Any,
+) -> tuple[str, int]:  # fmt: skip
+    """The address a concurrent discovery found, its sentinel now asked first; the
+    MasterNotFoundError of redis-py's sentinel ``module`` if none names one."""
+    index, address, failures = found
+    if address is None:
+        errors = ", ".join(f"{asked[i]} - {message}" for i, message in failures)
+        raise module.MasterNotFoundError(f"No master found for {service_name!r} : {errors}")
+    if asked[index] in preferred:
+        preferred.remove(asked[index])
+        preferred.insert(0, asked[index])
+    return address
+
+
+class _ConcurrentSentinel(async_sentinel.Sentinel):
+    """redis-py's asyncio Sentinel, asking all its sentinels at once: the same question and
+    check, and the same preference for the one that answered last (see :mod:`broker.sentinel`)."""
+
+    async def discover_master(self, service_name: str) -> tuple[str, int]:
+        sentinels = list(self.sentinels)
+
+        async def ask(sentinel: Any) -> tuple[str, int]:
+            state = (await sentinel.sentinel_masters()).get(service_name)
+            if not state or not self.check_master_state(state, service_name):
+                raise NoAnswer(f"names no up master of {service_name!r}")
+            ip = self._force_master_ip if self._force_master_ip is not None else state["ip"]
+            return ip, state["port"]
+
+        found = await first_answer([ask(s) for s in sentinels])
+        return _found(self.sentinels, sentinels, service_name, found, async_sentinel)
 
 
 class _SyncSentinelRedis(redis.Redis):
@@ -125,7 +181,7 @@ def sync_client(url: str | RedisURL, **options: Any) -> redis.Redis:
     if not isinstance(parsed, SentinelURL):
         return redis.Redis.from_url(parsed.url, **options)
     master, sentinel_kwargs = _sentinel_options(parsed, options, SyncRetry(NoBackoff(), 0))
-    manager = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
+    manager = _ConcurrentSyncSentinel(  # type: ignore[no-untyped-call]
         [(a.host, a.port) for a in parsed.sentinels], sentinel_kwargs=sentinel_kwargs
     )
     client: _SyncSentinelRedis = manager.master_for(  # type: ignore[no-untyped-call]
@@ -154,7 +210,7 @@ def async_client(url: str | RedisURL, **options: Any) -> aioredis.Redis:
     if not isinstance(parsed, SentinelURL):
         return use_hiredis_packing(aioredis.Redis.from_url(parsed.url, **options))
     master, sentinel_kwargs = _sentinel_options(parsed, options, AsyncRetry(NoBackoff(), 0))
-    manager = async_sentinel.Sentinel(  # type: ignore[no-untyped-call]
+    manager = _ConcurrentSentinel(  # type: ignore[no-untyped-call]
         [(a.host, a.port) for a in parsed.sentinels], sentinel_kwargs=sentinel_kwargs
     )
     client = manager.master_for(

@@ -1,20 +1,26 @@
 """Where a Sentinel service's master is now, for the lean connections (:mod:`broker.resp_lane`).
 
-A :class:`SentinelMaster` asks the sentinels of a ``redis+sentinel://`` URL, one after the other,
-with ``SENTINEL MASTERS`` and accepts the first answer that names the service's master and does
-not flag it as down: the same question and the same check as redis-py's
-:class:`redis.sentinel.Sentinel`, which serves the rest of microbatch's connections, so both
-always agree on where the master is (and a Sentinel ACL user needs one command,
-``+sentinel|masters``). The sentinel that answered is asked first the next time. A lane asks at
-each (re)connect, and about once a second while connected (dropping the connection when the
-master moved); when no sentinel names a master that is up (during a failover), connecting fails
-at once with :class:`MasterNotFound`, a connection error, and callers see ``BrokerUnavailable``.
+A :class:`SentinelMaster` asks all the sentinels of a ``redis+sentinel://`` URL at once with
+``SENTINEL MASTERS`` and accepts the first answer that names the service's master and does not
+flag it as down: the same question and the same check as redis-py's
+:class:`redis.sentinel.Sentinel`, which serves the rest of microbatch's connections (made to ask
+all at once too, in :mod:`broker.connections`), so both always agree on where the master is (and
+a Sentinel ACL user needs one command, ``+sentinel|masters``). Asked one after the other, a
+sentinel on a host that died silently would cost every reconnect its connect timeout before the
+next one is asked. Of answers that arrive together, the sentinel that answered last time wins.
+A lane asks at each (re)connect, and about once a second while connected (dropping the
+connection when the master moved); when no sentinel names a master that is up (during a
+failover), connecting fails at once with :class:`MasterNotFound`, a connection error, and
+callers see ``BrokerUnavailable``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from typing import Any, TypeVar
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
@@ -26,6 +32,70 @@ from .resp_lane import LaneTarget, RespLane
 
 class MasterNotFound(RedisConnectionError):
     """No sentinel names a master of the service that is up (now)."""
+
+
+class NoAnswer(Exception):
+    """A sentinel names no usable master (the message says why)."""
+
+
+T = TypeVar("T")
+
+
+async def first_answer(
+    asks: Sequence[Awaitable[T]],
+) -> tuple[int, T | None, list[tuple[int, str]]]:
+    """Run ``asks`` at once: (the index and result of the first to succeed, the failures seen
+    until then as (index, message)); (-1, None, all failures) if none succeeds. Of asks that
+    finish together, the lowest index wins; the rest are cancelled."""
+    tasks = [asyncio.ensure_future(ask) for ask in asks]
+    failures: list[tuple[int, str]] = []
+    pending = set(tasks)
+    try:
+        while pending:
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            failed = {index for index, _ in failures}
+            for index, task in enumerate(tasks):
+                if task in pending or index in failed:
+                    continue
+                exc = task.exception()
+                if exc is None:
+                    return index, task.result(), failures
+                failures.append((index, str(exc) or type(exc).__name__))
+        return -1, None, failures
+    finally:
+        for task in tasks:
+            # retrieved, even when it fails after the cancel: not logged as unhandled
+            task.add_done_callback(_retrieve)
+            task.cancel()
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
+
+
+_askers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="microbatch-sentinel")
+
+
+def first_answer_sync(
+    asks: Sequence[Callable[[], T]],
+) -> tuple[int, T | None, list[tuple[int, str]]]:
+    """:func:`first_answer` for blocking calls, each run on a thread of a shared pool (those
+    still running when one succeeds finish in the background, within their socket timeout)."""
+    futures = [_askers.submit(ask) for ask in asks]
+    failures: list[tuple[int, str]] = []
+    pending = set(futures)
+    while pending:
+        _, pending = wait(pending, return_when=FIRST_COMPLETED)
+        failed = {index for index, _ in failures}
+        for index, future in enumerate(futures):
+            if future in pending or index in failed:
+                continue
+            exc = future.exception()
+            if exc is None:
+                return index, future.result(), failures
+            failures.append((index, str(exc) or type(exc).__name__))
+    return -1, None, failures
 
 
 def _state(flat: Any) -> dict[str, str]:
@@ -72,31 +142,32 @@ class SentinelMaster:
         if known is not None and time.monotonic() - known[0] <= max_age_s:
             return known[1]
         self._known = None
-        errors = []
-        for entry in list(self._sentinels):  # (a concurrent call may reorder the list)
-            name, lane = entry
-            try:
-                masters = await lane.execute("SENTINEL", "MASTERS")
-            except (RedisConnectionError, RedisTimeoutError, ResponseError, OSError) as exc:
-                errors.append(f"{name}: {exc}")
-                continue
-            state = next(
-                (s for s in map(_state, masters or []) if s.get("name") == self.service), None
+        entries = list(self._sentinels)  # (a concurrent call may reorder the list)
+        index, address, errors = await first_answer([self._ask(lane) for _, lane in entries])
+        if address is None:
+            failures = "; ".join(f"{entries[i][0]}: {error}" for i, error in errors)
+            raise MasterNotFound(
+                f"no sentinel names an up master of service {self.service!r} ({failures})"
             )
-            if state is None:
-                errors.append(f"{name}: monitors no service {self.service!r}")
-            elif not master_up(state):
-                errors.append(f"{name}: its master is {state.get('flags', '?')}")
-            else:
-                if self._sentinels[0] is not entry:  # ask this one first next time
-                    self._sentinels.remove(entry)
-                    self._sentinels.insert(0, entry)
-                address = state["ip"], int(state["port"])
-                self._known = time.monotonic(), address
-                return address
-        raise MasterNotFound(
-            f"no sentinel names an up master of service {self.service!r} ({'; '.join(errors)})"
-        )
+        entry = entries[index]
+        if entry in self._sentinels and self._sentinels[0] is not entry:
+            self._sentinels.remove(entry)  # ask this one first next time
+            self._sentinels.insert(0, entry)
+        self._known = time.monotonic(), address
+        return address
+
+    async def _ask(self, lane: RespLane) -> tuple[str, int]:
+        """The master one sentinel names; raises NoAnswer saying why it names none."""
+        try:
+            masters = await lane.execute("SENTINEL", "MASTERS")
+        except (RedisConnectionError, RedisTimeoutError, ResponseError, OSError) as exc:
+            raise NoAnswer(str(exc)) from exc
+        state = next((s for s in map(_state, masters or []) if s.get("name") == self.service), None)
+        if state is None:
+            raise NoAnswer(f"monitors no service {self.service!r}")
+        if not master_up(state):
+            raise NoAnswer(f"its master is {state.get('flags', '?')}")
+        return state["ip"], int(state["port"])
 
     def close(self) -> None:
         for _, lane in self._sentinels:

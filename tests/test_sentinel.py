@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -157,6 +158,34 @@ def test_without_a_master_calls_fail_fast_with_broker_unavailable() -> None:
             await connections.lane(gone).execute("PING")
 
     asyncio.run(nobody())
+
+
+def test_a_silent_sentinel_listed_first_does_not_hold_up_finding_the_master() -> None:
+    """A sentinel whose host died silently (it accepted the connection, then said nothing) is
+    not waited out before the next one is asked: every sentinel is asked at once, by the lanes
+    and by redis-py's clients alike."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # connections complete in the kernel's backlog; nothing ever answers
+    try:
+        with LocalSentinel(replicas=0, sentinels=1) as setup:
+            real = setup.url().split("//", 1)[1]
+            url = f"redis+sentinel://127.0.0.1:{silent.getsockname()[1]},{real}"
+
+            async def main() -> None:
+                lane = connections.lane(url, connect_timeout_s=60)
+                assert await asyncio.wait_for(lane.execute("PING"), 20) == b"PONG"
+                client = connections.async_client(url, socket_connect_timeout=60)
+                assert await asyncio.wait_for(client.ping(), 20) is True
+                await client.aclose()
+                lane.close()
+
+            asyncio.run(main())
+            blocking = connections.sync_client(url, socket_connect_timeout=60)
+            assert blocking.ping() is True
+            blocking.close()
+    finally:
+        silent.close()
 
 
 def test_protected_sentinels_and_masters_take_their_own_passwords() -> None:

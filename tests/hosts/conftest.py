@@ -1,9 +1,11 @@
 """Fixtures of the namespace-host tests: a :class:`~tests.hosts.netns.Network` per test, torn
 down (every process killed, every namespace deleted) whatever the test did, with the end of
-every host's logs shown when the test failed."""
+every host's logs shown when the test failed (or always, with MB_SHOW_LOGS=1 in the
+environment)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
@@ -33,6 +35,8 @@ def network(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Network]
     try:
         yield net
     finally:
-        if request.node.stash.get(_FAILED, False) and net.workdir.exists():
+        if (
+            request.node.stash.get(_FAILED, False) or os.environ.get("MB_SHOW_LOGS")
+        ) and net.workdir.exists():
             print("\n" + net.log_tails())
         net.close()

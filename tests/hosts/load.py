@@ -156,7 +156,10 @@ async def run(config: dict[str, Any]) -> dict[str, Any]:
     streamer = Streamer(config["model"], redis_url=config["redis_url"], prefix=config["prefix"])
     gateways = {t: Gateway(t, config["model"], timeout) for t in set(targets) if t != "redis"}
     started = time.monotonic()
-    Path(config["started_path"]).write_text(json.dumps(started))
+    started_path = Path(config["started_path"])
+    partial = started_path.with_name(started_path.name + ".partial")
+    partial.write_text(json.dumps(started))
+    partial.replace(started_path)  # never seen half-written
     tasks = []
     for i in range(total):
         delay = started + i / rate - time.monotonic()
