@@ -40,7 +40,7 @@ from .resp_lane import (
 )
 from .resp_lane import ssl_context as make_ssl_context
 from .resp_packing import use_hiredis_packing
-from .sentinel import NoAnswer, SentinelMaster, first_answer, first_answer_sync
+from .sentinel import NoAnswer, SentinelMaster, error_text, first_answer, first_answer_sync
 
 
 class _FollowingPool(redis.sentinel.SentinelConnectionPool):
@@ -96,13 +96,13 @@ class _ConcurrentSyncSentinel(redis.sentinel.Sentinel):
 
 def _found(
     preferred: list[Any], asked: list[Any], service_name: str,
-    found: tuple[int, tuple[str, int] | None, list[tuple[int, str]]], module: Any,
+    found: tuple[int, tuple[str, int] | None, list[tuple[int, BaseException]]], module: Any,
 ) -> tuple[str, int]:  # fmt: skip
     """The address a concurrent discovery found, its sentinel now asked first; the
     MasterNotFoundError of redis-py's sentinel ``module`` if none names one."""
     index, address, failures = found
     if address is None:
-        errors = ", ".join(f"{asked[i]} - {message}" for i, message in failures)
+        errors = ", ".join(f"{asked[i]} - {error_text(exc)}" for i, exc in failures)
         raise module.MasterNotFoundError(f"No master found for {service_name!r} : {errors}")
     if asked[index] in preferred:
         preferred.remove(asked[index])

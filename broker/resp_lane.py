@@ -97,12 +97,18 @@ def _reply_error(message: str) -> Exception:
 _RAISED = (ResponseError, BusyLoadingError, ReplicaError)  # error replies execute() raises
 
 
+class ServerDown(RedisConnectionError):
+    """An :class:`AddressSource` knows of no server up now, and knows why: the one it named
+    is seen down (a lane still connected to it drops the connection, as its writes would go
+    nowhere)."""
+
+
 class AddressSource(Protocol):
     """Where a lane's server is now, asked at each connect (e.g. a Sentinel service's master)."""
 
     async def address(self, max_age_s: float = 0.0) -> tuple[str, int]:
         """(host, port), as learnt at most ``max_age_s`` ago; a redis-py ConnectionError
-        when it cannot be known now."""
+        when it cannot be known now (:class:`ServerDown` when the server is seen down)."""
         ...
 
     def close(self) -> None:
@@ -408,13 +414,19 @@ class RespLane:
         """While connected, ask the source every :data:`FOLLOW_EVERY_S` where the server is,
         and drop the connection once it names another: a master replaced by a failover may
         take its time to refuse writes (Sentinel demotes a live old master only seconds
-        later), and writes it took meanwhile would be lost."""
+        later), and writes it took meanwhile would be lost. Dropped too once the source sees
+        the server down: a host that died silently would swallow writes until the failover
+        is done; instead, calls fail fast (no server can be known) until it is."""
         source = self.target.source
         assert source is not None
         while not protocol.lost:
             await asyncio.sleep(FOLLOW_EVERY_S)
             try:
                 now = await source.address(max_age_s=FOLLOW_EVERY_S / 2)
+            except ServerDown as exc:
+                if not protocol.lost:
+                    protocol.abort(str(exc))
+                continue
             except Exception:  # nothing is known now: the connection speaks for itself
                 continue
             if now != address and not protocol.lost:

@@ -27,15 +27,23 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .redis_url import SentinelURL
-from .resp_lane import LaneTarget, RespLane
+from .resp_lane import LaneTarget, RespLane, ServerDown
 
 
 class MasterNotFound(RedisConnectionError):
     """No sentinel names a master of the service that is up (now)."""
 
 
+class MasterDown(MasterNotFound, ServerDown):
+    """No sentinel names a master that is up, and some see the master down."""
+
+
 class NoAnswer(Exception):
     """A sentinel names no usable master (the message says why)."""
+
+
+class SeenDown(NoAnswer):
+    """A sentinel flags the service's master as down."""
 
 
 T = TypeVar("T")
@@ -43,12 +51,12 @@ T = TypeVar("T")
 
 async def first_answer(
     asks: Sequence[Awaitable[T]],
-) -> tuple[int, T | None, list[tuple[int, str]]]:
+) -> tuple[int, T | None, list[tuple[int, BaseException]]]:
     """Run ``asks`` at once: (the index and result of the first to succeed, the failures seen
-    until then as (index, message)); (-1, None, all failures) if none succeeds. Of asks that
+    until then as (index, exception)); (-1, None, all failures) if none succeeds. Of asks that
     finish together, the lowest index wins; the rest are cancelled."""
     tasks = [asyncio.ensure_future(ask) for ask in asks]
-    failures: list[tuple[int, str]] = []
+    failures: list[tuple[int, BaseException]] = []
     pending = set(tasks)
     try:
         while pending:
@@ -60,13 +68,18 @@ async def first_answer(
                 exc = task.exception()
                 if exc is None:
                     return index, task.result(), failures
-                failures.append((index, str(exc) or type(exc).__name__))
+                failures.append((index, exc))
         return -1, None, failures
     finally:
         for task in tasks:
             # retrieved, even when it fails after the cancel: not logged as unhandled
             task.add_done_callback(_retrieve)
             task.cancel()
+
+
+def error_text(exc: BaseException) -> str:
+    """An exception's message, or its type's name when it has none."""
+    return str(exc) or type(exc).__name__
 
 
 def _retrieve(task: asyncio.Future[Any]) -> None:
@@ -79,11 +92,11 @@ _askers = ThreadPoolExecutor(max_workers=8, thread_name_prefix="microbatch-senti
 
 def first_answer_sync(
     asks: Sequence[Callable[[], T]],
-) -> tuple[int, T | None, list[tuple[int, str]]]:
+) -> tuple[int, T | None, list[tuple[int, BaseException]]]:
     """:func:`first_answer` for blocking calls, each run on a thread of a shared pool (those
     still running when one succeeds finish in the background, within their socket timeout)."""
     futures = [_askers.submit(ask) for ask in asks]
-    failures: list[tuple[int, str]] = []
+    failures: list[tuple[int, BaseException]] = []
     pending = set(futures)
     while pending:
         _, pending = wait(pending, return_when=FIRST_COMPLETED)
@@ -94,7 +107,7 @@ def first_answer_sync(
             exc = future.exception()
             if exc is None:
                 return index, future.result(), failures
-            failures.append((index, str(exc) or type(exc).__name__))
+            failures.append((index, exc))
     return -1, None, failures
 
 
@@ -145,8 +158,9 @@ class SentinelMaster:
         entries = list(self._sentinels)  # (a concurrent call may reorder the list)
         index, address, errors = await first_answer([self._ask(lane) for _, lane in entries])
         if address is None:
-            failures = "; ".join(f"{entries[i][0]}: {error}" for i, error in errors)
-            raise MasterNotFound(
+            failures = "; ".join(f"{entries[i][0]}: {error_text(exc)}" for i, exc in errors)
+            seen_down = any(isinstance(exc, SeenDown) for _, exc in errors)
+            raise (MasterDown if seen_down else MasterNotFound)(
                 f"no sentinel names an up master of service {self.service!r} ({failures})"
             )
         entry = entries[index]
@@ -166,7 +180,7 @@ class SentinelMaster:
         if state is None:
             raise NoAnswer(f"monitors no service {self.service!r}")
         if not master_up(state):
-            raise NoAnswer(f"its master is {state.get('flags', '?')}")
+            raise SeenDown(f"its master is {state.get('flags', '?')}")
         return state["ip"], int(state["port"])
 
     def close(self) -> None:

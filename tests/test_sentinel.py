@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
 import time
 import uuid
@@ -186,6 +188,35 @@ def test_a_silent_sentinel_listed_first_does_not_hold_up_finding_the_master() ->
             blocking.close()
     finally:
         silent.close()
+
+
+def test_a_lane_on_a_master_the_sentinels_see_down_drops_it_and_fails_fast() -> None:
+    """A master that went silent (stopped: its connections stay open, nothing answers) is
+    left as soon as the sentinels see it down: calls fail fast, typed, instead of being
+    written into a connection that swallows them until the reply timeout."""
+    with LocalSentinel(replicas=0, sentinels=1, down_after_ms=200) as setup:
+        url = setup.url()
+
+        def seen_down() -> bool:
+            state = setup.ask(lambda c: c.sentinel_master("mbmaster"))[0]
+            return bool(state["is_sdown"])
+
+        async def main() -> None:
+            lane = connections.lane(url, reply_timeout_s=60)
+            assert await lane.execute("PING") == b"PONG"
+            assert setup.master.process is not None
+            os.kill(setup.master.process.pid, signal.SIGSTOP)
+            try:
+                await asyncio.to_thread(wait_for, seen_down, 10, "the sentinels to see it down")
+                with pytest.raises(RedisConnectionError):
+                    await asyncio.wait_for(lane.execute("PING"), 20)
+                with pytest.raises(MasterNotFound, match="s_down"):
+                    await asyncio.wait_for(lane.execute("PING"), 20)
+            finally:
+                os.kill(setup.master.process.pid, signal.SIGCONT)
+            lane.close()
+
+        asyncio.run(main())
 
 
 def test_protected_sentinels_and_masters_take_their_own_passwords() -> None:

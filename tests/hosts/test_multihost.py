@@ -286,9 +286,14 @@ def test_the_sentinel_master_s_host_killed_under_load_fails_over_and_loses_nothi
     if lag:  # the calls in flight when it died had written only to the master
         assert dropped, "no write was lost with the master, though the replicas lagged"
     # back by itself: every call sent once the failover was done (and connections had 3 s
-    # to follow it) was answered right
+    # to follow it) was answered right, or refused at once while the outage's backlog still
+    # held the queue over its bound; the last 2 s of calls were all answered right
     late = [c for c in calls if c["sent"] > fault + promoted + 3.0]
-    assert late and all(c["error"] is None for c in late), [c for c in late if c["error"]][:5]
+    assert late and all(c["error"] in (None, "QueueFull") for c in late), [
+        c for c in late if c["error"] not in (None, "QueueFull")
+    ][:5]
+    last = [c for c in calls if c["sent"] > results["started"] + 14 - 2.0]
+    assert last and all(c["error"] is None for c in last), [c for c in last if c["error"]][:5]
     assert numbers.recovery_s is not None and numbers.recovery_s < float("inf")
     # no process on a worker or gateway host died, hung or was restarted
     assert {host.name: sorted(host.pids()) for host in serving} == pids
