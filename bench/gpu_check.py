@@ -33,10 +33,10 @@ from typing import Any
 
 import numpy as np
 
+from bench.http_bench import wait_workers
 from broker import Streamer
 from broker.devserver import RedisServer
 from broker.keys import ModelKeys
-from broker.liveness import live_consumers
 from examples.mlp import MLP
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,16 +83,10 @@ class Worker:
             )
 
     def wait(self, url: str, prefix: str, count: int, timeout: float = 180) -> None:
-        import redis
-
-        client = redis.Redis.from_url(url)
-        keys = ModelKeys(NAME, prefix)
-        deadline = time.monotonic() + timeout
-        while len(live_consumers(client, keys)) < count:
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"worker did not start:\n{self.log()}")
-            time.sleep(0.1)
-        client.close()
+        try:
+            wait_workers(url, ModelKeys(NAME, prefix), count, timeout, self.process)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}:\n{self.log()}") from None
 
     def stop(self) -> int:
         if self.process.poll() is None:

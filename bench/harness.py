@@ -41,7 +41,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,8 +53,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import venvs
-from bench.http_bench import post_script, wrk_counts
+from bench.http_bench import post_script, wait_workers, wrk_counts
 from bench.load import BatchProbe, sample_input
+from broker.devserver import free_port
+from broker.keys import ModelKeys
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -85,13 +86,6 @@ UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3}
 
 def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class Harness:
@@ -352,7 +346,7 @@ class Harness:
         self, redis_url: str, model: str, prefix: str, proc: subprocess.Popen[bytes], count: int
     ) -> None:
         try:
-            wait_workers(redis_url, model, prefix, count, proc)
+            wait_workers(redis_url, ModelKeys(model, prefix), count, timeout=180, proc=proc)
         except RuntimeError as exc:
             raise RuntimeError(f"{exc}: " + self.tail(f"worker-{model}")) from None
 
@@ -515,32 +509,6 @@ def spawn(
         except ProcessLookupError:
             pass
         logfile.close()
-
-
-def wait_workers(
-    redis_url: str,
-    model: str,
-    prefix: str,
-    count: int,
-    proc: subprocess.Popen[bytes],
-    timeout: float = 180,
-) -> None:
-    """Until ``count`` live workers consume MODEL under PREFIX; RuntimeError if PROC exits."""
-    import redis
-
-    from broker.keys import ModelKeys
-    from broker.liveness import live_consumers
-
-    client = redis.Redis.from_url(redis_url)
-    keys = ModelKeys(model, prefix)
-    deadline = time.monotonic() + timeout
-    try:
-        while len(live_consumers(client, keys)) < count:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("worker did not start")
-            time.sleep(0.1)
-    finally:
-        client.close()
 
 
 def wait_http_post(

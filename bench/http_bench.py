@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -31,9 +32,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from broker.connections import sync_client  # noqa: E402
 from broker.devserver import RedisServer, free_port  # noqa: E402
 from broker.keys import ModelKeys  # noqa: E402
-from broker.liveness import live_consumers  # noqa: E402
+from broker.liveness import wait_for_consumers  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3}
@@ -70,16 +72,27 @@ def wait_http(url: str, timeout: float = 120.0) -> None:
     raise TimeoutError(f"{url} did not answer")
 
 
-def wait_workers(redis_url: str, keys: ModelKeys, count: int, timeout: float = 120.0) -> None:
-    import redis
+def wait_workers(
+    redis_url: str,
+    keys: ModelKeys,
+    count: int,
+    timeout: float = 120.0,
+    proc: subprocess.Popen[Any] | None = None,
+) -> None:
+    """Until ``count`` live workers consume ``keys``; RuntimeError if they do not in time (or
+    ``proc``, the process that should start them, exits first)."""
 
-    client = redis.Redis.from_url(redis_url)
-    deadline = time.monotonic() + timeout
-    while len(live_consumers(client, keys)) < count:
-        if time.monotonic() > deadline:
-            raise TimeoutError("workers did not start")
-        time.sleep(0.1)
-    client.close()
+    def running() -> None:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"worker did not start (exit code {proc.returncode})")
+
+    client = sync_client(redis_url)
+    try:
+        wait_for_consumers(client, keys, count, timeout, check=running)
+    except TimeoutError as exc:
+        raise RuntimeError(f"worker did not start: {exc}") from None
+    finally:
+        client.close()
 
 
 def _post(url: str, body: str) -> dict[str, object]:

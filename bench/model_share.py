@@ -26,9 +26,10 @@ from contextlib import ExitStack
 from typing import Any
 
 from bench.embed_bench import tree_cpu_seconds
-from bench.harness import MODELS, ROOT, free_port
+from bench.harness import MODELS, ROOT
 from bench.http_bench import process, wait_workers
 from bench.spine import closed_loop, direct
+from broker.devserver import free_port
 from gpu_worker.batching import MODEL_THREAD_MODES
 
 METRICS = ("inference_seconds_sum", "inference_seconds_count", "batch_size_sum")

@@ -2,9 +2,9 @@
 
     python -m bench.report [bench/results/harness.json]
 
-Tables per model, the spine table (issue 2), the targets of issue 5 checked against ratios taken
-within the one run, memory, the exact commands, and bench/analysis.md (written by hand: what the
-numbers mean and where the time goes) included verbatim.
+Tables per model, the spine table, the targets checked against ratios taken within the one run,
+memory, the exact commands, and bench/analysis.md (written by hand: what the numbers mean and
+where the time goes) included verbatim.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ BATCHED, ONE = "direct, batched", "direct, one at a time"
 REDIS_ASYNC, HTTP = "redis, python client (asyncio)", "http, gateway"
 SS_REDIS = "service_streamer RedisStreamer (threads)"
 MOSEC = "mosec, batching"
-NAIVE = "fastapi, per request"  # bench/naive_fastapi.py: the server issue 3 compares with
+NAIVE = "fastapi, per request"  # bench/naive_fastapi.py: the naive server the targets name
 ALTERNATIVE_SCENARIOS = [
     SS_REDIS,
     "service_streamer ThreadedStreamer (Flask)",
@@ -96,7 +96,7 @@ def spine_table(rows: list[dict[str, Any]], model: str) -> str:
 def targets(
     rows: list[dict[str, Any]], brackets: dict[str, dict[str, Any]] | None = None
 ) -> list[tuple[str, str, str]]:
-    """(target, measured, verdict) for each of issue 3's and 5's targets this run can check.
+    """(target, measured, verdict) for each target this run can check.
 
     A model's share of its direct batched speed is judged on the bracketed windows where the
     run has them (each served window against direct windows taken just before and after it),
@@ -160,7 +160,7 @@ def targets(
         ratio = gateway["items_per_s"] / naive["items_per_s"]
         out.append(
             (
-                "issue 3: mlp over HTTP, c=64: >= 3x the naive FastAPI server's requests/s",
+                "mlp over HTTP, c=64: >= 3x the naive FastAPI server's requests/s",
                 f"{gateway['items_per_s']:,.0f} / {naive['items_per_s']:,.0f} = {ratio:.1f}x",
                 verdict(ratio >= 3),
             )
@@ -168,7 +168,7 @@ def targets(
         tail = gateway["p99_ms"] / naive["p99_ms"]
         out.append(
             (
-                "issue 3: mlp over HTTP, c=64: p99 under a tenth of the naive server's",
+                "mlp over HTTP, c=64: p99 under a tenth of the naive server's",
                 f"{gateway['p99_ms']:.1f} / {naive['p99_ms']:.1f} ms = {tail:.2f}",
                 verdict(tail < 0.1),
             )
@@ -387,7 +387,7 @@ def write(
         "python -m bench.report         # docs/benchmarks.md + docs/img/*.png from the JSON",
         "```",
         "",
-        "## Targets (issues 3 and 5)",
+        "## Targets",
         "",
         "| target | measured (same run) | |",
         "|---|---|---|",
@@ -395,7 +395,7 @@ def write(
     parts += [f"| {t} | {m} | {v} |" for t, m, v in targets(rows, report.get("brackets"))]
     parts += [
         "",
-        "## Spine (issue 2): MLP through Redis with the Python client (asyncio)",
+        "## Spine: MLP through Redis with the Python client (asyncio)",
         "",
         spine_table(rows, "mlp"),
         "",

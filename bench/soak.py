@@ -32,8 +32,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.harness import free_port, tree_rss_mb
+from bench.harness import tree_rss_mb
 from bench.http_bench import post_script, process, wait_http, wait_workers, wrk_counts
+from broker.devserver import free_port
 from gpu_worker.batching import MODEL_THREAD_MODES
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from bench.http_bench import wait_workers
 from broker import Streamer
 from broker.devserver import RedisServer
 from broker.keys import ModelKeys
-from broker.liveness import live_consumers
 from gpu_worker import load_model_class
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -159,15 +159,7 @@ class WorkerProcess:
         self.url = url
 
     def wait_ready(self, timeout: float = 120) -> None:
-        import redis
-
-        client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + timeout
-        while not live_consumers(client, self.keys):
-            if time.monotonic() > deadline or self.process.poll() is not None:
-                raise RuntimeError("worker did not start")
-            time.sleep(0.05)
-        client.close()
+        wait_workers(self.url, self.keys, 1, timeout, self.process)
 
     def stop(self) -> tuple[int, int]:
         """SIGTERM; return (batches, items) the worker ran."""

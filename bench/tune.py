@@ -44,9 +44,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.harness import free_port, machine, spawn, wait_http_post, wait_workers
+from bench.harness import machine, spawn, wait_http_post
+from bench.http_bench import wait_workers
 from bench.load import BatchProbe
 from bench.openloop import RunResult, Sweep, confirm, find_max_rate, ladder, meets
+from broker.devserver import free_port
+from broker.keys import ModelKeys
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -277,7 +280,9 @@ class Tuner:
                     spawn(gateway, log.with_suffix(".gateway.log"), self.env)
                 )
             try:
-                wait_workers(self.redis_url, self.name, prefix, config.workers, worker_proc)
+                wait_workers(
+                    self.redis_url, ModelKeys(self.name, prefix), config.workers, 180, worker_proc
+                )
                 if gateway_port is not None:
                     url = f"http://127.0.0.1:{gateway_port}/v1/models/{self.name}/predict"
                     wait_http_post(url, self.body, gateway_proc)
@@ -288,7 +293,6 @@ class Tuner:
                 self.target(prefix, gateway_port), log.with_suffix(".load.log"), self.env
             )
             stack.callback(generator.close)
-            from broker.keys import ModelKeys
 
             yield Stack(
                 config,

@@ -10,6 +10,7 @@ from typing import Any
 import redis
 
 from .keys import ModelKeys
+from .liveness import redis_time_ms
 from .protocol import F_DATA, F_ID
 
 STREAM_KEY = re.compile(r"^mb:\{(?P<prefix>[^:}]+):(?P<model>[^}]+)\}:requests$")
@@ -21,8 +22,7 @@ def _text(value: Any) -> str:
 
 
 def _now_ms(client: redis.Redis) -> int:
-    seconds, micros = client.time()
-    return int(seconds) * 1000 + int(micros) // 1000
+    return redis_time_ms(client.time())
 
 
 def find_models(client: redis.Redis, prefix: str | None = None) -> list[ModelKeys]:

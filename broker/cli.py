@@ -13,7 +13,15 @@ from rich.live import Live
 from rich.table import Table
 
 from . import acl, admin, connections, functions
-from .cli_common import fail, log_format_option, log_level_option, new_app, version_option
+from .cli_common import (
+    fail,
+    log_format_option,
+    log_level_option,
+    new_app,
+    prefix_option,
+    redis_option,
+    version_option,
+)
 from .client import DEFAULT_REDIS_URL
 from .keys import DEFAULT_PREFIX, ModelKeys
 from .logs import configure_logging
@@ -54,22 +62,11 @@ app.add_typer(
 )
 
 
-RedisOption = Annotated[
-    str,
-    typer.Option(
-        "--redis",
-        envvar="REDIS_URL",
-        help="Redis URL: redis://[user:password@]host:port/db (rediss:// for TLS), or "
-        "redis+sentinel://[user:password@]host:26379,host:26379/service[/db] for a Sentinel "
-        "service's master (docs/deployment.md).",
-    ),
-]
+RedisOption = Annotated[str, redis_option()]
 NameOption = Annotated[
     str, typer.Option("--name", envvar=f"{ENV}NAME", help="The model's name, e.g. mlp.")
 ]
-PrefixOption = Annotated[
-    str, typer.Option("--prefix", envvar=f"{ENV}PREFIX", help="The deployment's key prefix.")
-]
+PrefixOption = Annotated[str, prefix_option(f"{ENV}PREFIX", "The deployment's key prefix.")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 
 
@@ -137,8 +134,7 @@ def _status_tables(models: list[admin.ModelStatus]) -> Group:
 def status(
     redis_url: RedisOption = DEFAULT_REDIS_URL,
     prefix: Annotated[
-        str | None,
-        typer.Option(envvar=f"{ENV}PREFIX", help="Only this prefix [default: every prefix]."),
+        str | None, prefix_option(f"{ENV}PREFIX", "Only this prefix [default: every prefix].")
     ] = None,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh every second.")] = False,
     as_json: JsonOption = False,
@@ -283,8 +279,7 @@ def acl_users(
         typer.echo(acl.template(), nl=False)
         return
     if not prefixes and not server:
-        typer.echo("Error: give --prefix PREFIX (repeatable), --server, or --template", err=True)
-        raise typer.Exit(2)
+        fail("give --prefix PREFIX (repeatable), --server, or --template")
     try:
         lines, unset = acl.render(
             prefixes or [],
@@ -294,8 +289,7 @@ def acl_users(
             cluster=cluster,
         )
     except (ValueError, KeyError, IndexError) as exc:
-        typer.echo(f"Error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(exc))
     for variable in unset:
         typer.echo(f"note: {variable} is not set: its user is off", err=True)
     typer.echo("\n".join(lines))
@@ -312,8 +306,7 @@ def load_functions(redis_url: RedisOption = DEFAULT_REDIS_URL) -> None:
     try:
         before, after = functions.load(client)
     except redis.RedisError as exc:
-        typer.echo(f"Error: could not load the microbatch functions: {exc}", err=True)
-        raise typer.Exit(1) from None
+        fail(f"could not load the microbatch functions: {exc}", 1)
     if before is None:
         typer.echo(f"loaded the microbatch library, version {after}")
     else:

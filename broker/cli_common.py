@@ -18,6 +18,11 @@ from .logs import parse_format, parse_level
 CONTEXT_SETTINGS: dict[str, Any] = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 LOG_LEVEL_HELP = "debug, info, warning, error or critical (any case)."
 LOG_FORMAT_HELP = "text, or json: one JSON object per line."
+REDIS_HELP = (
+    "Redis URL: redis://[user:password@]host:port/db (rediss:// for TLS), or "
+    "redis+sentinel://[user:password@]host:26379,host:26379/service[/db] for a Sentinel "
+    "service's master (docs/deployment.md)."
+)
 
 
 def new_app(help: str, **options: Any) -> typer.Typer:
@@ -95,3 +100,13 @@ def log_format_option(envvar: str) -> Any:
         callback=_checked(parse_format),
         help=LOG_FORMAT_HELP,
     )
+
+
+def redis_option() -> Any:
+    """``--redis URL``, read from ``REDIS_URL`` too (the one variable every command shares)."""
+    return typer.Option("--redis", envvar="REDIS_URL", help=REDIS_HELP)
+
+
+def prefix_option(envvar: str, help: str) -> Any:
+    """``--prefix``, the deployment's key prefix, read from ``envvar`` too."""
+    return typer.Option("--prefix", envvar=envvar, help=help)

@@ -6,7 +6,8 @@ ms) its heartbeat expires; a consumer is live while that time is in the future.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import redis
@@ -15,24 +16,49 @@ import redis.asyncio as aioredis
 from .keys import ModelKeys
 
 
+def redis_time_ms(reply: Sequence[Any]) -> int:
+    """Redis' ``TIME`` reply (seconds, microseconds) in whole milliseconds."""
+    seconds, micros = reply
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
 def _names(members: Any) -> list[str]:
     return [m.decode() if isinstance(m, bytes) else str(m) for m in members]
 
 
-def _now_ms(seconds: Any, micros: Any) -> int:
-    return int(seconds) * 1000 + int(micros) // 1000
-
-
 def live_consumers(client: redis.Redis, keys: ModelKeys) -> list[str]:
     """The live consumers of a model (synchronous client)."""
-    now_ms = _now_ms(*client.time())
+    now_ms = redis_time_ms(client.time())
     return _names(client.zrangebyscore(keys.consumers, now_ms, "+inf"))
 
 
 async def alive_consumers(client: aioredis.Redis, keys: ModelKeys) -> list[str]:
     """The live consumers of a model (asyncio client)."""
-    now_ms = _now_ms(*await client.time())
+    now_ms = redis_time_ms(await client.time())
     return _names(await client.zrangebyscore(keys.consumers, now_ms, "+inf"))
+
+
+def wait_for_consumers(
+    client: redis.Redis,
+    keys: ModelKeys,
+    count: int = 1,
+    timeout: float = 60.0,
+    check: Callable[[], None] | None = None,
+) -> None:
+    """Return once at least ``count`` consumers of the model are live.
+
+    ``check`` runs before each look and may raise to give up early (say, when the process that
+    should start the workers has exited); TimeoutError once ``timeout`` seconds have passed.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if check is not None:
+            check()
+        if len(live_consumers(client, keys)) >= count:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{count} live worker(s) of {keys.model} did not appear")
+        time.sleep(0.05)
 
 
 def lapsed_s(now_ms: int, scores: Iterable[float]) -> float | None:

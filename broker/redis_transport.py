@@ -26,7 +26,7 @@ from . import connections, functions
 from .errors import BrokerUnavailable, InvalidInput, MicrobatchError, QueueFull
 from .functions import ENQUEUE, MAX_CALL_BYTES, MAX_CALL_ENTRIES, REPLY, RETIRE, WITHDRAW
 from .keys import ModelKeys
-from .liveness import lapsed_s
+from .liveness import lapsed_s, redis_time_ms
 from .protocol import CallRequests
 from .redis_url import parse as parse_url
 from .resp_lane import CONNECT_TIMEOUT_S, bulk_strings
@@ -243,32 +243,7 @@ class RedisTransport:
         if check:
             commands.append(("ZMSCORE", keys.cancelled, *check))
         commands.append(("ZCARD", keys.cancelled))
-        try:
-            if reply is not None and self._lane.generation != self._replies_checked:
-                # The first replies on a connection (a fresh one may reach a Redis restarted
-                # without its functions) go alone: the entries are acknowledged only once
-                # their replies are written.
-                await self._send_replies(reply)
-                reply = None
-            if reply is not None:
-                reply_keys, reply_args = reply
-                command = ("FCALL", REPLY, len(reply_keys), *reply_keys, functions.VERSION)
-                commands.insert(0, (*command, *reply_args))
-            results = await self._lane.pipeline(commands)
-            _raise_unavailable(results)
-        except UNAVAILABLE as exc:
-            raise _unavailable(exc) from exc
-        if reply is not None:
-            written = results.pop(0)
-            if _is_missing(written):
-                # The library went away under a live connection (FUNCTION FLUSH): the entries
-                # are acknowledged already; their replies can still go once it is back.
-                log.error("replies failed (%s); the entries were acknowledged already", written)
-                await self._send_replies(reply)
-            elif isinstance(written, ResponseError):
-                log.warning("replies could not be written: %s", written)
-            else:
-                _log_refused(written)
+        results = await self._reply_and_run(reply, commands)
         pending = results.pop()
         self.cancellations_pending = not isinstance(pending, int) or pending > 0
         scores: Any = results.pop() if check else []
@@ -283,6 +258,39 @@ class RedisTransport:
             # counter below zero: bring it back, so that it never loosens the byte bound.
             await self._floor_queued_bytes(keys, results[-1])
         return {entry_id for entry_id, score in zip(check, scores, strict=True) if score}
+
+    async def _reply_and_run(
+        self, reply: tuple[list[str], list[Any]] | None, commands: list[tuple[Any, ...]]
+    ) -> list[Any]:
+        """Write the replies, then run ``commands`` (which acknowledge their entries); the
+        commands' results. One round trip, except for the first replies on a connection."""
+        try:
+            if reply is not None and self._lane.generation != self._replies_checked:
+                # The first replies on a connection (a fresh one may reach a Redis restarted
+                # without its functions) go alone: the entries are acknowledged only once
+                # their replies are written.
+                await self._send_replies(reply)
+                reply = None
+            if reply is not None:
+                reply_keys, reply_args = reply
+                command = ("FCALL", REPLY, len(reply_keys), *reply_keys, functions.VERSION)
+                commands = [(*command, *reply_args), *commands]
+            results: list[Any] = await self._lane.pipeline(commands)
+            _raise_unavailable(results)
+        except UNAVAILABLE as exc:
+            raise _unavailable(exc) from exc
+        if reply is not None:
+            written = results.pop(0)
+            if _is_missing(written):
+                # The library went away under a live connection (FUNCTION FLUSH): the entries
+                # are acknowledged already; their replies can still go once it is back.
+                log.error("replies failed (%s); the entries were acknowledged already", written)
+                await self._send_replies(reply)
+            elif isinstance(written, ResponseError):
+                log.warning("replies could not be written: %s", written)
+            else:
+                _log_refused(written)
+        return results
 
     async def _send_replies(self, reply: tuple[list[str], list[Any]]) -> None:
         """Run one mb_reply alone and wait for it (loading the library if it must and may)."""
@@ -413,16 +421,14 @@ class RedisTransport:
         for result in (time, flat):
             if isinstance(result, Exception):  # e.g. an ACL user without ZRANGEBYSCORE
                 raise result
-        seconds, micros = time
-        now_ms = int(seconds) * 1000 + int(micros) // 1000
-        return lapsed_s(now_ms, [float(score) for score in flat[1::2]])
+        return lapsed_s(redis_time_ms(time), [float(score) for score in flat[1::2]])
 
     async def time_ms(self) -> int:
         try:
-            seconds, micros = await self._lane.execute("TIME")
+            reply = await self._lane.execute("TIME")
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
-        return int(seconds) * 1000 + int(micros) // 1000
+        return redis_time_ms(reply)
 
     async def ping(self) -> bool:
         try:

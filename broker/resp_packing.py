@@ -1,12 +1,14 @@
-"""Pack Redis commands in C (hiredis) on redis-py's asyncio connections.
+"""Pack Redis commands in C (hiredis) on redis-py's asyncio connections: the cold path.
 
-redis-py's synchronous client packs commands with ``hiredis.pack_command`` when hiredis is
-installed, but its asyncio connections always pack in Python: about a microsecond per argument,
-more than Redis takes to run the commands. :func:`use_hiredis_packing` swaps in the C packer,
-keeping whatever connection class (TCP, TLS, unix socket) the URL chose. (The hot path has since
-moved to :mod:`broker.resp_lane`, which packs with hiredis itself; what still goes through
-redis-py's asyncio client is the cold path: consumer groups, takeovers, INFO, the gateway's
-health checks.)
+Every asyncio client that :func:`broker.connections.async_client` makes gets it: what the
+transport sends through redis-py (consumer groups, reclaims and takeovers, INFO, PING) and the
+gateway's health checks. The hot path (submitting, reading batches, replies) does not come here:
+:mod:`broker.resp_lane` packs its commands with hiredis itself.
+
+redis-py's synchronous client packs with ``hiredis.pack_command`` when hiredis is installed,
+but its asyncio connections always pack in Python (about a microsecond per argument).
+:func:`use_hiredis_packing` swaps in the C packer, keeping whatever connection class (TCP, TLS,
+unix socket, Sentinel) the URL chose.
 """
 
 from __future__ import annotations

@@ -625,24 +625,22 @@ class _WorkerGroup:
         """Return once every worker consumes the stream; raise RuntimeError if they cannot."""
         from broker.connections import sync_client
         from broker.keys import ModelKeys
-        from broker.liveness import live_consumers
+        from broker.liveness import wait_for_consumers
 
-        assert self.process is not None
+        def running() -> None:
+            assert self.process is not None
+            code = self.process.poll()
+            if code is not None:
+                if self.relay is not None:
+                    self.relay.join(5.0)  # until it has read the last messages
+                raise RuntimeError(self.failure(code))
+
         keys = ModelKeys(self.keys_name, self.prefix)
         client = sync_client(self.url, socket_timeout=5)
-        deadline = time.monotonic() + timeout
         try:
-            while True:
-                code = self.process.poll()
-                if code is not None:
-                    if self.relay is not None:
-                        self.relay.join(5.0)  # until it has read the last messages
-                    raise RuntimeError(self.failure(code))
-                if len(live_consumers(client, keys)) >= self.worker_num:
-                    return
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the workers did not start within {timeout:g} s")
-                time.sleep(0.05)
+            wait_for_consumers(client, keys, self.worker_num, timeout, check=running)
+        except TimeoutError:
+            raise RuntimeError(f"the workers did not start within {timeout:g} s") from None
         finally:
             client.close()
 

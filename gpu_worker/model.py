@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -23,6 +25,7 @@ __all__ = [
     "check_item",
     "load_model_class",
     "to_datatype",
+    "use_app_dir",
 ]
 
 
@@ -260,6 +263,20 @@ class ManagedModel:
 
 class ModelLoadError(ValueError):
     """A ``module:Class`` path that does not name a ManagedModel subclass."""
+
+
+def use_app_dir(app_dir: str | os.PathLike[str] = ".") -> str:
+    """Import models from ``app_dir`` (default: the current directory) first, as uvicorn's
+    ``--app-dir`` does, so that ``--model examples.mlp:MLP`` works from a project directory
+    that is not installed. The directory goes first on ``sys.path`` here and on ``PYTHONPATH``
+    for the processes this one starts (workers, gunicorn's); returns it as an absolute path."""
+    path = os.path.abspath(app_dir)
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    entries = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    if path not in entries:
+        os.environ["PYTHONPATH"] = os.pathsep.join([path, *entries])
+    return path
 
 
 def load_model_class(path: str) -> type[ManagedModel]:

@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from types import FrameType
@@ -23,6 +22,7 @@ from typing import Any
 
 import redis
 
+from broker import multiproc_metrics
 from broker.keys import ModelKeys
 from broker.logs import redact_url
 
@@ -362,18 +362,13 @@ class SupervisorMetrics:
     SAMPLE_EVERY_S = 2.0
 
     def __init__(self, port: int, keys: ModelKeys, heartbeats: Heartbeats) -> None:
-        self.directory = tempfile.mkdtemp(prefix="microbatch-metrics-")
-        # Set before prometheus_client is imported here and before any child starts.
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = self.directory
-        from prometheus_client import CollectorRegistry, multiprocess, start_http_server
+        self.directory = multiproc_metrics.fresh_directory("microbatch-metrics-")
+        from prometheus_client import start_http_server
 
         from . import metrics
 
         self._metrics = metrics
-        self._multiprocess = multiprocess
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-        self.server, self.thread = start_http_server(port, registry=registry)
+        self.server, self.thread = start_http_server(port, registry=multiproc_metrics.registry())
         self.keys = keys
         self.client = heartbeats.client
         self._next_sample = 0.0
@@ -384,7 +379,7 @@ class SupervisorMetrics:
         self._metrics.RESTARTS.labels(self.keys.model).inc()
 
     def process_gone(self, pid: int) -> None:
-        self._multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
+        multiproc_metrics.process_gone(pid)
 
     def maybe_sample(self, now: float) -> None:
         if now < self._next_sample:

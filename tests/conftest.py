@@ -7,16 +7,16 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
+from broker import liveness
 from broker.connections import sync_client
 from broker.devserver import RedisServer
 from broker.keys import ModelKeys
-from broker.liveness import live_consumers
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,15 +37,20 @@ def prefix() -> str:
 def wait_for_consumers(url: str, keys: ModelKeys, count: int, timeout: float = 60.0) -> None:
     """Wait until ``count`` live workers are vouched for by their supervisor."""
     client = sync_client(url)  # any URL microbatch takes, a Sentinel one too
-    deadline = time.monotonic() + timeout
     try:
-        while time.monotonic() < deadline:
-            if len(live_consumers(client, keys)) >= count:
-                return
-            time.sleep(0.05)
+        liveness.wait_for_consumers(client, keys, count, timeout)
     finally:
         client.close()
-    raise TimeoutError(f"{count} consumer(s) did not appear on {keys.stream}")
+
+
+def wait_until(check: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll ``check`` until it is true; return how long that took."""
+    started = time.monotonic()
+    while not check():
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.02)
+    return time.monotonic() - started
 
 
 def stop_process(process: subprocess.Popen[bytes], grace: float = 30.0) -> None:

@@ -323,7 +323,7 @@ def test_open_loop_latency_counts_from_the_scheduled_time() -> None:
 
 
 def test_open_loop_names_errors_and_stops_early_when_the_sla_is_lost() -> None:
-    from bench.harness import free_port
+    from broker.devserver import free_port
 
     refused = _open_loop(f"http://127.0.0.1:{free_port()}/", 100, 0.5)
     assert refused.ok == 0 and refused.errors == {"ConnectionRefusedError": 50}

@@ -6,16 +6,15 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import msgpack
 
-from broker import Streamer
+from broker import Streamer, admin
 from broker.devserver import RedisServer
 from broker.keys import ModelKeys
 from broker.protocol import decode_reply, request_fields
-from tests.conftest import ROOT, worker_process
+from tests.conftest import ROOT, wait_until, worker_process
 
 
 def broker_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -31,7 +30,15 @@ def broker_cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_status_json_matches_redis(redis_server: RedisServer, prefix: str, tmp_path: Path) -> None:
     client = redis_server.client()
+
     keys = ModelKeys("toy", prefix)
+
+    def batch_in_hand() -> int:
+        return max((c.current_batch for c in admin.model_status(client, keys).consumers), default=0)
+
+    def queued() -> int:
+        return admin.model_status(client, keys).stream_length
+
     release = tmp_path / "release"
     with worker_process(
         redis_server.url, "tests.models:Toy", prefix, "--workers", "2", expect_consumers=2
@@ -41,24 +48,18 @@ def test_status_json_matches_redis(redis_server: RedisServer, prefix: str, tmp_p
         # a full batch that a worker holds until we release it
         blocker = streamer.submit([{"until": str(release)}] * 8)
         client.xadd(keys.dead_letters, {"id": "x", "dead_reason": "test", "data": b"123"})
-        command = ("status", "--redis", redis_server.url, "--prefix", prefix, "--json")
-        # the supervisor reports the batch in hand with its next heartbeat (every second)
-        deadline = time.monotonic() + 30
-        while True:
-            result = broker_cli(*command)
-            assert result.returncode == 0, result.stderr
-            (model,) = json.loads(result.stdout)
-            if max(c["current_batch"] for c in model["consumers"]) == 8:
-                break
-            assert time.monotonic() < deadline, model
-            time.sleep(0.2)
-        # the other worker answers these meanwhile (waited for: a status read before they
-        # were queued would show 8 too)
+        # Wait, in this process, for the state the command must then show as it stands: the
+        # supervisor reports the batch in hand with its next heartbeat, and the other worker
+        # answers these meanwhile (a read before they were queued would show 8 entries too).
+        wait_until(lambda: batch_in_hand() == 8, 30, "the heartbeat to report the batch in hand")
         assert len(streamer.submit(["q1", "q2", "q3"]).result(timeout=30)) == 3
-        deadline = time.monotonic() + 30
-        while model["stream_length"] != 8:
-            assert time.monotonic() < deadline, model
-            (model,) = json.loads(broker_cli(*command).stdout)
+        wait_until(lambda: queued() == 8, 30, "the other calls' answers")
+        # held until released: the command reads the same state, however long it takes to start
+        command = ("status", "--redis", redis_server.url, "--prefix", prefix, "--json")
+        result = broker_cli(*command)
+        assert result.returncode == 0, result.stderr
+        (model,) = json.loads(result.stdout)
+        assert max(c["current_batch"] for c in model["consumers"]) == 8
         assert (model["prefix"], model["model"]) == (prefix, "toy")
         assert model["live_consumers"] == 2
         # the bound the workers store: 8 batches of Toy's 8 per live worker, 256 MiB in all

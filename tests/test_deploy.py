@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ import yaml
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from broker.devserver import find_redis_server
+from broker.devserver import find_redis_server, free_port
 from broker.keys import ModelKeys
 from broker.redis_url import Address, SentinelURL
 from broker.redis_url import parse as parse_redis_url
@@ -116,13 +115,6 @@ def dockerfile_entrypoint(name: str) -> list[str]:
     assert len(found) == 1, f"{name} needs one ENTRYPOINT in JSON form"
     entrypoint: list[str] = json.loads(found[0])
     return entrypoint
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def base_env() -> dict[str, str]:
@@ -315,6 +307,7 @@ def test_compose_sentinel_variant(tmp_path: Path) -> None:
         assert services["functions"]["depends_on"][name]["condition"] == "service_healthy"
 
 
+@pytest.mark.slow  # three Redis processes and a failover
 def test_sentinel_scripts_watch_and_fail_over_nodes_logged_in_as_acl_users(
     tmp_path: Path,
 ) -> None:
@@ -824,6 +817,9 @@ def test_images_run_the_compose_commands(tmp_path: Path) -> None:
         for package in packages:
             assert f"COPY {package}/ {package}/" in text, f"{dockerfile} misses {package}"
             assert f"!{package}/" in ignored
+        # the examples are not installed: they lie on the images' PYTHONPATH instead
+        assert "COPY examples/ /app/models/examples/" in text and "PYTHONPATH=/app/models" in text
+        assert "!examples/" in ignored
     gateway = (DEPLOY / "Dockerfile.gateway").read_text()
     assert "torch" not in re.sub(r"#.*", "", gateway), "the gateway image must not install torch"
 

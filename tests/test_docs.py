@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -131,7 +132,13 @@ def environment(tmp_path: Path) -> Iterator[dict[str, str]]:
         }
 
 
-@pytest.mark.parametrize("stack", STACKS, ids=[stack or "no stack" for stack in STACKS])
+def stack_param(stack: str) -> Any:
+    """The blocks of one stack; the embedder's loads real weights in two processes: slow."""
+    marks = [pytest.mark.slow] if "examples.embedder" in stack else []
+    return pytest.param(stack, id=stack or "no stack", marks=marks)
+
+
+@pytest.mark.parametrize("stack", [stack_param(stack) for stack in STACKS])
 def test_python_blocks_run_as_written(
     stack: str, environment: dict[str, str], tmp_path: Path
 ) -> None:

@@ -8,6 +8,7 @@ image_classifier gets real PNG and JPEG files made here with Pillow, and broken 
 from __future__ import annotations
 
 import base64
+import importlib.util
 import io
 import os
 import struct
@@ -32,8 +33,10 @@ from examples.image_classifier import MAX_PIXELS, ImageClassifier
 from tests.conftest import ROOT, wait_for_consumers, worker_process
 from tests.test_gateway import check_error, check_v2_error, gateway_process
 
-pytest.importorskip("sentence_transformers", reason="pip install 'microbatch[examples]'")
-pytest.importorskip("PIL", reason="pip install 'microbatch[examples]'")
+# looked up, not imported: importing sentence-transformers takes seconds, and only the tests
+# marked slow use it
+if not all(importlib.util.find_spec(name) for name in ("sentence_transformers", "PIL")):
+    pytest.skip("pip install 'microbatch[examples]'", allow_module_level=True)
 
 EMBEDDER = "examples.embedder:Embedder"
 CLASSIFIER = "examples.image_classifier:ImageClassifier"
@@ -128,6 +131,7 @@ def test_the_gateway_imports_both_examples_without_torch() -> None:
 
 
 # -- the embedder ------------------------------------------------------------------------------
+@pytest.mark.slow  # the examples' real models, loaded in workers and a gateway
 def test_embeddings_through_redis_are_sentence_transformers_own(stack: Any, http: Any) -> None:
     want = encode(stack, SENTENCES)
     assert want.shape == (len(SENTENCES), 384)
@@ -162,6 +166,7 @@ def test_embeddings_through_redis_are_sentence_transformers_own(stack: Any, http
     np.testing.assert_allclose(np.asarray(response.json()["outputs"]), want[[0, 5]], atol=1e-5)
 
 
+@pytest.mark.slow  # the examples' real models, loaded in workers and a gateway
 def test_paraphrases_are_closer_than_unrelated_sentences(http: Any) -> None:
     texts = [text for pair in PARAPHRASES for text in pair]
     response = http.post(EMBED, json={"inputs": texts})
@@ -173,6 +178,7 @@ def test_paraphrases_are_closer_than_unrelated_sentences(http: Any) -> None:
         assert similarity[i, i] > unrelated + 0.2, (PARAPHRASES[i], similarity[i])
 
 
+@pytest.mark.slow  # the examples' real models, loaded in workers and a gateway
 def test_empty_long_and_non_utf8_texts_get_their_documented_answers(stack: Any, http: Any) -> None:
     # empty or blank: 422, nothing is queued
     for blank in ("", "   \n\t"):
@@ -253,6 +259,7 @@ def classifier() -> ImageClassifier:
     return model
 
 
+@pytest.mark.slow  # the examples' real models, loaded in workers and a gateway
 def test_uploaded_images_get_top_k_classes(http: Any, classifier: ImageClassifier) -> None:
     files = {"png": image_file("PNG", (320, 200), 1), "jpeg": image_file("JPEG", (640, 480), 2)}
     response = http.post(CLASSIFY, files=[("file", (f"x.{k}", v)) for k, v in files.items()])
@@ -288,6 +295,7 @@ def test_uploaded_images_get_top_k_classes(http: Any, classifier: ImageClassifie
     np.testing.assert_allclose(outputs["scores"]["data"], answers[1]["scores"], rtol=1e-5)
 
 
+@pytest.mark.slow  # the examples' real models, loaded in workers and a gateway
 def test_broken_images_are_refused_with_422(http: Any) -> None:
     good = image_file("PNG", (100, 100))
     side = int(MAX_PIXELS**0.5) + 100

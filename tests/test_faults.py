@@ -1,8 +1,8 @@
 """Fault injection: real redis-server, real `worker start` processes, real signals.
 
 Each test breaks one thing (a worker, the model, Redis, a caller, the load) and checks the
-promise of ../shared/DESIGN.md, "Delivery and failure semantics": every request ends in exactly
-one result or typed error, nothing is silently dropped. Each prints one ``FIGURES`` line (sent,
+promise of docs/reliability.md: every request ends in exactly one result or typed error,
+nothing is silently dropped. Each prints one ``FIGURES`` line (sent,
 answered, errors by type, lost, duplicates, recovery time, ...); docs/reliability.md carries them
 in its table. Run with ``-s`` to see them::
 
@@ -35,7 +35,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from math import nan
@@ -56,7 +56,7 @@ from broker.keys import ModelKeys
 from broker.liveness import alive_consumers, live_consumers
 from broker.protocol import Reply, decode_reply, request_fields
 from gpu_worker.config import AUTO_QUEUE_BATCHES
-from tests.conftest import ROOT, stop_process, wait_for_consumers
+from tests.conftest import ROOT, stop_process, wait_for_consumers, wait_until
 from tests.fault_models import BATCH_SLEEP_ENV, FIXED_ENV, GIL_SECONDS_ENV, RECORD_ENV
 from tests.test_gateway import check_error, gateway_process
 
@@ -164,16 +164,6 @@ def batches_with(directory: Path, item: str) -> list[list[Any]]:
         for batch in batches
         if item in batch
     ]
-
-
-def wait_until(check: Callable[[], bool], timeout: float, what: str) -> float:
-    """Poll ``check`` until it is true; return how long that took."""
-    started = time.monotonic()
-    while not check():
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.02)
-    return time.monotonic() - started
 
 
 def queue_state(client: redis.Redis, keys: ModelKeys) -> tuple[int, int, int]:

@@ -13,6 +13,7 @@ import selectors
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,9 +58,11 @@ def worker_pid(gunicorn_pid: int) -> int:
     return int(pid)
 
 
-@pytest.fixture
-def limited(redis_server: RedisServer, prefix: str) -> Iterator[tuple[str, int]]:
-    """A gateway with short limits in front of a real Doubler worker."""
+@pytest.fixture(scope="module")
+def limited(redis_server: RedisServer) -> Iterator[tuple[str, int]]:
+    """A gateway with short limits in front of a real Doubler worker (shared by the tests
+    that use it: each waits until its own connections are closed)."""
+    prefix = f"l{uuid.uuid4().hex[:10]}"
     args = [
         f"--header-timeout={HEADER_TIMEOUT}",
         f"--body-timeout={BODY_TIMEOUT}",

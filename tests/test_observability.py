@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -13,9 +16,10 @@ import pytest
 
 from broker import ModelError, Streamer
 from broker.devserver import RedisServer, free_port
-from tests.conftest import ROOT, worker_process
+from tests.conftest import ROOT, wait_until, worker_process
 from tests.test_gateway import gateway_process
 
+TOY = "tests.models:Toy"
 TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
@@ -54,7 +58,19 @@ def test_worker_metrics_count_the_batches_the_workers_ran(
         with pytest.raises(ModelError):
             streamer.predict([{"fail": "boom"}])
         streamer.close()
-        time.sleep(2.5)  # the supervisor samples the queue gauges every 2 s
+
+        # a batch's metrics are written once its replies are sent, and the supervisor samples
+        # the queue gauges every 2 s: wait for both to show
+        def counted() -> bool:
+            text = scrape(port)
+            return (
+                sample(text, "microbatch_worker_items_total", model="toy", outcome="model_error")
+                == 1
+                and sample(text, "microbatch_worker_items_total", model="toy", outcome="ok") == 90
+                and sample(text, "microbatch_live_workers", model="toy", prefix=prefix) == 2
+            )
+
+        wait_until(counted, 30, "the metrics of every item")
         text = scrape(port)
 
     batches_run = len({(out["pid"], out["batch_no"]) for out in outputs}) + 1  # + the failing one
@@ -69,99 +85,103 @@ def test_worker_metrics_count_the_batches_the_workers_ran(
     assert "microbatch_queue_depth" in text and "microbatch_worker_restarts_total" in text
 
 
-def test_a_traced_request_is_found_in_the_workers_log_line_for_its_batch(
-    redis_server: RedisServer, prefix: str, tmp_path: Path
-) -> None:
-    log = tmp_path / "worker.log"
+@dataclass
+class Served:
+    """A worker and a gateway serving Toy; both log JSON to their files."""
+
+    base: str
+    prefix: str
+    redis_url: str
+    metrics_port: int
+    worker_log: Path
+    gateway_log: Path
+
+
+@pytest.fixture(scope="module")
+def served(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    """One stack for the tests below, which read its logs and metrics after their own requests."""
+    logs = tmp_path_factory.mktemp("logs")
+    prefix = f"o{uuid.uuid4().hex[:10]}"
+    port = free_port()
+    worker_args = ("--log-format", "json", "--metrics-port", str(port))
+    gateway_env = {"MICROBATCH_GATEWAY_LOG_FORMAT": "json", "MICROBATCH_GATEWAY_LOG_LEVEL": "info"}
     with (
-        worker_process(redis_server.url, "tests.models:Toy", prefix, log_path=log),
-        gateway_process(redis_server.url, ["tests.models:Toy"], prefix) as (base, _),
+        worker_process(redis_server.url, TOY, prefix, *worker_args, log_path=logs / "worker.log"),
+        gateway_process(
+            redis_server.url, [TOY], prefix, env=gateway_env, log_path=logs / "gateway.log"
+        ) as (base, _),
     ):
-        streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix)
-        streamer.predict(["untraced"])
-        streamer.predict(["traced"], traceparent=TRACE)
-        streamer.close()
-        http_trace = TRACE.replace("00f067aa0ba902b7", "1111111111111111")
-        response = httpx.post(
-            f"{base}/v1/models/toy/predict",
-            json={"inputs": ["via http"]},
-            headers={"traceparent": http_trace},
-            timeout=10,
+        yield Served(
+            base, prefix, redis_server.url, port, logs / "worker.log", logs / "gateway.log"
         )
-        assert response.status_code == 200
-        forged = httpx.post(
-            f"{base}/v1/models/toy/predict",
-            json={"inputs": ["forged"]},
-            headers={"traceparent": "00-INJECTED-not-w3c"},
-            timeout=10,
-        )
-        assert forged.status_code == 200
-    lines = log.read_text().splitlines()
+
+
+def test_a_traced_request_is_found_in_the_workers_log_line_for_its_batch(served: Served) -> None:
+    streamer = Streamer("toy", redis_url=served.redis_url, prefix=served.prefix)
+    streamer.predict(["untraced"])
+    streamer.predict(["traced"], traceparent=TRACE)
+    streamer.close()
+    http_trace = TRACE.replace("00f067aa0ba902b7", "1111111111111111")
+    response = httpx.post(
+        f"{served.base}/v1/models/toy/predict",
+        json={"inputs": ["via http"]},
+        headers={"traceparent": http_trace},
+        timeout=10,
+    )
+    assert response.status_code == 200
+    forged = httpx.post(
+        f"{served.base}/v1/models/toy/predict",
+        json={"inputs": ["forged"]},
+        headers={"traceparent": "00-INJECTED-not-w3c"},
+        timeout=10,
+    )
+    assert forged.status_code == 200
+    # a batch's line is written as it starts, before its replies
+    lines = served.worker_log.read_text().splitlines()
     assert [line for line in lines if TRACE in line and "batch of 1" in line]
     assert [line for line in lines if http_trace in line]
     assert not [line for line in lines if "INJECTED" in line]
 
 
-def test_json_logs_are_one_object_per_line(
-    redis_server: RedisServer, prefix: str, tmp_path: Path
-) -> None:
-    worker_log = tmp_path / "worker.log"
-    gateway_log = tmp_path / "gateway.log"
-    with (
-        worker_process(
-            redis_server.url,
-            "tests.models:Toy",
-            prefix,
-            "--log-format",
-            "json",
-            log_path=worker_log,
-        ),
-        gateway_process(
-            redis_server.url,
-            ["tests.models:Toy"],
-            prefix,
-            env={"MICROBATCH_GATEWAY_LOG_FORMAT": "json", "MICROBATCH_GATEWAY_LOG_LEVEL": "info"},
-            log_path=gateway_log,
-        ) as (base, _),
-    ):
-        response = httpx.post(
-            f"{base}/v1/models/toy/predict",
-            json={"inputs": ["secret-payload"]},
-            headers={"traceparent": TRACE},
-            timeout=10,
-        )
-        assert response.status_code == 200
-    for path in (worker_log, gateway_log):
+def test_json_logs_are_one_object_per_line(served: Served) -> None:
+    response = httpx.post(
+        f"{served.base}/v1/models/toy/predict",
+        json={"inputs": ["secret-payload"]},
+        headers={"traceparent": TRACE},
+        timeout=10,
+    )
+    assert response.status_code == 200
+    for path in (served.worker_log, served.gateway_log):
         lines = [line for line in path.read_text().splitlines() if line.strip()]
         assert lines, f"{path.name} is empty"
         events = [json.loads(line) for line in lines]
         assert all({"time", "level", "logger", "pid", "message"} <= set(e) for e in events)
         assert "secret-payload" not in path.read_text()  # never payloads
-    worker_events = [json.loads(line) for line in worker_log.read_text().splitlines()]
+    worker_events = [json.loads(line) for line in served.worker_log.read_text().splitlines()]
     assert any(TRACE in event["message"] for event in worker_events)
 
 
-def test_every_metric_the_dashboard_queries_exists(redis_server: RedisServer, prefix: str) -> None:
+def test_every_metric_the_dashboard_queries_exists(served: Served) -> None:
     dashboard = (ROOT / "deploy" / "grafana" / "microbatch.json").read_text()
     queried = {
         re.sub(r"_(bucket|sum|count)$", "", name)
         for name in re.findall(r"\b(microbatch_[a-z_]+)", dashboard)
     }
     assert queried
-    port = free_port()
-    with (
-        worker_process(redis_server.url, "tests.models:Toy", prefix, "--metrics-port", str(port)),
-        gateway_process(redis_server.url, ["tests.models:Toy"], prefix) as (base, _),
-    ):
-        for i in range(5):
-            response = httpx.post(
-                f"{base}/v1/models/toy/predict", json={"inputs": [f"x{i}"]}, timeout=10
-            )
-            assert response.status_code == 200
-        time.sleep(2.5)  # queue gauges are sampled every 2 s
-        exposed = scrape(port) + httpx.get(f"{base}/metrics", timeout=5).text
-    declared = set(re.findall(r"^# TYPE (\w+) ", exposed, flags=re.MULTILINE))
-    assert queried <= declared, f"missing: {sorted(queried - declared)}"
+    for i in range(5):
+        response = httpx.post(
+            f"{served.base}/v1/models/toy/predict", json={"inputs": [f"x{i}"]}, timeout=10
+        )
+        assert response.status_code == 200
+
+    def declared() -> set[str]:
+        exposed = scrape(served.metrics_port) + httpx.get(f"{served.base}/metrics", timeout=5).text
+        return set(re.findall(r"^# TYPE (\w+) ", exposed, flags=re.MULTILINE))
+
+    # the queue gauges appear with the supervisor's first sample (every 2 s)
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: queried <= declared(), 30, "every metric the dashboard queries")
+    assert queried <= declared(), f"missing: {sorted(queried - declared())}"
 
 
 def test_bulk_observations_equal_one_observe_per_value() -> None:

@@ -1,0 +1,74 @@
+"""`module:Class` paths resolve against an app directory, like uvicorn's --app-dir."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpu_worker.model import ModelLoadError, load_model_class, use_app_dir
+from tests.conftest import ROOT
+
+MODEL = """
+from gpu_worker import ManagedModel
+
+
+class Echo(ManagedModel):
+    name = "echo_app_dir"
+
+    def predict(self, batch):
+        return batch
+"""
+
+
+@pytest.fixture
+def app(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A project directory with a model module that nothing has put on the import path."""
+    module = f"appdir_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / f"{module}.py").write_text(MODEL)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "project" / module
+
+
+def test_a_model_outside_the_import_path_is_found_only_through_the_app_dir(app: Path) -> None:
+    path = f"{app.name}:Echo"
+    with pytest.raises(ModelLoadError, match="cannot import module"):
+        load_model_class(path)
+    assert use_app_dir(app.parent) == str(app.parent)
+    assert load_model_class(path).name == "echo_app_dir"
+
+
+def test_the_default_app_dir_is_the_current_directory(
+    app: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(app.parent)
+    assert use_app_dir() == str(app.parent)
+    assert load_model_class(f"{app.name}:Echo").name == "echo_app_dir"
+
+
+def test_processes_started_afterwards_import_from_the_app_dir_too(app: Path) -> None:
+    use_app_dir(app.parent)
+    use_app_dir(app.parent)  # once is enough: the path is not repeated
+    assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(app.parent), str(ROOT)]
+    code = (
+        f"from gpu_worker import load_model_class; print(load_model_class('{app.name}:Echo').name)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60
+    )
+    assert result.stdout.strip() == "echo_app_dir", result.stderr
+
+
+def test_the_examples_are_not_installed_as_a_top_level_package() -> None:
+    import tomllib
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert not [package for package in packages if package.startswith("examples")]
+    assert {"broker*", "gpu_worker*", "web_gateway*"} <= set(packages)
