@@ -237,16 +237,13 @@ def test_results_over_v1_and_the_versioned_v2_path(served: TestClient) -> None:
 
 def test_the_v1_shortcut_for_plain_numbers_changes_no_result_and_no_error() -> None:
     """Bodies of plain JSON numbers skip the per-value scan; what comes out must not change."""
-    from web_gateway.app import _only_numbers, _parse_v1_and_prepare
     from web_gateway.errors import HTTPError
     from web_gateway.serving import ServedModel
+    from web_gateway.v1 import only_numbers as _only_numbers
+    from web_gateway.v1 import parse_and_prepare
 
     served = ServedModel.load(DOUBLER, GatewaySettings(model=[DOUBLER]))
     assert served.float_input
-
-    class Checks:
-        def check_items(self, count: int) -> None:
-            pass
 
     bodies = [
         b'{"inputs": [[1, 2.5, -3e2, 4E-1], [0, 0, 0, 1e38]]}',
@@ -265,7 +262,7 @@ def test_the_v1_shortcut_for_plain_numbers_changes_no_result_and_no_error() -> N
         for shortcut in (True, False):
             served.float_input = shortcut
             try:
-                items = _parse_v1_and_prepare(Checks(), served, body)  # type: ignore[arg-type]
+                items = parse_and_prepare(served, body, 256)
                 outcomes.append(("ok", [(item.dtype, item.tolist()) for item in items]))
             except HTTPError as exc:
                 outcomes.append((exc.status, exc.message))
