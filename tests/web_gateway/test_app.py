@@ -162,15 +162,23 @@ def test_a_failing_preprocess_is_invalid_input_from_the_python_client_too(
 ) -> None:
     from tests.gateway_models import ByteStats
 
+    said = "item 1: preprocess failed: TypeError: bytestats takes a file or a string"
     with (
         Streamer("bytestats", redis_url=redis_server.url, prefix=prefix, model=ByteStats) as s,
         pytest.raises(InvalidInput) as raised,
     ):
         s.predict([b"ok", 42], timeout=5)
-    assert str(raised.value) == (
-        "item 1: preprocess failed: TypeError: bytestats takes a file or a string"
-    )
+    assert str(raised.value) == said
     assert raised.value.index == 1
+    # the gateway refuses the same item the same way (one caller-side prepare for both)
+    settings = GatewaySettings(
+        model=["tests.gateway_models:ByteStats"], redis_url=redis_server.url, prefix=prefix
+    )
+    with TestClient(create_app(settings)) as http:
+        v1 = http.post("/v1/models/bytestats/predict", json={"inputs": ["ok", 42]})
+    assert v1.status_code == 422
+    assert v1.json() == {"error": {"type": "InvalidInput", "message": said}}
+    assert not redis.Redis.from_url(redis_server.url).exists(ModelKeys("bytestats", prefix).stream)
 
 
 def test_versioned_paths_answer_like_the_unversioned_ones(client: TestClient) -> None:
