@@ -21,8 +21,11 @@ from broker.redis_transport import eviction_warning
 from . import kserve, reading
 from .errors import (
     ClientGone,
+    HTTPError,
     as_http_error,
+    error_response,
     from_microbatch,
+    is_v2,
     model_not_found,
     to_response,
     version_not_found,
@@ -97,7 +100,8 @@ class Gateway:
         return await self.in_pool(func, *args)
 
     def authorize(self, request: Request) -> None:
-        reading.authorize(request, self.tokens)
+        if self.tokens:  # auth on
+            reading.authorize(request, self.tokens)
 
     def model(self, name: str, version: str | None = None) -> ServedModel:
         """The served model ``name`` (404 if none), at ``version`` when one is named."""
@@ -154,9 +158,12 @@ class Gateway:
         outcome = "ok"
         try:
             return await handler()
+        except HTTPError as exc:
+            outcome = exc.type
+            return error_response(exc, is_v2(request.scope["path"]))
         except Exception as exc:
-            outcome = _outcome(exc)
-            return to_response(exc, request.method, request.scope["path"])
+            outcome = "ClientGone" if isinstance(exc, ClientGone) else as_http_error(exc).type
+            return to_response(exc, request.scope["method"], request.scope["path"])
         finally:
             served.metrics.in_flight.dec()
             served.metrics.answered(route, outcome, time.perf_counter() - started)
@@ -167,7 +174,3 @@ class Gateway:
             return bool(await asyncio.wait_for(self.redis.ping(), PING_TIMEOUT_S))
         except Exception:
             return False
-
-
-def _outcome(exc: Exception) -> str:
-    return "ClientGone" if isinstance(exc, ClientGone) else as_http_error(exc).type
