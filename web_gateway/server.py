@@ -29,7 +29,8 @@ from .settings import GatewaySettings
 APP = "web_gateway.app:create_app()"
 WORKER_CLASS = "web_gateway.workers.GatewayWorker"
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-OWN_DIR_ENV = "MICROBATCH_GATEWAY_OWN_METRICS_DIR"  # set when this process made the directory
+
+_own_dir: str | None = None  # the metrics directory this process made (removed at exit)
 
 
 def prepare_environment() -> None:
@@ -38,9 +39,11 @@ def prepare_environment() -> None:
     # worker wakes first takes a burst of new connections (seen: 48 of 64 in one of two
     # workers), and its clients wait longer. One accept per wake-up spreads them over the workers.
     os.environ.setdefault("UV_TCP_SINGLE_ACCEPT", "1")
+    global _own_dir
     if not os.environ.get(MULTIPROC_ENV):
-        os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="microbatch-gateway-metrics-")
-        os.environ[OWN_DIR_ENV] = os.environ[MULTIPROC_ENV]
+        _own_dir = os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(
+            prefix="microbatch-gateway-metrics-"
+        )
 
 
 def on_starting(server: Any) -> None:
@@ -57,9 +60,8 @@ def child_exit(server: Any, worker: Any) -> None:
 
 
 def on_exit(server: Any) -> None:
-    own = os.environ.get(OWN_DIR_ENV)
-    if own and own == os.environ.get(MULTIPROC_ENV):
-        shutil.rmtree(own, ignore_errors=True)
+    if _own_dir is not None:
+        shutil.rmtree(_own_dir, ignore_errors=True)
 
 
 def _log_config(level: str, fmt: str) -> dict[str, Any]:
