@@ -1,6 +1,8 @@
-"""HTTP errors: every failure becomes ``{"error": {"type": ..., "message": ...}}`` with its status.
+"""HTTP errors: every failure becomes ``{"error": {"type": ..., "message": ...}}`` with its status
+(on /v2 routes the Open Inference Protocol's ``{"error": "<Type>: <message>"}``), in one place:
+:func:`to_response`.
 
-The mapping (see docs/gateway.md and ../shared/DESIGN.md):
+The mapping (see docs/gateway.md):
 
 =========================  ======  ========================================================
 error                      status  when
@@ -159,6 +161,13 @@ def as_http_error(exc: Exception) -> HTTPError:
     if type(exc).__name__ == "RequestValidationError":  # FastAPI's, for a path parameter
         return bad_request("malformed request")
     return HTTPError(500, "InternalError", "internal error")
+
+
+def outcome_of(exc: Exception) -> str:
+    """The outcome label of a request that ended with ``exc`` (its error type)."""
+    if isinstance(exc, HTTPError):
+        return exc.type
+    return "ClientGone" if isinstance(exc, ClientGone) else as_http_error(exc).type
 
 
 def to_response(exc: Exception, method: str, path: str) -> Response:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from .errors import error_body, v2_error_body
+from .errors import error_body, is_v2, v2_error_body
 
 if TYPE_CHECKING:
     from .settings import GatewaySettings
@@ -298,7 +298,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         if unanswered:
             what = "headers" if phase == HEADERS else "body"
             limit = self._limits.header_timeout if phase == HEADERS else self._limits.body_timeout
-            v2 = phase == BODY and str(self.scope.get("path", "")).startswith("/v2/")
+            v2 = phase == BODY and is_v2(str(self.scope.get("path", "")))
             self.transport.write(
                 _raw_response(
                     "408 Request Timeout",

@@ -21,12 +21,9 @@ from broker.redis_transport import eviction_warning
 from . import kserve, reading
 from .errors import (
     ClientGone,
-    HTTPError,
-    as_http_error,
-    error_response,
     from_microbatch,
-    is_v2,
     model_not_found,
+    outcome_of,
     to_response,
     version_not_found,
 )
@@ -36,7 +33,6 @@ from .settings import GatewaySettings
 log = logging.getLogger("microbatch.gateway")
 
 T = TypeVar("T")
-Handler = Callable[[], Awaitable[Response]]
 
 PING_TIMEOUT_S = 1.0
 INLINE_BYTES = 64 * 1024  # bodies up to this size are parsed on the event loop (~0.1 ms)
@@ -158,11 +154,8 @@ class Gateway:
         outcome = "ok"
         try:
             return await handler()
-        except HTTPError as exc:
-            outcome = exc.type
-            return error_response(exc, is_v2(request.scope["path"]))
         except Exception as exc:
-            outcome = "ClientGone" if isinstance(exc, ClientGone) else as_http_error(exc).type
+            outcome = outcome_of(exc)
             return to_response(exc, request.scope["method"], request.scope["path"])
         finally:
             served.metrics.in_flight.dec()
