@@ -56,11 +56,14 @@ def _option(field: str, *names: str, **kwargs: Any) -> Any:
 
 
 def describe(exc: ValidationError) -> str:
-    """The first problem of invalid settings, in one line."""
+    """The first problem of invalid settings, in one line, naming its option."""
     error = exc.errors()[0]
-    if error["type"] == "value_error":
+    if error["type"] == "value_error":  # the validators' own messages name their option
         return str(error["ctx"]["error"])
-    option = "--" + "-".join(str(part) for part in error["loc"][:1]).replace("_", "-")
+    if not error["loc"]:
+        return str(error["msg"])
+    field = str(error["loc"][0])
+    option = "--redis" if field == "redis_url" else "--" + field.replace("_", "-")
     return f"{option}: {error['msg']}"
 
 
@@ -71,20 +74,20 @@ def start(
     redis: str = _option("redis_url", "--redis", envvar="REDIS_URL"),
     host: str = _option("host"),
     port: int = _option("port"),
-    workers: int = _option("workers", min=1),
-    default_timeout: float = _option("default_timeout", min=0.001),
-    max_timeout: float = _option("max_timeout", min=0.001),
-    max_items: int = _option("max_items", min=1),
-    max_body_bytes: int = _option("max_body_bytes", min=1),
-    max_queue_items: int = _option("max_queue_items", min=0),
-    max_queue_bytes: int = _option("max_queue_bytes", min=0),
+    workers: int = _option("workers"),
+    default_timeout: float = _option("default_timeout"),
+    max_timeout: float = _option("max_timeout"),
+    max_items: int = _option("max_items"),
+    max_body_bytes: int = _option("max_body_bytes"),
+    max_queue_items: int = _option("max_queue_items"),
+    max_queue_bytes: int = _option("max_queue_bytes"),
     wait_for_workers: bool = _option("wait_for_workers", "--wait-for-workers"),
     auth_tokens_file: Path | None = _option("auth_tokens_file"),
-    header_timeout: float = _option("header_timeout", min=0.001),
-    body_timeout: float = _option("body_timeout", min=0.001),
-    keepalive_timeout: float = _option("keepalive_timeout", min=0.001),
-    max_connections: int = _option("max_connections", min=1),
-    graceful_timeout: float = _option("graceful_timeout", min=0),
+    header_timeout: float = _option("header_timeout"),
+    body_timeout: float = _option("body_timeout"),
+    keepalive_timeout: float = _option("keepalive_timeout"),
+    max_connections: int = _option("max_connections"),
+    graceful_timeout: float = _option("graceful_timeout"),
     log_level: str = _option("log_level"),
     log_format: str = _option("log_format"),
     access_log: bool = _option("access_log", "--access-log/--no-access-log"),

@@ -188,7 +188,7 @@ class GatewaySettings(BaseSettings):
     @model_validator(mode="after")
     def _check(self) -> GatewaySettings:
         if self.default_timeout > self.max_timeout:
-            raise ValueError("default_timeout must not exceed max_timeout")
+            raise ValueError("--default-timeout must not exceed --max-timeout")
         return self
 
     def tokens(self) -> frozenset[str]:
