@@ -1,4 +1,4 @@
-"""gunicorn configuration of the microbatch gateway (used by `gateway start`).
+"""gunicorn configuration of the microbatch gateway (the settings `gateway start` uses).
 
 Direct use (every setting is read from the environment, see web_gateway/gunicorn_conf.py):
 

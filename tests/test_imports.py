@@ -31,3 +31,35 @@ def test_broker_imports_neither_torch_nor_web_frameworks() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert result.stdout.strip() == "[]", result.stderr
+
+
+BATCH_LOOP = (
+    "gpu_worker.batching",
+    "gpu_worker.local",
+    "gpu_worker.model_thread",
+    "broker.memory_transport",
+    "torch",
+)
+
+
+def test_the_gateway_process_never_imports_the_batch_loop() -> None:
+    # the app, its CLI and its gunicorn entry point (with a model class loaded, as a gateway does)
+    code = (
+        "import sys, web_gateway.app, web_gateway.cli, web_gateway.gunicorn_conf, "
+        "web_gateway.server; "
+        "from gpu_worker.model import load_model_class; load_model_class('examples.mlp:MLP'); "
+        f"print([m for m in {BATCH_LOOP!r} if m in sys.modules])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+    # the embedded streamer still loads on first use
+    code = (
+        "import gpu_worker, sys; gpu_worker.LocalStreamer; print('gpu_worker.local' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.stdout.strip() == "True", result.stderr

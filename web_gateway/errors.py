@@ -1,6 +1,8 @@
-"""HTTP errors: every failure becomes ``{"error": {"type": ..., "message": ...}}`` with its status.
+"""HTTP errors: every failure becomes ``{"error": {"type": ..., "message": ...}}`` with its status
+(on /v2 routes the Open Inference Protocol's ``{"error": "<Type>: <message>"}``), in one place:
+:func:`to_response`.
 
-The mapping (see docs/gateway.md and ../shared/DESIGN.md):
+The mapping (see docs/gateway.md):
 
 =========================  ======  ========================================================
 error                      status  when
@@ -22,10 +24,12 @@ DeadlineExceeded           504     no result within the request's timeout
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import orjson
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from broker.errors import (
@@ -42,6 +46,10 @@ from broker.errors import (
     QueueFull,
 )
 
+log = logging.getLogger("microbatch.gateway")
+
+CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the logs do
+
 STATUS_BY_ERROR: dict[type[MicrobatchError], int] = {
     InvalidInput: 422,
     CodecError: 422,
@@ -54,6 +62,11 @@ STATUS_BY_ERROR: dict[type[MicrobatchError], int] = {
     NoWorkers: 503,
     DeadlineExceeded: 504,
 }
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its result came back (``args``: what was missed,
+    when nothing was queued yet)."""
 
 
 class HTTPError(Exception):
@@ -112,7 +125,13 @@ def v2_error_body(type_: str, message: str) -> dict[str, Any]:
     return {"error": f"{type_}: {message}", "type": type_}
 
 
+def is_v2(path: str) -> bool:
+    """Routes of the Open Inference Protocol answer errors in its format."""
+    return path.startswith("/v2/")
+
+
 def error_response(error: HTTPError, v2: bool = False) -> Response:
+    """``error`` as a response: the v1 body, or the Open Inference Protocol's with ``v2``."""
     body = v2_error_body if v2 else error_body
     return Response(
         orjson.dumps(body(error.type, error.message)),
@@ -130,3 +149,36 @@ HTTP_TYPES = {
     413: "PayloadTooLarge",
     422: "InvalidInput",
 }
+
+
+def as_http_error(exc: Exception) -> HTTPError:
+    """The HTTP error for any exception a request can end with (500 for the unexpected)."""
+    if isinstance(exc, HTTPError):
+        return exc
+    if isinstance(exc, StarletteHTTPException):  # routing: 404, 405
+        type_ = HTTP_TYPES.get(exc.status_code, "HTTPError")
+        return HTTPError(exc.status_code, type_, str(exc.detail), dict(exc.headers or {}))
+    if type(exc).__name__ == "RequestValidationError":  # FastAPI's, for a path parameter
+        return bad_request("malformed request")
+    return HTTPError(500, "InternalError", "internal error")
+
+
+def outcome_of(exc: Exception) -> str:
+    """The outcome label of a request that ended with ``exc`` (its error type)."""
+    if isinstance(exc, HTTPError):
+        return exc.type
+    return "ClientGone" if isinstance(exc, ClientGone) else as_http_error(exc).type
+
+
+def to_response(exc: Exception, method: str, path: str) -> Response:
+    """The one exception-to-response mapping of every route (the hot one included)."""
+    if isinstance(exc, ClientGone):
+        if exc.args:  # nothing was queued: not worth a line each (the protocol sums them)
+            log.debug("client left %s (%s %s)", exc.args[0], method, path)
+        else:
+            log.info("client left; its request to %s was withdrawn", path)
+        return Response(status_code=CLIENT_CLOSED)
+    error = as_http_error(exc)
+    if error.status == 500 and not isinstance(exc, HTTPError):
+        log.error("unexpected %s on %s %s", type(exc).__name__, method, path)
+    return error_response(error, is_v2(path))

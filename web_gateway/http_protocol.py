@@ -33,12 +33,15 @@ import math
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from .errors import error_body, v2_error_body
+from .errors import error_body, is_v2, v2_error_body
+
+if TYPE_CHECKING:
+    from .settings import GatewaySettings
 
 log = logging.getLogger("microbatch.gateway")
 
@@ -108,17 +111,21 @@ class ConnectionLimits:
     max_connections: int = 1000
 
     @classmethod
-    def from_settings(cls) -> ConnectionLimits:
-        """The limits set in the environment (``MICROBATCH_GATEWAY_<LIMIT>``), checked."""
-        from .settings import GatewaySettings
-
-        settings = GatewaySettings()
+    def of(cls, settings: GatewaySettings) -> ConnectionLimits:
+        """The limits of a gateway with ``settings``."""
         return cls(
             settings.header_timeout,
             settings.body_timeout,
             settings.keepalive_timeout,
             settings.max_connections,
         )
+
+    @classmethod
+    def from_settings(cls) -> ConnectionLimits:
+        """The limits set in the environment (``MICROBATCH_GATEWAY_<LIMIT>``), checked."""
+        from .settings import GatewaySettings
+
+        return cls.of(GatewaySettings())
 
     @property
     def sweep_period(self) -> float:
@@ -291,7 +298,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         if unanswered:
             what = "headers" if phase == HEADERS else "body"
             limit = self._limits.header_timeout if phase == HEADERS else self._limits.body_timeout
-            v2 = phase == BODY and str(self.scope.get("path", "")).startswith("/v2/")
+            v2 = phase == BODY and is_v2(str(self.scope.get("path", "")))
             self.transport.write(
                 _raw_response(
                     "408 Request Timeout",

@@ -115,7 +115,8 @@ def encode_bytes_elements(values: Sequence[Any]) -> bytes:
     return b"".join(parts)
 
 
-def _tensor(spec: dict[str, Any], blob: bytes | None) -> tuple[str, str, np.ndarray]:
+def _header(spec: dict[str, Any]) -> tuple[str, str, list[int], int]:
+    """An input's name, datatype, shape and element count, checked."""
     name = spec.get("name")
     if not isinstance(name, str) or not name:
         raise bad_request("every input needs a 'name'")
@@ -128,104 +129,146 @@ def _tensor(spec: dict[str, Any], blob: bytes | None) -> tuple[str, str, np.ndar
         count *= dim
     if count > 1 << 31:
         raise bad_request(f"input {name!r}: shape {shape} is too large")
+    return name, datatype, shape, count
+
+
+def _from_binary(blob: bytes, name: str, datatype: str, shape: list[int], count: int) -> Any:
     dtype_name = DATATYPES[datatype]
+    if dtype_name is None:
+        array = np.empty(count, dtype=object)
+        array[:] = _decode_bytes_elements(blob, count, name)
+        return array
+    dtype = np.dtype(dtype_name).newbyteorder("<")
+    if len(blob) != count * dtype.itemsize:
+        raise bad_request(
+            f"input {name!r}: {len(blob)} binary bytes do not match shape {shape} of {datatype}"
+        )
+    return np.frombuffer(blob, dtype=dtype)
+
+
+def _from_json(spec: dict[str, Any], name: str, datatype: str, shape: list[int], count: int) -> Any:
+    if "data" not in spec:
+        raise bad_request(f"input {name!r} has neither 'data' nor binary data")
+    flat = _flatten(spec["data"])
+    if len(flat) != count:
+        raise bad_request(f"input {name!r}: {len(flat)} data elements do not match shape {shape}")
+    dtype_name = DATATYPES[datatype]
+    if dtype_name is None:
+        if not all(isinstance(value, str) for value in flat):
+            raise bad_request(f"input {name!r}: BYTES data must be strings")
+        array = np.empty(count, dtype=object)
+        array[:] = flat
+        return array
+    try:
+        return to_datatype(flat, np.dtype(dtype_name), datatype)
+    except Unfit as exc:  # 422 naming the item (row) and the position within it
+        item, *position = (int(i) for i in np.unravel_index(exc.position[0], shape))
+        raise invalid_input(f"item {item}: {exc.describe(name, position)}") from None
+    except (OverflowError, ValueError, TypeError) as exc:
+        raise bad_request(f"input {name!r}: data does not fit {datatype}: {exc}") from exc
+
+
+def _tensor(spec: dict[str, Any], blob: bytes | None) -> tuple[str, str, np.ndarray]:
+    name, datatype, shape, count = _header(spec)
     if blob is not None:
-        if dtype_name is None:
-            array = np.empty(count, dtype=object)
-            array[:] = _decode_bytes_elements(blob, count, name)
-        else:
-            dtype = np.dtype(dtype_name).newbyteorder("<")
-            if len(blob) != count * dtype.itemsize:
-                raise bad_request(
-                    f"input {name!r}: {len(blob)} binary bytes do not match shape {shape} "
-                    f"of {datatype}"
-                )
-            array = np.frombuffer(blob, dtype=dtype)
+        array = _from_binary(blob, name, datatype, shape, count)
     else:
-        if "data" not in spec:
-            raise bad_request(f"input {name!r} has neither 'data' nor binary data")
-        flat = _flatten(spec["data"])
-        if len(flat) != count:
-            raise bad_request(
-                f"input {name!r}: {len(flat)} data elements do not match shape {shape}"
-            )
-        if dtype_name is None:
-            if not all(isinstance(value, str) for value in flat):
-                raise bad_request(f"input {name!r}: BYTES data must be strings")
-            array = np.empty(count, dtype=object)
-            array[:] = flat
-        else:
-            try:
-                array = to_datatype(flat, np.dtype(dtype_name), datatype)
-            except Unfit as exc:  # 422 naming the item (row) and the position within it
-                item, *position = (int(i) for i in np.unravel_index(exc.position[0], shape))
-                raise invalid_input(f"item {item}: {exc.describe(name, position)}") from None
-            except (OverflowError, ValueError, TypeError) as exc:
-                raise bad_request(f"input {name!r}: data does not fit {datatype}: {exc}") from exc
+        array = _from_json(spec, name, datatype, shape, count)
     return name, datatype, array.reshape(shape)
 
 
-def parse_request(body: bytes, header_length: str | None) -> InferRequest:
-    """Parse a v2 infer body (JSON, or JSON + binary tensors); 400 when malformed."""
-    if header_length is not None:
-        try:
-            json_size = int(header_length)
-        except ValueError:
-            raise bad_request("Inference-Header-Content-Length must be an integer") from None
-        if not 0 < json_size <= len(body):
-            raise bad_request("Inference-Header-Content-Length is outside the body")
-        head, binary = body[:json_size], memoryview(body)[json_size:]
-    else:
-        head, binary = body, memoryview(b"")
+def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
+    """The JSON part of a body and the binary data after it."""
+    if header_length is None:
+        return body, memoryview(b"")
+    try:
+        json_size = int(header_length)
+    except ValueError:
+        raise bad_request("Inference-Header-Content-Length must be an integer") from None
+    if not 0 < json_size <= len(body):
+        raise bad_request("Inference-Header-Content-Length is outside the body")
+    return body[:json_size], memoryview(body)[json_size:]
+
+
+def _document(head: bytes) -> dict[str, Any]:
     try:
         document = orjson.loads(head)
     except orjson.JSONDecodeError as exc:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
-    document = _object(document, "the request body")
-    request_id = document.get("id")
-    if request_id is not None and not isinstance(request_id, str):
-        raise bad_request("'id' must be a string")
-    parameters = _object(document.get("parameters") or {}, "'parameters'")
-    inputs = document.get("inputs")
+    return _object(document, "the request body")
+
+
+class _Binary:
+    """The binary data after a body's JSON, taken by the inputs in order."""
+
+    def __init__(self, data: memoryview) -> None:
+        self.data = data
+        self.pos = 0
+
+    def take(self, params: dict[str, Any]) -> bytes | None:
+        """An input's bytes, if its parameters say it has ``binary_data_size`` of them."""
+        size = params.get("binary_data_size")
+        if size is None:
+            return None
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise bad_request("binary_data_size must be a non-negative integer")
+        if self.pos + size > len(self.data):
+            raise bad_request("binary tensor data is shorter than binary_data_size says")
+        blob = bytes(self.data[self.pos : self.pos + size])
+        self.pos += size
+        return blob
+
+    def check_all_taken(self) -> None:
+        if self.pos != len(self.data):
+            raise bad_request("the body has binary data that no input claims")
+
+
+def _read_inputs(request: InferRequest, inputs: Any, binary: _Binary) -> None:
     if not isinstance(inputs, list) or not inputs:
         raise bad_request("'inputs' must be a non-empty list of tensors")
-    request = InferRequest(request_id, parameters)
-    pos = 0
     for raw in inputs:
         spec = _object(raw, "each input")
         params = _object(spec.get("parameters") or {}, "input 'parameters'")
-        blob: bytes | None = None
-        size = params.get("binary_data_size")
-        if size is not None:
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise bad_request("binary_data_size must be a non-negative integer")
-            if pos + size > len(binary):
-                raise bad_request("binary tensor data is shorter than binary_data_size says")
-            blob = bytes(binary[pos : pos + size])
-            pos += size
-        name, datatype, array = _tensor(spec, blob)
+        name, datatype, array = _tensor(spec, binary.take(params))
         if name in request.inputs:
             raise bad_request(f"input {name!r} appears twice")
         request.inputs[name] = array
         request.datatypes[name] = datatype
-    if pos != len(binary):
-        raise bad_request("the body has binary data that no input claims")
+    binary.check_all_taken()
     sizes = {array.shape[0] for array in request.inputs.values()}
     if len(sizes) != 1:
         raise bad_request("all inputs must have the same batch size (first dimension)")
-    wanted = document.get("outputs")
-    if wanted is not None:
-        if not isinstance(wanted, list):
-            raise bad_request("'outputs' must be a list")
-        request.outputs = []
-        all_binary = bool(parameters.get("binary_data_output", False))
-        for raw in wanted:
-            out = _object(raw, "each requested output")
-            out_name = out.get("name")
-            if not isinstance(out_name, str):
-                raise bad_request("every requested output needs a 'name'")
-            out_params = _object(out.get("parameters") or {}, "output 'parameters'")
-            request.outputs.append((out_name, bool(out_params.get("binary_data", all_binary))))
+
+
+def _requested_outputs(wanted: Any, all_binary: bool) -> list[tuple[str, bool]] | None:
+    """The outputs a request names, each with whether it wants it in binary."""
+    if wanted is None:
+        return None
+    if not isinstance(wanted, list):
+        raise bad_request("'outputs' must be a list")
+    outputs = []
+    for raw in wanted:
+        out = _object(raw, "each requested output")
+        out_name = out.get("name")
+        if not isinstance(out_name, str):
+            raise bad_request("every requested output needs a 'name'")
+        out_params = _object(out.get("parameters") or {}, "output 'parameters'")
+        outputs.append((out_name, bool(out_params.get("binary_data", all_binary))))
+    return outputs
+
+
+def parse_request(body: bytes, header_length: str | None) -> InferRequest:
+    """Parse a v2 infer body (JSON, or JSON + binary tensors); 400 when malformed."""
+    head, binary = _split_body(body, header_length)
+    document = _document(head)
+    request_id = document.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise bad_request("'id' must be a string")
+    parameters = _object(document.get("parameters") or {}, "'parameters'")
+    request = InferRequest(request_id, parameters)
+    _read_inputs(request, document.get("inputs"), _Binary(binary))
+    all_binary = bool(parameters.get("binary_data_output", False))
+    request.outputs = _requested_outputs(document.get("outputs"), all_binary)
     return request
 
 
@@ -277,13 +320,8 @@ def _stack(values: list[Any], spec: TensorSpec | None) -> np.ndarray:
     return array
 
 
-def build_response(
-    model_name: str,
-    request: InferRequest,
-    outputs: list[Any],
-    specs: Sequence[TensorSpec],
-) -> tuple[bytes, dict[str, str]]:
-    """The response body and its extra headers for the items' ``outputs``."""
+def _output_tensors(outputs: list[Any], specs: Sequence[TensorSpec]) -> dict[str, np.ndarray]:
+    """The items' outputs stacked into one tensor per output name."""
     if len(specs) > 1 or (not specs and outputs and isinstance(outputs[0], dict)):
         names = [spec.name for spec in specs] or list(outputs[0])
         by_name = {spec.name: spec for spec in specs}
@@ -291,39 +329,57 @@ def build_response(
             columns = {name: [output[name] for output in outputs] for name in names}
         except (KeyError, TypeError) as exc:
             raise HTTPError(500, "InvalidOutput", f"model output lacks {exc}") from exc
-        tensors = {name: _stack(values, by_name.get(name)) for name, values in columns.items()}
-    else:
-        spec = specs[0] if specs else None
-        tensors = {spec.name if spec else "output": _stack(outputs, spec)}
+        return {name: _stack(values, by_name.get(name)) for name, values in columns.items()}
+    spec = specs[0] if specs else None
+    return {spec.name if spec else "output": _stack(outputs, spec)}
+
+
+def _wanted(request: InferRequest, tensors: dict[str, np.ndarray]) -> list[tuple[str, bool]]:
     if request.outputs is None:
         binary_all = bool(request.parameters.get("binary_data_output", False))
-        wanted = [(name, binary_all) for name in tensors]
+        return [(name, binary_all) for name in tensors]
+    unknown = [name for name, _ in request.outputs if name not in tensors]
+    if unknown:
+        raise invalid_input(f"unknown outputs {unknown}; the model gives {sorted(tensors)}")
+    return request.outputs
+
+
+def _describe(name: str, array: np.ndarray, binary: bool) -> tuple[dict[str, Any], bytes | None]:
+    """One output's JSON entry, and its binary data when it travels in binary."""
+    datatype = _datatype_of(array)
+    entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
+    if binary:
+        if datatype == "BYTES":
+            blob = encode_bytes_elements(array.reshape(-1).tolist())
+        else:
+            blob = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+        entry["parameters"] = {"binary_data_size": len(blob)}
+        return entry, blob
+    if datatype == "BYTES":
+        entry["data"] = [
+            value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+            for value in array.reshape(-1).tolist()
+        ]
     else:
-        wanted = request.outputs
-        unknown = [name for name, _ in wanted if name not in tensors]
-        if unknown:
-            raise invalid_input(f"unknown outputs {unknown}; the model gives {sorted(tensors)}")
+        entry["data"] = array.reshape(-1).tolist()
+    return entry, None
+
+
+def build_response(
+    model_name: str,
+    request: InferRequest,
+    outputs: list[Any],
+    specs: Sequence[TensorSpec],
+) -> tuple[bytes, dict[str, str]]:
+    """The response body and its extra headers for the items' ``outputs``."""
+    tensors = _output_tensors(outputs, specs)
     described = []
     blobs: list[bytes] = []
-    for name, binary in wanted:
-        array = tensors[name]
-        datatype = _datatype_of(array)
-        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
-        if binary:
-            if datatype == "BYTES":
-                blob = encode_bytes_elements(array.reshape(-1).tolist())
-            else:
-                blob = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
-            entry["parameters"] = {"binary_data_size": len(blob)}
-            blobs.append(blob)
-        elif datatype == "BYTES":
-            entry["data"] = [
-                value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-                for value in array.reshape(-1).tolist()
-            ]
-        else:
-            entry["data"] = array.reshape(-1).tolist()
+    for name, binary in _wanted(request, tensors):
+        entry, blob = _describe(name, tensors[name], binary)
         described.append(entry)
+        if blob is not None:
+            blobs.append(blob)
     document: dict[str, Any] = {"model_name": model_name, "model_version": VERSIONS[0]}
     if request.id is not None:
         document["id"] = request.id

@@ -1,6 +1,6 @@
 """Gateway metrics (prometheus-client), safe under gunicorn's several worker processes.
 
-With ``PROMETHEUS_MULTIPROC_DIR`` set (deploy/gunicorn.conf.py sets it to a fresh directory when
+With ``PROMETHEUS_MULTIPROC_DIR`` set (web_gateway/server.py sets it to a fresh directory when
 it is not set), every process writes its samples there and ``/metrics`` aggregates all of them;
 without it (a single process, e.g. uvicorn alone) the default registry is served.
 """

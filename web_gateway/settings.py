@@ -1,7 +1,10 @@
-"""Gateway settings: constructor arguments, else environment (``MICROBATCH_GATEWAY_<FIELD>``).
+"""Gateway settings: the one object ``gateway start`` builds and hands down whole.
 
-``redis_url`` also reads ``REDIS_URL`` (the variable every microbatch command shares). List
-settings (``model``, ``auth_tokens``) read a comma-separated string or a JSON list.
+Constructor arguments win, else the environment (``MICROBATCH_GATEWAY_<FIELD>``: the one prefix,
+which ``gateway start``'s options read too), else the defaults stated here. ``redis_url`` also
+reads ``REDIS_URL`` (the variable every microbatch command shares). List settings (``model``,
+``auth_tokens``) read a comma-separated string or a JSON list. ``gunicorn -c
+deploy/gunicorn.conf.py`` and ``create_app()`` build it from the environment alone.
 """
 
 from __future__ import annotations
@@ -15,17 +18,27 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from broker.client import DEFAULT_REDIS_URL
 from broker.keys import DEFAULT_PREFIX, check_prefix
+from broker.logs import parse_format, parse_level
+from broker.redis_url import parse as parse_redis_url
 from broker.worker_watch import DEFAULT_GRACE_S
 
 ENV_PREFIX = "MICROBATCH_GATEWAY_"
 
 
 def _split_list(value: Any) -> Any:
+    """A JSON list, or comma-separated entries (in one string, or in each string of a list)."""
     if isinstance(value, str):
         text = value.strip()
         if text.startswith("["):
             return json.loads(text)
-        return [part.strip() for part in text.split(",") if part.strip()]
+        value = [text]
+    if isinstance(value, (list, tuple)):
+        return [
+            part.strip()
+            for entry in value
+            for part in (entry.split(",") if isinstance(entry, str) else [entry])
+            if not isinstance(part, str) or part.strip()
+        ]
     return value
 
 
@@ -38,31 +51,57 @@ class GatewaySettings(BaseSettings):
 
     model: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Import paths 'module:Class' of the ManagedModel subclasses to serve "
-        "(env MICROBATCH_GATEWAY_MODEL: comma-separated).",
+        description="Import path 'module:Class' of a ManagedModel subclass to serve; repeat for "
+        "several models (env: comma- or space-separated).",
     )
-    prefix: str = Field(default=DEFAULT_PREFIX, description="Key prefix shared with the workers.")
+    prefix: str = Field(default=DEFAULT_PREFIX, description="Key prefix: the one the workers use.")
     redis_url: str = Field(
         default=DEFAULT_REDIS_URL,
         validation_alias=AliasChoices("redis_url", "REDIS_URL", f"{ENV_PREFIX}REDIS_URL"),
-        description="Redis URL (env REDIS_URL).",
+        description="Redis URL: redis://[user:password@]host:port/db (rediss:// for TLS), or "
+        "redis+sentinel://[user:password@]host:26379,host:26379/service[/db] for a "
+        "Sentinel service's master (docs/deployment.md).",
     )
-    default_timeout: float = Field(default=30.0, gt=0, description="Seconds a request may take.")
+    host: str = Field(default="127.0.0.1", description="Address to listen on (0.0.0.0 for all).")
+    port: int = Field(default=8000, ge=0, le=65535, description="TCP port to listen on.")
+    workers: int = Field(
+        default=1,
+        ge=1,
+        description="gunicorn worker processes: about one per core left over by the model "
+        "workers and Redis (on a small shared box, 1 does best).",
+    )
+    default_timeout: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds a request may wait for its result when it sends no X-Request-Timeout.",
+    )
     max_timeout: float = Field(
-        default=300.0, gt=0, description="Cap on X-Request-Timeout (seconds)."
+        default=300.0, gt=0, description="Cap on a request's X-Request-Timeout."
     )
-    max_items: int = Field(default=256, ge=1, description="Most items in one request.")
-    max_body_bytes: int = Field(default=16 * 1024 * 1024, ge=1, description="Largest request body.")
+    max_items: int = Field(default=256, ge=1, description="Most items in one request (413).")
+    max_body_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1, description="Largest request body (413)."
+    )
     max_queue_items: int = Field(
-        default=0, ge=0, description="Extra, stricter cap on a model's queue, in items (0: none)."
+        default=0,
+        ge=0,
+        description="An extra cap on each model's queued items, stricter than the bound its "
+        "workers store with it (worker start --max-queue-items), never looser; checked "
+        "atomically with the enqueue, over it a request gets 503 at once (0: only the "
+        "model's bound).",
     )
     max_queue_bytes: int = Field(
-        default=0, ge=0, description="Extra, stricter cap on a model's queue, in bytes (0: none)."
+        default=0,
+        ge=0,
+        description="An extra cap on each model's queued payload bytes, stricter than the "
+        "model's own (0: only the model's bound).",
     )
     wait_for_workers: bool = Field(
         default=False,
-        description="Let requests wait for a worker until their timeout, however long the model "
-        "has had none (e.g. while workers scale up from zero), instead of 503 NoWorkers.",
+        description="Let requests wait for a worker until their timeout, however long their "
+        "model has had none (e.g. while workers scale up from zero). Without it, a request "
+        "whose model has had no live worker for MICROBATCH_GATEWAY_WORKERS_GRACE seconds "
+        "(default 10) gets 503 NoWorkers, its items withdrawn.",
     )
     workers_grace: float = Field(
         default=DEFAULT_GRACE_S,
@@ -78,22 +117,43 @@ class GatewaySettings(BaseSettings):
         default_factory=list, description="Bearer tokens accepted (none: auth off)."
     )
     auth_tokens_file: Path | None = Field(
-        default=None, description="File with one bearer token per line (added to auth_tokens)."
+        default=None,
+        description="File of bearer tokens, one per line; with it (or "
+        "MICROBATCH_GATEWAY_AUTH_TOKENS) every route except health needs "
+        "'Authorization: Bearer <token>'.",
     )
     header_timeout: float = Field(
-        default=10.0, gt=0, description="Seconds a request's headers may take to arrive (408)."
+        default=10.0,
+        gt=0,
+        description="Seconds a request's headers may take to arrive, from the connection (or "
+        "the request's first byte); then 408 and the connection is closed.",
     )
     body_timeout: float = Field(
-        default=30.0, gt=0, description="Seconds a request's body may take after its headers."
+        default=30.0,
+        gt=0,
+        description="Seconds a request's body may take to arrive after its headers; then 408 "
+        "and the connection is closed.",
     )
     keepalive_timeout: float = Field(
         default=5.0, gt=0, description="Seconds an idle connection stays open between requests."
     )
     max_connections: int = Field(
-        default=1000, ge=1, description="Most open connections per gateway process (503 above)."
+        default=1000,
+        ge=1,
+        description="Most open connections per gateway worker process; one more is answered "
+        "503 and closed at once.",
     )
+    graceful_timeout: float = Field(
+        default=30.0, ge=0, description="Seconds in-flight requests get to finish after SIGTERM."
+    )
+    log_level: str = Field(
+        default="info", description="debug, info, warning, error or critical (any case)."
+    )
+    log_format: str = Field(default="text", description="text, or json: one JSON object per line.")
     access_log: bool = Field(
-        default=False, description="Log one line per request (no bodies, headers or queries)."
+        default=False,
+        description="Log one line per request (client, method, path without query, status, "
+        "duration; never bodies or headers). Off, it costs nothing.",
     )
 
     @field_validator("model", "auth_tokens", mode="before")
@@ -106,10 +166,29 @@ class GatewaySettings(BaseSettings):
     def _check_prefix(cls, value: str) -> str:
         return check_prefix(value)
 
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, value: str) -> str:
+        try:
+            parse_redis_url(value)
+        except ValueError as exc:
+            raise ValueError(f"--redis: {exc}") from None
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _check_level(cls, value: str) -> str:
+        return parse_level(value)
+
+    @field_validator("log_format")
+    @classmethod
+    def _check_format(cls, value: str) -> str:
+        return parse_format(value)
+
     @model_validator(mode="after")
     def _check(self) -> GatewaySettings:
         if self.default_timeout > self.max_timeout:
-            raise ValueError("default_timeout must not exceed max_timeout")
+            raise ValueError("--default-timeout must not exceed --max-timeout")
         return self
 
     def tokens(self) -> frozenset[str]:

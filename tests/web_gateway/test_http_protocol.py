@@ -1,7 +1,7 @@
 """web_gateway.http_protocol: a response leaves in one write; order and close are kept.
 
 Its connection limits are tested here phase by phase, and against a real gateway with 500
-stalled clients in tests/test_gateway_limits.py.
+stalled clients in tests/web_gateway/test_limits.py.
 """
 
 from __future__ import annotations

@@ -162,15 +162,23 @@ def test_a_failing_preprocess_is_invalid_input_from_the_python_client_too(
 ) -> None:
     from tests.gateway_models import ByteStats
 
+    said = "item 1: preprocess failed: TypeError: bytestats takes a file or a string"
     with (
         Streamer("bytestats", redis_url=redis_server.url, prefix=prefix, model=ByteStats) as s,
         pytest.raises(InvalidInput) as raised,
     ):
         s.predict([b"ok", 42], timeout=5)
-    assert str(raised.value) == (
-        "item 1: preprocess failed: TypeError: bytestats takes a file or a string"
-    )
+    assert str(raised.value) == said
     assert raised.value.index == 1
+    # the gateway refuses the same item the same way (one caller-side prepare for both)
+    settings = GatewaySettings(
+        model=["tests.gateway_models:ByteStats"], redis_url=redis_server.url, prefix=prefix
+    )
+    with TestClient(create_app(settings)) as http:
+        v1 = http.post("/v1/models/bytestats/predict", json={"inputs": ["ok", 42]})
+    assert v1.status_code == 422
+    assert v1.json() == {"error": {"type": "InvalidInput", "message": said}}
+    assert not redis.Redis.from_url(redis_server.url).exists(ModelKeys("bytestats", prefix).stream)
 
 
 def test_versioned_paths_answer_like_the_unversioned_ones(client: TestClient) -> None:
@@ -237,16 +245,13 @@ def test_results_over_v1_and_the_versioned_v2_path(served: TestClient) -> None:
 
 def test_the_v1_shortcut_for_plain_numbers_changes_no_result_and_no_error() -> None:
     """Bodies of plain JSON numbers skip the per-value scan; what comes out must not change."""
-    from web_gateway.app import _only_numbers, _parse_v1_and_prepare
     from web_gateway.errors import HTTPError
     from web_gateway.serving import ServedModel
+    from web_gateway.v1 import only_numbers as _only_numbers
+    from web_gateway.v1 import parse_and_prepare
 
     served = ServedModel.load(DOUBLER, GatewaySettings(model=[DOUBLER]))
     assert served.float_input
-
-    class Checks:
-        def check_items(self, count: int) -> None:
-            pass
 
     bodies = [
         b'{"inputs": [[1, 2.5, -3e2, 4E-1], [0, 0, 0, 1e38]]}',
@@ -265,7 +270,7 @@ def test_the_v1_shortcut_for_plain_numbers_changes_no_result_and_no_error() -> N
         for shortcut in (True, False):
             served.float_input = shortcut
             try:
-                items = _parse_v1_and_prepare(Checks(), served, body)  # type: ignore[arg-type]
+                items = parse_and_prepare(served, body, 256)
                 outcomes.append(("ok", [(item.dtype, item.tolist()) for item in items]))
             except HTTPError as exc:
                 outcomes.append((exc.status, exc.message))

@@ -141,3 +141,18 @@ def test_gunicorn_directly_reads_the_same_level(level: str, tmp_path: Path) -> N
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
     )
     assert done.returncode != 0 and "--log-level must be one of" in done.stderr
+
+
+def test_settings_are_checked_once_with_one_line_naming_the_option() -> None:
+    for args, env, said in (
+        (["--workers", "0"], {}, "--workers: Input should be greater than or equal to 1"),
+        ([], {"MICROBATCH_GATEWAY_WORKERS": "0"}, "--workers: Input should be greater than"),
+        (["--port", "70000"], {}, "--port: Input should be less than or equal to 65535"),
+        (["--max-timeout", "1"], {}, "--default-timeout must not exceed --max-timeout"),
+        ([], {"REDIS_URL": "http://x"}, "--redis: the Redis URL has 'http://'"),
+        ([], {"MICROBATCH_GATEWAY_LOG_FORMAT": "xml"}, "--log-format must be one of text, json"),
+    ):
+        refused = gateway("start", "--model", DOUBLER, *args, env=env)
+        assert refused.returncode == 2, (args, env)
+        (line,) = refused.stderr.strip().splitlines()
+        assert line.startswith(f"Error: {said}"), line

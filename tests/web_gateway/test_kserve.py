@@ -1,0 +1,243 @@
+"""KServe v2 bodies parsed and answered in isolation (no Redis, no app): web_gateway.kserve."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+
+from gpu_worker.model import TensorSpec
+from web_gateway import kserve
+from web_gateway.errors import HTTPError
+
+
+def body(*inputs: dict[str, Any], **document: Any) -> bytes:
+    return orjson.dumps({**document, "inputs": list(inputs)})
+
+
+def tensor(name: str = "x", datatype: str = "FP32", shape: Any = (1, 2), **rest: Any) -> Any:
+    return {"name": name, "datatype": datatype, "shape": list(shape), **rest}
+
+
+def refused(raw: bytes, header_length: str | None = None) -> tuple[int, str]:
+    with pytest.raises(HTTPError) as raised:
+        kserve.parse_request(raw, header_length)
+    return raised.value.status, raised.value.message
+
+
+def test_json_tensors_become_arrays_of_their_datatype_and_shape() -> None:
+    parsed = kserve.parse_request(
+        body(tensor(data=[[1, 2], [3, 4]], shape=(2, 2)), id="r1", parameters={"timeout": 5}),
+        None,
+    )
+    assert parsed.id == "r1" and parsed.parameters == {"timeout": 5}
+    array = parsed.inputs["x"]
+    assert array.dtype == np.float32 and array.shape == (2, 2)
+    assert parsed.batch_size == 2 and parsed.datatypes == {"x": "FP32"}
+    assert [row.tolist() for row in parsed.items()] == [[1.0, 2.0], [3.0, 4.0]]
+    assert parsed.outputs is None
+
+
+def test_several_inputs_make_one_dict_per_row() -> None:
+    parsed = kserve.parse_request(
+        body(
+            tensor("a", "INT64", (2,), data=[1, 2]),
+            tensor("b", "BYTES", (2,), data=["p", "q"]),
+        ),
+        None,
+    )
+    items = parsed.items()
+    assert [item["a"] for item in items] == [1, 2]
+    assert [item["b"] for item in items] == ["p", "q"]
+
+
+def test_binary_tensors_follow_the_json_header() -> None:
+    blob = np.array([[1.5, 2.5]], dtype="<f4").tobytes()
+    strings = struct.pack("<I", 2) + b"hi" + struct.pack("<I", 0)
+    head = body(
+        tensor(parameters={"binary_data_size": len(blob)}),
+        tensor("s", "BYTES", (1, 2), parameters={"binary_data_size": len(strings)}),
+    )
+    parsed = kserve.parse_request(head + blob + strings, str(len(head)))
+    assert parsed.inputs["x"].tolist() == [[1.5, 2.5]]
+    assert parsed.inputs["s"].tolist() == [[b"hi", b""]]
+
+
+@pytest.mark.parametrize(
+    ("raw", "header", "message"),
+    [
+        (b"{", None, "request body is not valid JSON"),
+        (b"[]", None, "the request body must be a JSON object"),
+        (orjson.dumps({"inputs": []}), None, "'inputs' must be a non-empty list of tensors"),
+        (body(tensor(data=[1, 2]), id=3), None, "'id' must be a string"),
+        (body(tensor(data=[1, 2]), parameters="p"), None, "'parameters' must be a JSON object"),
+        (body(["x"]), None, "each input must be a JSON object"),
+        (body({"datatype": "FP32", "shape": [1], "data": [1]}), None, "every input needs a 'name'"),
+        (body(tensor(datatype="FP128", data=[1, 2])), None, "input 'x': unknown datatype 'FP128'"),
+        (body(tensor(shape=[], data=[])), None, "input 'x': shape needs a batch dimension"),
+        (
+            body(tensor(shape=[1, -2], data=[])),
+            None,
+            "input 'x': shape must be a list of non-negative integers",
+        ),
+        (body(tensor(shape=[1 << 20, 1 << 12])), None, "input 'x': shape [1048576, 4096] is too"),
+        (body(tensor()), None, "input 'x' has neither 'data' nor binary data"),
+        (
+            body(tensor(data=[1, 2, 3])),
+            None,
+            "input 'x': 3 data elements do not match shape [1, 2]",
+        ),
+        (body(tensor("s", "BYTES", (1,), data=[1])), None, "input 's': BYTES data must be strings"),
+        (
+            body(tensor(data=[1, 2]), tensor(data=[3, 4])),
+            None,
+            "input 'x' appears twice",
+        ),
+        (
+            body(tensor(data=[1, 2]), tensor("y", shape=(2, 1), data=[1, 2])),
+            None,
+            "all inputs must have the same batch size",
+        ),
+        (body(tensor(data=[1, 2]), outputs={}), None, "'outputs' must be a list"),
+        (body(tensor(data=[1, 2]), outputs=[{}]), None, "every requested output needs a 'name'"),
+        (body(tensor(data=[1, 2])), "x", "Inference-Header-Content-Length must be an integer"),
+        (body(tensor(data=[1, 2])), "100000", "Inference-Header-Content-Length is outside"),
+        (
+            body(tensor(parameters={"binary_data_size": True})),
+            None,
+            "binary_data_size must be a non-negative integer",
+        ),
+        (
+            body(tensor(parameters={"binary_data_size": 8})),
+            None,
+            "binary tensor data is shorter than binary_data_size says",
+        ),
+    ],
+)
+def test_malformed_bodies_are_400_saying_what_is_wrong(
+    raw: bytes, header: str | None, message: str
+) -> None:
+    status, said = refused(raw, header)
+    assert status == 400
+    assert said.startswith(message), said
+
+
+def test_binary_framing_errors_are_400() -> None:
+    head = body(tensor(parameters={"binary_data_size": 8}))
+    assert refused(head + b"\0" * 12, str(len(head))) == (
+        400,
+        "the body has binary data that no input claims",
+    )
+    head = body(tensor(parameters={"binary_data_size": 4}))
+    status, said = refused(head + b"\0" * 4, str(len(head)))
+    assert status == 400 and said == "input 'x': 4 binary bytes do not match shape [1, 2] of FP32"
+    for strings, what in (
+        (struct.pack("<I", 9) + b"ab", "truncated"),
+        (b"\0\0", "truncated"),
+        (struct.pack("<I", 1) + b"ab", "trailing bytes"),
+    ):
+        head = body(tensor("s", "BYTES", (1,), parameters={"binary_data_size": len(strings)}))
+        assert refused(head + strings, str(len(head))) == (
+            400,
+            f"input 's': binary BYTES data has {what}"
+            if what != "truncated"
+            else "input 's': binary BYTES data is truncated",
+        )
+
+
+def test_a_value_that_does_not_fit_is_422_naming_its_item_and_position() -> None:
+    status, said = refused(body(tensor("n", "INT32", (2, 2), data=[1, 2, 3, 1.5])))
+    assert status == 422
+    assert said == "item 1: input 'n' at [1]: 1.5 is not a whole number (INT32)"
+
+
+def test_check_inputs_names_the_declared_inputs_and_types() -> None:
+    specs = [TensorSpec("x", "FP32", [2])]
+    ok = kserve.parse_request(body(tensor(data=[1, 2])), None)
+    kserve.check_inputs(ok, specs, strict_datatypes=True)
+    for raw, message in (
+        (body(tensor("y", data=[1, 2])), "inputs are ['y'], the model takes ['x']"),
+        (body(tensor(datatype="FP64", data=[1, 2])), "input 'x' is FP64, the model takes FP32"),
+        (
+            body(tensor(shape=(1, 3), data=[1, 2, 3])),
+            "input 'x' has shape [1, 3], the model takes [-1, 2]",
+        ),
+    ):
+        parsed = kserve.parse_request(raw, None)
+        with pytest.raises(HTTPError) as raised:
+            kserve.check_inputs(parsed, specs, strict_datatypes=True)
+        assert (raised.value.status, raised.value.message) == (422, message)
+    # a model with a preprocess of its own takes other datatypes (its preprocess converts)
+    wider = kserve.parse_request(body(tensor(datatype="FP64", data=[1, 2])), None)
+    kserve.check_inputs(wider, specs, strict_datatypes=False)
+
+
+def answer(
+    request: kserve.InferRequest, outputs: list[Any], specs: list[TensorSpec]
+) -> tuple[dict[str, Any], bytes, dict[str, str]]:
+    content, headers = kserve.build_response("m", request, outputs, specs)
+    if not headers:
+        return orjson.loads(content), b"", headers
+    size = int(headers["Inference-Header-Content-Length"])
+    return orjson.loads(content[:size]), content[size:], headers
+
+
+def test_responses_in_json_or_binary_as_asked() -> None:
+    spec = [TensorSpec("y", "FP32", [2])]
+    outputs = [np.array([1, 2], dtype=np.float32), np.array([3, 4], dtype=np.float32)]
+    request = kserve.parse_request(body(tensor(data=[0, 0]), id="q"), None)
+    document, rest, _ = answer(request, outputs, spec)
+    assert document == {
+        "model_name": "m",
+        "model_version": "1",
+        "id": "q",
+        "outputs": [{"name": "y", "datatype": "FP32", "shape": [2, 2], "data": [1, 2, 3, 4]}],
+    }
+    assert rest == b""
+    binary = kserve.parse_request(
+        body(tensor(data=[0, 0]), parameters={"binary_data_output": True}), None
+    )
+    document, rest, _ = answer(binary, outputs, spec)
+    assert document["outputs"][0]["parameters"] == {"binary_data_size": 16}
+    assert np.frombuffer(rest, dtype="<f4").tolist() == [1, 2, 3, 4]
+
+
+def test_requested_outputs_of_a_multi_output_model() -> None:
+    specs = [TensorSpec("a", "INT64", [1]), TensorSpec("b", "BYTES", [])]
+    outputs = [{"a": [1], "b": b"x"}, {"a": [2], "b": b"yz"}]
+    request = kserve.parse_request(
+        body(tensor(data=[0, 0]), outputs=[{"name": "b", "parameters": {"binary_data": True}}]),
+        None,
+    )
+    document, rest, _ = answer(request, outputs, specs)
+    assert [entry["name"] for entry in document["outputs"]] == ["b"]
+    assert rest == struct.pack("<I", 1) + b"x" + struct.pack("<I", 2) + b"yz"
+    plain = kserve.parse_request(body(tensor(data=[0, 0]), outputs=[{"name": "b"}]), None)
+    document, _, _ = answer(plain, outputs, specs)
+    assert document["outputs"][0]["data"] == ["x", "yz"]
+    unknown = kserve.parse_request(body(tensor(data=[0, 0]), outputs=[{"name": "c"}]), None)
+    with pytest.raises(HTTPError) as raised:
+        answer(unknown, outputs, specs)
+    assert raised.value.status == 422
+    assert raised.value.message == "unknown outputs ['c']; the model gives ['a', 'b']"
+
+
+def test_outputs_that_cannot_be_sent_are_500_invalid_output() -> None:
+    request = kserve.parse_request(body(tensor(data=[0, 0])), None)
+    for outputs, specs, message in (
+        ([{"a": 1}], [TensorSpec("a", "FP32", []), TensorSpec("b", "FP32", [])], "lacks 'b'"),
+        ([[1, 2], [3]], [], "cannot form a tensor"),
+        ([np.array([1j])], [], "outputs of dtype complex128 cannot be sent"),
+    ):
+        with pytest.raises(HTTPError) as raised:
+            answer(request, outputs, specs)
+        assert (raised.value.status, raised.value.type) == (500, "InvalidOutput")
+        assert message in raised.value.message
+
+
+def test_tensor_metadata_has_a_batch_dimension() -> None:
+    specs = [TensorSpec("x", "FP32", [3, 4])]
+    assert kserve.tensor_metadata(specs) == [{"name": "x", "datatype": "FP32", "shape": [-1, 3, 4]}]

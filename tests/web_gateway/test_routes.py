@@ -1,0 +1,145 @@
+"""Every gateway route in-process (starlette's TestClient over ``create_app``): auth, errors in
+each protocol's shape, limits, health and readiness, metrics, and results from a real worker."""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Iterator
+
+import pytest
+from starlette.testclient import TestClient
+
+from broker.devserver import RedisServer
+from tests.conftest import worker_process
+from web_gateway.app import create_app
+from web_gateway.settings import GatewaySettings
+
+DOUBLER = "tests.gateway_models:Doubler"
+TOKEN = "route-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def settings(redis_url: str, prefix: str, **extra: object) -> GatewaySettings:
+    return GatewaySettings(model=[DOUBLER], redis_url=redis_url, prefix=prefix, **extra)
+
+
+@pytest.fixture
+def guarded(redis_server: RedisServer, prefix: str) -> Iterator[TestClient]:
+    """Bearer auth on, small limits, no lifespan (nothing reaches Redis)."""
+    app = create_app(
+        settings(redis_server.url, prefix, auth_tokens=[TOKEN], max_items=2, max_body_bytes=256)
+    )
+    with TestClient(app, raise_server_exceptions=False) as http:
+        yield http
+
+
+@pytest.fixture
+def live(redis_server: RedisServer, prefix: str) -> Iterator[TestClient]:
+    """The app with its lifespan and a real worker."""
+    with (
+        worker_process(redis_server.url, DOUBLER, prefix),
+        TestClient(create_app(settings(redis_server.url, prefix))) as http,
+    ):
+        yield http
+
+
+def test_bearer_auth_guards_models_but_not_health(guarded: TestClient) -> None:
+    for method, path in (
+        ("GET", "/v1/models"),
+        ("POST", "/v1/models/doubler/predict"),
+        ("GET", "/v2/models/doubler"),
+        ("POST", "/v2/models/doubler/infer"),
+    ):
+        refused = guarded.request(method, path, json={"inputs": [[1, 2, 3, 4]]})
+        assert refused.status_code == 401, path
+        assert refused.headers["www-authenticate"] == 'Bearer realm="microbatch"'
+        wrong = guarded.request(method, path, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401, path
+    assert guarded.get("/v1/models", headers=AUTH).json() == {"models": ["doubler"]}
+    for path in ("/healthz", "/v2/health/live", "/v2"):
+        assert guarded.get(path).status_code == 200, path
+
+
+def test_errors_take_the_shape_of_their_protocol(guarded: TestClient) -> None:
+    v1 = guarded.post("/v1/models/nope/predict", headers=AUTH, json={"inputs": [1]})
+    assert v1.status_code == 404
+    assert v1.json() == {
+        "error": {"type": "ModelNotFound", "message": "no model named 'nope' is served here"}
+    }
+    v2 = guarded.post("/v2/models/nope/infer", headers=AUTH, json={"inputs": []})
+    assert v2.status_code == 404
+    assert v2.json() == {
+        "error": "ModelNotFound: no model named 'nope' is served here",
+        "type": "ModelNotFound",
+    }
+    route = guarded.get("/v2/nowhere")
+    assert route.status_code == 404 and route.json()["error"] == "NotFound: Not Found"
+    route = guarded.get("/v1/nowhere")
+    assert route.json() == {"error": {"type": "NotFound", "message": "Not Found"}}
+    method = guarded.get("/v1/models/doubler/predict")
+    assert method.status_code == 405 and method.json()["error"]["type"] == "MethodNotAllowed"
+
+
+def test_limits_and_malformed_requests(guarded: TestClient) -> None:
+    def v1(content: bytes, **headers: str) -> tuple[int, str]:
+        response = guarded.post(
+            "/v1/models/doubler/predict", content=content, headers={**AUTH, **headers}
+        )
+        return response.status_code, response.json()["error"]["type"]
+
+    assert v1(b'{"inputs": [[1,2,3,4],[1,2,3,4],[1,2,3,4]]}') == (413, "PayloadTooLarge")
+    assert v1(b'{"inputs": []}') == (400, "BadRequest")
+    assert v1(b"[" * 300) == (413, "PayloadTooLarge")
+    assert v1(b"{}", **{"X-Request-Timeout": "soon"}) == (400, "BadRequest")
+    assert v1(b"{}", **{"X-Request-Timeout": "-1"}) == (400, "BadRequest")
+    assert v1(b"{}", **{"Content-Encoding": "br"}) == (415, "UnsupportedMediaType")
+    assert v1(b"not gzip", **{"Content-Encoding": "gzip"}) == (400, "BadRequest")
+    bomb = gzip.compress(b" " * 10_000)
+    assert v1(bomb, **{"Content-Encoding": "gzip"}) == (413, "PayloadTooLarge")
+    assert v1(b"{", **{"Content-Type": "multipart/form-data; boundary=x"}) == (400, "BadRequest")
+
+
+def test_results_health_readiness_and_metrics(live: TestClient) -> None:
+    assert live.get("/v2/health/ready").json() == {"ready": True}
+    ready = live.get("/v2/models/doubler/ready")
+    assert ready.status_code == 200 and ready.json()["workers"] == 1
+    gzipped = gzip.compress(b'{"inputs": [[1, 2, 3, 4]]}')
+    result = live.post(
+        "/v1/models/doubler/predict",
+        content=gzipped,
+        headers={"Content-Encoding": "gzip", "X-Request-Timeout": "10"},
+    )
+    assert result.status_code == 200 and result.json() == {"outputs": [[2.0, 4.0, 6.0, 8.0]]}
+    v2 = live.post(
+        "/v2/models/doubler/infer",
+        json={
+            "id": "a",
+            "parameters": {"timeout": 10_000_000},
+            "inputs": [
+                {"name": "input", "datatype": "FP32", "shape": [1, 4], "data": [1, 1, 1, 1]}
+            ],
+        },
+    )
+    assert v2.status_code == 200 and v2.json()["id"] == "a"
+    assert v2.json()["outputs"][0]["data"] == [2.0, 2.0, 2.0, 2.0]
+    metadata = live.get("/v2/models/doubler").json()
+    assert metadata["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 4]}]
+    text = live.get("/metrics").text
+    assert any(
+        line.startswith("microbatch_gateway_requests_total{")
+        and 'model="doubler"' in line
+        and 'outcome="ok"' in line
+        for line in text.splitlines()
+    )
+
+
+def test_the_schema_names_the_served_models(guarded: TestClient) -> None:
+    schema = guarded.get("/openapi.json").json()
+    operation = schema["paths"]["/v1/models/{name}/predict"]["post"]
+    (name,) = [p for p in operation["parameters"] if p["name"] == "name"]
+    assert name["schema"]["enum"] == ["doubler"]
+    assert {"Error", "V2Error"} <= set(schema["components"]["schemas"])
+    infer = schema["paths"]["/v2/models/{name}/infer"]["post"]
+    assert infer["responses"]["422"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/V2Error"
+    }

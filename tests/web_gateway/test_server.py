@@ -1,0 +1,80 @@
+"""The gateway's two ways into gunicorn: `gateway start` (gunicorn's application API, no file
+or repository path needed, so any working directory does) and `gunicorn -c
+deploy/gunicorn.conf.py` (settings from the environment, REDIS_URL included)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from broker.devserver import RedisServer, free_port
+from tests.conftest import ROOT, stop_process
+
+DOUBLER = "tests.gateway_models:Doubler"
+
+
+@contextmanager
+def serving(command: list[str], cwd: Path, env: dict[str, str], port: int) -> Iterator[str]:
+    """Run a gateway command until its /healthz answers; yield its base URL; SIGTERM it."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MICROBATCH_GATEWAY_")}
+    clean.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    full_env = {**clean, "PYTHONPATH": str(ROOT), "MICROBATCH_GATEWAY_LOG_LEVEL": "warning", **env}
+    process = subprocess.Popen(command, cwd=cwd, env=full_env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None, f"the gateway exited with {process.returncode}"
+            assert time.monotonic() < deadline, "the gateway did not start"
+            time.sleep(0.1)
+        yield base
+    finally:
+        stop_process(process)
+    assert process.returncode == 0
+
+
+def check_serving(base: str) -> None:
+    """Redis reached (ready), the model served (a bad input refused before queueing)."""
+    assert httpx.get(f"{base}/v2/health/ready").json() == {"ready": True}
+    refused = httpx.post(f"{base}/v1/models/doubler/predict", json={"inputs": [[1, 2]]})
+    assert refused.status_code == 422, refused.text
+    assert refused.json()["error"]["message"] == (
+        "item 0: input 'input' has shape [2], expected [4]"
+    )
+
+
+def test_gateway_start_runs_from_any_directory(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    command = [sys.executable, "-m", "web_gateway.cli", "start", "--model", DOUBLER]
+    command += ["--port", str(port), "--prefix", prefix]
+    with serving(command, tmp_path, {"REDIS_URL": redis_server.url}, port) as base:
+        check_serving(base)
+
+
+def test_gunicorn_with_the_deploy_config_reads_the_environment(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    port = free_port()
+    env = {
+        "MICROBATCH_GATEWAY_MODEL": DOUBLER,
+        "MICROBATCH_GATEWAY_PREFIX": prefix,
+        "MICROBATCH_GATEWAY_PORT": str(port),
+        "REDIS_URL": redis_server.url,
+    }
+    command = [sys.executable, "-m", "gunicorn", "-c", "deploy/gunicorn.conf.py"]
+    with serving(command, ROOT, env, port) as base:
+        check_serving(base)

@@ -1,0 +1,135 @@
+"""Reading one HTTP request: its bearer token, its timeout, its body and its files.
+
+Each function raises :class:`web_gateway.errors.HTTPError` for what it refuses (400, 401, 413,
+415), or :class:`web_gateway.errors.ClientGone` when the client leaves mid-body.
+"""
+
+from __future__ import annotations
+
+import hmac
+import math
+import zlib
+from collections.abc import Sequence
+
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect, Request
+
+from .errors import ClientGone, HTTPError, bad_request, too_large
+
+TIMEOUT_HEADER = "x-request-timeout"
+
+
+def authorize(request: Request, tokens: Sequence[bytes]) -> None:
+    """401 unless auth is off (no ``tokens``) or the request's bearer token is one of them."""
+    if not tokens:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    given = token.strip().encode()
+    if scheme.lower() == "bearer" and given:
+        # compare with every token, always, so timing tells nothing
+        matched = False
+        for known in tokens:
+            matched |= hmac.compare_digest(given, known)
+        if matched:
+            return
+    raise HTTPError(
+        401,
+        "Unauthorized",
+        "a valid bearer token is required",
+        {"WWW-Authenticate": 'Bearer realm="microbatch"'},
+    )
+
+
+def timeout(request: Request, fallback: float, cap: float) -> float:
+    """Seconds from the X-Request-Timeout header (else ``fallback``), at most ``cap``."""
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return min(fallback, cap)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise bad_request("X-Request-Timeout must be a number of seconds") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise bad_request("X-Request-Timeout must be a positive number of seconds")
+    return min(value, cap)
+
+
+def check_items(count: int, max_items: int) -> None:
+    """400 for no items, 413 for more than ``max_items``."""
+    if count == 0:
+        raise bad_request("a request needs at least one item")
+    if count > max_items:
+        raise too_large(f"{count} items is over the limit of {max_items}")
+
+
+def _check_length(request: Request, limit: int) -> None:
+    declared = request.headers.get("content-length")
+    if declared is None:
+        return
+    try:
+        length = int(declared)
+    except ValueError:
+        raise bad_request("Content-Length must be an integer") from None
+    if length > limit:
+        raise too_large(f"request body is over {limit} bytes")
+
+
+async def body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 past ``limit`` bytes (and decompressed)."""
+    _check_length(request, limit)
+    chunks = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(f"request body is over {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone, or cut off by the body timeout (answered 408)
+        raise ClientGone("before its body arrived") from None
+    data = b"".join(chunks)
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding in ("gzip", "deflate"):
+        data = _decompress(data, encoding, limit)
+    elif encoding not in ("", "identity"):
+        raise HTTPError(415, "UnsupportedMediaType", f"Content-Encoding {encoding!r}")
+    request._body = data  # so request.form() parses what was read here
+    return data
+
+
+def _decompress(data: bytes, encoding: str, limit: int) -> bytes:
+    wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
+    inflater = zlib.decompressobj(wbits)
+    try:
+        out = inflater.decompress(data, limit + 1)
+    except zlib.error as exc:
+        raise bad_request(f"body is not valid {encoding}: {exc}") from None
+    if len(out) > limit or inflater.unconsumed_tail:
+        raise too_large(f"decompressed request body is over {limit} bytes")
+    return out
+
+
+async def uploaded_files(request: Request, max_items: int) -> list[bytes]:
+    """The contents of a multipart body's ``file`` fields (read by :func:`body` first)."""
+    try:
+        form = await request.form(max_files=max_items + 1, max_fields=max_items + 1)
+    except StarletteHTTPException as exc:
+        raise bad_request(f"malformed multipart body: {exc.detail}") from None
+    except Exception as exc:  # python-multipart's own parse errors
+        raise bad_request(f"malformed multipart body: {type(exc).__name__}") from None
+    try:
+        uploads = [value for value in form.getlist("file") if isinstance(value, UploadFile)]
+        if not uploads:
+            raise bad_request("multipart body needs one or more 'file' fields")
+        return [await upload.read() for upload in uploads]
+    finally:
+        await form.close()
+
+
+async def disconnected(request: Request) -> None:
+    """Returns once the client has disconnected (the body must have been read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

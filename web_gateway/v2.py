@@ -1,0 +1,159 @@
+"""The Open Inference Protocol (KServe v2): server and model metadata, health, inference
+(with Triton's binary tensor data extension)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Path, Request
+from starlette.responses import Response
+
+from broker.liveness import alive_consumers
+
+from . import kserve, package_version, reading
+from .openapi import JSON, V2_INFER
+from .responses import json_response
+from .serving import ServedModel
+from .state import INLINE_BYTES, PING_TIMEOUT_S, Gateway
+
+MODEL_NAME = Path(description="A model this gateway serves.")
+MODEL_VERSION = Path(description='A version of the model: each model has one, "1".')
+
+router = APIRouter()
+
+
+def _gateway(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+@router.get("/v2", tags=["v2"])
+async def server_metadata() -> Response:
+    """Server metadata."""
+    return json_response(
+        {"name": "microbatch", "version": package_version(), "extensions": ["binary_tensor_data"]}
+    )
+
+
+@router.get("/v2/health/live", tags=["health"])
+async def live() -> Response:
+    """The process is up."""
+    return json_response({"live": True})
+
+
+@router.get("/v2/health/ready", tags=["health"])
+async def ready(request: Request) -> Response:
+    """Ready when Redis answers (workers scaling to zero does not make the gateway unready)."""
+    ok = await _gateway(request).ping()
+    return json_response({"ready": ok}, 200 if ok else 503)
+
+
+@router.get("/v2/models/{name}", tags=["v2"])
+async def model_metadata(name: str = MODEL_NAME, *, request: Request) -> Response:
+    """The model's declared inputs and outputs (batch dimension -1) and its versions."""
+    return _metadata(request, name)
+
+
+@router.get("/v2/models/{name}/versions/{version}", tags=["v2"])
+async def version_metadata(
+    name: str = MODEL_NAME, version: str = MODEL_VERSION, *, request: Request
+) -> Response:
+    """The metadata of one version of the model (each model has one: "1")."""
+    return _metadata(request, name, version)
+
+
+def _metadata(request: Request, name: str, version: str | None = None) -> Response:
+    gateway = _gateway(request)
+    gateway.authorize(request)
+    return json_response(gateway.model(name, version).metadata())
+
+
+@router.get("/v2/models/{name}/ready", tags=["health"])
+async def model_ready(name: str = MODEL_NAME, *, request: Request) -> Response:
+    """Ready when at least one live worker consumes this model."""
+    return await _readiness(_gateway(request), name)
+
+
+@router.get("/v2/models/{name}/versions/{version}/ready", tags=["health"])
+async def version_ready(
+    name: str = MODEL_NAME, version: str = MODEL_VERSION, *, request: Request
+) -> Response:
+    """Ready when at least one live worker consumes this model (its only version: "1")."""
+    return await _readiness(_gateway(request), name, version)
+
+
+async def _readiness(gateway: Gateway, name: str, version: str | None = None) -> Response:
+    served = gateway.model(name, version)
+    try:
+        consumers = await asyncio.wait_for(
+            alive_consumers(gateway.redis, served.streamer.keys), PING_TIMEOUT_S * 2
+        )
+    except Exception:  # Redis away: not ready
+        consumers = []
+    ok = bool(consumers)
+    return json_response({"name": name, "ready": ok, "workers": len(consumers)}, 200 if ok else 503)
+
+
+@router.post("/v2/models/{name}/infer", tags=["v2"], openapi_extra=V2_INFER)
+async def infer(name: str = MODEL_NAME, *, request: Request) -> Response:
+    """KServe v2 inference, with Triton's binary tensor data extension."""
+    return await _infer(_gateway(request), request, name)
+
+
+@router.post("/v2/models/{name}/versions/{version}/infer", tags=["v2"], openapi_extra=V2_INFER)
+async def version_infer(
+    name: str = MODEL_NAME, version: str = MODEL_VERSION, *, request: Request
+) -> Response:
+    """KServe v2 inference on one version of the model (each model has one: "1")."""
+    return await _infer(_gateway(request), request, name, version)
+
+
+async def _infer(
+    gateway: Gateway, request: Request, name: str, version: str | None = None
+) -> Response:
+    gateway.authorize(request)
+    served = gateway.model(name, version)
+
+    async def handle() -> Response:
+        body = await gateway.body(request)
+        header_length = request.headers.get(kserve.HEADER_LENGTH)
+        max_items = gateway.settings.max_items
+        parsed, items = await gateway.cpu(
+            served, len(body), parse_and_prepare, served, body, header_length, max_items
+        )
+        timeout = gateway.timeout(request, _timeout_parameter(parsed))
+        outputs = await gateway.predict(request, served, items, timeout)
+        if served.has_postprocess or len(body) > INLINE_BYTES:
+            content, headers = await gateway.in_pool(finish, served, parsed, outputs)
+        else:
+            content, headers = finish(served, parsed, outputs)
+        media = "application/octet-stream" if headers else JSON
+        return Response(content, headers=headers, media_type=media)
+
+    return await gateway.observed(request, served, "v2", handle)
+
+
+def _timeout_parameter(parsed: kserve.InferRequest) -> float | None:
+    """The request's ``timeout`` parameter (microseconds, as Triton's), in seconds."""
+    micros = parsed.parameters.get("timeout")
+    if isinstance(micros, int) and not isinstance(micros, bool) and micros > 0:
+        return micros / 1e6
+    return None
+
+
+def parse_and_prepare(
+    served: ServedModel, body: bytes, header_length: str | None, max_items: int
+) -> tuple[kserve.InferRequest, list[Any]]:
+    """A v2 body parsed, checked against ``served``'s inputs, and its items prepared."""
+    parsed = kserve.parse_request(body, header_length)
+    reading.check_items(parsed.batch_size, max_items)
+    kserve.check_inputs(parsed, served.inputs, strict_datatypes=not served.has_preprocess)
+    return parsed, served.prepare(parsed.items())
+
+
+def finish(
+    served: ServedModel, parsed: kserve.InferRequest, outputs: list[Any]
+) -> tuple[bytes, dict[str, str]]:
+    """The response body (and headers) of ``outputs``, postprocessed."""
+    return kserve.build_response(served.name, parsed, served.finish(outputs), served.outputs)
