@@ -19,6 +19,7 @@ import redis
 
 from broker.connections import sync_client
 from broker.keys import ModelKeys
+from broker.liveness import server_time_ms
 from broker.logs import Every
 
 log = logging.getLogger("microbatch.heartbeat")
@@ -56,8 +57,7 @@ class Heartbeats:
         if not consumers:
             return True
         try:
-            seconds, micros = self.client.time()
-            expires_ms = seconds * 1000 + micros // 1000 + self.ttl_ms
+            expires_ms = server_time_ms(self.client, self.keys.consumers) + self.ttl_ms
             pipe = self.client.pipeline(transaction=False)
             pipe.zadd(self.keys.consumers, dict.fromkeys(consumers, expires_ms))
             # forget consumers whose heartbeat lapsed long ago (their supervisor died)

@@ -1,0 +1,191 @@
+"""A Redis Cluster (3 primaries on loopback) given as a redis+cluster:// URL: lanes routed by
+hash slot follow MOVED, ASK and TRYAGAIN; the broker commands, the Python client and workers
+(a batch loop, and `worker start`) work against it; `broker status` covers every primary."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+from typer.testing import CliRunner
+
+from broker import Streamer, connections, functions
+from broker.cli import app
+from broker.cluster_lane import ClusterLanes, key_slot
+from broker.keys import ModelKeys
+from broker.redis_transport import RedisTransport
+from gpu_worker.batching import BatchLoop, BatchSettings
+from tests.cluster_local import LocalCluster
+from tests.conftest import worker_process
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(primaries=3) as setup:
+        yield setup
+
+
+def models_on_every_primary(cluster: LocalCluster, prefix: str) -> list[ModelKeys]:
+    """One model name per primary, each served by a different primary."""
+    found: dict[int, ModelKeys] = {}
+    for number in range(1000):
+        keys = ModelKeys(f"m{number}", prefix)
+        found.setdefault(cluster.owner(keys.stream), keys)
+        if len(found) == len(cluster.primaries()):
+            return list(found.values())
+    raise AssertionError("no model names spread over every primary")
+
+
+def migrate_slot(cluster: LocalCluster, key: str, to_port: int, keys_first: int | None) -> None:
+    """Move ``key``'s slot to the primary at ``to_port`` by hand (what `redis-cli --cluster
+    reshard` does): IMPORTING / MIGRATING, MIGRATE of the keys (only the first ``keys_first``
+    of them if given: the slot is left half-migrated), then SETSLOT NODE on every primary."""
+    source = cluster.owner(key)
+    slot = key_slot(key)
+    src, dst = cluster.client(source), cluster.client(to_port)
+    src_id, dst_id = src.cluster("myid"), dst.cluster("myid")
+    dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+    src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+    names = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+    moving = names if keys_first is None else names[:keys_first]
+    if moving:
+        src.execute_command("MIGRATE", "127.0.0.1", to_port, "", 0, 5000, "KEYS", *moving)
+    if keys_first is None:
+        for port in cluster.primaries():
+            with cluster.client(port) as client:
+                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    src.close()
+    dst.close()
+
+
+def finish_migration(cluster: LocalCluster, key: str, to_port: int, from_port: int) -> None:
+    slot = key_slot(key)
+    with cluster.client(from_port) as src, cluster.client(to_port) as dst:
+        names = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+        if names:
+            src.execute_command("MIGRATE", "127.0.0.1", to_port, "", 0, 5000, "KEYS", *names)
+        dst_id = dst.cluster("myid")
+        for port in cluster.primaries():
+            with cluster.client(port) as client:
+                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+
+
+def test_lanes_follow_moved_ask_and_tryagain(cluster: LocalCluster) -> None:
+    tag = f"{{lanes{uuid.uuid4().hex[:6]}}}"
+    a, b = f"{tag}:a", f"{tag}:b"
+
+    async def main() -> None:
+        lanes = connections.lanes(cluster.url())
+        assert isinstance(lanes, ClusterLanes)
+        lane = lanes.at(a)
+        assert await lane.execute("SET", a, "1") == b"OK"
+        # one pipeline of several commands: one transaction on the slot's node
+        assert await lane.pipeline([("SET", b, "2"), ("MGET", a, b)]) == [b"OK", [b"1", b"2"]]
+        source = cluster.owner(a)
+        target = next(port for port in cluster.primaries() if port != source)
+        # half-migrated: `a` moved, `b` not; a single key goes by ASK, both keys get
+        # TRYAGAIN until the migration is done
+        await asyncio.to_thread(migrate_slot, cluster, a, target, 1)
+        moved = (await asyncio.to_thread(cluster.client(target).execute_command, "CLUSTER",
+                                         "COUNTKEYSINSLOT", key_slot(a)))  # fmt: skip
+        assert moved == 1
+        values = {await lane.execute("GET", a), await lane.execute("GET", b)}
+        assert values == {b"1", b"2"}
+        both = asyncio.ensure_future(lane.execute("MGET", a, b))
+        await asyncio.sleep(0.2)
+        assert not both.done()  # TRYAGAIN, sent again meanwhile
+        epoch = lanes.map.epoch
+        await asyncio.to_thread(finish_migration, cluster, a, target, source)
+        assert await asyncio.wait_for(both, 10) == [b"1", b"2"]  # then MOVED, followed
+        assert await lane.execute("INCR", f"{tag}:n") == 1
+        assert lanes.map.known(key_slot(a)).port == target
+        assert lanes.map.epoch != epoch
+        lanes.close()
+
+    asyncio.run(main())
+
+
+def test_a_streamer_and_a_worker_loop_over_a_cluster(cluster: LocalCluster, prefix: str) -> None:
+    """Models on every primary, the library loaded on each primary by the first call there;
+    `broker status` lists them all; dead letters and functions load work."""
+    url = cluster.url()
+    models = models_on_every_primary(cluster, prefix)
+    for port in cluster.primaries():
+        with cluster.client(port) as client:
+            client.function_flush()
+
+    async def serve_and_call() -> list[object]:
+        transport = RedisTransport(url)
+        loops = [
+            BatchLoop(lambda items: items, transport, keys, "w-1", BatchSettings(block_ms=50))
+            for keys in models
+        ]
+        serving = [asyncio.ensure_future(loop.run()) for loop in loops]
+        try:
+            outputs: list[object] = []
+            for keys in models:
+                streamer = Streamer(keys.model, redis_url=url, prefix=prefix,
+                                    wait_for_workers=True)  # fmt: skip
+                outputs += await streamer.apredict([keys.model, "x"], timeout=10)
+                await streamer.aclose()
+            return outputs
+        finally:
+            for loop in loops:
+                loop.stop()
+            await asyncio.gather(*serving)
+            await transport.close()
+
+    outputs = asyncio.run(serve_and_call())
+    assert outputs == [item for keys in models for item in (keys.model, "x")]
+    for port in cluster.primaries():  # loaded by the workers, each on its stream's node
+        with cluster.client(port) as client:
+            assert client.function_list(library=functions.LIBRARY)
+    cli = CliRunner()
+    status = cli.invoke(app, ["status", "--redis", url, "--prefix", prefix, "--json"])
+    assert status.exit_code == 0, status.output
+    rows = json.loads(status.output)
+    assert sorted(row["model"] for row in rows) == sorted(keys.model for keys in models)
+    assert all(row["stream_length"] == 0 and row["pending"] == 0 for row in rows)
+    dead = models[1]
+    with cluster.client(cluster.owner(dead.stream)) as client:
+        client.xadd(dead.dead_letters, {"id": "r1", "dead_reason": "test", "data": b"123"})
+    letters = cli.invoke(app, ["dead-letters", "list", "--name", dead.model, "--prefix", prefix,
+                               "--redis", url, "--json"])  # fmt: skip
+    assert letters.exit_code == 0 and json.loads(letters.output)[0]["reason"] == "test"
+    replayed = cli.invoke(app, ["dead-letters", "replay", "--name", dead.model, "--prefix",
+                                prefix, "--redis", url])  # fmt: skip
+    assert replayed.exit_code == 0 and "replayed 1" in replayed.output
+    with cluster.client(cluster.owner(dead.stream)) as client:
+        assert client.xlen(dead.stream) == 1 and client.xlen(dead.dead_letters) == 0
+    for port in cluster.primaries():
+        with cluster.client(port) as client:
+            client.function_flush()
+    loaded = cli.invoke(app, ["functions", "load", "--redis", url])
+    assert loaded.exit_code == 0 and "loaded the microbatch library" in loaded.output
+    for port in cluster.primaries():
+        with cluster.client(port) as client:
+            assert client.function_list(library=functions.LIBRARY)
+    bad = cli.invoke(
+        app, ["status", "--redis", f"redis+cluster://127.0.0.1:{cluster.nodes[0].port}/3"]
+    )
+    assert bad.exit_code == 2 and "database 0 only" in bad.output
+
+
+def test_worker_start_and_predict_over_a_cluster(cluster: LocalCluster, prefix: str) -> None:
+    """A real `worker start` process and a blocking Streamer, given any node's URL; the
+    worker's heartbeats count on its stream's node."""
+    url = cluster.url(nodes=1)
+    other = f"redis+cluster://127.0.0.1:{cluster.nodes[2].port}"
+    with worker_process(url, "tests.models:Toy", prefix, "--max-latency", "0"):
+        streamer = Streamer("toy", redis_url=other, prefix=prefix)
+        try:
+            outputs = streamer.predict([1, 2, 3], timeout=20)
+        finally:
+            streamer.close()
+    assert [output["item"] for output in outputs] == [1, 2, 3]
+    with connections.sync_client(url) as client:
+        assert isinstance(client, redis.cluster.RedisCluster)
