@@ -26,9 +26,11 @@ PLACEHOLDER = "%PREFIX%"
 DEFAULT_PASSWORD_ENV = "MICROBATCH_REDIS_{ROLE}_PASSWORD"
 OLDEST_REDIS = "7.0"
 
-# What a cluster-aware client sends besides its commands: the slot map, and ASKING / READONLY
-# while following redirections and reading from replicas (`broker acl --cluster`).
-CLUSTER_RULES = "+cluster|slots +cluster|shards +asking +readonly"
+# What a cluster-aware client sends besides its commands (`broker acl --cluster`): the slot
+# map, ASKING / READONLY while following redirections and reading from replicas, COMMAND (redis-py's
+# cluster client reads the command table to find keys), and MULTI / EXEC (microbatch's lanes send
+# a pipeline of one slot as one transaction, so that it runs whole on one node).
+CLUSTER_RULES = "+cluster|slots +cluster|shards +asking +readonly +command +multi +exec"
 
 # Sent by the client library at connect time: HELLO and AUTH need no permission; redis-py >= 5
 # sends CLIENT SETINFO (Redis 7.2's; its refusal is harmless but logged); SELECT for a URL naming

@@ -263,7 +263,7 @@ def acl_users(
         typer.Option(
             "--cluster",
             help="Also allow what cluster-aware clients send: CLUSTER SLOTS|SHARDS, ASKING, "
-            "READONLY.",
+            "READONLY, COMMAND, MULTI and EXEC (a Redis Cluster).",
         ),
     ] = False,
     template: Annotated[

@@ -249,6 +249,21 @@ class SlotLane:
     def __init__(self, lanes: ClusterLanes, slot: int) -> None:
         self._lanes = lanes
         self.slot = slot
+        self.answered_by: Address | None = None  # the node that ran the last command
+
+    async def everywhere(self, *args: Any) -> None:
+        """Run a keyless command on every primary, and on the node that ran this slot's last
+        command (the target of a migration may serve no other slot yet): e.g. FUNCTION LOAD,
+        since each node has its own functions. Raises the first error."""
+        cluster = self._lanes.map
+        await cluster.owner(self.slot)  # the map, read if it must be
+        nodes = dict.fromkeys([*cluster.primaries(), *filter(None, [self.answered_by])])
+        for address in nodes:
+            try:
+                await self._lanes.node(address).execute(*args)
+            except _FAILURES:
+                cluster.failed()
+                raise
 
     @property
     def generation(self) -> Hashable:
@@ -281,6 +296,12 @@ class SlotLane:
                 reply = await lane.execute_blocking(
                     timeout_s, *args, busy_poll_s=busy_poll_s, asking=asking
                 )
+            except ReplicaError as exc:
+                if "no longer exists" not in str(exc):
+                    raise
+                # A blocked read whose key a migration moved away (MIGRATE deletes it here):
+                # nothing was read; it is sent again, and redirected.
+                reply = ResponseError(f"TRYAGAIN {exc}")
             except ResponseError as exc:
                 if _redirect(exc) is None:
                     raise
@@ -333,6 +354,7 @@ class SlotLane:
                 cluster.failed()
                 raise
             text = next(filter(None, map(_redirect, replies)), None)
+            self.answered_by = address
             if text is None:
                 if any(isinstance(reply, RedisConnectionError) for reply in replies):
                     cluster.failed()  # e.g. a demoted primary (READONLY)
@@ -343,6 +365,7 @@ class SlotLane:
                 cluster.failed()
                 raise RedisConnectionError(f"the cluster is down: {text}")
             if kind == "TRYAGAIN":  # keys split by a migration: sent again once it moved on
+                redirects = 0  # (the ASK that led here counts no more: this wait is bounded)
                 now = time.monotonic()
                 give_up = give_up or now + TRYAGAIN_FOR_S
                 if now > give_up:

@@ -91,7 +91,10 @@ class RedisTransport:
         ``warn``, logged once until the library answers again; a worker's loop logs its own)."""
         if self._may_load is not False:
             try:
-                await lane.execute(*functions.LOAD_COMMAND)  # on the node that lacked it
+                if isinstance(lane, SlotLane):  # functions are per node: load on every primary
+                    await lane.everywhere(*functions.LOAD_COMMAND)
+                else:
+                    await lane.execute(*functions.LOAD_COMMAND)
             except ResponseError as exc:  # NOPERM: an operator's job (broker functions load)
                 self._may_load = False
                 log.debug("may not load the microbatch functions: %s", exc)
@@ -267,10 +270,13 @@ class RedisTransport:
         # the commands sent as one transaction: replies written before the acks, or neither).
         lane = self._lane.at(keys.stream)
         try:
-            if reply is not None and lane.generation != self._replies_checked:
+            if reply is not None and (
+                self._cluster is not None or lane.generation != self._replies_checked
+            ):
                 # The first replies on a connection (a fresh one may reach a Redis restarted
                 # without its functions) go alone: the entries are acknowledged only once
-                # their replies are written.
+                # their replies are written. On a cluster they always do: a migrating slot
+                # may send them to a node that lacks the functions at any time.
                 await self._send_replies(reply)
                 reply = None
             if reply is not None:

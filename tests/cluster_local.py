@@ -10,7 +10,7 @@ from pathlib import Path
 
 import redis
 
-from broker.devserver import RedisServer, find_redis_server
+from broker.devserver import RedisServer, find_redis_server, free_port
 from tests.sentinel_local import wait_for
 
 
@@ -40,7 +40,11 @@ class LocalCluster:
             **(redis_config or {}),
         }
         self.replicas = replicas
-        self.nodes = [RedisServer(dict(config)) for _ in range(primaries * (1 + replicas))]
+        # (the bus port is set: the default, port + 10000, may be past 65535 or taken)
+        self.nodes = [
+            RedisServer({**config, "cluster-port": str(free_port())})
+            for _ in range(primaries * (1 + replicas))
+        ]
 
     def url(self, credentials: str = "", query: str = "", nodes: int = 1) -> str:
         """The redis+cluster URL naming the first ``nodes`` nodes."""

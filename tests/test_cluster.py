@@ -189,3 +189,60 @@ def test_worker_start_and_predict_over_a_cluster(cluster: LocalCluster, prefix: 
     assert [output["item"] for output in outputs] == [1, 2, 3]
     with connections.sync_client(url) as client:
         assert isinstance(client, redis.cluster.RedisCluster)
+
+
+def test_the_acl_users_of_broker_acl_cluster_serve_a_cluster(prefix: str) -> None:
+    """The users `broker acl --server --prefix P --cluster` prints, set on every node: the
+    operator loads the functions on every primary, a worker and a caller serve as their own
+    users, the admin reads `broker status`, and no node refused any of them anything."""
+    import re
+
+    from broker import acl
+
+    roles = ("GATEWAY", "WORKER", "ADMIN", "KEDA", "OPERATOR")
+    passwords = {f"PW_{role}": uuid.uuid4().hex for role in roles}
+    lines, _ = acl.render([prefix], server=True, password_env="PW_{ROLE}", cluster=True,
+                          environ=passwords)  # fmt: skip
+
+    def url(user: str, role: str) -> str:
+        return cluster.url(f"{user}:{passwords['PW_' + role]}@")
+
+    with LocalCluster(primaries=3) as cluster:
+        for node in cluster.nodes:
+            with cluster.client(node.port) as client:
+                for line in lines:
+                    _, name, rules = line.split(" ", 2)
+                    if name != "default":  # the tests' own access stays
+                        client.execute_command(
+                            "ACL", "SETUSER", name, *re.findall(r"\([^)]*\)|\S+", rules)
+                        )
+                client.function_flush()
+        cli = CliRunner()
+        loaded = cli.invoke(app, ["functions", "load", "--redis", url("operator", "OPERATOR")])
+        assert loaded.exit_code == 0, loaded.output
+        keys = ModelKeys("echo", prefix)
+
+        async def serve_and_call() -> list[object]:
+            transport = RedisTransport(url(f"{prefix}-worker", "WORKER"))
+            loop = BatchLoop(lambda items: items, transport, keys, "w-1",
+                             BatchSettings(block_ms=50))  # fmt: skip
+            serving = asyncio.ensure_future(loop.run())
+            try:
+                streamer = Streamer("echo", redis_url=url(f"{prefix}-gateway", "GATEWAY"),
+                                    prefix=prefix, wait_for_workers=True)  # fmt: skip
+                outputs: list[object] = await streamer.apredict(["a", "b"], timeout=10)
+                await streamer.aclose()
+                return outputs
+            finally:
+                loop.stop()
+                await serving
+                await transport.close()
+
+        assert asyncio.run(serve_and_call()) == ["a", "b"]
+        admin = url(f"{prefix}-admin", "ADMIN")
+        status = cli.invoke(app, ["status", "--redis", admin, "--prefix", prefix, "--json"])
+        assert status.exit_code == 0, status.output
+        assert [row["model"] for row in json.loads(status.output)] == ["echo"]
+        for node in cluster.nodes:
+            with cluster.client(node.port) as client:
+                assert client.acl_log() == [], (node.port, client.acl_log())
