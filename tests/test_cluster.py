@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -246,3 +247,67 @@ def test_the_acl_users_of_broker_acl_cluster_serve_a_cluster(prefix: str) -> Non
         for node in cluster.nodes:
             with cluster.client(node.port) as client:
                 assert client.acl_log() == [], (node.port, client.acl_log())
+
+
+def migrate_key_by_key(cluster: LocalCluster, key: str, to_port: int) -> int:
+    """Move ``key``'s slot to ``to_port`` a key at a time, with pauses (clients meet it
+    half-migrated); returns how many keys moved."""
+    source = cluster.owner(key)
+    slot = key_slot(key)
+    moved = 0
+    with cluster.client(source) as src, cluster.client(to_port) as dst:
+        src_id, dst_id = src.cluster("myid"), dst.cluster("myid")
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        while names := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1):
+            src.execute_command("MIGRATE", "127.0.0.1", to_port, "", 0, 5000, "KEYS", *names)
+            moved += 1
+            time.sleep(0.05)
+        for port in cluster.primaries():
+            with cluster.client(port) as client:
+                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    return moved
+
+
+def test_calls_and_a_worker_loop_go_on_while_the_model_s_slot_migrates(
+    cluster: LocalCluster, prefix: str
+) -> None:
+    """Calls keep coming while every key of the model moves, one by one, to a primary that
+    lacks the functions: each call is answered right, nothing is dead-lettered, and the
+    library is loaded there by the first call that needs it."""
+    url = cluster.url()
+    keys = ModelKeys("mover", prefix)
+    source = cluster.owner(keys.stream)
+    target = next(port for port in cluster.primaries() if port != source)
+    with cluster.client(target) as client:
+        client.function_flush()
+
+    async def run() -> tuple[list[object], int]:
+        transport = RedisTransport(url)
+        loop = BatchLoop(lambda items: items, transport, keys, "w-1", BatchSettings(block_ms=50))
+        serving = asyncio.ensure_future(loop.run())
+        streamer = Streamer("mover", redis_url=url, prefix=prefix, wait_for_workers=True)
+        try:
+            await streamer.apredict([-1], timeout=10)  # the keys exist before they move
+            migration = asyncio.ensure_future(
+                asyncio.to_thread(migrate_key_by_key, cluster, keys.stream, target)
+            )
+            outputs: list[object] = []
+            number = 0
+            while not migration.done() or number < 20:
+                outputs += await streamer.apredict([number, number + 1], timeout=10)
+                number += 2
+            return outputs, await migration
+        finally:
+            await streamer.aclose()
+            loop.stop()
+            await serving
+            await transport.close()
+
+    outputs, moved = asyncio.run(run())
+    assert moved >= 2  # the stream and its byte counter, at least
+    assert outputs == list(range(len(outputs)))
+    assert cluster.owner(keys.stream) == target
+    with cluster.client(target) as client:
+        assert client.function_list(library=functions.LIBRARY)
+        assert client.xlen(keys.dead_letters) == 0 and client.xlen(keys.stream) == 0
