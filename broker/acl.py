@@ -97,6 +97,16 @@ and `sentinel auth-pass <service> <its password>` in sentinel.conf): watching (P
 ROLE, the hello channel) and failing over (MULTI, SLAVEOF, CONFIG REWRITE, CLIENT KILL,
 EXEC). Off unless its password is set.""",
     ),
+    User(
+        "cluster",
+        "CLUSTER",
+        f"~mb:* resetchannels -@all {CONNECT} +info +command +config|get +cluster +migrate "
+        "+restore +restore-asking +asking +readonly",
+        """A Redis Cluster's administrator: `redis-cli --cluster create` (CLUSTER ADDSLOTS, MEET,
+REPLICATE, ...), `--cluster reshard` (CLUSTER SETSLOT, GETKEYSINSLOT, MIGRATE of microbatch's
+keys, which the target node RESTOREs as this user) and `--cluster check`. Off unless its
+password is set.""",
+    ),
 )
 
 TENANT_USERS = (
@@ -279,7 +289,8 @@ def render(
             if password == "off":
                 unset.append(variable)
         line = _line(user, password, tenant)
-        if cluster and user.name != "default" and user.role not in ("REPLICATION", "SENTINEL"):
+        servers = ("REPLICATION", "SENTINEL", "CLUSTER")
+        if cluster and user.name != "default" and user.role not in servers:
             line += " " + CLUSTER_RULES
         lines.append(_for_version(line, redis_version))
     return lines, unset

@@ -192,6 +192,8 @@ class RedisTransport:
             return QueueFull(f"Redis is full (maxmemory): {text}")
         if text.startswith("MBLIMIT"):
             return InvalidInput(text.removeprefix("MBLIMIT ").strip())
+        if text.startswith("MOVED"):
+            return _cluster_node(text)
         # e.g. an ACL that lacks a command the function runs: a deployment error, said once
         message = f"Redis refused the enqueue: {text}"
         if message != self._refused:
@@ -239,6 +241,8 @@ class RedisTransport:
                 busy_poll_s=busy_poll_s,
             )  # fmt: skip
         except ResponseError as exc:
+            if str(exc).startswith("MOVED"):
+                raise _cluster_node(str(exc)) from exc
             if "NOGROUP" not in str(exc):
                 raise
             # The stream was deleted (FLUSHALL, a purge): recreate it and read again next time.
@@ -483,6 +487,13 @@ async def eviction_warning(client: aioredis.Redis) -> str | None:
     return (
         f"Redis runs with maxmemory-policy {policy}: under memory pressure it may evict "
         "request streams and lose requests; set maxmemory-policy noeviction"
+    )
+
+
+def _cluster_node(moved: str) -> BrokerUnavailable:
+    """What a redis:// URL of a Redis Cluster node gets for a slot the node does not serve."""
+    return BrokerUnavailable(
+        f"Redis answered {moved!r}: it is a node of a Redis Cluster; give a redis+cluster:// URL"
     )
 
 

@@ -311,3 +311,34 @@ def test_calls_and_a_worker_loop_go_on_while_the_model_s_slot_migrates(
     with cluster.client(target) as client:
         assert client.function_list(library=functions.LIBRARY)
         assert client.xlen(keys.dead_letters) == 0 and client.xlen(keys.stream) == 0
+
+
+def test_a_redis_url_of_a_cluster_node_says_to_use_redis_cluster(
+    cluster: LocalCluster, prefix: str
+) -> None:
+    """A redis:// URL means one server: a call whose slot another node serves fails with
+    BrokerUnavailable saying what URL to give, never hangs or goes astray."""
+    from broker.errors import BrokerUnavailable
+
+    keys = next(
+        ModelKeys(f"n{number}", prefix)
+        for number in range(100)
+        if cluster.owner(ModelKeys(f"n{number}", prefix).stream) != cluster.nodes[0].port
+    )
+    url = f"redis://127.0.0.1:{cluster.nodes[0].port}/0"
+    streamer = Streamer(keys.model, redis_url=url, prefix=prefix)
+    try:
+        with pytest.raises(BrokerUnavailable, match="redis\\+cluster://"):
+            streamer.predict([1], timeout=5)
+    finally:
+        streamer.close()
+
+    async def read() -> None:
+        transport = RedisTransport(url)
+        try:
+            with pytest.raises(BrokerUnavailable, match="MOVED"):
+                await transport.read_batch(keys, "w", 1, 10)
+        finally:
+            await transport.close()
+
+    asyncio.run(read())
