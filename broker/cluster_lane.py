@@ -96,6 +96,7 @@ class ClusterMap:
         self._refreshing: asyncio.Future[None] | None = None
         self._refreshed_at = float("-inf")
         self._background: asyncio.Task[None] | None = None
+        self._failing: dict[Address, float] = {}  # nodes that failed lately: asked last
         self.epoch = 0  # changes whenever a slot changes owner
 
     def target(self, address: Address) -> LaneTarget:
@@ -117,8 +118,10 @@ class ClusterMap:
         """The primary serving ``slot`` (the map read first when it must be)."""
         if self._stale or self._slots[slot] is None:
             await self.refresh()
-        elif self._wanted and self._background is None:
-            self._background = asyncio.get_running_loop().create_task(self._refresh_soon())
+        elif self._wanted:
+            loop, task = asyncio.get_running_loop(), self._background
+            if task is None or task.done() or task.get_loop() is not loop:
+                self._background = loop.create_task(self._refresh_soon())
         address = self._slots[slot]
         if address is None:
             raise RedisConnectionError(f"no node of the cluster serves hash slot {slot}")
@@ -132,24 +135,25 @@ class ClusterMap:
             self.epoch += 1
         self._wanted = True
 
-    def failed(self) -> None:
-        """A node could not be reached, or the cluster is down: read the map before the next
-        command (a failover may have promoted a replica)."""
+    def failed(self, address: Address | None = None) -> None:
+        """A node (``address``) could not be reached, or the cluster is down: read the map
+        before the next command (a failover may have promoted a replica), asking that node
+        last (a host gone silent would make each read wait out the connect timeout first)."""
         self._stale = True
+        if address is not None:
+            self._failing[address] = time.monotonic()
 
     async def _refresh_soon(self) -> None:
-        try:
-            with contextlib.suppress(*_FAILURES):
-                await self.refresh()
-        finally:
-            self._background = None
+        with contextlib.suppress(*_FAILURES):
+            await self.refresh()
 
     async def refresh(self) -> None:
         """Read the slot map from the first node that answers (one read at a time, at most
         every :data:`REFRESH_EVERY_S`); a connection error if none does."""
         loop = asyncio.get_running_loop()
-        if self._refreshing is not None and not self._refreshing.done():
-            return await asyncio.shield(self._refreshing)
+        refreshing = self._refreshing
+        if refreshing is not None and not refreshing.done() and refreshing.get_loop() is loop:
+            return await asyncio.shield(refreshing)
         if time.monotonic() - self._refreshed_at < REFRESH_EVERY_S and any(self._slots):
             return None  # just read: the nodes have not changed their minds yet
         self._refreshing = future = loop.create_future()
@@ -167,18 +171,21 @@ class ClusterMap:
 
     async def _read(self) -> None:
         self._refreshed_at = time.monotonic()
-        candidates = [*self.primaries(), *self.url.nodes]
+        candidates = list(dict.fromkeys([*self.primaries(), *self.url.nodes]))
+        candidates.sort(key=lambda address: self._failing.get(address, 0.0))  # stable
         last: Exception | None = None
-        for address in dict.fromkeys(candidates):
+        for address in candidates:
             lane = RespLane(self.target(address), self.connect_timeout_s, self.connect_timeout_s)
             try:
                 slots = await lane.execute("CLUSTER", "SLOTS")
             except (*_FAILURES, ResponseError) as exc:
                 last = exc
+                self._failing[address] = time.monotonic()
                 continue
             finally:
                 lane.close()
             self._learn(slots, address)
+            self._failing.pop(address, None)
             return
         raise RedisConnectionError(f"no node of the cluster answers: {last}")
 
@@ -262,7 +269,7 @@ class SlotLane:
             try:
                 await self._lanes.node(address).execute(*args)
             except _FAILURES:
-                cluster.failed()
+                cluster.failed(address)
                 raise
 
     @property
@@ -351,7 +358,7 @@ class SlotLane:
             try:
                 replies = await send(self._lanes.node(address), ask is not None)
             except _FAILURES:
-                cluster.failed()
+                cluster.failed(address)
                 raise
             text = next(filter(None, map(_redirect, replies)), None)
             self.answered_by = address
