@@ -41,6 +41,15 @@ def models_on_every_primary(cluster: LocalCluster, prefix: str) -> list[ModelKey
     raise AssertionError("no model names spread over every primary")
 
 
+def test_every_key_of_a_model_shares_its_hash_slot() -> None:
+    """What keeps each multi-key command and function call of a model on one node."""
+    keys = ModelKeys("m", "p.x")
+    names = [keys.stream, keys.dead_letters, keys.consumers, keys.cancelled, keys.queued_bytes,
+             keys.queue_bound, keys.inbox("c-1"), keys.heartbeat("w-1")]  # fmt: skip
+    assert len({key_slot(name) for name in names}) == 1
+    assert key_slot(ModelKeys("n", "p.x").stream) != key_slot(keys.stream)
+
+
 def migrate_slot(cluster: LocalCluster, key: str, to_port: int, keys_first: int | None) -> None:
     """Move ``key``'s slot to the primary at ``to_port`` by hand (what `redis-cli --cluster
     reshard` does): IMPORTING / MIGRATING, MIGRATE of the keys (only the first ``keys_first``
@@ -282,6 +291,8 @@ def test_calls_and_a_worker_loop_go_on_while_the_model_s_slot_migrates(
     with cluster.client(target) as client:
         client.function_flush()
 
+    epochs: list[int] = []
+
     async def run() -> tuple[list[object], int]:
         transport = RedisTransport(url)
         loop = BatchLoop(lambda items: items, transport, keys, "w-1", BatchSettings(block_ms=50))
@@ -289,6 +300,7 @@ def test_calls_and_a_worker_loop_go_on_while_the_model_s_slot_migrates(
         streamer = Streamer("mover", redis_url=url, prefix=prefix, wait_for_workers=True)
         try:
             await streamer.apredict([-1], timeout=10)  # the keys exist before they move
+            epochs.append(transport.clock_epoch)
             migration = asyncio.ensure_future(
                 asyncio.to_thread(migrate_key_by_key, cluster, keys.stream, target)
             )
@@ -297,7 +309,10 @@ def test_calls_and_a_worker_loop_go_on_while_the_model_s_slot_migrates(
             while not migration.done() or number < 20:
                 outputs += await streamer.apredict([number, number + 1], timeout=10)
                 number += 2
-            return outputs, await migration
+            moved = await migration
+            await streamer.apredict([number], timeout=10)
+            epochs.append(transport.clock_epoch)
+            return outputs, moved
         finally:
             await streamer.aclose()
             loop.stop()
@@ -306,6 +321,7 @@ def test_calls_and_a_worker_loop_go_on_while_the_model_s_slot_migrates(
 
     outputs, moved = asyncio.run(run())
     assert moved >= 2  # the stream and its byte counter, at least
+    assert epochs[0] != epochs[1]  # the worker's clock is read again, from the new node
     assert outputs == list(range(len(outputs)))
     assert cluster.owner(keys.stream) == target
     with cluster.client(target) as client:
