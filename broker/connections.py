@@ -140,6 +140,43 @@ def _startup_nodes(url: ClusterURL, node_class: Any) -> list[Any]:
     return [node_class(a.host, a.port) for a in url.nodes]
 
 
+# What a redis-py client of any URL raises when Redis cannot serve: its errors, and those of its
+# cluster client that are no RedisError (no node of the cluster reachable, a slot not covered).
+REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
+
+
+class _LazyCluster(redis.cluster.RedisCluster):
+    """redis-py's cluster client, which reads the slot map at its first command rather than
+    when it is made (as every other client here connects): a process that starts before the
+    cluster answers waits for it like any other, instead of failing at once. A cluster that
+    cannot be reached is a redis-py ConnectionError, as a single Redis would be."""
+
+    def __init__(self, **kwargs: Any) -> None:  # the real one runs at first use
+        self.__dict__["_lazy_kwargs"] = kwargs
+
+    def __getattr__(self, name: str) -> Any:
+        kwargs = self.__dict__.get("_lazy_kwargs")
+        if kwargs is None or name.startswith("__"):
+            raise AttributeError(name)
+        self.__dict__["_lazy_kwargs"] = None
+        try:
+            super().__init__(**kwargs)
+        except redis.exceptions.RedisClusterException as exc:
+            self.__dict__["_lazy_kwargs"] = kwargs
+            raise redis.ConnectionError(str(exc)) from None
+        return getattr(self, name)
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]
+        except redis.exceptions.RedisClusterException as exc:
+            raise redis.ConnectionError(str(exc)) from None
+
+    def close(self) -> None:
+        if self.__dict__.get("_lazy_kwargs") is None:  # never connected: nothing to close
+            super().close()
+
+
 def sync_client(url: str | RedisURL, **options: Any) -> redis.Redis:
     """redis-py's client of ``url`` (a failed command retried once); ``options`` are
     redis-py's (socket_timeout, ...)."""
@@ -148,7 +185,7 @@ def sync_client(url: str | RedisURL, **options: Any) -> redis.Redis:
     if isinstance(parsed, ClusterURL):
         kwargs = _cluster_options(parsed, options, redis.cluster.RedisCluster.__init__)
         nodes = _startup_nodes(parsed, redis.cluster.ClusterNode)
-        return cast(redis.Redis, redis.cluster.RedisCluster(startup_nodes=nodes, **kwargs))
+        return cast(redis.Redis, _LazyCluster(startup_nodes=nodes, **kwargs))
     if not isinstance(parsed, SentinelURL):
         return redis.Redis.from_url(parsed.url, **options)
     master, sentinel_kwargs = _sentinel_options(parsed, options, SyncRetry(NoBackoff(), 0))

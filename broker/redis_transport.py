@@ -20,7 +20,7 @@ from itertools import chain
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import BusyLoadingError, ResponseError
+from redis.exceptions import BusyLoadingError, RedisClusterException, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -37,7 +37,8 @@ from .transport import Entry, QueueBound, Redelivery, entry_data_size
 
 log = logging.getLogger("microbatch.redis")
 
-UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+# (and redis-py's cluster client's own: no node of the cluster reachable, a slot not covered)
+UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError, RedisClusterException)
 
 
 connect = connections.async_client  # an asyncio redis-py client of a URL

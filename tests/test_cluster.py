@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -358,3 +359,26 @@ def test_a_redis_url_of_a_cluster_node_says_to_use_redis_cluster(
             await transport.close()
 
     asyncio.run(read())
+
+
+def test_a_worker_started_before_the_cluster_answers_waits_for_it() -> None:
+    """As with one Redis: no node answering is `--redis-wait` seconds of waiting, then one
+    error line (exit status 2), never a traceback; the password never shows."""
+    import subprocess
+    import sys
+
+    from broker.devserver import free_port
+    from tests.conftest import ROOT
+
+    url = f"redis+cluster://worker:s3cret@127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    done = subprocess.run(
+        [sys.executable, "-m", "gpu_worker.cli", "start", "--model", "tests.models:Toy",
+         "--redis", url, "--redis-wait", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: Redis at redis+cluster://worker:***@127.0.0.1:"), last
+    assert "did not answer within 2 s (--redis-wait)" in last
+    assert "Traceback" not in done.stderr and "s3cret" not in done.stderr
