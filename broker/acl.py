@@ -26,9 +26,11 @@ PLACEHOLDER = "%PREFIX%"
 DEFAULT_PASSWORD_ENV = "MICROBATCH_REDIS_{ROLE}_PASSWORD"
 OLDEST_REDIS = "7.0"
 
-# What a cluster-aware client sends besides its commands: the slot map, and ASKING / READONLY
-# while following redirections and reading from replicas (`broker acl --cluster`).
-CLUSTER_RULES = "+cluster|slots +cluster|shards +asking +readonly"
+# What a cluster-aware client sends besides its commands (`broker acl --cluster`): the slot
+# map, ASKING / READONLY while following redirections and reading from replicas, COMMAND (redis-py's
+# cluster client reads the command table to find keys), and MULTI / EXEC (microbatch's lanes send
+# a pipeline of one slot as one transaction, so that it runs whole on one node).
+CLUSTER_RULES = "+cluster|slots +cluster|shards +asking +readonly +command +multi +exec"
 
 # Sent by the client library at connect time: HELLO and AUTH need no permission; redis-py >= 5
 # sends CLIENT SETINFO (Redis 7.2's; its refusal is harmless but logged); SELECT for a URL naming
@@ -94,6 +96,16 @@ redis.conf; Sentinel setups): off unless its password is set.""",
 and `sentinel auth-pass <service> <its password>` in sentinel.conf): watching (PING, INFO,
 ROLE, the hello channel) and failing over (MULTI, SLAVEOF, CONFIG REWRITE, CLIENT KILL,
 EXEC). Off unless its password is set.""",
+    ),
+    User(
+        "cluster",
+        "CLUSTER",
+        f"~mb:* resetchannels -@all {CONNECT} +info +command +config|get +cluster +migrate "
+        "+restore +restore-asking +asking +readonly",
+        """A Redis Cluster's administrator: `redis-cli --cluster create` (CLUSTER ADDSLOTS, MEET,
+REPLICATE, ...), `--cluster reshard` (CLUSTER SETSLOT, GETKEYSINSLOT, MIGRATE of microbatch's
+keys, which the target node RESTOREs as this user) and `--cluster check`. Off unless its
+password is set.""",
     ),
 )
 
@@ -277,7 +289,8 @@ def render(
             if password == "off":
                 unset.append(variable)
         line = _line(user, password, tenant)
-        if cluster and user.name != "default" and user.role not in ("REPLICATION", "SENTINEL"):
+        servers = ("REPLICATION", "SENTINEL", "CLUSTER")
+        if cluster and user.name != "default" and user.role not in servers:
             line += " " + CLUSTER_RULES
         lines.append(_for_version(line, redis_version))
     return lines, unset

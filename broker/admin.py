@@ -10,7 +10,7 @@ from typing import Any
 import redis
 
 from .keys import ModelKeys
-from .liveness import redis_time_ms
+from .liveness import server_time_ms
 from .protocol import F_DATA, F_ID
 
 STREAM_KEY = re.compile(r"^mb:\{(?P<prefix>[^:}]+):(?P<model>[^}]+)\}:requests$")
@@ -21,12 +21,13 @@ def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
 
 
-def _now_ms(client: redis.Redis) -> int:
-    return redis_time_ms(client.time())
+def _now_ms(client: redis.Redis, keys: ModelKeys) -> int:
+    return server_time_ms(client, keys.stream)  # the clock of the node holding the model
 
 
 def find_models(client: redis.Redis, prefix: str | None = None) -> list[ModelKeys]:
-    """Every (prefix, model) with a request stream, optionally under one prefix."""
+    """Every (prefix, model) with a request stream, optionally under one prefix (SCAN of
+    every primary of a Redis Cluster)."""
     pattern = f"mb:{{{prefix}:*}}:requests" if prefix else "mb:{*}:requests"
     found = set()
     for key in client.scan_iter(match=pattern, count=1000, _type="stream"):
@@ -69,7 +70,7 @@ class ModelStatus:
 
 def model_status(client: redis.Redis, keys: ModelKeys) -> ModelStatus:
     """A snapshot of one model's queue, workers and dead letters."""
-    now_ms = _now_ms(client)
+    now_ms = _now_ms(client, keys)
     pipe = client.pipeline(transaction=False)
     pipe.xlen(keys.stream)
     pipe.get(keys.queued_bytes)
@@ -153,7 +154,7 @@ class DeadLetter:
 
 def dead_letters(client: redis.Redis, keys: ModelKeys, count: int = 100) -> list[DeadLetter]:
     """The oldest ``count`` dead letters of a model."""
-    now_ms = _now_ms(client)
+    now_ms = _now_ms(client, keys)
     out = []
     entries: Any = client.xrange(keys.dead_letters, count=count)
     for dead_id, fields in entries:

@@ -258,7 +258,7 @@ def acl_users(
         typer.Option(
             "--cluster",
             help="Also allow what cluster-aware clients send: CLUSTER SLOTS|SHARDS, ASKING, "
-            "READONLY.",
+            "READONLY, COMMAND, MULTI and EXEC (a Redis Cluster).",
         ),
     ] = False,
     template: Annotated[
@@ -300,7 +300,8 @@ def load_functions(redis_url: RedisOption = DEFAULT_REDIS_URL) -> None:
     """Load the microbatch library into Redis, replacing any older one (FUNCTION LOAD REPLACE).
 
     Run it once per Redis (and again after a Redis without persistence restarts, or after an
-    upgrade of microbatch), as a user allowed to load functions. Safe to repeat.
+    upgrade of microbatch), as a user allowed to load functions; with a redis+cluster:// URL it
+    loads every primary (run it again after adding a node). Safe to repeat.
     """
     client = _connect(redis_url)
     try:

@@ -21,7 +21,8 @@ LOG_FORMAT_HELP = "text, or json: one JSON object per line."
 REDIS_HELP = (
     "Redis URL: redis://[user:password@]host:port/db (rediss:// for TLS), or "
     "redis+sentinel://[user:password@]host:26379,host:26379/service[/db] for a Sentinel "
-    "service's master (docs/deployment.md)."
+    "service's master, or redis+cluster://[user:password@]host:port[,host:port] for a Redis "
+    "Cluster (docs/deployment.md)."
 )
 
 

@@ -2,34 +2,42 @@
 
 - :func:`sync_client`: redis-py's client (heartbeats, the `broker` CLI, admin tools);
 - :func:`async_client`: redis-py's asyncio client (consumer groups, takeovers, INFO, health);
-- :func:`lane`: a lean hot-path connection (:class:`~broker.resp_lane.RespLane`).
+- :func:`lane`: a lean hot-path connection (:class:`~broker.resp_lane.RespLane`), or for a
+  cluster lanes to each node routed by hash slot (:class:`~broker.cluster_lane.ClusterLanes`);
+  either way ``lane.at(key)`` is the lane for a key.
 
 A redis://, rediss:// or unix:// URL goes to redis-py as it is, and lanes connect to its fixed
 address. A redis+sentinel:// URL gives redis-py clients through
 :meth:`redis.sentinel.Sentinel.master_for`, which ask the sentinels where the master is at each
 connect and reconnect after a failover (a ``READONLY`` reply included), and lanes that do the
 same (:class:`~broker.sentinel.SentinelMaster`); both also re-ask about once a second while in
-use, and leave a master that a failover replaced even while it still takes writes. Another
-topology (a cluster router, say) is one more kind of parsed URL and its branch here; lanes
-themselves only ever connect to one server.
+use, and leave a master that a failover replaced even while it still takes writes. A
+redis+cluster:// URL gives redis-py's cluster clients (:class:`redis.cluster.RedisCluster`,
+following MOVED and ASK themselves) and :class:`~broker.cluster_lane.ClusterLanes`, which keep
+one lean connection per node and follow them too. (The cluster clients are typed as the plain
+ones here: they take the same commands, each sent to the node of its key.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.cluster as async_cluster
 import redis.asyncio.sentinel as async_sentinel
+import redis.cluster
 import redis.sentinel
 from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry as SyncRetry
 
-from .redis_url import RedisURL, SentinelURL, describe, parse
+from .cluster_lane import ClusterLanes, ClusterMap
+from .redis_url import ClusterURL, DirectURL, RedisURL, SentinelURL, describe, parse
 from .resp_lane import (
     CONNECT_TIMEOUT_S,
     FOLLOW_EVERY_S,
@@ -173,11 +181,67 @@ def _sentinel_options(
     return master, sentinels
 
 
+def _cluster_options(url: ClusterURL, options: dict[str, Any], accepted: Any) -> dict[str, Any]:
+    """The caller's ``options`` with the URL's (which win), keeping those ``accepted`` (a
+    cluster client's signature) takes, if it names them."""
+    merged = {**options, **url.node_kwargs()}
+    merged.pop("db", None)
+    names = inspect.signature(accepted).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in names.values()):
+        return merged
+    return {k: v for k, v in merged.items() if k in names}
+
+
+def _startup_nodes(url: ClusterURL, node_class: Any) -> list[Any]:
+    return [node_class(a.host, a.port) for a in url.nodes]
+
+
+# What a redis-py client of any URL raises when Redis cannot serve: its errors, and those of its
+# cluster client that are no RedisError (no node of the cluster reachable, a slot not covered).
+REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
+
+
+class _LazyCluster(redis.cluster.RedisCluster):
+    """redis-py's cluster client, which reads the slot map at its first command rather than
+    when it is made (as every other client here connects): a process that starts before the
+    cluster answers waits for it like any other, instead of failing at once. A cluster that
+    cannot be reached is a redis-py ConnectionError, as a single Redis would be."""
+
+    def __init__(self, **kwargs: Any) -> None:  # the real one runs at first use
+        self.__dict__["_lazy_kwargs"] = kwargs
+
+    def __getattr__(self, name: str) -> Any:
+        kwargs = self.__dict__.get("_lazy_kwargs")
+        if kwargs is None or name.startswith("__"):
+            raise AttributeError(name)
+        self.__dict__["_lazy_kwargs"] = None
+        try:
+            super().__init__(**kwargs)
+        except redis.exceptions.RedisClusterException as exc:
+            self.__dict__["_lazy_kwargs"] = kwargs
+            raise redis.ConnectionError(str(exc)) from None
+        return getattr(self, name)
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]
+        except redis.exceptions.RedisClusterException as exc:
+            raise redis.ConnectionError(str(exc)) from None
+
+    def close(self) -> None:
+        if self.__dict__.get("_lazy_kwargs") is None:  # never connected: nothing to close
+            super().close()
+
+
 def sync_client(url: str | RedisURL, **options: Any) -> redis.Redis:
     """redis-py's client of ``url`` (a failed command retried once); ``options`` are
     redis-py's (socket_timeout, ...)."""
     parsed = parse(url)
     options.setdefault("retry", SyncRetry(NoBackoff(), RETRIES))
+    if isinstance(parsed, ClusterURL):
+        kwargs = _cluster_options(parsed, options, redis.cluster.RedisCluster.__init__)
+        nodes = _startup_nodes(parsed, redis.cluster.ClusterNode)
+        return cast(redis.Redis, _LazyCluster(startup_nodes=nodes, **kwargs))
     if not isinstance(parsed, SentinelURL):
         return redis.Redis.from_url(parsed.url, **options)
     master, sentinel_kwargs = _sentinel_options(parsed, options, SyncRetry(NoBackoff(), 0))
@@ -207,6 +271,10 @@ def async_client(url: str | RedisURL, **options: Any) -> aioredis.Redis:
     options.setdefault("socket_keepalive_options", keepalive_options())
     options.setdefault("health_check_interval", 15)
     options["decode_responses"] = False
+    if isinstance(parsed, ClusterURL):
+        kwargs = _cluster_options(parsed, options, async_cluster.RedisCluster.__init__)
+        nodes = _startup_nodes(parsed, async_cluster.ClusterNode)
+        return cast(aioredis.Redis, async_cluster.RedisCluster(startup_nodes=nodes, **kwargs))
     if not isinstance(parsed, SentinelURL):
         return use_hiredis_packing(aioredis.Redis.from_url(parsed.url, **options))
     master, sentinel_kwargs = _sentinel_options(parsed, options, AsyncRetry(NoBackoff(), 0))
@@ -221,9 +289,13 @@ def async_client(url: str | RedisURL, **options: Any) -> aioredis.Redis:
     return use_hiredis_packing(client)
 
 
-def lane_target(url: str | RedisURL, connect_timeout_s: float = CONNECT_TIMEOUT_S) -> LaneTarget:
-    """Where a lane of ``url`` connects, and how it logs in."""
+def lane_target(
+    url: str | RedisURL, connect_timeout_s: float = CONNECT_TIMEOUT_S
+) -> LaneTarget | ClusterMap:
+    """Where a lane of ``url`` connects, and how it logs in (for a cluster: its slot map)."""
     parsed = parse(url)
+    if isinstance(parsed, ClusterURL):
+        return ClusterMap(parsed, connect_timeout_s)
     if not isinstance(parsed, SentinelURL):
         return LaneTarget.from_url(parsed.url)
     tls = make_ssl_context(dict(parsed.options)) if parsed.tls else None
@@ -239,6 +311,23 @@ def lane(
     reply_timeout_s: float | None = REPLY_TIMEOUT_S,
 ) -> RespLane:
     """A lean connection to ``url``'s Redis (its master, for a Sentinel URL). Lanes given
-    one :func:`lane_target` share its way of finding the master."""
+    one :func:`lane_target` share its way of finding the master. (A cluster's: :func:`lanes`.)"""
     target = url if isinstance(url, LaneTarget) else lane_target(url, connect_timeout_s)
+    if isinstance(target, ClusterMap):
+        raise ValueError("a cluster has a lane per node: use connections.lanes")
     return RespLane(target, connect_timeout_s, reply_timeout_s)
+
+
+def lanes(
+    url: str | RedisURL | LaneTarget | ClusterMap,
+    connect_timeout_s: float = CONNECT_TIMEOUT_S,
+    reply_timeout_s: float | None = REPLY_TIMEOUT_S,
+) -> RespLane | ClusterLanes:
+    """:func:`lane`, or for a cluster a lane to each node routed by hash slot; either way
+    ``lanes(...).at(key)`` is the lane for ``key``. Those given one :func:`lane_target` share
+    its way of finding the master (or the slot map)."""
+    if isinstance(url, (str, DirectURL, SentinelURL, ClusterURL)):
+        url = lane_target(url, connect_timeout_s)
+    if isinstance(url, ClusterMap):
+        return ClusterLanes(url, connect_timeout_s, reply_timeout_s)
+    return RespLane(url, connect_timeout_s, reply_timeout_s)

@@ -13,8 +13,9 @@ Four functions, called with FCALL (docs/protocol.md, sections 6, 7, 8 and 10.6):
 Every function takes the library version its caller was written for as its first argument and
 refuses a newer one (``MBVERSION``), so a library older than its callers is detected on the
 first call. The library is loaded with ``FUNCTION LOAD REPLACE`` by ``broker functions load``
-(an operator's user); a caller or worker whose Redis user may load functions (the default user
-of a development Redis) loads it by itself when it finds it missing or old.
+(an operator's user; on every primary of a Redis Cluster, since functions are per node); a
+caller or worker whose Redis user may load functions (the default user of a development Redis)
+loads it by itself when it finds it missing or old (on the node that lacks it).
 
 Arguments are flat (no blob to unpack): Redis hands a function its arguments as Lua strings,
 and each function checks their shape and its per-call caps before it writes anything.
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import re
 from typing import Any
+
+from redis.cluster import RedisCluster
 
 LIBRARY = "microbatch"
 VERSION = 1
@@ -261,21 +264,39 @@ def missing_message(error: BaseException) -> str:
     return f"the microbatch functions are not loaded in Redis: {HOW_TO_LOAD}"
 
 
+def _targets(client: Any) -> list[dict[str, Any]]:
+    """How to address each server the library must be in: every primary of a Redis Cluster
+    (``target_nodes``), or the one server of any other client."""
+    if isinstance(client, RedisCluster):
+        return [{"target_nodes": node} for node in client.get_primaries()]  # type: ignore[no-untyped-call]
+    return [{}]
+
+
 def loaded_version(client: Any) -> int | None:
-    """The version of the library loaded in Redis (a redis-py client), or None if none is."""
-    found: Any = client.execute_command("FUNCTION", "LIST", "LIBRARYNAME", LIBRARY, "WITHCODE")
-    for library in found or []:
-        info = _as_dict(library)
-        if _text(info.get("library_name")) == LIBRARY:
-            return code_version(_text(info.get("library_code", "")))
-    return None
+    """The version of the library loaded in Redis (a redis-py client), or None if none is;
+    of a Redis Cluster, the oldest of its primaries' (None if one lacks it)."""
+    versions = []
+    for target in _targets(client):
+        found: Any = client.execute_command(
+            "FUNCTION", "LIST", "LIBRARYNAME", LIBRARY, "WITHCODE", **target
+        )
+        version = None
+        for library in found or []:
+            info = _as_dict(library)
+            if _text(info.get("library_name")) == LIBRARY:
+                version = code_version(_text(info.get("library_code", "")))
+        if version is None:
+            return None
+        versions.append(version)
+    return min(versions, default=None)
 
 
 def load(client: Any) -> tuple[int | None, int]:
-    """Load (or replace) the library with a redis-py client: (the version it replaced, or
-    None, and the version now loaded)."""
+    """Load (or replace) the library with a redis-py client (on every primary of a Redis
+    Cluster): (the version it replaced, or None, and the version now loaded)."""
     before = loaded_version(client)
-    client.execute_command(*LOAD_COMMAND)
+    for target in _targets(client):
+        client.execute_command(*LOAD_COMMAND, **target)
     return before, VERSION
 
 

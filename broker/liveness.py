@@ -12,6 +12,8 @@ from typing import Any
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.cluster as async_cluster
+import redis.cluster
 
 from .keys import ModelKeys
 
@@ -26,15 +28,30 @@ def _names(members: Any) -> list[str]:
     return [m.decode() if isinstance(m, bytes) else str(m) for m in members]
 
 
+def server_time_ms(client: redis.Redis, key: str) -> int:
+    """The clock (TIME, ms) of the server holding ``key``: of a Redis Cluster, the primary
+    serving its slot (the one that stamps its stream ids and scores its heartbeats)."""
+    if isinstance(client, redis.cluster.RedisCluster):
+        return redis_time_ms(client.time(target_nodes=client.get_node_from_key(key)))
+    return redis_time_ms(client.time())
+
+
+async def async_server_time_ms(client: aioredis.Redis, key: str) -> int:
+    """:func:`server_time_ms` with an asyncio client."""
+    if isinstance(client, async_cluster.RedisCluster):
+        return redis_time_ms(await client.time(target_nodes=client.get_node_from_key(key)))
+    return redis_time_ms(await client.time())
+
+
 def live_consumers(client: redis.Redis, keys: ModelKeys) -> list[str]:
     """The live consumers of a model (synchronous client)."""
-    now_ms = redis_time_ms(client.time())
+    now_ms = server_time_ms(client, keys.consumers)
     return _names(client.zrangebyscore(keys.consumers, now_ms, "+inf"))
 
 
 async def alive_consumers(client: aioredis.Redis, keys: ModelKeys) -> list[str]:
     """The live consumers of a model (asyncio client)."""
-    now_ms = redis_time_ms(await client.time())
+    now_ms = await async_server_time_ms(client, keys.consumers)
     return _names(await client.zrangebyscore(keys.consumers, now_ms, "+inf"))
 
 

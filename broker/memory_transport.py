@@ -38,6 +38,8 @@ class _List:
 class InMemoryTransport:
     """:class:`broker.transport.Transport` inside one process: no Redis, same behaviour."""
 
+    clock_epoch = 0  # one clock, this process's
+
     def __init__(self) -> None:
         self._streams: dict[str, _Stream] = {}
         self._lists: dict[str, _List] = {}

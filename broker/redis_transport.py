@@ -1,8 +1,10 @@
 """The transport over Redis Streams.
 
 The hot path (enqueue, the reply reader, the worker's reads, replies and acks) runs on lean
-connections (:class:`broker.resp_lane.RespLane`); the rest (consumer groups, taking over a
-dead worker's entries, dead letters, INFO) on redis-py's asyncio client; both made by
+connections (:class:`broker.resp_lane.RespLane`; for a Redis Cluster, one per node, routed by
+hash slot and following its redirections: :mod:`broker.cluster_lane`); the rest (consumer
+groups, taking over a dead worker's entries, dead letters, INFO) on redis-py's asyncio client
+(its cluster client for a cluster); both made by
 :mod:`broker.connections` from the URL (one Redis, or a Sentinel service's master, followed
 across failovers: a failing connection is BrokerUnavailable until it is back). What must be atomic
 (the bounded enqueue, withdrawals, retiring a consumer) or checked key by key (replies) runs in
@@ -18,23 +20,25 @@ from itertools import chain
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import BusyLoadingError, ResponseError
+from redis.exceptions import BusyLoadingError, RedisClusterException, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import connections, functions
+from .cluster_lane import ClusterMap, SlotLane
 from .errors import BrokerUnavailable, InvalidInput, MicrobatchError, QueueFull
 from .functions import ENQUEUE, MAX_CALL_BYTES, MAX_CALL_ENTRIES, REPLY, RETIRE, WITHDRAW
 from .keys import ModelKeys
 from .liveness import lapsed_s, redis_time_ms
 from .protocol import CallRequests
 from .redis_url import parse as parse_url
-from .resp_lane import CONNECT_TIMEOUT_S, bulk_strings
+from .resp_lane import CONNECT_TIMEOUT_S, RespLane, bulk_strings
 from .transport import Entry, QueueBound, Redelivery, entry_data_size
 
 log = logging.getLogger("microbatch.redis")
 
-UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+# (and redis-py's cluster client's own: no node of the cluster reachable, a slot not covered)
+UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError, RedisClusterException)
 
 
 connect = connections.async_client  # an asyncio redis-py client of a URL
@@ -54,27 +58,44 @@ class RedisTransport:
         parsed = parse_url(url)
         self.redis = connections.async_client(parsed, **options)
         connect_timeout_s = float(options.get("socket_connect_timeout") or CONNECT_TIMEOUT_S)
-        target = connections.lane_target(parsed, connect_timeout_s)  # shared: one sentinel query
-        self._lane = connections.lane(target, connect_timeout_s)  # commands that answer at once
+        # shared: one sentinel query, or one slot map of a cluster
+        target = connections.lane_target(parsed, connect_timeout_s)
+        self._cluster = target if isinstance(target, ClusterMap) else None
+        # Each is one lane, or a cluster's lane per node: `.at(key)` picks the one for a key.
+        self._lane = connections.lanes(target, connect_timeout_s)  # commands that answer at once
         # blocking reads, each bounded by its own timeout instead of the lane's reply timeout
-        self._reads = connections.lane(target, connect_timeout_s, None)  # the worker's XREADGROUP
-        self._replies = connections.lane(target, connect_timeout_s, None)  # the caller's BLMPOP
+        self._reads = connections.lanes(target, connect_timeout_s, None)  # the worker's XREADGROUP
+        self._replies = connections.lanes(target, connect_timeout_s, None)  # the caller's BLMPOP
+        # The stream of the model this transport last set up: keyless commands (TIME, the
+        # library check) go to its node, so a worker's clock is that of its stream's node.
+        self._home = ""
         self.cancellations_pending = True  # as of the last finish(); True until known
         self._enqueues = EnqueuePacker()
         self._may_load: bool | None = None  # whether this user may load the library
         self._library_warned = False  # a warning about the library is standing
         self._loading_warned = False  # a warning about Redis loading its data is standing
-        self._replies_checked = -1  # the lane connection on which mb_reply last answered
+        self._replies_checked: object = -1  # the lane connection on which mb_reply last answered
         self._refused = ""  # the last refusal of an enqueue warned of
 
     # -- the functions library ------------------------------------------------------------
-    async def _library_failed(self, error: ResponseError, warn: bool = True) -> None:
+    @property
+    def clock_epoch(self) -> int:
+        """Changes when the node holding a stream may have changed (a cluster's slot moved):
+        a clock estimated from TIME is then to be estimated again."""
+        return self._cluster.epoch if self._cluster is not None else 0
+
+    async def _library_failed(
+        self, error: ResponseError, lane: RespLane | SlotLane, warn: bool = True
+    ) -> None:
         """FCALL found the library missing or old: load it if this Redis user may (once, and
         never again once refused), else raise BrokerUnavailable saying what to do (with
         ``warn``, logged once until the library answers again; a worker's loop logs its own)."""
         if self._may_load is not False:
             try:
-                await self._lane.execute(*functions.LOAD_COMMAND)
+                if isinstance(lane, SlotLane):  # functions are per node: load on every primary
+                    await lane.everywhere(*functions.LOAD_COMMAND)
+                else:
+                    await lane.execute(*functions.LOAD_COMMAND)
             except ResponseError as exc:  # NOPERM: an operator's job (broker functions load)
                 self._may_load = False
                 log.debug("may not load the microbatch functions: %s", exc)
@@ -99,14 +120,15 @@ class RedisTransport:
         """FCALL one of the library's functions on the lane, loading the library first if
         it is missing and this user may."""
         command = ("FCALL", name, len(keys), *keys, functions.VERSION, *args)
+        lane = self._lane.at(keys[0] if keys else self._home)
         try:
             try:
-                reply = await self._lane.execute(*command)
+                reply = await lane.execute(*command)
             except ResponseError as exc:
                 if not functions.is_missing(exc):
                     raise
-                await self._library_failed(exc, warn)
-                reply = await self._lane.execute(*command)
+                await self._library_failed(exc, lane, warn)
+                reply = await lane.execute(*command)
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
         self._library_answered()
@@ -114,7 +136,7 @@ class RedisTransport:
 
     async def check_functions(self) -> None:
         await self._fcall(REPLY, (), (0,), warn=False)  # no keys: a no-op it must answer
-        self._replies_checked = self._lane.generation
+        self._replies_checked = self._lane.at(self._home).generation
 
     # -- caller side ----------------------------------------------------------------------
     async def enqueue(
@@ -128,12 +150,13 @@ class RedisTransport:
         commands = [pack(keys, [calls[i] for i in group], bound) for group in groups]
         if not commands:
             return [outcome for outcome in outcomes if outcome is not None]
+        lane = self._lane.at(keys.stream)
         try:
-            results = await self._lane.pipeline_packed(b"".join(commands), len(commands))
+            results = await lane.pipeline_packed(b"".join(commands), len(commands))
             missing = [i for i, r in enumerate(results) if _is_missing(r)]
             if missing:  # nothing was queued by these: load the library, then send them again
-                await self._library_failed(results[missing[0]])
-                again = await self._lane.pipeline_packed(
+                await self._library_failed(results[missing[0]], lane)
+                again = await lane.pipeline_packed(
                     b"".join(commands[i] for i in missing), len(missing)
                 )
                 for i, result in zip(missing, again, strict=True):
@@ -170,6 +193,8 @@ class RedisTransport:
             return QueueFull(f"Redis is full (maxmemory): {text}")
         if text.startswith("MBLIMIT"):
             return InvalidInput(text.removeprefix("MBLIMIT ").strip())
+        if text.startswith("MOVED"):
+            return _cluster_node(text)
         # e.g. an ACL that lacks a command the function runs: a deployment error, said once
         message = f"Redis refused the enqueue: {text}"
         if message != self._refused:
@@ -188,7 +213,7 @@ class RedisTransport:
 
     async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:
         try:
-            got: Any = await self._replies.execute_blocking(
+            got: Any = await self._replies.at(inbox).execute_blocking(
                 timeout_s, "BLMPOP", timeout_s, 1, inbox, "LEFT", "COUNT", count
             )
         except UNAVAILABLE as exc:
@@ -197,6 +222,7 @@ class RedisTransport:
 
     # -- worker side ----------------------------------------------------------------------
     async def ensure_group(self, keys: ModelKeys) -> None:
+        self._home = keys.stream
         try:
             await self.redis.xgroup_create(keys.stream, keys.group, id="0", mkstream=True)
         except ResponseError as exc:
@@ -210,12 +236,14 @@ class RedisTransport:
     ) -> list[Entry]:
         block_ms = max(1, block_ms)
         try:
-            got: Any = await self._reads.execute_blocking(
+            got: Any = await self._reads.at(keys.stream).execute_blocking(
                 block_ms / 1000, "XREADGROUP", "GROUP", keys.group, consumer,
                 "COUNT", count, "BLOCK", block_ms, "STREAMS", keys.stream, ">",
                 busy_poll_s=busy_poll_s,
             )  # fmt: skip
         except ResponseError as exc:
+            if str(exc).startswith("MOVED"):
+                raise _cluster_node(str(exc)) from exc
             if "NOGROUP" not in str(exc):
                 raise
             # The stream was deleted (FLUSHALL, a purge): recreate it and read again next time.
@@ -243,7 +271,7 @@ class RedisTransport:
         if check:
             commands.append(("ZMSCORE", keys.cancelled, *check))
         commands.append(("ZCARD", keys.cancelled))
-        results = await self._reply_and_run(reply, commands)
+        results = await self._reply_and_run(keys, reply, commands)
         pending = results.pop()
         self.cancellations_pending = not isinstance(pending, int) or pending > 0
         scores: Any = results.pop() if check else []
@@ -260,22 +288,32 @@ class RedisTransport:
         return {entry_id for entry_id, score in zip(check, scores, strict=True) if score}
 
     async def _reply_and_run(
-        self, reply: tuple[list[str], list[Any]] | None, commands: list[tuple[Any, ...]]
+        self,
+        keys: ModelKeys,
+        reply: tuple[list[str], list[Any]] | None,
+        commands: list[tuple[Any, ...]],
     ) -> list[Any]:
         """Write the replies, then run ``commands`` (which acknowledge their entries); the
-        commands' results. One round trip, except for the first replies on a connection."""
+        commands' results. One round trip, except for the first replies on a connection (and
+        on a cluster, always two)."""
+        # One node's lane (a cluster's: the stream's, where the model's reply keys live too,
+        # the commands sent as one transaction: replies written before the acks, or neither).
+        lane = self._lane.at(keys.stream)
         try:
-            if reply is not None and self._lane.generation != self._replies_checked:
+            if reply is not None and (
+                self._cluster is not None or lane.generation != self._replies_checked
+            ):
                 # The first replies on a connection (a fresh one may reach a Redis restarted
                 # without its functions) go alone: the entries are acknowledged only once
-                # their replies are written.
+                # their replies are written. On a cluster they always do: a migrating slot
+                # may send them to a node that lacks the functions at any time.
                 await self._send_replies(reply)
                 reply = None
             if reply is not None:
                 reply_keys, reply_args = reply
                 command = ("FCALL", REPLY, len(reply_keys), *reply_keys, functions.VERSION)
                 commands = [(*command, *reply_args), *commands]
-            results: list[Any] = await self._lane.pipeline(commands)
+            results: list[Any] = await lane.pipeline(commands)
             _raise_unavailable(results)
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
@@ -294,16 +332,19 @@ class RedisTransport:
 
     async def _send_replies(self, reply: tuple[list[str], list[Any]]) -> None:
         """Run one mb_reply alone and wait for it (loading the library if it must and may)."""
-        generation = self._lane.generation
+        lane = self._lane.at(reply[0][0])
+        generation = lane.generation
         refused = await self._fcall(REPLY, *reply, warn=False)
-        self._replies_checked = generation if generation == self._lane.generation else -1
+        self._replies_checked = generation if generation == lane.generation else -1
         _log_refused(refused)
 
     async def withdrawn(self, keys: ModelKeys, entry_ids: Sequence[str]) -> set[str]:
         if not entry_ids:
             return set()
         try:
-            scores = await self._lane.execute("ZMSCORE", keys.cancelled, *entry_ids)
+            scores = await self._lane.at(keys.cancelled).execute(
+                "ZMSCORE", keys.cancelled, *entry_ids
+            )
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
         return {entry_id for entry_id, score in zip(entry_ids, scores, strict=True) if score}
@@ -397,7 +438,7 @@ class RedisTransport:
             commands.append(("XADD", keys.dead_letters, "*", *_flatten(record)))
         commands += _removal(keys, entries)
         try:
-            results = await self._lane.pipeline(commands)
+            results = await self._lane.at(keys.stream).pipeline(commands)
             _raise_unavailable(results)
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
@@ -414,7 +455,7 @@ class RedisTransport:
     async def workers_lapsed_s(self, keys: ModelKeys) -> float | None:
         commands = [("TIME",), ("ZRANGEBYSCORE", keys.consumers, "-inf", "+inf", "WITHSCORES")]
         try:
-            time, flat = await self._lane.pipeline(commands)
+            time, flat = await self._lane.at(keys.consumers).pipeline(commands)
             _raise_unavailable((time, flat))
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
@@ -425,7 +466,7 @@ class RedisTransport:
 
     async def time_ms(self) -> int:
         try:
-            reply = await self._lane.execute("TIME")
+            reply = await self._lane.at(self._home).execute("TIME")
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
         return redis_time_ms(reply)
@@ -457,6 +498,13 @@ async def eviction_warning(client: aioredis.Redis) -> str | None:
     return (
         f"Redis runs with maxmemory-policy {policy}: under memory pressure it may evict "
         "request streams and lose requests; set maxmemory-policy noeviction"
+    )
+
+
+def _cluster_node(moved: str) -> BrokerUnavailable:
+    """What a redis:// URL of a Redis Cluster node gets for a slot the node does not serve."""
+    return BrokerUnavailable(
+        f"Redis answered {moved!r}: it is a node of a Redis Cluster; give a redis+cluster:// URL"
     )
 
 

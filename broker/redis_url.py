@@ -7,6 +7,8 @@
     unix://[[user]:password@]/path/to/redis.sock[?db=N&...]           one Redis on a unix socket
     redis+sentinel://[[user]:password@]host[:port][,host[:port]...]/service[/db][?option=value&...]
     rediss+sentinel://...                                            Sentinel, all over TLS
+    redis+cluster://[[user]:password@]host[:port][,host[:port]...][/0][?option=value&...]
+    rediss+cluster://...                                             Redis Cluster over TLS
 
 In a Sentinel URL the hosts are the sentinels (port 26379 unless given; an IPv6 address in
 brackets), ``service`` is the name the sentinels monitor the master under (``sentinel monitor
@@ -15,8 +17,11 @@ master (and of its replicas, which serve as master after a failover). The option
 ``sentinel_username`` and ``sentinel_password`` log in to the sentinels, where they require it;
 every other option is one of redis-py's URL options (``socket_timeout``, ``ssl_ca_certs``, ...)
 for the connections to Redis; with ``rediss+sentinel`` the ``ssl_*`` ones apply to the
-sentinels too. The other forms are redis-py's own. A user or password holding ``/ ? # @ :`` or
-``%`` writes it percent-encoded (``%2F`` ...).
+sentinels too. In a Cluster URL the hosts are any nodes of the cluster (port 6379 unless
+given; one answering is enough, the others are asked when it does not), the database is 0
+(the only one a cluster has), the user and password are those of the nodes, and the options are
+redis-py's URL options. The other forms are redis-py's own. A user or password holding
+``/ ? # @ :`` or ``%`` writes it percent-encoded (``%2F`` ...).
 
 Errors are :class:`RedisURLError` (a ValueError) with a one-line message that never shows a
 password.
@@ -38,7 +43,9 @@ _OPTION_PARSERS: Mapping[str, Callable[[str], Any]] = URL_QUERY_ARGUMENT_PARSERS
 
 DIRECT_SCHEMES = ("redis", "rediss", "unix")
 SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 SENTINEL_PORT = 26379
+CLUSTER_PORT = 6379
 # Options of a Sentinel URL besides redis-py's URL options: they log in to the sentinels.
 SENTINEL_AUTH = ("sentinel_username", "sentinel_password")
 # redis-py's TLS settings, which its URL parser passes through as strings.
@@ -48,7 +55,8 @@ SSL_OPTIONS = (
 )  # fmt: skip
 FORMS = (
     "redis://[user:password@]host:port/db, rediss:// for TLS, unix:///path.sock, or "
-    "redis+sentinel://[user:password@]host:port,host:port/service[/db]"
+    "redis+sentinel://[user:password@]host:port,host:port/service[/db], or "
+    "redis+cluster://[user:password@]host:port[,host:port...]"
 )
 
 
@@ -121,20 +129,47 @@ class SentinelURL:
         return kwargs
 
 
-RedisURL = DirectURL | SentinelURL
+@dataclass(frozen=True)
+class ClusterURL:
+    """A Redis Cluster, found through any of its nodes: redis+cluster:// or rediss+cluster://."""
+
+    nodes: tuple[Address, ...]
+    username: str | None
+    password: str | None = field(repr=False)
+    tls: bool
+    options: Mapping[str, Any] = field(repr=False)  # redis-py connection options, typed
+
+    @property
+    def db(self) -> int:
+        """A cluster has database 0 only."""
+        return 0
+
+    def node_kwargs(self) -> dict[str, Any]:
+        """redis-py connection keyword arguments for every node of the cluster."""
+        kwargs: dict[str, Any] = dict(self.options)
+        if self.username is not None:
+            kwargs["username"] = self.username
+        if self.password is not None:
+            kwargs["password"] = self.password
+        if self.tls:
+            kwargs["ssl"] = True
+        return kwargs
+
+
+RedisURL = DirectURL | SentinelURL | ClusterURL
 
 
 def parse(url: str | RedisURL) -> RedisURL:
     """The description of ``url`` (returned as it is if already parsed); RedisURLError if
     microbatch cannot use it."""
-    if isinstance(url, (DirectURL, SentinelURL)):
+    if isinstance(url, (DirectURL, SentinelURL, ClusterURL)):
         return url
     if not isinstance(url, str) or not url.strip():
         raise RedisURLError(f"the Redis URL is empty; give one of: {FORMS}")
     url = url.strip()
     scheme, sep, rest = url.partition("://")
     scheme = scheme.lower()
-    if not sep or scheme not in (*DIRECT_SCHEMES, *SENTINEL_SCHEMES):
+    if not sep or scheme not in (*DIRECT_SCHEMES, *SENTINEL_SCHEMES, *CLUSTER_SCHEMES):
         shown = f"'{scheme}://'" if sep and len(scheme) <= 30 else "no scheme"
         raise RedisURLError(f"the Redis URL has {shown}: give one of: {FORMS}")
     netloc, tail = _split_netloc(rest)
@@ -144,6 +179,8 @@ def parse(url: str | RedisURL) -> RedisURL:
         )
     if scheme in SENTINEL_SCHEMES:
         return _parse_sentinel(scheme, netloc, tail)
+    if scheme in CLUSTER_SCHEMES:
+        return _parse_cluster(scheme, netloc, tail)
     return _parse_direct(url, scheme)
 
 
@@ -153,6 +190,9 @@ def describe(url: str | RedisURL) -> str:
     if isinstance(parsed, SentinelURL):
         sentinels = ",".join(str(a) for a in parsed.sentinels)
         return f"service {parsed.service!r} (db {parsed.db}) via sentinels {sentinels}"
+    if isinstance(parsed, ClusterURL):
+        nodes = ",".join(str(a) for a in parsed.nodes)
+        return f"cluster via {nodes}{' (TLS)' if parsed.tls else ''}"
     if parsed.path is not None:
         return f"unix socket {parsed.path} (db {parsed.db})"
     return f"{parsed.address} (db {parsed.db}{', TLS' if parsed.tls else ''})"
@@ -249,64 +289,96 @@ def _parse_sentinel(scheme: str, netloc: str, tail: str) -> SentinelURL:
     )  # fmt: skip
 
 
-def _address(text: str, number: int) -> Address:
-    """A sentinel's ``host[:port]`` (``[v6]:port`` for IPv6). Errors name the address by its
-    ``number`` and host, never by its text: a password that went astray could be in it."""
+def _address(
+    text: str, number: int, kind: str = "Sentinel", what: str = "sentinel",
+    default_port: int = SENTINEL_PORT,
+) -> Address:  # fmt: skip
+    """A sentinel's (or node's) ``host[:port]`` (``[v6]:port`` for IPv6). Errors name the
+    address by its ``number`` and host, never by its text: a password that went astray could
+    be in it."""
     text = text.strip()
-    where = f"sentinel address {number}"
+    where = f"{what} address {number}"
     if not text:
         raise RedisURLError(f"the Sentinel URL's {where} is empty (two commas?)")
     if text.startswith("["):
         host, bracket, port = text[1:].partition("]")
         if not bracket or (port and not port.startswith(":")):
-            raise RedisURLError(f"the Sentinel URL's {where} is malformed: use [v6addr]:port")
+            raise RedisURLError(f"the {kind} URL's {where} is malformed: use [v6addr]:port")
         try:
             ipaddress.IPv6Address(host)
         except ValueError:
-            raise RedisURLError(f"the Sentinel URL's {where} is no IPv6 address") from None
+            raise RedisURLError(f"the {kind} URL's {where} is no IPv6 address") from None
         port = port[1:]
     else:
         host, _, port = text.partition(":")
         if not host:
-            raise RedisURLError(f"the Sentinel URL's {where} has no host")
+            raise RedisURLError(f"the {kind} URL's {where} has no host")
         if ":" in port:
-            raise RedisURLError(f"the Sentinel URL's {where}: write IPv6 addresses in [ ]")
+            raise RedisURLError(f"the {kind} URL's {where}: write IPv6 addresses in [ ]")
     if not port:
-        return Address(unquote(host), SENTINEL_PORT)
+        return Address(unquote(host), default_port)
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise RedisURLError(f"the Sentinel URL's {where} ({host[:100]}) has a bad port")
+        raise RedisURLError(f"the {kind} URL's {where} ({host[:100]}) has a bad port")
     return Address(unquote(host), int(port))
 
 
-def _sentinel_options(query: str) -> tuple[dict[str, Any], dict[str, str]]:
-    """(redis-py connection options, the sentinels' login) from a Sentinel URL's query."""
+def _sentinel_options(query: str, kind: str = "Sentinel") -> tuple[dict[str, Any], dict[str, str]]:
+    """(redis-py connection options, the sentinels' login) from a Sentinel URL's query (or,
+    with ``kind`` "Cluster", a Cluster URL's, which has no sentinels' login)."""
     try:
         pairs = parse_qs(query, keep_blank_values=True, strict_parsing=bool(query))
     except ValueError:
         raise RedisURLError(
-            "the Sentinel URL's options are malformed: use ?name=value&..."
+            f"the {kind} URL's options are malformed: use ?name=value&..."
         ) from None
     options: dict[str, Any] = {}
     auth: dict[str, str] = {}
+    sentinel = kind == "Sentinel"
     for name, values in pairs.items():
         value = values[0]
         if not name:
-            raise RedisURLError("the Sentinel URL's options are malformed: use ?name=value&...")
-        if name in SENTINEL_AUTH:
+            raise RedisURLError(f"the {kind} URL's options are malformed: use ?name=value&...")
+        if name in SENTINEL_AUTH and sentinel:
             if value:
                 auth[name] = value
         elif name == "db":
-            raise RedisURLError("give a Sentinel URL's db in its path: /<service>/<db>")
+            where = "in its path: /<service>/<db>" if sentinel else "as /0 or not at all"
+            raise RedisURLError(f"give a {kind} URL's db {where}")
         elif name in _OPTION_PARSERS:
             try:
                 options[name] = _OPTION_PARSERS[name](value)
             except (TypeError, ValueError):
-                raise RedisURLError(f"the Sentinel URL's option {name} has a bad value") from None
+                raise RedisURLError(f"the {kind} URL's option {name} has a bad value") from None
         elif name in SSL_OPTIONS:
             options[name] = value
         else:
+            known = "sentinel_username, sentinel_password, and " if sentinel else ""
             raise RedisURLError(
-                f"the Sentinel URL has an unknown option {name[:40]!r} (known: "
-                "sentinel_username, sentinel_password, and redis-py's URL options)"
+                f"the {kind} URL has an unknown option {name[:40]!r} (known: "
+                f"{known}redis-py's URL options)"
             )
     return options, auth
+
+
+def _parse_cluster(scheme: str, netloc: str, tail: str) -> ClusterURL:
+    userinfo, at, hosts = netloc.rpartition("@")
+    username, password = _credentials(userinfo) if at else (None, None)
+    parts = hosts.split(",") if hosts else []
+    nodes = tuple(
+        _address(part, number, "Cluster", "node", CLUSTER_PORT)
+        for number, part in enumerate(parts, 1)
+    )
+    if not nodes:
+        raise RedisURLError("the Cluster URL names no node: redis+cluster://host:6379[,host:6379]")
+    path, _, query = tail.partition("?")
+    if path.strip("/") not in ("", "0"):
+        raise RedisURLError(
+            "the Cluster URL's path must be /0 or nothing: a Redis Cluster has database 0 only"
+        )
+    options, _ = _sentinel_options(query, "Cluster")
+    if scheme != "rediss+cluster" and any(name.startswith("ssl_") for name in options):
+        raise RedisURLError("the Cluster URL has ssl_* options: use rediss+cluster:// for TLS")
+    return ClusterURL(
+        nodes=nodes, username=username, password=password, tls=scheme == "rediss+cluster",
+        options=options,
+    )  # fmt: skip

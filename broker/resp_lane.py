@@ -281,6 +281,15 @@ def bulk_strings(args: Sequence[Any]) -> bytes:
     return packed[packed.index(b"\r\n") + 2 :]
 
 
+_ASKING = hiredis.pack_command(("ASKING",))
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """Mark a future nobody awaits as seen (its error, if any, is the next command's too)."""
+    if not future.cancelled():
+        future.exception()
+
+
 class RespLane:
     """One lean connection to the Redis at ``target`` (a :class:`LaneTarget`, or a redis://,
     rediss:// or unix:// URL), (re)connected on first use.
@@ -321,18 +330,29 @@ class RespLane:
             raise reply
         return reply
 
-    async def execute_blocking(self, timeout_s: float, *args: Any, busy_poll_s: float = 0.0) -> Any:
+    def at(self, key: str | bytes) -> RespLane:
+        """The lane for ``key``: this one (a cluster's lanes pick one per hash slot)."""
+        return self
+
+    async def execute_blocking(
+        self, timeout_s: float, *args: Any, busy_poll_s: float = 0.0, asking: bool = False
+    ) -> Any:
         """Send a command that blocks in Redis for up to ``timeout_s`` (0: forever).
 
         With ``busy_poll_s``, the event loop keeps polling the socket (and running its other
         tasks) for up to that long before it sleeps until the reply: see :func:`busy_poll`.
-        The connection is dropped if no reply comes ``BLOCKING_GRACE_S`` after the timeout,
-        and when the caller is cancelled (its reply would otherwise hold up the commands
-        behind it).
+        With ``asking``, ASKING goes first (a Redis Cluster's ASK redirection). The
+        connection is dropped if no reply comes ``BLOCKING_GRACE_S`` after the timeout, and
+        when the caller is cancelled (its reply would otherwise hold up the commands behind
+        it).
         """
         protocol = await self._ready()
         loop = asyncio.get_running_loop()
         future = loop.create_future()
+        if asking:
+            asked = loop.create_future()
+            asked.add_done_callback(_retrieve)
+            protocol.send(_ASKING, asked)
         protocol.send(hiredis.pack_command(args), future)
         guard = None
         if timeout_s > 0:

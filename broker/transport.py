@@ -43,6 +43,12 @@ class Transport(Protocol):
     cancellations_pending: bool
     """Whether callers had withdrawn entries that workers still held, as of the last finish()."""
 
+    @property
+    def clock_epoch(self) -> int:
+        """Changes when the server whose clock :meth:`time_ms` reads may have changed (a
+        cluster moved the stream's slot to another node): estimates of it are then stale."""
+        ...
+
     # -- caller side ----------------------------------------------------------------------
     async def enqueue(
         self, keys: ModelKeys, calls: Sequence[CallRequests], bound: QueueBound

@@ -28,6 +28,11 @@
 #   MICROBATCH_REDIS_RUN_CONF      the copy of the config file Redis runs from (Sentinel rewrites
 #                                  a node's config at a failover: never the file shipped here)
 #                                  [default: beside the ACL file, <its name without .acl>.conf]
+#   MICROBATCH_REDIS_CLUSTER_RULES rules added to every user but default, replication, sentinel and
+#                                  cluster: on the nodes of a Redis Cluster, what cluster-aware
+#                                  clients send besides their commands (the rules
+#                                  `broker acl --cluster` adds: +cluster|slots +cluster|shards
+#                                  +asking +readonly +command +multi +exec)
 #   MICROBATCH_REDIS_REPLICATION_PASSWORD
 #                                  also: this node logs in to its master as the replication user
 #                                  whenever it is a replica (Sentinel setups: every node, since
@@ -43,10 +48,17 @@ aclfile=${MICROBATCH_REDIS_ACLFILE:-/tmp/microbatch-users.acl}
 server=${REDIS_SERVER:-redis-server}
 prefix=${MICROBATCH_PREFIX:-default}
 extra=${MICROBATCH_REDIS_EXTRA_ACL:-}
+cluster_rules=${MICROBATCH_REDIS_CLUSTER_RULES:-}
 
 case "$prefix" in
     "" | *[!A-Za-z0-9_.-]*)
         echo "redis-start.sh: invalid MICROBATCH_PREFIX '$prefix': use letters, digits, '_', '-' or '.'" >&2
+        exit 1 ;;
+esac
+
+case "$cluster_rules" in
+    *[!A-Za-z0-9_.@|+\ -]*)
+        echo "redis-start.sh: MICROBATCH_REDIS_CLUSTER_RULES: only +command|subcommand rules" >&2
         exit 1 ;;
 esac
 
@@ -75,8 +87,12 @@ for var in $(sed -n '/^[[:space:]]*#/!s/.*password:\([A-Za-z0-9_]*\).*/\1/p' "$t
 done
 
 umask 077
+cluster_sed=""
+if [ -n "$cluster_rules" ]; then
+    cluster_sed="/^user \(default\|replication\|sentinel\|cluster\) /!s/\$/ $cluster_rules/"
+fi
 sed -e '/^[[:space:]]*#/d' -e '/^[[:space:]]*$/d' -e "s/%PREFIX%/$prefix/g" \
-    -e "${substitutions#;}" "$template" |
+    -e "${substitutions#;}" -e "$cluster_sed" "$template" |
     awk -v version="$version" '
         function newer(need,    a, b) {
             split(need, a, "."); split(version, b, ".")

@@ -113,8 +113,10 @@ class BrokerClock:
         self._transport = transport
         self._offset_ms = 0.0
         self._synced_at = float("-inf")
+        self._epoch = transport.clock_epoch
 
     async def sync(self) -> None:
+        self._epoch = self._transport.clock_epoch
         before = time.time()
         server_ms = await self._transport.time_ms()
         after = time.time()
@@ -123,7 +125,8 @@ class BrokerClock:
         self._synced_at = after
 
     async def maybe_sync(self, every_s: float) -> None:
-        if time.time() - self._synced_at > every_s:
+        # also as soon as the stream may be on another server (a cluster's slot moved)
+        if time.time() - self._synced_at > every_s or self._epoch != self._transport.clock_epoch:
             await self.sync()
 
     def now_ms(self) -> float:

@@ -96,7 +96,8 @@ def start(
             envvar="REDIS_URL",
             help="Redis URL: redis://[user:password@]host:port/db (rediss:// for TLS), or "
             "redis+sentinel://[user:password@]host:26379,host:26379/service[/db] for a "
-            "Sentinel service's master (docs/deployment.md).",
+            "Sentinel service's master, or redis+cluster://[user:password@]host:port[,host:port] "
+            "for a Redis Cluster (docs/deployment.md).",
         ),
     ] = DEFAULT_REDIS_URL,
     redis_wait: Annotated[

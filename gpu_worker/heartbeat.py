@@ -15,11 +15,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-import redis
-
-from broker.connections import sync_client
+from broker.connections import REDIS_ERRORS, sync_client
 from broker.keys import ModelKeys
-from broker.liveness import redis_time_ms
+from broker.liveness import server_time_ms
 from broker.logs import Every
 
 log = logging.getLogger("microbatch.heartbeat")
@@ -57,7 +55,7 @@ class Heartbeats:
         if not consumers:
             return True
         try:
-            expires_ms = redis_time_ms(self.client.time()) + self.ttl_ms
+            expires_ms = server_time_ms(self.client, self.keys.consumers) + self.ttl_ms
             pipe = self.client.pipeline(transaction=False)
             pipe.zadd(self.keys.consumers, dict.fromkeys(consumers, expires_ms))
             # forget consumers whose heartbeat lapsed long ago (their supervisor died)
@@ -69,7 +67,7 @@ class Heartbeats:
                 items, size = self.queue_bound
                 pipe.hset(self.keys.queue_bound, mapping={"items": items, "bytes": size})
             pipe.execute()
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             self._failing = True
             if self._warn.due():
                 log.warning("cannot renew heartbeats (Redis unreachable?): %s", exc)
@@ -87,7 +85,7 @@ class Heartbeats:
             pipe.zrem(self.keys.consumers, consumer)
             pipe.delete(self.keys.heartbeat(consumer))
             pipe.execute()
-        except redis.RedisError as exc:
+        except REDIS_ERRORS as exc:
             log.warning("cannot retire consumer %s: %s", consumer, exc)
 
     def close(self) -> None:

@@ -33,7 +33,7 @@ from redis.retry import Retry
 
 from broker.devserver import find_redis_server, free_port
 from broker.keys import ModelKeys
-from broker.redis_url import Address, SentinelURL
+from broker.redis_url import Address, ClusterURL, SentinelURL
 from broker.redis_url import parse as parse_redis_url
 from gpu_worker.model import load_model_class
 
@@ -46,6 +46,8 @@ COMPOSE_FILES = ["docker-compose.yml"]
 CPU_FILES = ["docker-compose.yml", "docker-compose.cpu.yml"]
 SENTINEL_FILES = ["docker-compose.yml", "docker-compose.sentinel.yml"]
 SENTINEL_CPU_FILES = [*CPU_FILES, "docker-compose.sentinel.yml", "docker-compose.sentinel-cpu.yml"]
+CLUSTER_FILES = ["docker-compose.yml", "docker-compose.cluster.yml"]
+CLUSTER_CPU_FILES = [*CPU_FILES, "docker-compose.cluster.yml", "docker-compose.cluster-cpu.yml"]
 PASSWORD_VARS = (
     "MICROBATCH_REDIS_OPERATOR_PASSWORD",
     "MICROBATCH_REDIS_GATEWAY_PASSWORD",
@@ -234,8 +236,15 @@ def seconds(duration: str) -> float:
 # -- compose --------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "files",
-    [COMPOSE_FILES, CPU_FILES, SENTINEL_FILES, SENTINEL_CPU_FILES],
-    ids=["default", "cpu", "sentinel", "sentinel-cpu"],
+    [
+        COMPOSE_FILES,
+        CPU_FILES,
+        SENTINEL_FILES,
+        SENTINEL_CPU_FILES,
+        CLUSTER_FILES,
+        CLUSTER_CPU_FILES,
+    ],
+    ids=["default", "cpu", "sentinel", "sentinel-cpu", "cluster", "cluster-cpu"],
 )
 def test_compose_config_is_valid_and_env_example_holds_the_defaults(
     files: list[str], tmp_path: Path
@@ -305,6 +314,169 @@ def test_compose_sentinel_variant(tmp_path: Path) -> None:
         assert url.sentinel_password == client_password
     for name in sentinels:
         assert services["functions"]["depends_on"][name]["condition"] == "service_healthy"
+
+
+def test_compose_cluster_variant(tmp_path: Path) -> None:
+    """docker-compose.cluster.yml: six nodes with the same ACL users, passwords and cluster
+    rules (those of `broker acl --cluster`), each announcing its service name; cluster-create
+    forms them as `cluster`; every side's URL is a redis+cluster:// one."""
+    from broker.acl import CLUSTER_RULES
+
+    services = compose_config(CLUSTER_CPU_FILES, {}, tmp_path)["services"]
+    nodes = ["redis", *(f"redis-{i}" for i in range(2, 7))]
+    assert set(services) >= {*nodes, "cluster-create"}
+    environments = [services[name]["environment"] for name in nodes]
+    assert all(env == environments[0] for env in environments)  # ACLs do not replicate
+    assert {*PASSWORD_VARS, "MICROBATCH_REDIS_REPLICATION_PASSWORD",
+            "MICROBATCH_REDIS_CLUSTER_PASSWORD"} <= set(environments[0])  # fmt: skip
+    assert environments[0]["MICROBATCH_REDIS_CLUSTER_RULES"] == CLUSTER_RULES
+    for name in nodes:
+        node = services[name]
+        assert node["entrypoint"][-1].endswith("redis-start.sh") and "healthcheck" in node
+        command = node["command"]
+        assert command[command.index("--cluster-enabled") + 1] == "yes"
+        assert command[command.index("--cluster-announce-hostname") + 1] == name
+        assert command[command.index("--replica-announce-ip") + 1] == name
+    create = services["cluster-create"]
+    assert create["entrypoint"][-1].endswith("cluster-create.sh")
+    assert create["command"] == ["1", *(f"{name}:6379" for name in nodes)]
+    assert (create["environment"]["MICROBATCH_REDIS_CLUSTER_PASSWORD"]
+            == environments[0]["MICROBATCH_REDIS_CLUSTER_PASSWORD"])  # fmt: skip
+    condition = services["functions"]["depends_on"]["cluster-create"]["condition"]
+    assert condition == "service_completed_successfully"
+    users = {"functions": "operator", "gateway": "default-gateway", "worker": "default-worker",
+             "worker-cpu": "default-worker"}  # fmt: skip
+    for name, user in users.items():
+        url = parse_redis_url(services[name]["environment"]["REDIS_URL"])
+        assert isinstance(url, ClusterURL), name
+        assert url.nodes == tuple(Address(node, 6379) for node in nodes[:3])
+        assert url.username == user
+
+
+def test_cluster_scripts_form_a_cluster_that_serves_acl_users(tmp_path: Path) -> None:
+    """deploy/redis-start.sh for three cluster nodes with the cluster rules, as the compose
+    Cluster variant runs them (on loopback ports), deploy/cluster-create.sh forming them as
+    `cluster`: the rendered ACL is `broker acl --cluster`'s, `broker functions load` loads every
+    primary as `operator`, a worker and a caller serve as their users, `broker status` reads
+    as `operator`, and no node refused anything (ACL LOG)."""
+    from broker import Streamer
+    from broker.acl import CLUSTER_RULES
+
+    passwords = {var: f"pw-{i}" for i, var in enumerate(PASSWORD_VARS)}
+    passwords["MICROBATCH_REDIS_CLUSTER_PASSWORD"] = "cluster-pw"
+    ports = [free_port() for _ in range(3)]
+    processes: list[subprocess.Popen[bytes]] = []
+    for i, port in enumerate(ports):
+        (tmp_path / f"data{i}").mkdir()
+        argv = ["sh", str(DEPLOY / "redis-start.sh"), "--port", str(port), "--bind",
+                "127.0.0.1", "--dir", str(tmp_path / f"data{i}"), "--cluster-enabled", "yes",
+                "--cluster-config-file", "nodes.conf", "--cluster-port", str(free_port()),
+                "--appendonly", "no"]  # fmt: skip
+        env = {**passwords, "REDIS_SERVER": find_redis_server(),
+               "MICROBATCH_REDIS_CLUSTER_RULES": CLUSTER_RULES,
+               "MICROBATCH_REDIS_ACLFILE": str(tmp_path / f"users{i}.acl")}  # fmt: skip
+        with open(tmp_path / f"redis{i}.log", "wb") as log:
+            processes.append(subprocess.Popen(
+                argv, cwd=tmp_path, env={**base_env(), **env}, stdout=log, stderr=log
+            ))  # fmt: skip
+
+    def node(port: int) -> redis.Redis:
+        return redis.Redis(port=port, username="operator", socket_timeout=5, retry=NO_RETRY,
+                           password=passwords["MICROBATCH_REDIS_OPERATOR_PASSWORD"])  # fmt: skip
+
+    try:
+        for port in ports:
+            wait_until(lambda port=port: node(port).ping(), "the nodes", processes, 30)
+        create = subprocess.run(
+            ["sh", str(DEPLOY / "cluster-create.sh"), "0", *(f"127.0.0.1:{p}" for p in ports)],
+            env={**base_env(), "MICROBATCH_REDIS_CLUSTER_PASSWORD": "cluster-pw"},
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert create.returncode == 0, create.stdout + create.stderr
+        assert "the cluster is formed" in create.stdout
+        again = subprocess.run(
+            ["sh", str(DEPLOY / "cluster-create.sh"), "0", f"127.0.0.1:{ports[0]}"],
+            env={**base_env(), "MICROBATCH_REDIS_CLUSTER_PASSWORD": "cluster-pw"},
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert again.returncode == 0 and "formed already" in again.stdout
+        version = subprocess.run([find_redis_server(), "--version"], capture_output=True,
+                                 text=True, check=True).stdout  # fmt: skip
+        short = ".".join(version.split("v=")[1].split(".")[:2])
+        printed = subprocess.run(
+            [str(BIN / "broker"), "acl", "--server", "--prefix", "default", "--cluster",
+             "--redis-version", short],
+            capture_output=True, text=True, timeout=30, env={**base_env(), **passwords},
+        )  # fmt: skip
+        assert (tmp_path / "users0.acl").read_text() == printed.stdout
+        hosts = ",".join(f"127.0.0.1:{port}" for port in ports)
+        pw = {role: passwords[f"MICROBATCH_REDIS_{role}_PASSWORD"]
+              for role in ("OPERATOR", "GATEWAY", "WORKER")}  # fmt: skip
+        operator = f"redis+cluster://operator:{pw['OPERATOR']}@{hosts}"
+        loaded = subprocess.run(
+            [str(BIN / "broker"), "functions", "load", "--redis", operator],
+            capture_output=True, text=True, timeout=30, env=base_env(),
+        )  # fmt: skip
+        assert loaded.returncode == 0, loaded.stderr
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "gpu_worker.cli", "start", "--model", "tests.models:Toy",
+             "--prefix", "default", "--redis", f"redis+cluster://default-worker:{pw['WORKER']}@{hosts}"],
+            cwd=ROOT, env={**base_env(), "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+        processes.append(worker)
+        streamer = Streamer("toy", redis_url=f"redis+cluster://default-gateway:{pw['GATEWAY']}@"
+                            f"{hosts}", prefix="default", wait_for_workers=True)  # fmt: skip
+        try:
+            outputs = streamer.predict([1, 2], timeout=120)
+        finally:
+            streamer.close()
+        assert [output["item"] for output in outputs] == [1, 2]
+        # `redis-cli --cluster reshard` as `cluster`: every slot of the model's node (its
+        # stream's among them) moves to another node; the worker and a caller follow
+        from broker.cluster_lane import key_slot
+
+        def owner_id(slot: int) -> tuple[str, str]:
+            for start, end, primary, *_ in node(ports[0]).execute_command("CLUSTER", "SLOTS"):
+                if start <= slot <= end:
+                    return primary[2].decode(), str(primary[1])
+            raise AssertionError(f"slot {slot} unserved")
+
+        source, source_port = owner_id(key_slot(ModelKeys("toy", "default").stream))
+        slots: Any = node(ports[0]).execute_command("CLUSTER", "SLOTS")
+        target = next(primary[2].decode() for _, _, primary, *_ in slots
+                      if str(primary[1]) != source_port)  # fmt: skip
+        reshard = subprocess.run(
+            [shutil.which("redis-cli") or "redis-cli", "--user", "cluster", "--cluster",
+             "reshard", f"127.0.0.1:{ports[0]}", "--cluster-from", source, "--cluster-to",
+             target, "--cluster-slots", "16384", "--cluster-yes"],
+            env={**base_env(), "REDISCLI_AUTH": "cluster-pw"},
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert reshard.returncode == 0, reshard.stdout[-2000:] + reshard.stderr
+        assert owner_id(key_slot(ModelKeys("toy", "default").stream))[0] == target
+        streamer = Streamer("toy", redis_url=f"redis+cluster://default-gateway:{pw['GATEWAY']}@"
+                            f"{hosts}", prefix="default")  # fmt: skip
+        try:
+            outputs = streamer.predict([3], timeout=60)
+        finally:
+            streamer.close()
+        assert [output["item"] for output in outputs] == [3]
+        status = subprocess.run(
+            [str(BIN / "broker"), "status", "--redis", operator, "--json"],
+            capture_output=True, text=True, timeout=30, env=base_env(),
+        )  # fmt: skip
+        assert status.returncode == 0, status.stderr
+        assert [row["model"] for row in json.loads(status.stdout)] == ["toy"]
+        worker.terminate()
+        worker.wait(30)
+        for port in ports:
+            denied = node(port).acl_log()
+            assert not denied, (port, denied)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
 
 
 @pytest.mark.slow  # three Redis processes and a failover
@@ -505,11 +677,13 @@ def test_acl_template_renders_for_each_redis_version(tmp_path: Path, version: st
     users = acl_lines(aclfile)
     tenant = {"t1.x-gateway", "t1.x-worker", "t1.x-admin", "t1.x-keda"}
     assert (
-        set(users) == {"default", "operator", "replication", "sentinel", "other-gateway"} | tenant
+        set(users)
+        == {"default", "operator", "replication", "sentinel", "cluster", "other-gateway"} | tenant
     )
     assert "off" in users["default"] and "on" not in users["default"]
     assert "off" in users["t1.x-admin"] and "off" in users["t1.x-keda"]  # no password: disabled
     assert "off" in users["replication"] and "off" in users["sentinel"]
+    assert "off" in users["cluster"]
     assert users["t1.x-gateway"][1:3] == ["on", "#" + _sha256("gateway-secret")]
     assert ("+client|setinfo" in users["t1.x-worker"]) == (version >= "7.2")
     for name in tenant:  # every key pattern of a tenant's user is inside its prefix
@@ -927,6 +1101,63 @@ def test_scaledobject_scales_the_workers_on_their_stream() -> None:
     gateway = k8s_find("Deployment", "microbatch-gateway")
     (container,) = gateway["spec"]["template"]["spec"]["containers"]
     assert {"configMapRef": {"name": "microbatch"}} in container["envFrom"]
+
+
+def json_patch(document: Any, operations: list[dict[str, Any]]) -> Any:
+    """``document`` with the JSON Patch ``operations`` (add, replace, remove) applied, as
+    Kustomize applies an overlay's patch."""
+    patched = json.loads(json.dumps(document))
+    for operation in operations:
+        *parents, last = operation["path"].strip("/").split("/")
+        target = patched
+        for part in parents:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        key: Any = int(last) if isinstance(target, list) else last
+        if operation["op"] == "remove":
+            del target[key]
+        else:
+            assert operation["op"] == "add" or key in target, operation
+            target[key] = operation["value"]
+    return patched
+
+
+def test_the_cluster_overlay_scales_on_the_stream_through_redis_cluster_streams(
+    tmp_path: Path,
+) -> None:
+    """deploy/k8s/overlays/cluster: the base's triggers, each turned into KEDA's
+    redis-cluster-streams scaler on the same stream, given the cluster's nodes; the result
+    validates against KEDA's schema."""
+    overlay = yaml.safe_load((DEPLOY / "k8s/overlays/cluster/kustomization.yaml").read_text())
+    assert overlay["resources"] == ["../../base"]
+    (patch,) = overlay["patches"]
+    scaled = k8s_find("ScaledObject")
+    assert patch["target"]["name"] == scaled["metadata"]["name"]
+    patched = json_patch(scaled, yaml.safe_load(patch["patch"]))
+    (generator,) = overlay["configMapGenerator"]
+    assert (generator["name"], generator["behavior"]) == ("microbatch", "merge")
+    added = dict(literal.split("=", 1) for literal in generator["literals"])
+    nodes = added["REDIS_ADDRESSES"].split(",")
+    assert len(nodes) >= 2 and all(re.fullmatch(r"[a-z0-9.-]+:\d+", node) for node in nodes)
+    base = scaled["spec"]["triggers"]
+    triggers = patched["spec"]["triggers"]
+    assert len(triggers) == len(base)
+    for before, after in zip(base, triggers, strict=True):
+        assert after["type"] == "redis-cluster-streams"
+        metadata = after["metadata"]
+        assert metadata["addressesFromEnv"] == "REDIS_ADDRESSES"
+        assert "addressFromEnv" not in metadata and "databaseIndex" not in metadata
+        kept = {k: v for k, v in before["metadata"].items()
+                if k not in ("addressFromEnv", "databaseIndex")}  # fmt: skip
+        assert {k: metadata[k] for k in kept} == kept  # the same stream, group and targets
+        assert after["authenticationRef"] == before["authenticationRef"]
+    written = tmp_path / "scaledobject.yaml"
+    written.write_text(yaml.safe_dump(patched))
+    done = subprocess.run(
+        [str(BIN / "check-jsonschema"), "--schemafile",
+         str(DEPLOY / "k8s" / "schemas" / "scaledobject.json"), str(written)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_the_gateway_pods_load_the_functions_first_and_alone_hold_the_operator_url() -> None:

@@ -8,6 +8,7 @@ import pytest
 from broker.logs import redact_url
 from broker.redis_url import (
     Address,
+    ClusterURL,
     DirectURL,
     RedisURLError,
     SentinelURL,
@@ -77,6 +78,19 @@ def test_defaults_and_tls_of_a_sentinel_url() -> None:
     assert parse(parse("redis+sentinel://s1/m")) == parse("redis+sentinel://s1/m")
 
 
+def test_a_cluster_url_names_any_nodes_of_the_cluster() -> None:
+    parsed = parse(f"redis+cluster://app:{SECRET}@n1:7000,n2,[fd00::5]:7001/0?socket_timeout=2")
+    assert isinstance(parsed, ClusterURL)
+    assert parsed.nodes == (Address("n1", 7000), Address("n2", 6379), Address("fd00::5", 7001))
+    assert (parsed.username, parsed.password, parsed.db, parsed.tls) == ("app", SECRET, 0, False)
+    assert parsed.node_kwargs() == {"socket_timeout": 2.0, "username": "app", "password": SECRET}
+    assert describe(parsed) == "cluster via n1:7000,n2:6379,[fd00::5]:7001"
+    assert SECRET not in repr(parsed)
+    tls = parse("rediss+cluster://:pw@n1?ssl_ca_certs=/ca.pem")
+    assert isinstance(tls, ClusterURL) and tls.tls and tls.node_kwargs()["ssl"] is True
+    assert parse("redis+cluster://n1/") == parse("redis+cluster://n1")
+
+
 @pytest.mark.parametrize(
     ("url", "says"),
     [
@@ -108,6 +122,14 @@ def test_defaults_and_tls_of_a_sentinel_url() -> None:
         ("redis+sentinel://s1/m?ssl_ca_certs=/ca.pem", "use rediss+sentinel://"),
         ("redis+sentinel://s1/m?=x", "malformed"),
         ("redis+sentinel://s1/m#frag", "fragment"),
+        ("redis+cluster://", "names no node"),
+        ("redis+cluster://n1/1", "database 0 only"),
+        ("redis+cluster://n1/0/x", "database 0 only"),
+        ("redis+cluster://n1,,n2", "node address 2 is empty"),
+        ("redis+cluster://n1:0", "node address 1 (n1) has a bad port"),
+        ("redis+cluster://n1?db=0", "db as /0"),
+        ("redis+cluster://n1?sentinel_password=x", "unknown option 'sentinel_password'"),
+        ("redis+cluster://n1?ssl_ca_certs=/ca.pem", "use rediss+cluster://"),
     ],
 )
 def test_malformed_urls_fail_in_one_line(url: str, says: str) -> None:
@@ -125,6 +147,8 @@ def test_malformed_urls_fail_in_one_line(url: str, says: str) -> None:
         f"redis://user:{SECRET}",  # no host: the password reads as a port
         f"redis+sentinel://user:{SECRET}/m",
         f"redis+sentinel://user:{SECRET}@s1:x/m",
+        f"redis+cluster://user:{SECRET}@n1:x",
+        f"redis+cluster://user:{SECRET}",
         f"redis+sentinel://user:a/{SECRET}@s1/m",  # an unencoded '/' in the password
         f"redis://user:a#{SECRET}@h/0",
         f"rediss://user:a?{SECRET}@h/0",

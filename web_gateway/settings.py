@@ -16,6 +16,7 @@ from typing import Annotated, Any
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from broker.cli_common import REDIS_HELP
 from broker.client import DEFAULT_REDIS_URL
 from broker.keys import DEFAULT_PREFIX, check_prefix
 from broker.logs import parse_format, parse_level
@@ -58,9 +59,7 @@ class GatewaySettings(BaseSettings):
     redis_url: str = Field(
         default=DEFAULT_REDIS_URL,
         validation_alias=AliasChoices("redis_url", "REDIS_URL", f"{ENV_PREFIX}REDIS_URL"),
-        description="Redis URL: redis://[user:password@]host:port/db (rediss:// for TLS), or "
-        "redis+sentinel://[user:password@]host:26379,host:26379/service[/db] for a "
-        "Sentinel service's master (docs/deployment.md).",
+        description=REDIS_HELP,
     )
     host: str = Field(default="127.0.0.1", description="Address to listen on (0.0.0.0 for all).")
     port: int = Field(default=8000, ge=0, le=65535, description="TCP port to listen on.")

@@ -9,9 +9,9 @@ delay (unless netem already does) and counts commands and round trips per client
 A topology gives the product what it needs to reach it (:attr:`RedisTopology.url`), its hosts
 (faults are injected on hosts: :meth:`~tests.hosts.netns.Host.kill_all`,
 :meth:`~tests.hosts.netns.Host.link_down`) and admin access from inside the network
-(:meth:`RedisTopology.admin`). The product speaks :class:`SingleRedis` and
-:class:`SentinelRedis` (its ``redis+sentinel://`` URL); :class:`ClusterRedis` forms and is
-checked by the harness's own tests, for the client work that will speak it.
+(:meth:`RedisTopology.admin`). The product speaks :class:`SingleRedis`,
+:class:`SentinelRedis` (its ``redis+sentinel://`` URL) and :class:`ClusterRedis` (through
+the product's ``redis+cluster://`` URL naming every node.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ from typing import Any, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterNode, RedisCluster
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
+from broker.cluster_lane import key_slot
 from broker.devserver import find_redis_server
 from tests.hosts.netns import Host
 from tests.hosts.relay import RelayProcess
@@ -274,8 +275,10 @@ class ClusterRedis(RedisTopology):
     """A Redis Cluster, one node per host: ``primaries`` primaries, each with ``replicas``
     replicas (3 and 1: six hosts), formed with ``redis-cli --cluster create``.
 
-    The product cannot use it yet (no MOVED handling): the harness checks that it forms and
-    serves a cluster client. Any node's URL is an entry point (:attr:`url` is the first's).
+    :attr:`url` is the product's ``redis+cluster://`` URL naming every node (any one is an
+    entry point); :meth:`admin` hands redis-py's cluster client to its function, so that each
+    command reaches the primary serving its key now (another node after a failover or a
+    reshard).
     """
 
     def __init__(
@@ -302,7 +305,13 @@ class ClusterRedis(RedisTopology):
 
     @property
     def url(self) -> str:
-        return self.nodes[0].url
+        return "redis+cluster://" + ",".join(node.address for node in self.nodes)
+
+    def admin(self, fn: Callable[[redis.Redis], T], via: Host | None = None) -> T:
+        return self.cluster_call(via or self._alive_host(), fn)  # type: ignore[arg-type]
+
+    def _alive_host(self) -> Host:
+        return next((node.host for node in self.nodes if node.host.pids()), self.nodes[0].host)
 
     def start(self) -> ClusterRedis:
         for node in self.nodes:
@@ -321,6 +330,7 @@ class ClusterRedis(RedisTopology):
         """Every node says the cluster is ok, knows every other node and sees the primaries
         and replicas asked for; every replica's link to its primary is up."""
         expected = {"master": self.primaries, "slave": self.primaries * self.replicas}
+        expected = {role: count for role, count in expected.items() if count}
 
         def formed() -> bool:
             for node in self.nodes:
@@ -341,7 +351,9 @@ class ClusterRedis(RedisTopology):
         """``fn(cluster_client)`` on ``via`` (redis-py's cluster client, entering anywhere)."""
 
         def call() -> T:
-            client = RedisCluster.from_url(self.url, socket_timeout=5)
+            live = [node for node in self.nodes if node.host.pids()] or self.nodes
+            startup = [ClusterNode(node.host.addr, node.port) for node in live]
+            client = RedisCluster(startup_nodes=startup, socket_timeout=5)
             try:
                 return fn(client)
             finally:
@@ -360,3 +372,51 @@ class ClusterRedis(RedisTopology):
             }
 
         return (seen_by or self.nodes[0]).call(nodes, via)
+
+    def owner(self, key: str, via: Host) -> RedisNode:
+        """The primary serving ``key``'s slot now, as a live node sees it."""
+        return self.owner_of_slot(key_slot(key), via)
+
+    def migrate_slot(
+        self, slot: int, target: RedisNode, via: Host, keys_per_step: int = 1, pause_s: float = 0.0
+    ) -> int:
+        """Move ``slot`` to ``target`` the way `redis-cli --cluster reshard` does: IMPORTING on
+        the target, MIGRATING on the source, MIGRATE of its keys ``keys_per_step`` at a time
+        (``pause_s`` between steps, so that clients meet the slot half-migrated), then SETSLOT
+        NODE on every primary. Returns how many keys moved."""
+        source = self.owner_of_slot(slot, via)
+        target_id = target.call(lambda r: r.execute_command("CLUSTER", "MYID"), via)
+        source_id = source.call(lambda r: r.execute_command("CLUSTER", "MYID"), via)
+        target.call(lambda r: r.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING",
+                                                source_id), via)  # fmt: skip
+        source.call(lambda r: r.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING",
+                                                target_id), via)  # fmt: skip
+        moved = 0
+        while True:
+            names = source.call(
+                lambda r: r.execute_command("CLUSTER", "GETKEYSINSLOT", slot, keys_per_step), via
+            )
+            if not names:
+                break
+            command = ("MIGRATE", target.host.addr, target.port, "", 0, 10000, "KEYS", *names)
+            source.call(lambda r, command=command: r.execute_command(*command), via)
+            moved += len(names)
+            time.sleep(pause_s)
+        for node in self.nodes:
+            if self.roles(via).get(node.address) == "master":
+                node.call(lambda r: r.execute_command("CLUSTER", "SETSLOT", slot, "NODE",
+                                                      target_id), via)  # fmt: skip
+        return moved
+
+    def owner_of_slot(self, slot: int, via: Host) -> RedisNode:
+        """The primary serving ``slot`` now."""
+
+        def find(r: redis.Redis) -> Any:
+            for start, end, primary, *_ in r.execute_command("CLUSTER", "SLOTS"):
+                if start <= slot <= end:
+                    return (primary[0].decode(), int(primary[1]))
+            return None
+
+        live = next(node for node in self.nodes if node.host.pids())
+        address = live.call(find, via)
+        return next(node for node in self.nodes if (node.host.addr, node.port) == address)

@@ -1,0 +1,384 @@
+"""A Redis Cluster (3 primaries on loopback) given as a redis+cluster:// URL: lanes routed by
+hash slot follow MOVED, ASK and TRYAGAIN; the broker commands, the Python client and workers
+(a batch loop, and `worker start`) work against it; `broker status` covers every primary."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+from typer.testing import CliRunner
+
+from broker import Streamer, connections, functions
+from broker.cli import app
+from broker.cluster_lane import ClusterLanes, key_slot
+from broker.keys import ModelKeys
+from broker.redis_transport import RedisTransport
+from gpu_worker.batching import BatchLoop, BatchSettings
+from tests.cluster_local import LocalCluster
+from tests.conftest import worker_process
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(primaries=3) as setup:
+        yield setup
+
+
+def models_on_every_primary(cluster: LocalCluster, prefix: str) -> list[ModelKeys]:
+    """One model name per primary, each served by a different primary."""
+    found: dict[int, ModelKeys] = {}
+    for number in range(1000):
+        keys = ModelKeys(f"m{number}", prefix)
+        found.setdefault(cluster.owner(keys.stream), keys)
+        if len(found) == len(cluster.primaries()):
+            return list(found.values())
+    raise AssertionError("no model names spread over every primary")
+
+
+def test_every_key_of_a_model_shares_its_hash_slot() -> None:
+    """What keeps each multi-key command and function call of a model on one node."""
+    keys = ModelKeys("m", "p.x")
+    names = [keys.stream, keys.dead_letters, keys.consumers, keys.cancelled, keys.queued_bytes,
+             keys.queue_bound, keys.inbox("c-1"), keys.heartbeat("w-1")]  # fmt: skip
+    assert len({key_slot(name) for name in names}) == 1
+    assert key_slot(ModelKeys("n", "p.x").stream) != key_slot(keys.stream)
+
+
+def migrate_slot(cluster: LocalCluster, key: str, to_port: int, keys_first: int | None) -> None:
+    """Move ``key``'s slot to the primary at ``to_port`` by hand (what `redis-cli --cluster
+    reshard` does): IMPORTING / MIGRATING, MIGRATE of the keys (only the first ``keys_first``
+    of them if given: the slot is left half-migrated), then SETSLOT NODE on every primary."""
+    source = cluster.owner(key)
+    slot = key_slot(key)
+    src, dst = cluster.client(source), cluster.client(to_port)
+    src_id, dst_id = src.cluster("myid"), dst.cluster("myid")
+    dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+    src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+    names = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+    moving = names if keys_first is None else names[:keys_first]
+    if moving:
+        src.execute_command("MIGRATE", "127.0.0.1", to_port, "", 0, 5000, "KEYS", *moving)
+    if keys_first is None:
+        for port in cluster.primaries():
+            with cluster.client(port) as client:
+                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    src.close()
+    dst.close()
+
+
+def finish_migration(cluster: LocalCluster, key: str, to_port: int, from_port: int) -> None:
+    slot = key_slot(key)
+    with cluster.client(from_port) as src, cluster.client(to_port) as dst:
+        names = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+        if names:
+            src.execute_command("MIGRATE", "127.0.0.1", to_port, "", 0, 5000, "KEYS", *names)
+        dst_id = dst.cluster("myid")
+        for port in cluster.primaries():
+            with cluster.client(port) as client:
+                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+
+
+def test_lanes_follow_moved_ask_and_tryagain(cluster: LocalCluster) -> None:
+    tag = f"{{lanes{uuid.uuid4().hex[:6]}}}"
+    a, b = f"{tag}:a", f"{tag}:b"
+
+    async def main() -> None:
+        lanes = connections.lanes(cluster.url())
+        assert isinstance(lanes, ClusterLanes)
+        lane = lanes.at(a)
+        assert await lane.execute("SET", a, "1") == b"OK"
+        # one pipeline of several commands: one transaction on the slot's node
+        assert await lane.pipeline([("SET", b, "2"), ("MGET", a, b)]) == [b"OK", [b"1", b"2"]]
+        source = cluster.owner(a)
+        target = next(port for port in cluster.primaries() if port != source)
+        # half-migrated: `a` moved, `b` not; a single key goes by ASK, both keys get
+        # TRYAGAIN until the migration is done
+        await asyncio.to_thread(migrate_slot, cluster, a, target, 1)
+        moved = (await asyncio.to_thread(cluster.client(target).execute_command, "CLUSTER",
+                                         "COUNTKEYSINSLOT", key_slot(a)))  # fmt: skip
+        assert moved == 1
+        values = {await lane.execute("GET", a), await lane.execute("GET", b)}
+        assert values == {b"1", b"2"}
+        both = asyncio.ensure_future(lane.execute("MGET", a, b))
+        await asyncio.sleep(0.2)
+        assert not both.done()  # TRYAGAIN, sent again meanwhile
+        epoch = lanes.map.epoch
+        await asyncio.to_thread(finish_migration, cluster, a, target, source)
+        assert await asyncio.wait_for(both, 10) == [b"1", b"2"]  # then MOVED, followed
+        assert await lane.execute("INCR", f"{tag}:n") == 1
+        assert lanes.map.known(key_slot(a)).port == target
+        assert lanes.map.epoch != epoch
+        lanes.close()
+
+    asyncio.run(main())
+
+
+def test_a_streamer_and_a_worker_loop_over_a_cluster(cluster: LocalCluster, prefix: str) -> None:
+    """Models on every primary, the library loaded on each primary by the first call there;
+    `broker status` lists them all; dead letters and functions load work."""
+    url = cluster.url()
+    models = models_on_every_primary(cluster, prefix)
+    for port in cluster.primaries():
+        with cluster.client(port) as client:
+            client.function_flush()
+
+    async def serve_and_call() -> list[object]:
+        transport = RedisTransport(url)
+        loops = [
+            BatchLoop(lambda items: items, transport, keys, "w-1", BatchSettings(block_ms=50))
+            for keys in models
+        ]
+        serving = [asyncio.ensure_future(loop.run()) for loop in loops]
+        try:
+            outputs: list[object] = []
+            for keys in models:
+                streamer = Streamer(keys.model, redis_url=url, prefix=prefix,
+                                    wait_for_workers=True)  # fmt: skip
+                outputs += await streamer.apredict([keys.model, "x"], timeout=10)
+                await streamer.aclose()
+            return outputs
+        finally:
+            for loop in loops:
+                loop.stop()
+            await asyncio.gather(*serving)
+            await transport.close()
+
+    outputs = asyncio.run(serve_and_call())
+    assert outputs == [item for keys in models for item in (keys.model, "x")]
+    for port in cluster.primaries():  # loaded by the workers, each on its stream's node
+        with cluster.client(port) as client:
+            assert client.function_list(library=functions.LIBRARY)
+    cli = CliRunner()
+    status = cli.invoke(app, ["status", "--redis", url, "--prefix", prefix, "--json"])
+    assert status.exit_code == 0, status.output
+    rows = json.loads(status.output)
+    assert sorted(row["model"] for row in rows) == sorted(keys.model for keys in models)
+    assert all(row["stream_length"] == 0 and row["pending"] == 0 for row in rows)
+    dead = models[1]
+    with cluster.client(cluster.owner(dead.stream)) as client:
+        client.xadd(dead.dead_letters, {"id": "r1", "dead_reason": "test", "data": b"123"})
+    letters = cli.invoke(app, ["dead-letters", "list", "--name", dead.model, "--prefix", prefix,
+                               "--redis", url, "--json"])  # fmt: skip
+    assert letters.exit_code == 0 and json.loads(letters.output)[0]["reason"] == "test"
+    replayed = cli.invoke(app, ["dead-letters", "replay", "--name", dead.model, "--prefix",
+                                prefix, "--redis", url])  # fmt: skip
+    assert replayed.exit_code == 0 and "replayed 1" in replayed.output
+    with cluster.client(cluster.owner(dead.stream)) as client:
+        assert client.xlen(dead.stream) == 1 and client.xlen(dead.dead_letters) == 0
+    for port in cluster.primaries():
+        with cluster.client(port) as client:
+            client.function_flush()
+    loaded = cli.invoke(app, ["functions", "load", "--redis", url])
+    assert loaded.exit_code == 0 and "loaded the microbatch library" in loaded.output
+    for port in cluster.primaries():
+        with cluster.client(port) as client:
+            assert client.function_list(library=functions.LIBRARY)
+    bad = cli.invoke(
+        app, ["status", "--redis", f"redis+cluster://127.0.0.1:{cluster.nodes[0].port}/3"]
+    )
+    assert bad.exit_code == 2 and "database 0 only" in bad.output
+
+
+def test_worker_start_and_predict_over_a_cluster(cluster: LocalCluster, prefix: str) -> None:
+    """A real `worker start` process and a blocking Streamer, given any node's URL; the
+    worker's heartbeats count on its stream's node."""
+    url = cluster.url(nodes=1)
+    other = f"redis+cluster://127.0.0.1:{cluster.nodes[2].port}"
+    with worker_process(url, "tests.models:Toy", prefix, "--max-latency", "0"):
+        streamer = Streamer("toy", redis_url=other, prefix=prefix)
+        try:
+            outputs = streamer.predict([1, 2, 3], timeout=20)
+        finally:
+            streamer.close()
+    assert [output["item"] for output in outputs] == [1, 2, 3]
+    with connections.sync_client(url) as client:
+        assert isinstance(client, redis.cluster.RedisCluster)
+
+
+def test_the_acl_users_of_broker_acl_cluster_serve_a_cluster(prefix: str) -> None:
+    """The users `broker acl --server --prefix P --cluster` prints, set on every node: the
+    operator loads the functions on every primary, a worker and a caller serve as their own
+    users, the admin reads `broker status`, and no node refused any of them anything."""
+    import re
+
+    from broker import acl
+
+    roles = ("GATEWAY", "WORKER", "ADMIN", "KEDA", "OPERATOR")
+    passwords = {f"PW_{role}": uuid.uuid4().hex for role in roles}
+    lines, _ = acl.render([prefix], server=True, password_env="PW_{ROLE}", cluster=True,
+                          environ=passwords)  # fmt: skip
+
+    def url(user: str, role: str) -> str:
+        return cluster.url(f"{user}:{passwords['PW_' + role]}@")
+
+    with LocalCluster(primaries=3) as cluster:
+        for node in cluster.nodes:
+            with cluster.client(node.port) as client:
+                for line in lines:
+                    _, name, rules = line.split(" ", 2)
+                    if name != "default":  # the tests' own access stays
+                        client.execute_command(
+                            "ACL", "SETUSER", name, *re.findall(r"\([^)]*\)|\S+", rules)
+                        )
+                client.function_flush()
+        cli = CliRunner()
+        loaded = cli.invoke(app, ["functions", "load", "--redis", url("operator", "OPERATOR")])
+        assert loaded.exit_code == 0, loaded.output
+        keys = ModelKeys("echo", prefix)
+
+        async def serve_and_call() -> list[object]:
+            transport = RedisTransport(url(f"{prefix}-worker", "WORKER"))
+            loop = BatchLoop(lambda items: items, transport, keys, "w-1",
+                             BatchSettings(block_ms=50))  # fmt: skip
+            serving = asyncio.ensure_future(loop.run())
+            try:
+                streamer = Streamer("echo", redis_url=url(f"{prefix}-gateway", "GATEWAY"),
+                                    prefix=prefix, wait_for_workers=True)  # fmt: skip
+                outputs: list[object] = await streamer.apredict(["a", "b"], timeout=10)
+                await streamer.aclose()
+                return outputs
+            finally:
+                loop.stop()
+                await serving
+                await transport.close()
+
+        assert asyncio.run(serve_and_call()) == ["a", "b"]
+        admin = url(f"{prefix}-admin", "ADMIN")
+        status = cli.invoke(app, ["status", "--redis", admin, "--prefix", prefix, "--json"])
+        assert status.exit_code == 0, status.output
+        assert [row["model"] for row in json.loads(status.output)] == ["echo"]
+        for node in cluster.nodes:
+            with cluster.client(node.port) as client:
+                assert client.acl_log() == [], (node.port, client.acl_log())
+
+
+def migrate_key_by_key(cluster: LocalCluster, key: str, to_port: int) -> int:
+    """Move ``key``'s slot to ``to_port`` a key at a time, with pauses (clients meet it
+    half-migrated); returns how many keys moved."""
+    source = cluster.owner(key)
+    slot = key_slot(key)
+    moved = 0
+    with cluster.client(source) as src, cluster.client(to_port) as dst:
+        src_id, dst_id = src.cluster("myid"), dst.cluster("myid")
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        while names := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1):
+            src.execute_command("MIGRATE", "127.0.0.1", to_port, "", 0, 5000, "KEYS", *names)
+            moved += 1
+            time.sleep(0.05)
+        for port in cluster.primaries():
+            with cluster.client(port) as client:
+                client.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    return moved
+
+
+def test_calls_and_a_worker_loop_go_on_while_the_model_s_slot_migrates(
+    cluster: LocalCluster, prefix: str
+) -> None:
+    """Calls keep coming while every key of the model moves, one by one, to a primary that
+    lacks the functions: each call is answered right, nothing is dead-lettered, and the
+    library is loaded there by the first call that needs it."""
+    url = cluster.url()
+    keys = ModelKeys("mover", prefix)
+    source = cluster.owner(keys.stream)
+    target = next(port for port in cluster.primaries() if port != source)
+    with cluster.client(target) as client:
+        client.function_flush()
+
+    epochs: list[int] = []
+
+    async def run() -> tuple[list[object], int]:
+        transport = RedisTransport(url)
+        loop = BatchLoop(lambda items: items, transport, keys, "w-1", BatchSettings(block_ms=50))
+        serving = asyncio.ensure_future(loop.run())
+        streamer = Streamer("mover", redis_url=url, prefix=prefix, wait_for_workers=True)
+        try:
+            await streamer.apredict([-1], timeout=10)  # the keys exist before they move
+            epochs.append(transport.clock_epoch)
+            migration = asyncio.ensure_future(
+                asyncio.to_thread(migrate_key_by_key, cluster, keys.stream, target)
+            )
+            outputs: list[object] = []
+            number = 0
+            while not migration.done() or number < 20:
+                outputs += await streamer.apredict([number, number + 1], timeout=10)
+                number += 2
+            moved = await migration
+            await streamer.apredict([number], timeout=10)
+            epochs.append(transport.clock_epoch)
+            return outputs, moved
+        finally:
+            await streamer.aclose()
+            loop.stop()
+            await serving
+            await transport.close()
+
+    outputs, moved = asyncio.run(run())
+    assert moved >= 2  # the stream and its byte counter, at least
+    assert epochs[0] != epochs[1]  # the worker's clock is read again, from the new node
+    assert outputs == list(range(len(outputs)))
+    assert cluster.owner(keys.stream) == target
+    with cluster.client(target) as client:
+        assert client.function_list(library=functions.LIBRARY)
+        assert client.xlen(keys.dead_letters) == 0 and client.xlen(keys.stream) == 0
+
+
+def test_a_redis_url_of_a_cluster_node_says_to_use_redis_cluster(
+    cluster: LocalCluster, prefix: str
+) -> None:
+    """A redis:// URL means one server: a call whose slot another node serves fails with
+    BrokerUnavailable saying what URL to give, never hangs or goes astray."""
+    from broker.errors import BrokerUnavailable
+
+    keys = next(
+        ModelKeys(f"n{number}", prefix)
+        for number in range(100)
+        if cluster.owner(ModelKeys(f"n{number}", prefix).stream) != cluster.nodes[0].port
+    )
+    url = f"redis://127.0.0.1:{cluster.nodes[0].port}/0"
+    streamer = Streamer(keys.model, redis_url=url, prefix=prefix)
+    try:
+        with pytest.raises(BrokerUnavailable, match="redis\\+cluster://"):
+            streamer.predict([1], timeout=5)
+    finally:
+        streamer.close()
+
+    async def read() -> None:
+        transport = RedisTransport(url)
+        try:
+            with pytest.raises(BrokerUnavailable, match="MOVED"):
+                await transport.read_batch(keys, "w", 1, 10)
+        finally:
+            await transport.close()
+
+    asyncio.run(read())
+
+
+def test_a_worker_started_before_the_cluster_answers_waits_for_it() -> None:
+    """As with one Redis: no node answering is `--redis-wait` seconds of waiting, then one
+    error line (exit status 2), never a traceback; the password never shows."""
+    import subprocess
+    import sys
+
+    from broker.devserver import free_port
+    from tests.conftest import ROOT
+
+    url = f"redis+cluster://worker:s3cret@127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
+    done = subprocess.run(
+        [sys.executable, "-m", "gpu_worker.cli", "start", "--model", "tests.models:Toy",
+         "--redis", url, "--redis-wait", "2"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: Redis at redis+cluster://worker:***@127.0.0.1:"), last
+    assert "did not answer within 2 s (--redis-wait)" in last
+    assert "Traceback" not in done.stderr and "s3cret" not in done.stderr
