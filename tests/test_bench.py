@@ -153,6 +153,18 @@ def test_client_cost_alternates_trees_and_reports_each_arm(tmp_path: Path) -> No
         assert window["cpu_us_per_item_worker"] > 0 and window["cpu_us_per_item_redis"] >= 0
 
 
+def test_enqueue_cost_measures_each_library_and_multi_exec() -> None:
+    import argparse
+
+    from bench.enqueue_cost import measure
+
+    args = argparse.Namespace(against="HEAD", items=2, calls=5, pipelines=2, rounds=2)
+    results = measure(args)
+    assert list(results) == ["this tree", "HEAD", "MULTI/EXEC"]
+    assert all(len(rounds) == 2 and min(rounds) >= 0 for rounds in results.values())
+    assert sum(results["this tree"]) > 0  # Redis spent CPU on the calls it was sent
+
+
 def test_a_requested_scenario_that_runs_nothing_is_reported() -> None:
     from bench.harness import not_run, parse_args
 
