@@ -73,6 +73,27 @@ def model_table(rows: list[dict[str, Any]], model: str) -> str:
     return "\n".join(lines)
 
 
+def cpu_table(rows: list[dict[str, Any]], model: str) -> str | None:
+    """CPU time per request of each server process tree, and of the load generator."""
+    measured = [r for r in rows if r["model"] == model and r.get("cpu_us_per_item")]
+    if not measured:
+        return None
+    lines = [
+        "| scenario | concurrency | requests/s | server processes, CPU us per request | total "
+        "| load generator |",
+        "|---|---:|---:|---|---:|---:|",
+    ]
+    for r in measured:
+        cpu = r["cpu_us_per_item"]
+        trees = ", ".join(f"{name} {value:,.0f}" for name, value in cpu.items() if name != "total")
+        generator = r.get("load_cpu_us_per_item") or r.get("generator_cpu_us_per_item")
+        lines.append(
+            f"| {r['scenario']} | {r['concurrency']} | {fmt(r['items_per_s'], 0)} | {trees} | "
+            f"{fmt(cpu['total'], 0)} | {fmt(generator, 0)} |"
+        )
+    return "\n".join(lines)
+
+
 def spine_table(rows: list[dict[str, Any]], model: str) -> str:
     batched, one = find(rows, model, BATCHED), find(rows, model, ONE)
     c1, c256 = find(rows, model, REDIS_ASYNC, 1), find(rows, model, REDIS_ASYNC, 256)
@@ -408,6 +429,18 @@ def write(
         except ImportError:
             figure = "(matplotlib is not installed: no plot)"
         parts += [f"## {model}", "", model_table(rows, model), "", figure, ""]
+        cpu = cpu_table(rows, model)
+        if cpu is not None:
+            parts += [
+                f"CPU time per request ({model}), user + system from /proc over each measured "
+                "window, median of the windows: each server process tree (ours: the `worker "
+                "start` supervisor and its model process, the gateway's gunicorn master and "
+                "workers, redis-server; an alternative's whole server tree, and Redis where it "
+                "uses one), and the load generator's own (the Python load process, or wrk).",
+                "",
+                cpu,
+                "",
+            ]
     memory = report.get("memory_mb") or {}
     if memory:
         parts += ["## Memory (RSS, MB, at the end of the model's run)", ""]
