@@ -327,7 +327,8 @@ class Harness:
         worker = [sys.executable, "-m", "gpu_worker.cli", "start", "--model", MODELS[model]]
         worker += ["--redis", redis_url, "--prefix", prefix, "--batch-size", str(a.batch_size)]
         worker += ["--metrics-port", str(metrics_port), "--log-level", "WARNING"]
-        worker += ["--busy-poll-us", str(a.busy_poll_us)]
+        if a.busy_poll_us is not None:  # otherwise the worker's own default
+            worker += ["--busy-poll-us", str(a.busy_poll_us)]
         worker += worker_placement(a.cuda, a.workers)
         probe = BatchProbe(f"metrics:http://127.0.0.1:{metrics_port}/metrics")
         with ExitStack() as stack:
@@ -717,8 +718,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--busy-poll-us",
         type=int,
-        default=1000,
-        help="`worker start --busy-poll-us` of our worker (default 1000: a worker with nothing "
+        default=None,
+        help="`worker start --busy-poll-us` of our worker, a tuned variant (default: not given, "
+        "so the worker runs at its defaults, as a new user's does; 1000: a worker with nothing "
         "to do polls 1 ms before it sleeps)",
     )
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
