@@ -11,7 +11,8 @@ before it goes on. So the loop thread, which holds the GIL, does not wake dozens
 that would only queue for the GIL it holds (and preempt it on a busy machine); the threads wake
 one after another, each while the one before runs. Meanwhile the mailbox holds what they post
 until the last of them is woken, so that their next calls go out in one round trip, as the
-calls of asyncio tasks woken together do.
+calls of asyncio tasks woken together do. :class:`CallFuture`, the future ``submit`` returns,
+puts the threads blocked in its ``result()`` on the same waiters.
 """
 
 from __future__ import annotations
