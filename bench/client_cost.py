@@ -5,8 +5,9 @@
 
 Starts a private redis-server and one ``worker start --model bench.models:Identity`` process at
 its defaults, then, round after round, runs each arm in a fresh load process: N threads calling
-``Streamer.predict([x])`` or N asyncio tasks (uvloop) awaiting ``Streamer.apredict([x])``, the
-very loops of bench/load.py. A load process warms up, then measures one window: items/s, p50 /
+``Streamer.predict([x])`` (arm ``threads``) or ``Streamer.submit([x]).result()`` (``submit``),
+or N asyncio tasks (uvloop) awaiting ``Streamer.apredict([x])``, the very loops of
+bench/load.py. A load process warms up, then measures one window: items/s, p50 /
 p99 latency, the CPU time per item of itself (the client, all its threads; its system share
 apart) and of the worker processes and Redis (from /proc), and its own context switches per
 item. With several ``--code`` trees each load process imports the client from one of them
@@ -33,7 +34,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-ARMS = [("threads", 64), ("asyncio", 256), ("asyncio", 64), ("threads", 1), ("asyncio", 1)]
+ARMS = [
+    ("threads", 64), ("submit", 64), ("asyncio", 256), ("asyncio", 64), ("threads", 1),
+    ("asyncio", 1),
+]  # fmt: skip
 SHOWN = [
     ("items_per_s", "items/s", 0),
     ("p50_ms", "p50 ms", 3),
@@ -78,6 +82,10 @@ def child(spec: dict[str, Any]) -> None:
     streamer = Streamer("identity", redis_url=spec["redis_url"], prefix=spec["prefix"])
     if spec["kind"] == "threads":
         run = thread_window(lambda x: streamer.predict([x], timeout=60), spec["concurrency"])
+    elif spec["kind"] == "submit":
+        run = thread_window(
+            lambda x: streamer.submit([x], timeout=60).result(), spec["concurrency"]
+        )
     else:
 
         async def acall(x: Any) -> Any:
@@ -184,15 +192,16 @@ def table(meds: dict[str, dict[str, dict[str, float]]]) -> str:
             lines.append(f"| {tree} | {arm} | " + " | ".join(cells) + " |")
     lines.append("")
     for tree, arms in meds.items():
-        blocking = arms.get("threads c=64")
-        for other in ("asyncio c=256", "asyncio c=64"):
-            if blocking and other in arms:
-                ratio = blocking["items_per_s"] / arms[other]["items_per_s"]
-                cpu = blocking["cpu_us_per_item_client"] / arms[other]["cpu_us_per_item_client"]
-                lines.append(
-                    f"- {tree}: threads c=64 / {other}: {ratio:.0%} of its items/s, "
-                    f"{cpu:.2f}x its client CPU per item"
-                )
+        for name in ("threads c=64", "submit c=64"):
+            blocking = arms.get(name)
+            for other in ("asyncio c=256", "asyncio c=64"):
+                if blocking and other in arms:
+                    ratio = blocking["items_per_s"] / arms[other]["items_per_s"]
+                    cpu = blocking["cpu_us_per_item_client"] / arms[other]["cpu_us_per_item_client"]
+                    lines.append(
+                        f"- {tree}: {name} / {other}: {ratio:.0%} of its items/s, "
+                        f"{cpu:.2f}x its client CPU per item"
+                    )
         if "threads c=1" in arms and "asyncio c=1" in arms:
             gap = arms["threads c=1"]["p50_ms"] - arms["asyncio c=1"]["p50_ms"]
             lines.append(f"- {tree}: c=1 p50, blocking minus asyncio: {gap:+.3f} ms")

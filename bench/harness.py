@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import venvs
+from bench.cpu import CpuMeter, children_cpu_seconds, per_item
 from bench.http_bench import post_script, wait_workers, wrk_counts
 from bench.load import BatchProbe, sample_input
 from broker.devserver import free_port
@@ -108,6 +109,7 @@ class Harness:
         self.lua = post_script(self.tmp / "post.lua", body)
         self.memory: dict[str, dict[str, float]] = {}
         self.brackets: dict[str, dict[str, Any]] = {}
+        self.redis_pid: int | None = None
 
     # -- bookkeeping -------------------------------------------------------------------------
 
@@ -128,17 +130,27 @@ class Harness:
             "p99_ms": med("p99_ms"),
             "mean_batch": med("mean_batch"),
             "load_cpu_us_per_item": med("load_cpu_us_per_item"),  # Python-client arms
+            # the servers' CPU per item, process tree by process tree (bench.cpu), and the
+            # HTTP load generator's (wrk)
+            "cpu_us_per_item": (servers := med_cpu(windows)),
+            "generator_cpu_us_per_item": med("generator_cpu_us_per_item"),
             "errors": sum(int(w.get("errors") or 0) for w in windows),
             "requests": sum(int(w.get("requests") or 0) for w in windows),
             "windows": windows,
         }
         self.rows.append(row)
         batch = f"{row['mean_batch']:.1f}" if row["mean_batch"] else "-"
-        cpu = row["load_cpu_us_per_item"]
+        cpu = row["load_cpu_us_per_item"] or row["generator_cpu_us_per_item"]
         log(
             f"{model:8} {scenario:42} c={concurrency:<3} {row['items_per_s']:9,.0f} items/s "
             f"p50 {row['p50_ms']:.2f} p99 {row['p99_ms']:.2f} ms batch {batch} "
-            f"errors {row['errors']}" + (f" client CPU {cpu:.0f} us/item" if cpu else "")
+            f"errors {row['errors']}"
+            + (f" load generator CPU {cpu:.0f} us/item" if cpu else "")
+            + (
+                " CPU us/item: " + ", ".join(f"{k} {v:.0f}" for k, v in servers.items())
+                if servers
+                else ""
+            )
         )
 
     def failed(self, model: str, scenario: str, concurrency: int, error: str) -> None:
@@ -207,14 +219,24 @@ class Harness:
             "errors": errors,
         }
 
-    def wrk(self, url: str, concurrency: int, probe: BatchProbe) -> list[dict[str, Any]]:
+    def wrk(
+        self, url: str, concurrency: int, probe: BatchProbe, meter: CpuMeter | None = None
+    ) -> list[dict[str, Any]]:
+        """wrk's warm-up, then its windows; with a ``meter``, each window also has the CPU per
+        request of the meter's process trees (``cpu_us_per_item``) and of wrk itself."""
         a = self.args
         self.wrk_once(url, concurrency, a.warmup)
         windows = []
         for _ in range(a.repeats):
             before = probe.totals()
+            servers = meter.sample() if meter is not None else {}
+            generator = children_cpu_seconds()
             window = self.wrk_once(url, concurrency, a.duration)
+            generator = children_cpu_seconds() - generator
             window["mean_batch"] = probe.mean(before, probe.totals(), window["requests"])
+            if meter is not None and window["requests"]:
+                window["cpu_us_per_item"] = per_item(servers, meter.sample(), window["requests"])
+                window["generator_cpu_us_per_item"] = generator / window["requests"] * 1e6
             windows.append(window)
         return windows
 
@@ -299,14 +321,16 @@ class Harness:
         worker = [sys.executable, "-m", "gpu_worker.cli", "start", "--model", MODELS[model]]
         worker += ["--redis", redis_url, "--prefix", prefix, "--batch-size", str(a.batch_size)]
         worker += ["--metrics-port", str(metrics_port), "--log-level", "WARNING"]
-        worker += ["--busy-poll-us", str(a.busy_poll_us)]
+        if a.busy_poll_us is not None:  # otherwise the worker's own default
+            worker += ["--busy-poll-us", str(a.busy_poll_us)]
         worker += worker_placement(a.cuda, a.workers)
         probe = BatchProbe(f"metrics:http://127.0.0.1:{metrics_port}/metrics")
         with ExitStack() as stack:
             worker_proc = stack.enter_context(self.process(worker, f"worker-{model}"))
             self.wait_worker(redis_url, model, prefix, worker_proc, a.workers)
-            base = {"name": model, "redis_url": redis_url, "prefix": prefix}
+            base: dict[str, Any] = {"name": model, "redis_url": redis_url, "prefix": prefix}
             base["probe"] = probe.kind + ":" + probe.where
+            base["cpu_roots"] = {"worker": worker_proc.pid, "redis": self.redis_pid}
             for kind, scenario in (("asyncio", OURS[3]), ("threads", OURS[4])):
                 if scenario not in a.scenarios:
                     continue
@@ -337,8 +361,11 @@ class Harness:
             gateway_proc = stack.enter_context(self.process(gateway, f"gateway-{model}"))
             url = f"http://127.0.0.1:{gateway_port}/v1/models/{model}/predict"
             self.wait_http(url, gateway_proc)
+            meter = CpuMeter(
+                {"gateway": gateway_proc.pid, "worker": worker_proc.pid, "redis": self.redis_pid}
+            )
             for c in a.concurrency:
-                self.record(model, OURS[5], c, self.wrk(url, c, probe))
+                self.record(model, OURS[5], c, self.wrk(url, c, probe, meter))
             self.memory[model]["gateway_rss_mb"] = tree_rss_mb(gateway_proc.pid)
             self.memory[model]["gateway_processes"] = 1 + a.gateway_workers
 
@@ -380,6 +407,7 @@ class Harness:
                 for c in a.concurrency:
                     spec = {"concurrency": c, "broker": broker, "prefix": prefix}
                     spec["probe"] = f"file:{batch_log}"
+                    spec["cpu_roots"] = {"server": proc.pid, "redis": self.redis_pid}
                     self.record(model, scenario, c, self.load(python, "ss-redis", spec))
             return
         if scenario == ALTERNATIVES[1]:
@@ -406,8 +434,9 @@ class Harness:
                 self.wait_http(url, proc)
             except Exception as exc:
                 raise RuntimeError(f"{exc}: {self.tail(name)}") from exc
+            meter = CpuMeter({"server": proc.pid})  # its whole process tree
             for c in a.concurrency:
-                windows = self.wrk(url, c, probe)
+                windows = self.wrk(url, c, probe, meter)
                 if scenario == ALTERNATIVES[2]:
                     for w in windows:
                         w["mean_batch"] = 1
@@ -426,6 +455,8 @@ class Harness:
         alternatives = [s for s in ALTERNATIVES if s in self.args.scenarios]
         versions: dict[str, dict[str, str]] = {}
         with RedisServer() as server:
+            assert server.process is not None
+            self.redis_pid = server.process.pid
             for model in self.args.models:
                 log(f"model {model}")
                 # (scenarios a step may run, the step); each step runs only the selected ones
@@ -480,6 +511,14 @@ class Harness:
             "brackets": self.brackets,
             "results": self.rows,
         }
+
+
+def med_cpu(windows: list[dict[str, Any]]) -> dict[str, float] | None:
+    """The median over windows of each process tree's CPU per item (and of their total)."""
+    measured = [w["cpu_us_per_item"] for w in windows if w.get("cpu_us_per_item")]
+    if not measured:
+        return None
+    return {key: statistics.median(m[key] for m in measured) for key in measured[0]}
 
 
 @contextmanager
@@ -647,8 +686,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--busy-poll-us",
         type=int,
-        default=1000,
-        help="`worker start --busy-poll-us` of our worker (default 1000: a worker with nothing "
+        default=None,
+        help="`worker start --busy-poll-us` of our worker, a tuned variant (default: not given, "
+        "so the worker runs at its defaults, as a new user's does; 1000: a worker with nothing "
         "to do polls 1 ms before it sleeps)",
     )
     parser.add_argument("--output-dir", type=Path, default=RESULTS)

@@ -1,11 +1,13 @@
 """Closed-loop load generators, run in a process of their own (and in the alternatives' venvs).
 
-Only the standard library and numpy at module level, so any of the benchmark's virtualenvs can
-run it with this repository on PYTHONPATH. Every generator does a warm-up, then ``repeats``
-windows of ``duration`` seconds each, and prints one JSON line: a list of windows, each
+Only the standard library, numpy and bench.cpu (itself standard library only) at module level,
+so any of the benchmark's virtualenvs can run it with this repository on PYTHONPATH. Every
+generator does a warm-up, then ``repeats`` windows of ``duration`` seconds each, and prints one
+JSON line: a list of windows, each
 ``{"items_per_s", "p50_ms", "p90_ms", "p99_ms", "requests", "errors", "mean_batch",
 "load_cpu_us_per_item"}`` (the last: CPU time of this whole process, client and load loop, per
-item answered).
+item answered), and with ``"cpu_roots": {name: pid}`` in the spec ``"cpu_us_per_item"``: the
+CPU time per item of each of those process trees (the servers), read from /proc.
 
 The mean batch size of a window comes from a *batch probe*: ``metrics:URL`` (a worker's
 Prometheus endpoint: microbatch_worker_batch_size_sum / _count), ``file:PATH`` (the batch-size log
@@ -28,6 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from bench.cpu import CpuMeter, per_item
 
 
 def sample_input() -> np.ndarray:
@@ -85,8 +89,12 @@ def windows(
     warmup: float,
     duration: float,
     repeats: int,
+    meter: CpuMeter | None = None,
 ) -> list[dict[str, Any]]:
-    """Warm up, then REPEATS measured windows; run_window(seconds) -> (done, latencies, errors)."""
+    """Warm up, then REPEATS measured windows; run_window(seconds) -> (done, latencies, errors).
+
+    With a ``meter``, each window also has ``cpu_us_per_item``: the CPU time of each of the
+    meter's process trees (the servers) per item, and their total."""
     run_window(warmup)
     # Every arm's load process alike: what exists now lives until the end, so a full collection
     # need not walk it (its pauses would show up as the served arms' tail latency).
@@ -95,20 +103,22 @@ def windows(
     out = []
     for _ in range(repeats):
         before = probe.totals()
+        servers = meter.sample() if meter is not None else {}
         start, cpu = time.perf_counter(), sum(os.times()[:2])
         done, latencies, errors = run_window(duration)
         elapsed, cpu = time.perf_counter() - start, sum(os.times()[:2]) - cpu
-        out.append(
-            {
-                "items_per_s": done / elapsed,
-                **percentiles(latencies),
-                "requests": done,
-                "errors": errors,
-                "mean_batch": probe.mean(before, probe.totals(), done),
-                # this process: the client and the load loop around it, every thread
-                "load_cpu_us_per_item": cpu / done * 1e6 if done else None,
-            }
-        )
+        window: dict[str, Any] = {
+            "items_per_s": done / elapsed,
+            **percentiles(latencies),
+            "requests": done,
+            "errors": errors,
+            "mean_batch": probe.mean(before, probe.totals(), done),
+            # this process: the client and the load loop around it, every thread
+            "load_cpu_us_per_item": cpu / done * 1e6 if done else None,
+        }
+        if meter is not None:  # the servers' processes, each tree apart
+            window["cpu_us_per_item"] = per_item(servers, meter.sample(), done)
+        out.append(window)
     return out
 
 
@@ -187,7 +197,8 @@ def asyncio_window(
 def main() -> None:
     kind, spec = sys.argv[1], json.loads(sys.argv[2])
     concurrency, probe = spec["concurrency"], BatchProbe(spec.get("probe", "none"))
-    timing = (spec["warmup"], spec["duration"], spec["repeats"])
+    roots = spec.get("cpu_roots")  # {name: pid}: the servers' process trees to meter
+    timing = (spec["warmup"], spec["duration"], spec["repeats"], CpuMeter(roots) if roots else None)
     if kind in ("asyncio", "local"):
         if kind == "asyncio":
             from broker import Streamer

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ SOAK = ROOT / "bench" / "results" / "soak.json"  # python -m bench.soak
 
 BATCHED, ONE = "direct, batched", "direct, one at a time"
 REDIS_ASYNC, HTTP = "redis, python client (asyncio)", "http, gateway"
+REDIS_THREADS = "redis, python client (threads)"
 SS_REDIS = "service_streamer RedisStreamer (threads)"
 MOSEC = "mosec, batching"
 NAIVE = "fastapi, per request"  # bench/naive_fastapi.py: the naive server the targets name
@@ -69,6 +71,27 @@ def model_table(rows: list[dict[str, Any]], model: str) -> str:
             f"| {r['scenario']} | {r['concurrency']} | {fmt(r['items_per_s'], 0)} | "
             f"{fmt(r['p50_ms'])} | {fmt(r['p90_ms'])} | {fmt(r['p99_ms'])} | "
             f"{fmt(r['mean_batch'], 1)} | {r['errors']} |"
+        )
+    return "\n".join(lines)
+
+
+def cpu_table(rows: list[dict[str, Any]], model: str) -> str | None:
+    """CPU time per request of each server process tree, and of the load generator."""
+    measured = [r for r in rows if r["model"] == model and r.get("cpu_us_per_item")]
+    if not measured:
+        return None
+    lines = [
+        "| scenario | concurrency | requests/s | server processes, CPU us per request | total "
+        "| load generator |",
+        "|---|---:|---:|---|---:|---:|",
+    ]
+    for r in measured:
+        cpu = r["cpu_us_per_item"]
+        trees = ", ".join(f"{name} {value:,.0f}" for name, value in cpu.items() if name != "total")
+        generator = r.get("load_cpu_us_per_item") or r.get("generator_cpu_us_per_item")
+        lines.append(
+            f"| {r['scenario']} | {r['concurrency']} | {fmt(r['items_per_s'], 0)} | {trees} | "
+            f"{fmt(cpu['total'], 0)} | {fmt(generator, 0)} |"
         )
     return "\n".join(lines)
 
@@ -200,6 +223,87 @@ def targets(
                     f"{gateway['items_per_s']:,.0f} vs best of them {best['items_per_s']:,.0f} "
                     f"({best['scenario']}): {gateway['items_per_s'] / best['items_per_s']:.1f}x",
                     verdict(gateway["items_per_s"] >= 1.5 * best["items_per_s"]),
+                )
+            )
+    out += issue_22_targets(rows, brackets, verdict)
+    return out
+
+
+def issue_22_targets(
+    rows: list[dict[str, Any]],
+    brackets: dict[str, dict[str, Any]] | None,
+    verdict: Callable[[bool], str],
+) -> list[tuple[str, str, str]]:
+    """Issue 22's targets that this run can check (the same run's arms, at the defaults the
+    run used)."""
+    out: list[tuple[str, str, str]] = []
+    threads, asyncio_ = (
+        find(rows, "identity", REDIS_THREADS, 64),
+        find(rows, "identity", REDIS_ASYNC, 256),
+    )
+    if threads and asyncio_:
+        ratio = threads["items_per_s"] / asyncio_["items_per_s"]
+        ss = find(rows, "identity", SS_REDIS, 64)
+        versus = (
+            f"; {threads['items_per_s'] / ss['items_per_s']:.1f}x RedisStreamer c=64" if ss else ""
+        )
+        out.append(
+            (
+                "identity, blocking predict from 64 threads >= 60% of apredict c=256",
+                f"{threads['items_per_s']:,.0f} / {asyncio_['items_per_s']:,.0f} = {ratio:.0%}"
+                + versus,
+                verdict(ratio >= 0.6),
+            )
+        )
+    t1, a1 = find(rows, "identity", REDIS_THREADS, 1), find(rows, "identity", REDIS_ASYNC, 1)
+    if t1 and a1:
+        gap = t1["p50_ms"] - a1["p50_ms"]
+        out.append(
+            (
+                "identity, c=1: blocking p50 within 0.2 ms of apredict's",
+                f"{t1['p50_ms']:.2f} - {a1['p50_ms']:.2f} = {gap:+.2f} ms",
+                verdict(gap <= 0.2),
+            )
+        )
+    ss_rows = [r for r in rows if r["model"] == "identity" and r["scenario"] == SS_REDIS]
+    ss_rows = [r for r in ss_rows if r.get("items_per_s")]
+    if asyncio_ and ss_rows:
+        best = max(r["items_per_s"] for r in ss_rows)
+        ratio = asyncio_["items_per_s"] / best
+        out.append(
+            (
+                "identity via Redis, c=256: >= 15x RedisStreamer's best",
+                f"{asyncio_['items_per_s']:,.0f} / {best:,.0f} = {ratio:.1f}x",
+                verdict(ratio >= 15),
+            )
+        )
+    batched, served = find(rows, "mlp", BATCHED), find(rows, "mlp", REDIS_ASYNC, 256)
+    if batched and served:
+        bracket = (brackets or {}).get("mlp")
+        share = served["items_per_s"] / batched["items_per_s"]
+        if bracket and bracket["concurrency"] == 256:
+            share = bracket["share"]
+        out.append(
+            ("mlp via Redis, c=256: >= 80% of direct batched", f"{share:.1%}",
+             verdict(share >= 0.8))
+        )  # fmt: skip
+    gateway, mosec = find(rows, "mlp", HTTP, 64), find(rows, "mlp", MOSEC, 64)
+    if gateway and mosec:
+        ratio = gateway["items_per_s"] / mosec["items_per_s"]
+        out.append(
+            (
+                "mlp over HTTP, c=64: >= 1.3x mosec's requests/s, p99 no higher",
+                f"{ratio:.2f}x; p99 {gateway['p99_ms']:.1f} vs {mosec['p99_ms']:.1f} ms",
+                verdict(ratio >= 1.3 and gateway["p99_ms"] <= mosec["p99_ms"]),
+            )
+        )
+        ours, theirs = gateway.get("cpu_us_per_item"), mosec.get("cpu_us_per_item")
+        if ours and theirs:
+            out.append(
+                (
+                    "mlp over HTTP, c=64: CPU per request (ours with Redis) <= mosec's",
+                    f"{ours['total']:,.0f} vs {theirs['total']:,.0f} us",
+                    verdict(ours["total"] <= theirs["total"]),
                 )
             )
     return out
@@ -356,9 +460,11 @@ def write(
         "queued and never waits)"
         + (
             f" and `--busy-poll-us {s['busy_poll_us']}` (with nothing to do, it polls "
-            f"{s['busy_poll_us'] / 1000:g} ms before it sleeps)."
+            f"{s['busy_poll_us'] / 1000:g} ms before it sleeps: a tuned setting, not the "
+            "default)."
             if s.get("busy_poll_us")
-            else "."
+            else " and every other `worker start` and `gateway start` default (no busy "
+            "polling: a worker with nothing to do sleeps at once)."
         ),
         f"- Closed loop: {s['warmup_s']:g} s warm-up, then {s['repeats']} windows of "
         f"{s['duration_s']:g} s per arm and concurrency; each figure is the median of the windows. "
@@ -408,6 +514,18 @@ def write(
         except ImportError:
             figure = "(matplotlib is not installed: no plot)"
         parts += [f"## {model}", "", model_table(rows, model), "", figure, ""]
+        cpu = cpu_table(rows, model)
+        if cpu is not None:
+            parts += [
+                f"CPU time per request ({model}), user + system from /proc over each measured "
+                "window, median of the windows: each server process tree (ours: the `worker "
+                "start` supervisor and its model process, the gateway's gunicorn master and "
+                "workers, redis-server; an alternative's whole server tree, and Redis where it "
+                "uses one), and the load generator's own (the Python load process, or wrk).",
+                "",
+                cpu,
+                "",
+            ]
     memory = report.get("memory_mb") or {}
     if memory:
         parts += ["## Memory (RSS, MB, at the end of the model's run)", ""]

@@ -122,7 +122,8 @@ TENANT_USERS = (
         f"(~{_keys('requests')} +xadd +xdel) (~{_keys('queued-bytes')} +incrby +decrby) "
         f"(~{_keys('cancelled')} +zadd +zremrangebyscore)",
         """The HTTP gateways (web_gateway) and Python callers (broker.Streamer) of the prefix:
-  enqueue: FCALL mb_enqueue -> HMGET, TIME, ZCOUNT, XLEN, GET, XADD, INCRBY
+  enqueue: FCALL mb_enqueue -> HMGET, XLEN, INCRBY, XADD; TIME and ZCOUNT (the live workers)
+    once the queue outgrows one worker's share, DECRBY when it refuses a call
   withdraw a cancelled call: FCALL mb_withdraw -> TIME, XPENDING, ZADD, XRANGE, XDEL, DECRBY,
     ZREMRANGEBYSCORE
   replies: BLMPOP on its inboxes

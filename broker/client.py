@@ -33,7 +33,7 @@ from .errors import (
     describe_error,
     error_from_wire,
 )
-from .handoff import Mailbox, Relay, Waiter
+from .handoff import CallFuture, Mailbox, Relay, Waiter
 from .keys import DEFAULT_PREFIX, ModelKeys
 from .logs import Every, ThrottledWarning
 from .loop_thread import LoopThread
@@ -218,12 +218,12 @@ class ClientCore:
     ) -> Future[list[Any]]:
         """Queue encoded items from any thread; the future gets the raw results, or what
         ``post`` (run on the loop thread) makes of them. Cancelling it withdraws the call."""
-        future: Future[list[Any]] = Future()
+        future: CallFuture[list[Any]] = CallFuture(self._relay)
         if not payloads:
             future.set_result([])
             return future
         call = self._new_call(payloads, future, timeout_s, trace, post)
-        future.add_done_callback(lambda done: self._on_done(done, call))
+        future.on_cancel = lambda: self._on_cancelled(call)
         self._incoming.post(call)
         return future
 
@@ -351,8 +351,11 @@ class ClientCore:
                 results = call.post(results)
             except Exception as exc:
                 error = exc
-        if self._waking is not None and isinstance(future, Waiter):
-            self._waking.append((future, results, error))  # woken with the whole batch
+        waking = self._waking
+        if waking is not None and isinstance(future, Waiter):
+            waking.append((future, results, error))  # woken with the whole batch
+        elif waking is not None and isinstance(future, CallFuture):
+            waking += [(waiter, None, None) for waiter in future.settle_quietly(results, error)]
         elif error is not None:
             future.set_exception(error)
         else:
@@ -434,8 +437,8 @@ class ClientCore:
             if call.entries:
                 self._withdraw(call)
 
-    def _on_done(self, future: Future[list[Any]], call: _Call) -> None:
-        if future.cancelled() and not self.loop.is_closed():
+    def _on_cancelled(self, call: _Call) -> None:
+        if not self.loop.is_closed():
             self._forget_threadsafe(call)
 
     def _forget(self, call: _Call) -> None:

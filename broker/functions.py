@@ -102,15 +102,22 @@ local function enqueue(keys, args)
   end
   local bound = redis.call('HMGET', keys[3], 'items', 'bytes')
   local per_worker = tonumber(bound[1]) or 0
+  local length = (max_items > 0 or per_worker > 0) and redis.call('XLEN', keys[1]) or 0
   if per_worker > 0 then
-    local time = redis.call('TIME')
-    local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-    local live = redis.call('ZCOUNT', keys[4], now_ms, '+inf')
-    max_items = tighter(max_items, per_worker * math.max(live, 1))
+    -- Live workers are counted only when the queue could outgrow one worker's share: the
+    -- bound is at least that share, so below it their number changes no outcome.
+    local live = 1
+    if length + entries > per_worker then
+      local time = redis.call('TIME')
+      local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+      live = math.max(redis.call('ZCOUNT', keys[4], now_ms, '+inf'), 1)
+    end
+    max_items = tighter(max_items, per_worker * live)
   end
   max_bytes = tighter(max_bytes, tonumber(bound[2]) or 0)
-  local length = max_items > 0 and redis.call('XLEN', keys[1]) or 0
-  local queued = max_bytes > 0 and tonumber(redis.call('GET', keys[2]) or '0') or 0
+  -- The counter takes every call's bytes at once (one command rather than a read and a
+  -- write); the bytes of calls refused below are given back at the end.
+  local queued = redis.call('INCRBY', keys[2], bytes) - bytes
   local results, added = {}, 0
   for c, call in ipairs(calls) do
     local first, n, size = call[1], call[2], call[3]
@@ -136,7 +143,7 @@ local function enqueue(keys, args)
       results[c] = out
     end
   end
-  if added > 0 then redis.call('INCRBY', keys[2], added) end
+  if added < bytes then redis.call('DECRBY', keys[2], bytes - added) end
   return results
 end
 

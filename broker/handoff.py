@@ -11,7 +11,8 @@ before it goes on. So the loop thread, which holds the GIL, does not wake dozens
 that would only queue for the GIL it holds (and preempt it on a busy machine); the threads wake
 one after another, each while the one before runs. Meanwhile the mailbox holds what they post
 until the last of them is woken, so that their next calls go out in one round trip, as the
-calls of asyncio tasks woken together do.
+calls of asyncio tasks woken together do. :class:`CallFuture`, the future ``submit`` returns,
+puts the threads blocked in its ``result()`` on the same waiters.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import contextlib
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -189,3 +191,84 @@ class Waiter:
                 return True
             self._cancelled = True
             return False
+
+
+class CallFuture(Future[T]):
+    """A ``concurrent.futures.Future`` whose blocked ``result()`` callers wake like waiters.
+
+    A plain Future's waiter sleeps on a condition variable that its setter notifies while
+    holding the condition's lock (the woken thread wakes only to wait for that lock, then for
+    the GIL), and an event loop settling a batch of them wakes every thread itself. Here each
+    thread blocked in :meth:`result` or :meth:`exception` waits on a :class:`Waiter` of the
+    future's :class:`Relay`, so a batch settled with :meth:`settle_quietly` wakes its threads
+    in turn. Everything else (``concurrent.futures.wait``, ``as_completed``, callbacks,
+    ``asyncio.wrap_future``) works as on any Future. ``on_cancel`` runs once, in the
+    cancelling thread, if :meth:`cancel` cancels the future.
+    """
+
+    def __init__(self, relay: Relay, on_cancel: Callable[[], Any] | None = None) -> None:
+        super().__init__()
+        self._relay = relay
+        self._sleepers: list[Waiter] = []
+        self._quiet = False
+        self.on_cancel = on_cancel
+
+    def settle_quietly(self, value: Any, error: BaseException | None) -> list[Waiter]:
+        """Set the result (or exception) without waking the threads blocked on it; return
+        their waiters, for the caller to wake (with :meth:`Relay.settle`)."""
+        self._quiet = True
+        try:
+            if error is None:
+                self.set_result(value)
+            else:
+                self.set_exception(error)
+        except InvalidStateError:  # cancelled meanwhile: its threads are woken all the same
+            pass
+        finally:
+            self._quiet = False
+        return self._take_sleepers()
+
+    def _take_sleepers(self) -> list[Waiter]:
+        with self._condition:
+            sleepers, self._sleepers = self._sleepers, []
+        return sleepers
+
+    def _invoke_callbacks(self) -> None:
+        # Every transition to done (set_result, set_exception, a cancel) passes here once.
+        self.on_cancel = None  # it may refer to this future: no cycle left for the GC
+        if not self._quiet:
+            for waiter in self._take_sleepers():
+                waiter.set_result(None)
+        super()._invoke_callbacks()  # type: ignore[misc]
+
+    def cancel(self) -> bool:
+        on_cancel = self.on_cancel
+        cancelled = super().cancel()
+        if cancelled and on_cancel is not None:
+            on_cancel()
+        return cancelled
+
+    def _wait(self, timeout: float | None) -> None:
+        if self.done():
+            return
+        waiter = Waiter(self._relay)
+        with self._condition:
+            if self.done():
+                return
+            self._sleepers.append(waiter)
+        try:
+            waiter.wait(None if timeout is None else max(0.0, timeout))
+        except TimeoutError:  # the caller's result(0) below raises it, unless done meanwhile
+            pass
+        finally:
+            if not waiter._set:
+                with self._condition, contextlib.suppress(ValueError):
+                    self._sleepers.remove(waiter)
+
+    def result(self, timeout: float | None = None) -> T:
+        self._wait(timeout)
+        return super().result(0)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._wait(timeout)
+        return super().exception(0)

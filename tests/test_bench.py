@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -151,6 +154,18 @@ def test_client_cost_alternates_trees_and_reports_each_arm(tmp_path: Path) -> No
         assert window["items_per_s"] > 0 and window["errors"] == 0
         assert window["cpu_us_per_item_client"] > 0
         assert window["cpu_us_per_item_worker"] > 0 and window["cpu_us_per_item_redis"] >= 0
+
+
+def test_enqueue_cost_measures_each_library_and_multi_exec() -> None:
+    import argparse
+
+    from bench.enqueue_cost import measure
+
+    args = argparse.Namespace(against="HEAD", items=2, calls=5, pipelines=2, rounds=2)
+    results = measure(args)
+    assert list(results) == ["this tree", "HEAD", "MULTI/EXEC"]
+    assert all(len(rounds) == 2 and min(rounds) >= 0 for rounds in results.values())
+    assert sum(results["this tree"]) > 0  # Redis spent CPU on the calls it was sent
 
 
 def test_a_requested_scenario_that_runs_nothing_is_reported() -> None:
@@ -558,3 +573,29 @@ def test_tune_over_http_recommends_and_re_measures(tmp_path: Path) -> None:
         for before, after in itertools.pairwise(attempts):
             assert after["rate"] == pytest.approx(0.8 * before["rate"])
     _check_report((tmp_path / "report.md").read_text(), sla_ms=1000)
+
+
+def test_cpu_meter_counts_a_process_tree_and_its_time_per_item() -> None:
+    from bench.cpu import CpuMeter, per_item, tree
+
+    # a parent that keeps a busy child: the child's CPU counts for the parent's tree
+    script = "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', "
+    script += "'while True: pass']); time.sleep(60)"
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 30
+        while len(tree(parent.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        meter = CpuMeter({"server": parent.pid, "gone": None})
+        before = meter.sample()
+        time.sleep(0.5)
+        after = meter.sample()
+        assert list(before) == ["server"]  # a tree without a root pid is left out
+        cpu = per_item(before, after, 1000)
+        assert cpu is not None and cpu["total"] == cpu["server"] > 0
+        assert per_item(before, after, 0) is None
+    finally:
+        for pid in reversed(tree(parent.pid)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        parent.wait()

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
+import gc
 import queue
 import random
 import signal
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from broker.handoff import Mailbox, Relay, Waiter
+from broker.handoff import CallFuture, Mailbox, Relay, Waiter
 
 
 @pytest.fixture
@@ -249,3 +253,106 @@ def test_a_closed_loop_refuses_posts_and_a_release_is_harmless() -> None:
     mailbox.release()  # the last thread of a batch releasing after close: no error
     with pytest.raises(RuntimeError):
         Mailbox(loop, lambda item: None).post(2)
+
+
+def _settle_futures(relay: Relay, batch: list[tuple[CallFuture[Any], Any]]) -> None:
+    """What the client's loop does with a batch of replies for futures."""
+    waking: list[tuple[Waiter, Any, BaseException | None]] = []
+    for future, value in batch:
+        waking += [(waiter, None, None) for waiter in future.settle_quietly(value, None)]
+    relay.settle(waking)
+
+
+def test_futures_settled_in_batches_wake_every_thread_blocked_on_them() -> None:
+    relay = Relay()
+    futures = [CallFuture[int](relay) for _ in range(40)]
+    got: queue.Queue[tuple[int, int]] = queue.Queue()
+
+    def waiter(index: int) -> None:
+        got.put((index, futures[index % 40].result(60)))
+
+    threads = [threading.Thread(target=waiter, args=(i,)) for i in range(80)]  # two per future
+    for thread in threads:
+        thread.start()
+    while sum(len(f._sleepers) for f in futures) < 80:  # every thread blocked in result()
+        threading.Event().wait(0.01)
+    _settle_futures(relay, [(f, i) for i, f in enumerate(futures[:25])])
+    futures[25].set_result(25)  # settled alone: its threads are woken at once
+    _settle_futures(relay, [(f, i) for i, f in enumerate(futures) if i > 25])
+    for thread in threads:
+        thread.join(10)
+    results = sorted(got.queue)
+    assert results == [(i, i % 40) for i in range(80)]
+    assert all(f.result(0) == i and f.done() for i, f in enumerate(futures))
+
+
+def test_a_future_result_times_out_then_still_gets_its_result() -> None:
+    relay = Relay()
+    future = CallFuture[str](relay)
+    with pytest.raises(concurrent.futures.TimeoutError):
+        future.result(0.05)
+    assert future._sleepers == []  # the thread that gave up is no longer woken
+    _settle_futures(relay, [(future, "late")])
+    assert future.result(0) == "late" and future.exception() is None
+
+
+def test_a_cancelled_future_wakes_its_threads_and_withdraws_once() -> None:
+    relay = Relay()
+    withdrawn = []
+    future = CallFuture[int](relay, on_cancel=lambda: withdrawn.append(1))
+    errors: queue.Queue[BaseException] = queue.Queue()
+
+    def wait() -> None:
+        try:
+            future.result(60)
+        except BaseException as exc:
+            errors.put(exc)
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    while not future._sleepers:
+        threading.Event().wait(0.01)
+    assert future.cancel() and future.cancel()
+    thread.join(10)
+    assert isinstance(errors.get_nowait(), concurrent.futures.CancelledError)
+    assert withdrawn == [1]  # once, however often it is cancelled
+    assert future.settle_quietly(5, None) == []  # a late result is ignored
+    done = CallFuture[int](relay, on_cancel=lambda: withdrawn.append(2))
+    done.set_result(1)
+    assert not done.cancel() and withdrawn == [1] and done.on_cancel is None
+
+
+def test_call_futures_work_with_wait_as_completed_callbacks_and_asyncio() -> None:
+    relay = Relay()
+    futures = [CallFuture[int](relay) for _ in range(3)]
+    seen: list[int] = []
+    futures[0].add_done_callback(lambda f: seen.append(f.result()))
+    timer = threading.Timer(0.05, lambda: _settle_futures(relay, [(futures[0], 7)]))
+    timer.start()
+    done, _ = concurrent.futures.wait(futures, timeout=10, return_when="FIRST_COMPLETED")
+    assert done == {futures[0]} and seen == [7]
+    futures[1].set_exception(ValueError("bad"))
+    _settle_futures(relay, [(futures[2], 9)])
+    assert {f.done() for f in concurrent.futures.as_completed(futures, timeout=10)} == {True}
+    assert isinstance(futures[1].exception(), ValueError)
+
+    async def main() -> int:
+        future = CallFuture[int](relay)
+        threading.Timer(0.05, lambda: _settle_futures(relay, [(future, 3)])).start()
+        return await asyncio.wrap_future(future)
+
+    assert asyncio.run(main()) == 3
+
+
+def test_a_settled_future_leaves_no_reference_cycle() -> None:
+    relay = Relay()
+    future = CallFuture[int](relay)
+    future.on_cancel = functools.partial(print, future)  # refers to the future, as the client's
+    _settle_futures(relay, [(future, 1)])
+    ref = weakref.ref(future)
+    gc.disable()
+    try:
+        del future
+        assert ref() is None  # freed by reference counting alone
+    finally:
+        gc.enable()

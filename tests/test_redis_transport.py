@@ -160,12 +160,14 @@ def test_the_models_bound_scales_with_its_live_workers_and_callers_may_only_tigh
     refused = run(enqueue([call(2), call(3), call(2)]))  # 2 live workers: 6 items
     assert fits(refused) == [True, False, True] and "bound of 6 items" in str(refused[1])
     assert client.xlen(keys.stream) == 6
+    assert int(client.get(keys.queued_bytes) or 0) == 6  # a refused call's bytes given back
     # a caller's own bound is an extra, stricter cap; a looser one changes nothing
     assert fits(run(enqueue([call(1)], QueueBound(100, 0)))) == [False]
     client.delete(keys.stream, keys.queued_bytes)
     assert fits(run(enqueue([call(3), call(3)], QueueBound(5, 0)))) == [True, False]
     over = run(enqueue([call(1, 95), call(1, 5)], QueueBound(0, 1000)))  # 100 bytes in all
     assert fits(over) == [True, False] and "bound of 100 bytes" in str(over[1])
+    assert int(client.get(keys.queued_bytes) or 0) == 3 + 95
     client.delete(keys.queue_bound)  # no bound stored: only the caller's
     assert fits(run(enqueue([call(10)]))) == [True]
 
