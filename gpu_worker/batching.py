@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from broker.errors import BrokerUnavailable, PoisonRequest
@@ -22,27 +21,22 @@ from broker.transport import Entry, Transport
 
 from .config import MODEL_THREAD_MODES, BatchSettings
 from .model import ItemCheck
-from .outcomes import PredictFn, describe, encode_outcome, is_out_of_memory
-from .preparing import NO_READER, PreparedBatch, Preparer
+from .observer import BatchObserver
+from .outcomes import PredictFn, encode_outcome
+from .preparing import PreparedBatch, Preparer
 from .read_ahead import ReadAhead
-from .runners import INLINE_BELOW_S, THREAD_FROM_S, make_runner
+from .runners import THREAD_FROM_S, make_runner
 from .windows import WINDOW_BATCHES, CostFn, CostWindows
 
 __all__ = [
-    "INLINE_BELOW_S",
     "MODEL_THREAD_MODES",
-    "NO_READER",
     "THREAD_FROM_S",
     "WINDOW_BATCHES",
     "BatchLoop",
     "BatchObserver",
     "BatchSettings",
     "BrokerClock",
-    "CostFn",
-    "PredictFn",
     "PreparedBatch",
-    "describe",
-    "is_out_of_memory",
 ]
 
 log = logging.getLogger("microbatch.worker")
@@ -57,33 +51,6 @@ async def _let_writes_go_out() -> None:
     loop (a read ahead, or the replies of the last batch)."""
     for _ in range(PREFETCH_TURNS):
         await asyncio.sleep(0)
-
-
-class BatchObserver:
-    """What the batch loop reports as it works (metrics, the supervisor's watchdog, logs).
-
-    The base class ignores everything; subclasses override what they need. Calls are made on
-    the loop's thread and must be quick.
-    """
-
-    def batch_started(
-        self, size: int, queue_waits_s: Sequence[float], traces: Sequence[str]
-    ) -> None:
-        """The model is about to run on ``size`` items (their waits since arrival; the W3C
-        traceparents of those that carry one)."""
-
-    def batch_finished(self, size: int, inference_s: float) -> None:
-        """The model call (with any splitting after an exception) has returned."""
-
-    def answered(self, outcome: str, count: int = 1) -> None:
-        """``count`` items got their answer: ok, model_error, invalid_output, deadline,
-        codec_error, invalid_input, malformed, withdrawn or poison."""
-
-    def redelivered(self) -> None:
-        """An entry was taken over from a dead consumer (or this one's, after an outage)."""
-
-    def replies_sent(self) -> None:
-        """A batch's replies are on their way: bookkeeping that need not delay them goes here."""
 
 
 class BrokerClock:

@@ -120,7 +120,7 @@ def main() -> int:
         model.init_model()
         model.warmup()
     except BaseException as exc:
-        from .batching import describe
+        from .outcomes import describe
 
         report("error", message=f"model {config.model} failed to start: {describe(exc)}")
         log.debug("start-up failure", exc_info=True)
