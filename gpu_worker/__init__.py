@@ -1,8 +1,5 @@
-"""The processes that own a device. Importing this package never imports torch.
-
-``LocalStreamer`` (and with it the batch loop) is loaded on first use, so a gateway that imports
-``gpu_worker`` for a model class never loads the batch loop.
-"""
+"""The processes that own a device. Importing this package never imports torch, nor the batch
+loop: a gateway that imports a model class (``gpu_worker.model``) loads neither."""
 
 from __future__ import annotations
 
@@ -17,7 +14,7 @@ __all__ = ["LocalStreamer", "ManagedModel", "ModelLoadError", "TensorSpec", "loa
 
 
 def __getattr__(name: str) -> Any:
-    if name == "LocalStreamer":
+    if name == "LocalStreamer":  # the batch loop and the in-memory transport, on first use
         from .local import LocalStreamer
 
         return LocalStreamer
