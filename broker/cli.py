@@ -66,7 +66,7 @@ RedisOption = Annotated[str, redis_option()]
 NameOption = Annotated[
     str, typer.Option("--name", envvar=f"{ENV}NAME", help="The model's name, e.g. mlp.")
 ]
-PrefixOption = Annotated[str, prefix_option(f"{ENV}PREFIX", "The deployment's key prefix.")]
+PrefixOption = Annotated[str, prefix_option("The deployment's key prefix.", f"{ENV}PREFIX")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 
 
@@ -134,7 +134,7 @@ def _status_tables(models: list[admin.ModelStatus]) -> Group:
 def status(
     redis_url: RedisOption = DEFAULT_REDIS_URL,
     prefix: Annotated[
-        str | None, prefix_option(f"{ENV}PREFIX", "Only this prefix [default: every prefix].")
+        str | None, prefix_option("Only this prefix [default: every prefix].", f"{ENV}PREFIX")
     ] = None,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh every second.")] = False,
     as_json: JsonOption = False,

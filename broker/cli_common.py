@@ -108,6 +108,7 @@ def redis_option() -> Any:
     return typer.Option("--redis", envvar="REDIS_URL", help=REDIS_HELP)
 
 
-def prefix_option(envvar: str, help: str) -> Any:
-    """``--prefix``, the deployment's key prefix, read from ``envvar`` too."""
+def prefix_option(help: str, envvar: str | None = None) -> Any:
+    """``--prefix``, the deployment's key prefix, read from ``envvar`` too (without one, from
+    the variable a command's ``auto_envvar_prefix`` names)."""
     return typer.Option("--prefix", envvar=envvar, help=help)

@@ -18,11 +18,11 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import numpy as np
@@ -38,6 +38,7 @@ REAL = "service_streamer==0.1.2"
 VENV = ROOT / ".cache" / "service-streamer-0.1.2"
 IMPORT = "from service_streamer import"
 COMPAT_IMPORT = "from gpu_worker.compat import"
+T = TypeVar("T")
 
 
 # -- the two interpreters and the two copies of the programs ------------------------------------
@@ -159,13 +160,23 @@ def background(
             time.sleep(0.1)
 
 
+def side_by_side(
+    variants: dict[str, Any], run: Callable[[str, tuple[str, Path, dict[str, str]]], T]
+) -> dict[str, T]:
+    """``run(name, variant)`` for the real and the compat variant at once: their processes
+    spend most of their time starting up and waiting, so the two overlap well."""
+    with ThreadPoolExecutor(len(variants)) as pool:
+        futures = {name: pool.submit(run, name, variant) for name, variant in variants.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
 def expected(sentence: str, suffix: str = "") -> str:
     return f"{len(sentence.split())}:{sentence.upper()}{suffix}"
 
 
 # -- the programs, both ways ------------------------------------------------------------------
 def test_future_api_gives_the_same_results(variants: dict[str, Any]) -> None:
-    results = {name: run_program(variant, "future_api.py") for name, variant in variants.items()}
+    results = side_by_side(variants, lambda _, variant: run_program(variant, "future_api.py"))
     assert results["compat"] == results["real"]
     head = [expected("How are you ?"), expected("Fine .")]
     want = [[*head, expected(f"Thank you {i}")] for i in range(200)]
@@ -173,15 +184,18 @@ def test_future_api_gives_the_same_results(variants: dict[str, Any]) -> None:
     assert results["compat"]["batched"]  # 200 submits did not run one by one
 
 
+@pytest.mark.slow  # long end to end: both libraries' worker processes load torch
 def test_streamer_with_managed_model_and_cuda_devices(
     variants: dict[str, Any], tmp_path: Path
 ) -> None:
-    outputs, gpu_ids = {}, {}
-    for name, variant in variants.items():
+    def run(name: str, variant: tuple[str, Path, dict[str, str]]) -> Any:
         records = tmp_path / name
         records.mkdir()
-        outputs[name] = run_program(variant, "managed_streamer.py", RECORD_DIR=str(records))
-        seen = [json.loads(path.read_text()) for path in records.glob("worker-*.json")]
+        return run_program(variant, "managed_streamer.py", RECORD_DIR=str(records))
+
+    outputs, gpu_ids = side_by_side(variants, run), {}
+    for name in variants:
+        seen = [json.loads(path.read_text()) for path in (tmp_path / name).glob("worker-*.json")]
         gpu_ids[name] = sorted(worker["gpu_id"] for worker in seen)
         if name == "compat":  # each worker process is pinned to its device before it starts
             assert all(worker["visible"] == str(worker["gpu_id"]) for worker in seen)
@@ -235,18 +249,18 @@ def test_flask_app_with_threaded_streamer(variants: dict[str, Any]) -> None:
 
 def test_redis_streamers_on_two_prefixes(variants: dict[str, Any], redis_server: Any) -> None:
     broker = f"127.0.0.1:{redis_server.port}"
-    results = {}
-    for name, variant in variants.items():
-        run = uuid.uuid4().hex[:8]
-        one, two = f"channel_1_{run}", f"channel_2_{run}"
+
+    def run(_: str, variant: tuple[str, Path, dict[str, str]]) -> Any:
+        tag = uuid.uuid4().hex[:8]  # each variant on prefixes of its own
+        one, two = f"channel_1_{tag}", f"channel_2_{tag}"
         env = {"REDIS_BROKER": broker}
         with (
             background(variant, "redis_workers.py", PREFIX=one, MODEL_TAG="/one", **env),
             background(variant, "redis_workers.py", PREFIX=two, MODEL_TAG="/two", **env),
         ):
-            results[name] = run_program(
-                variant, "redis_client.py", PREFIX_1=one, PREFIX_2=two, **env
-            )
+            return run_program(variant, "redis_client.py", PREFIX_1=one, PREFIX_2=two, **env)
+
+    results = side_by_side(variants, run)
     assert results["compat"] == results["real"]
     batch = ["hello redis", "one two three", "service streamer"]
     assert results["real"]["output_1"] == [expected(s, "/one") for s in batch]
@@ -258,19 +272,17 @@ def test_redis_streamers_on_two_prefixes(variants: dict[str, Any], redis_server:
 
 def test_workers_see_the_programs_own_arguments(variants: dict[str, Any]) -> None:
     args = ("--suffix", "+argv")
-    results = {
-        name: run_program(variant, "argv_streamer.py", args=args)
-        for name, variant in variants.items()
-    }
+    results = side_by_side(
+        variants, lambda _, variant: run_program(variant, "argv_streamer.py", args=args)
+    )
     assert results["compat"] == results["real"]
     batch = ["hello world", "the arguments reach the workers"]
     assert results["real"]["outputs"] == [expected(s, "+argv") for s in batch]
 
 
+@pytest.mark.slow  # long end to end: both libraries' worker processes load torch
 def test_torch_tensors_arrive_and_return_as_tensors(variants: dict[str, Any]) -> None:
-    results = {
-        name: run_program(variant, "torch_streamers.py") for name, variant in variants.items()
-    }
+    results = side_by_side(variants, lambda _, variant: run_program(variant, "torch_streamers.py"))
     assert results["compat"] == results["real"]
     threaded = results["real"]["threaded"]
     assert threaded[0]["seen"] == {"tensor": "torch.float32", "shape": [2, 3], "data": [

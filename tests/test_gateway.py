@@ -28,7 +28,7 @@ import redis
 
 from broker.devserver import RedisServer, free_port
 from broker.keys import ModelKeys
-from tests.conftest import ROOT, stop_process, worker_process
+from tests.conftest import ROOT, stop_process, wait_for_consumers, worker_process
 from tests.gateway_models import RECORD_ENV, ByteStats, fail_item, sleep_item
 
 TOKEN = "test-token-" + uuid.uuid4().hex
@@ -113,10 +113,11 @@ def stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -
     tokens = tmp / "tokens"
     tokens.write_text(f"# gateway tokens\n{TOKEN}\n")
     url = redis_server.url
+    # every process starts at once (they need not wait for each other); then the workers' turn
     with (
-        worker_process(url, DOUBLER, prefix, env={RECORD_ENV: str(records)}),
-        worker_process(url, BYTESTATS, prefix, "--max-latency", "0.002"),
-        worker_process(url, MLP, prefix, "--workers", "2", expect_consumers=2),
+        worker_process(url, DOUBLER, prefix, env={RECORD_ENV: str(records)}, expect_consumers=None),
+        worker_process(url, BYTESTATS, prefix, "--max-latency", "0.002", expect_consumers=None),
+        worker_process(url, MLP, prefix, "--workers", "2", expect_consumers=None),
         gateway_process(
             url,
             [DOUBLER, BYTESTATS, MLP],
@@ -130,6 +131,8 @@ def stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -
             workers=2,
         ) as (base, gateway),
     ):
+        for name, count in (("doubler", 1), ("bytestats", 1), ("mlp", 2)):
+            wait_for_consumers(url, ModelKeys(name, prefix), count)
 
         class Stack:
             pass

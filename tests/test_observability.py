@@ -16,7 +16,8 @@ import pytest
 
 from broker import ModelError, Streamer
 from broker.devserver import RedisServer, free_port
-from tests.conftest import ROOT, wait_until, worker_process
+from broker.keys import ModelKeys
+from tests.conftest import ROOT, wait_for_consumers, wait_until, worker_process
 from tests.test_gateway import gateway_process
 
 TOY = "tests.models:Toy"
@@ -106,11 +107,19 @@ def served(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) 
     worker_args = ("--log-format", "json", "--metrics-port", str(port))
     gateway_env = {"MICROBATCH_GATEWAY_LOG_FORMAT": "json", "MICROBATCH_GATEWAY_LOG_LEVEL": "info"}
     with (
-        worker_process(redis_server.url, TOY, prefix, *worker_args, log_path=logs / "worker.log"),
+        worker_process(
+            redis_server.url,
+            TOY,
+            prefix,
+            *worker_args,
+            log_path=logs / "worker.log",
+            expect_consumers=None,  # waited for below, once the gateway started meanwhile
+        ),
         gateway_process(
             redis_server.url, [TOY], prefix, env=gateway_env, log_path=logs / "gateway.log"
         ) as (base, _),
     ):
+        wait_for_consumers(redis_server.url, ModelKeys("toy", prefix), 1)
         yield Served(
             base, prefix, redis_server.url, port, logs / "worker.log", logs / "gateway.log"
         )

@@ -21,7 +21,8 @@ import httpx
 import pytest
 
 from broker.devserver import RedisServer
-from tests.conftest import worker_process
+from broker.keys import ModelKeys
+from tests.conftest import wait_for_consumers, worker_process
 from tests.test_gateway import gateway_process
 
 DOUBLER = "tests.gateway_models:Doubler"
@@ -69,9 +70,10 @@ def limited(redis_server: RedisServer) -> Iterator[tuple[str, int]]:
         f"--keepalive-timeout={KEEPALIVE_TIMEOUT}",
     ]
     with (
-        worker_process(redis_server.url, DOUBLER, prefix),
+        worker_process(redis_server.url, DOUBLER, prefix, expect_consumers=None),
         gateway_process(redis_server.url, [DOUBLER], prefix, *args) as (base, gateway),
     ):
+        wait_for_consumers(redis_server.url, ModelKeys("doubler", prefix), 1)
         yield base, gateway.pid
 
 
