@@ -370,8 +370,9 @@ def kill_one_of_two_workers(
     env = {RECORD_ENV: str(records), BATCH_SLEEP_ENV: str(batch_sleep)}
     args = ("--batch-size", str(batch_size), "--heartbeat-ttl", "2")
     args += ("--model-thread", model_thread)
-    if bound:  # the caller's bound is the one under test: the model's own is off
-        args += ("--max-queue-items", "0")
+    # The model's own bound is off: with a bound, the caller's is the one under test; without,
+    # none is (on a loaded machine the default one could refuse calls while one worker serves)
+    args += ("--max-queue-items", "0")
     total = int(rate * seconds)
     with (
         worker(url, FAULTY, prefix, tmp_path / "w1.log", *args, env=env, consumers=1),
