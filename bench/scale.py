@@ -92,13 +92,17 @@ class CpuCap:
         v1 = Path("/sys/fs/cgroup/cpu")
         if (v1 / "cpu.cfs_quota_us").exists():
             self.path, self.kind = v1 / name, "v1 cpu.cfs_quota_us"
-            self.path.mkdir()
-            (self.path / "cpu.cfs_period_us").write_text(str(self.period_us))
-            (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+            settings = {"cpu.cfs_period_us": str(self.period_us), "cpu.cfs_quota_us": str(quota)}
         else:
             self.path, self.kind = Path("/sys/fs/cgroup") / name, "v2 cpu.max"
-            self.path.mkdir()
-            (self.path / "cpu.max").write_text(f"{quota} {self.period_us}")
+            settings = {"cpu.max": f"{quota} {self.period_us}"}
+        self.path.mkdir()
+        try:
+            for setting, value in settings.items():
+                (self.path / setting).write_text(value)
+        except OSError:
+            self.remove()
+            raise
 
     def add(self, pid: int) -> None:
         (self.path / "cgroup.procs").write_text(str(pid))
@@ -227,71 +231,60 @@ def caller_main(config_path: str) -> None:
     Path(config["out"]).write_text(json.dumps(result))
 
 
+def _spawn(cmd: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with log_path.open("wb") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM each (a worker answers what it holds and goes), SIGKILL what outlives 15 s."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    for process in processes:
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
 def run_shards(shards: int, cpus: float, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     names = model_names()
     with cluster(shards, cpus) as (url, nodes, cap_kind):
-        workers = []
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        for name in names:
-            cmd = [
-                sys.executable,
-                "-m",
-                "gpu_worker.cli",
-                "start",
-                "--model",
-                IDENTITY,
-                "--name",
-                name,
-                "--redis",
-                url,
-                "--prefix",
-                PREFIX,
-                "--max-latency",
-                "0",
-                "--batch-size",
-                str(args.batch_size),
-            ]
-            out = (workdir / f"worker-{shards}-{name}.log").open("wb")
-            workers.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
-            out.close()
-        _wait_workers(nodes, url, names)
-        callers, outs = [], []
-        for index in range(args.callers):
-            out_path = workdir / f"caller-{shards}-{index}.json"
-            config = {
-                "url": url,
-                "models": names,
-                "concurrency": args.concurrency,
-                "warmup": args.warmup,
-                "seconds": args.seconds,
-                "out": str(out_path),
-            }
-            config_path = workdir / f"caller-{shards}-{index}-config.json"
-            config_path.write_text(json.dumps(config))
-            cmd = [sys.executable, "-m", "bench.scale", "--caller", str(config_path)]
-            log_file = (workdir / f"caller-{shards}-{index}.log").open("wb")
-            callers.append(
-                subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
-            )
-            log_file.close()
-            outs.append(out_path)
-        time.sleep(args.warmup)
-        worker_cpu0 = tree_cpu_s([w.pid for w in workers])
-        redis0 = redis_counters(nodes)
-        began = time.monotonic()
-        time.sleep(args.seconds)
-        worker_cpu = tree_cpu_s([w.pid for w in workers]) - worker_cpu0
-        redis1 = redis_counters(nodes)
-        wall = time.monotonic() - began
-        for caller in callers:
-            caller.wait(args.seconds + 120)
-        for worker in workers:
-            worker.terminate()
-        for worker in workers:
-            try:
-                worker.wait(15)
-            except subprocess.TimeoutExpired:
-                worker.kill()
+        workers: list[subprocess.Popen[bytes]] = []
+        callers: list[subprocess.Popen[bytes]] = []
+        try:
+            for name in names:
+                cmd = [sys.executable, "-m", "gpu_worker.cli", "start", "--model", IDENTITY,
+                       "--name", name, "--redis", url, "--prefix", PREFIX,
+                       "--max-latency", "0", "--batch-size", str(args.batch_size)]  # fmt: skip
+                workers.append(_spawn(cmd, workdir / f"worker-{shards}-{name}.log"))
+            _wait_workers(url, names)
+            outs = []
+            for index in range(args.callers):
+                outs.append(workdir / f"caller-{shards}-{index}.json")
+                config = {"url": url, "models": names, "concurrency": args.concurrency,
+                          "warmup": args.warmup, "seconds": args.seconds,
+                          "out": str(outs[-1])}  # fmt: skip
+                config_path = workdir / f"caller-{shards}-{index}-config.json"
+                config_path.write_text(json.dumps(config))
+                cmd = [sys.executable, "-m", "bench.scale", "--caller", str(config_path)]
+                callers.append(_spawn(cmd, workdir / f"caller-{shards}-{index}.log"))
+            time.sleep(args.warmup)
+            worker_cpu0 = tree_cpu_s([w.pid for w in workers])
+            redis0 = redis_counters(nodes)
+            began = time.monotonic()
+            time.sleep(args.seconds)
+            worker_cpu = tree_cpu_s([w.pid for w in workers]) - worker_cpu0
+            redis1 = redis_counters(nodes)
+            wall = time.monotonic() - began
+            for caller in callers:
+                if caller.wait(args.seconds + 120) != 0:
+                    raise RuntimeError(f"a caller failed: see {workdir}/caller-{shards}-*.log")
+        finally:
+            _stop(callers + workers)
     got = [json.loads(path.read_text()) for path in outs]
     items = sum(g["items"] for g in got)
     errors: dict[str, int] = {}
@@ -323,7 +316,7 @@ def run_shards(shards: int, cpus: float, args: argparse.Namespace, workdir: Path
     return result
 
 
-def _wait_workers(nodes: list[RedisServer], url: str, names: list[str]) -> None:
+def _wait_workers(url: str, names: list[str]) -> None:
     from broker.connections import sync_client
     from broker.liveness import live_consumers
 
@@ -517,6 +510,8 @@ def main(argv: list[str] | None = None) -> None:
         caller_main(args.caller)
         return
     find_redis_server()
+    if os.geteuid() != 0:
+        sys.exit("bench.scale needs root: network namespaces (part a) and cgroups (part b)")
     report: dict[str, Any] = {
         "command": "python -m bench.scale" + (" --quick" if args.quick else ""),
         "machine": machine(),
