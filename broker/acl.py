@@ -197,7 +197,7 @@ HEADER = """\
 # code sends, the commands inside the microbatch functions included (Redis checks the commands
 # and keys a function calls against the caller's ACL). No service user may run Lua of its own
 # (EVAL) or load functions: FCALL runs only what the operator loaded.
-# tests/test_deploy.py runs a gateway and a worker logged in as these users and asserts that
+# tests/e2e/test_deploy.py runs a gateway and a worker logged in as these users and asserts that
 # Redis refused nothing (ACL LOG), so a command added to the code without its rule here fails CI.
 """
 

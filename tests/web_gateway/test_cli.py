@@ -15,7 +15,7 @@ import pytest
 
 from broker.devserver import RedisServer
 from tests.conftest import ROOT
-from tests.test_gateway import gateway_process
+from tests.e2e.test_gateway import gateway_process
 
 DOUBLER = "tests.gateway_models:Doubler"
 # broker.logs.TEXT_FORMAT, the format of `worker start`'s lines

@@ -23,7 +23,7 @@ import pytest
 from broker.devserver import RedisServer
 from broker.keys import ModelKeys
 from tests.conftest import wait_for_consumers, worker_process
-from tests.test_gateway import gateway_process
+from tests.e2e.test_gateway import gateway_process
 
 DOUBLER = "tests.gateway_models:Doubler"
 HEADER_TIMEOUT = 2.0

@@ -16,7 +16,7 @@ from broker.devserver import RedisServer
 from broker.keys import ModelKeys
 from broker.worker_watch import CHECK_EVERY_S, WorkerWatch
 from tests.conftest import worker_process
-from tests.test_gateway import gateway_process
+from tests.e2e.test_gateway import gateway_process
 
 GRACE = 2.0  # the workers of these tests renew their heartbeats with --heartbeat-ttl 1
 MARGIN = 2 * CHECK_EVERY_S + 5.0  # checks come once a second; generous for shared CPUs

@@ -37,7 +37,7 @@ from broker.redis_url import Address, ClusterURL, SentinelURL
 from broker.redis_url import parse as parse_redis_url
 from gpu_worker.model import load_model_class
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NO_RETRY = Retry(NoBackoff(), 0)
 DEPLOY = ROOT / "deploy"
 K8S_BASE = DEPLOY / "k8s" / "base"

@@ -31,7 +31,7 @@ from broker.keys import ModelKeys
 from examples.embedder import MAX_TEXT_CHARS, Embedder
 from examples.image_classifier import MAX_PIXELS, ImageClassifier
 from tests.conftest import ROOT, wait_for_consumers, worker_process
-from tests.test_gateway import check_error, check_v2_error, gateway_process
+from tests.e2e.test_gateway import check_error, check_v2_error, gateway_process
 
 # looked up, not imported: importing sentence-transformers takes seconds, and only the tests
 # marked slow use it

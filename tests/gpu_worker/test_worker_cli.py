@@ -15,7 +15,7 @@ from broker.devserver import RedisServer, free_port
 from broker.keys import ModelKeys
 from gpu_worker.config import WorkerConfig
 from tests.conftest import wait_for_consumers, worker_process
-from tests.test_devices import run_worker_cli
+from tests.gpu_worker.test_devices import run_worker_cli
 
 
 def test_a_bad_model_path_gives_one_line() -> None:

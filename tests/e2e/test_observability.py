@@ -18,7 +18,7 @@ from broker import ModelError, Streamer
 from broker.devserver import RedisServer, free_port
 from broker.keys import ModelKeys
 from tests.conftest import ROOT, wait_for_consumers, wait_until, worker_process
-from tests.test_gateway import gateway_process
+from tests.e2e.test_gateway import gateway_process
 
 TOY = "tests.models:Toy"
 TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

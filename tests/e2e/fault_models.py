@@ -1,4 +1,4 @@
-"""Models for the fault-injection suite (tests/test_faults.py).
+"""Models for the fault-injection suite (tests/e2e/test_faults.py).
 
 Each fault is triggered by an input or by the environment, so a test decides what happens from
 outside the worker process. Every model records what it is given and what it computes, per

@@ -1,11 +1,11 @@
 """gpu_worker.compat against the real service_streamer 0.1.2.
 
-The programs in tests/compat_programs/ use service_streamer the way its README does (a Flask app
-with ThreadedStreamer, the Future API, Streamer with a ManagedModel on cuda_devices and with a
-predict function, RedisStreamer with run_redis_workers_forever on two prefixes). Each runs
-twice: unchanged, under the real service_streamer 0.1.2 installed from PyPI into a virtualenv of
-its own (cached in .cache/, see ``service_streamer_python``), and with only its import line
-changed to ``gpu_worker.compat``, under this project. Their answers must be the same.
+The programs in tests/gpu_worker/compat_programs/ use service_streamer the way its README does (a
+Flask app with ThreadedStreamer, the Future API, Streamer with a ManagedModel on cuda_devices and
+with a predict function, RedisStreamer with run_redis_workers_forever on two prefixes). Each runs
+twice: unchanged, under the real service_streamer 0.1.2 installed from PyPI into a virtualenv of its
+own (cached in .cache/, see ``service_streamer_python``), and with only its import line changed to
+``gpu_worker.compat``, under this project. Their answers must be the same.
 """
 
 from __future__ import annotations

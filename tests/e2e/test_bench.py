@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # the benchmark smoke runs: minutes in all
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(600)

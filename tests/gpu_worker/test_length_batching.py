@@ -23,9 +23,9 @@ from gpu_worker import LocalStreamer
 from gpu_worker.batching import WINDOW_BATCHES, BatchLoop, BatchSettings
 from gpu_worker.forming import padding
 from tests.conftest import worker_process
+from tests.gpu_worker.test_batching import CountingTransport
+from tests.gpu_worker.test_devices import run_worker_cli
 from tests.models import Costed
-from tests.test_batching import CountingTransport
-from tests.test_devices import run_worker_cli
 
 KEYS = ModelKeys("costed", "t")
 INBOX = KEYS.inbox("c")

@@ -6,7 +6,7 @@ nothing is silently dropped. Each prints one ``FIGURES`` line (sent,
 answered, errors by type, lost, duplicates, recovery time, ...); docs/reliability.md carries them
 in its table. Run with ``-s`` to see them::
 
-    .venv/bin/python -m pytest -q -s tests/test_faults.py
+    .venv/bin/python -m pytest -q -s tests/e2e/test_faults.py
 
 Definitions used in the figures:
 
@@ -57,14 +57,14 @@ from broker.liveness import alive_consumers, live_consumers
 from broker.protocol import Reply, decode_reply, request_fields
 from gpu_worker.config import AUTO_QUEUE_BATCHES
 from tests.conftest import ROOT, stop_process, wait_for_consumers, wait_until
-from tests.fault_models import BATCH_SLEEP_ENV, FIXED_ENV, GIL_SECONDS_ENV, RECORD_ENV
-from tests.test_gateway import check_error, gateway_process
+from tests.e2e.fault_models import BATCH_SLEEP_ENV, FIXED_ENV, GIL_SECONDS_ENV, RECORD_ENV
+from tests.e2e.test_gateway import check_error, gateway_process
 
 pytestmark = pytest.mark.slow  # real processes killed and restarted: minutes in all
 
-FAULTY = "tests.fault_models:Faulty"
-GILHOG = "tests.fault_models:GilHog"
-SLEEPER = "tests.fault_models:Sleeper"
+FAULTY = "tests.e2e.fault_models:Faulty"
+GILHOG = "tests.e2e.fault_models:GilHog"
+SLEEPER = "tests.e2e.fault_models:Sleeper"
 
 
 # -- processes ------------------------------------------------------------------------------------
