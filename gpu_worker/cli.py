@@ -32,7 +32,7 @@ from .config import (
     WorkerConfig,
 )
 from .devices import DeviceError
-from .model import ModelLoadError
+from .model import ModelLoadError, use_app_dir
 
 app = new_app("Run GPU (or CPU) worker processes that serve a model from Redis streams.")
 
@@ -223,6 +223,13 @@ def start(
             "bound.",
         ),
     ] = "auto",
+    app_dir: Annotated[
+        str,
+        typer.Option(
+            help="Import --model from this directory first (it is put on sys.path and on the "
+            "workers' PYTHONPATH), as uvicorn's --app-dir.",
+        ),
+    ] = ".",
     log_level: Annotated[str, log_level_option(f"{ENV_PREFIX}_LOG_LEVEL")] = "info",
     log_format: Annotated[str, log_format_option(f"{ENV_PREFIX}_LOG_FORMAT")] = "text",
 ) -> None:
@@ -231,10 +238,12 @@ def start(
     Every option also reads its environment variable (REDIS_URL for --redis, otherwise
     MICROBATCH_WORKER_<OPTION>, e.g. MICROBATCH_WORKER_BATCH_SIZE).
     """
+    options = dict(ctx.params)
+    use_app_dir(options.pop("app_dir"))
     try:
         configure_logging(log_level, log_format)
         # every option by its name, as declared above (and checked by typer)
-        config = WorkerConfig.from_options(**ctx.params)
+        config = WorkerConfig.from_options(**options)
     except (ValueError, DeviceError) as exc:
         fail(str(exc))
     raise typer.Exit(run_supervisor(config))

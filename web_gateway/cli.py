@@ -91,6 +91,11 @@ def start(
     log_level: str = _option("log_level"),
     log_format: str = _option("log_format"),
     access_log: bool = _option("access_log", "--access-log/--no-access-log"),
+    app_dir: str = typer.Option(
+        ".",
+        help="Import --model from this directory first (it is put on sys.path and on "
+        "PYTHONPATH), as uvicorn's --app-dir.",
+    ),
 ) -> None:
     """Serve MODEL(s) over HTTP until SIGTERM or Ctrl-C.
 
@@ -100,6 +105,9 @@ def start(
     """
     options = dict(locals())
     options["redis_url"] = options.pop("redis")
+    from gpu_worker.model import use_app_dir
+
+    use_app_dir(options.pop("app_dir"))
     settings = _checked(options)
     from .server import serve
 

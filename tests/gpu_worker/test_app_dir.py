@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from broker import Streamer
+from broker.devserver import RedisServer
+from broker.keys import ModelKeys
 from gpu_worker.model import ModelLoadError, load_model_class, use_app_dir
-from tests.conftest import ROOT
+from tests.conftest import ROOT, stop_process, wait_for_consumers
 
 MODEL = """
 from gpu_worker import ManagedModel
@@ -72,3 +75,19 @@ def test_the_examples_are_not_installed_as_a_top_level_package() -> None:
     packages = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
     assert not [package for package in packages if package.startswith("examples")]
     assert {"broker*", "gpu_worker*", "web_gateway*"} <= set(packages)
+
+
+def test_worker_start_serves_a_model_of_its_app_dir(
+    app: Path, redis_server: RedisServer, prefix: str
+) -> None:
+    """The CLI itself: `worker start --app-dir DIR` (run from elsewhere) serves a model that
+    only DIR holds, in the worker processes it starts too."""
+    command = [sys.executable, "-m", "gpu_worker.cli", "start", "--model", f"{app.name}:Echo"]
+    command += ["--app-dir", str(app.parent), "--redis", redis_server.url, "--prefix", prefix]
+    process = subprocess.Popen(command, cwd=app.parent.parent)
+    try:
+        wait_for_consumers(redis_server.url, ModelKeys("echo_app_dir", prefix), 1)
+        with Streamer("echo_app_dir", redis_url=redis_server.url, prefix=prefix) as streamer:
+            assert streamer.predict([1, "two"]) == [1, "two"]
+    finally:
+        stop_process(process)
