@@ -6,7 +6,7 @@ gunicorn. Importing this package imports no web framework (and never torch).
 The modules, one job each: ``settings`` (the one settings object), ``cli`` (``gateway start``),
 ``server`` (gunicorn through its application API; ``gunicorn_conf`` for ``gunicorn -c``),
 ``workers`` and ``http_protocol`` (the uvicorn worker and its connection limits), ``app`` (the
-ASGI app and the hot route's dispatch), ``state`` (a process's models, pool and Redis client),
+ASGI app and the hot routes' dispatch), ``state`` (a process's models, pool and Redis client),
 ``reading`` (auth, timeout, body of one request), ``v1``, ``v2`` and ``operations`` (the
 routes), ``kserve`` (v2 bodies), ``serving`` (one served model: its caller-side prepare),
 ``errors`` (every exception to its response), ``responses`` (JSON), ``openapi``, ``docs``,

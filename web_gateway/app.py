@@ -33,11 +33,11 @@ log = logging.getLogger("microbatch.gateway")
 
 
 class GatewayApp(FastAPI):
-    """FastAPI, with the hot route (v1 predict) dispatched before FastAPI's routing.
+    """FastAPI, with the hot routes (v1 predict, v2 infer) dispatched before FastAPI's routing.
 
     FastAPI's middleware, routing and dependency layers cost about as much CPU per request as
-    the rest of the request; the v1 predict route runs the same handler without them. The
-    route stays declared to FastAPI too, for its OpenAPI docs.
+    the rest of the request; the inference routes run the same handlers without them. They
+    stay declared to FastAPI too, for its OpenAPI docs.
     """
 
     gateway: Gateway
@@ -51,13 +51,21 @@ class GatewayApp(FastAPI):
 
     async def _dispatch(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            match = v1.PREDICT_PATH.fullmatch(scope["path"])
-            if match is not None:
+            path = scope["path"]
+            v1_match = v1.PREDICT_PATH.fullmatch(path)
+            v2_match = None if v1_match is not None else v2.INFER_PATH.fullmatch(path)
+            if v1_match is not None or v2_match is not None:
                 request = Request(scope, receive, send)
                 try:
-                    response = await v1.handle_predict(self.gateway, request, match[1])
+                    if v1_match is not None:
+                        response = await v1.handle_predict(self.gateway, request, v1_match[1])
+                    else:
+                        assert v2_match is not None
+                        response = await v2.handle_infer(
+                            self.gateway, request, v2_match[1], v2_match[2]
+                        )
                 except Exception as exc:
-                    response = to_response(exc, "POST", scope["path"])
+                    response = to_response(exc, "POST", path)
                 await response(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)

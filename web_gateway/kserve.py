@@ -16,6 +16,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -76,8 +77,18 @@ def _shape(value: Any, name: str) -> list[int]:
 def _flatten(data: Any) -> list[Any]:
     if not isinstance(data, list):
         return [data]
+    # Whole levels of lists at once (the common shapes: flat, or rows of equal depth); a level
+    # that mixes lists and values goes the slow way below, the leaves in the same order.
+    level: list[Any] = data
+    while True:
+        kinds = set(map(type, level))
+        if not any(issubclass(kind, list) for kind in kinds):
+            return level
+        if kinds != {list}:
+            break
+        level = list(chain.from_iterable(level))
     out: list[Any] = []
-    stack = [iter(data)]
+    stack = [iter(level)]
     while stack:
         for value in stack[-1]:
             if isinstance(value, list):

@@ -85,10 +85,30 @@ def parse_and_prepare(served: ServedModel, body: bytes, max_items: int) -> list[
         # Every value is a JSON number: as float64 arrays (exact for what orjson parsed) they
         # skip the model's per-value type scan (~7 us for 256 values); same results and errors.
         # (ragged lists, or an integer past float range: left as they are, for the model's
-        # checks to say where)
+        # checks to say where). Items of one shape: converted together, one array.
+        rows = as_rows(raw_items, served.inputs[0].numpy_dtype)
+        if rows is not None:
+            return served.prepare(rows)
         with contextlib.suppress(ValueError, OverflowError):
             raw_items = [np.asarray(item, dtype=np.float64) for item in raw_items]
     return served.prepare(raw_items)
+
+
+def as_rows(raw_items: list[Any], dtype: np.dtype[Any] | None) -> list[Any] | None:
+    """Items of equal shape (each a list) converted together, as rows of one array of the
+    float ``dtype``; None where each item must be converted alone (items of different shapes,
+    or a value out of ``dtype``'s range, which the per-item checks name)."""
+    if dtype is None or len(raw_items) < 2:
+        return None
+    try:
+        wide = np.asarray(raw_items, dtype=np.float64)
+    except (ValueError, OverflowError):  # ragged, or an integer past float range
+        return None
+    if wide.ndim < 2:
+        return None  # scalar items, left to the model's checks
+    if dtype.itemsize < 8 and (np.abs(wide) > float(np.finfo(dtype).max)).any():
+        return None
+    return list(wide.astype(dtype))
 
 
 def only_numbers(body: bytes) -> bool:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 from fastapi import APIRouter, Path, Request
@@ -19,6 +20,9 @@ from .state import INLINE_BYTES, PING_TIMEOUT_S, Gateway
 
 MODEL_NAME = Path(description="A model this gateway serves.")
 MODEL_VERSION = Path(description='A version of the model: each model has one, "1".')
+
+# The inference routes, dispatched straight to handle_infer (as v1 predict is; web_gateway.app)
+INFER_PATH = re.compile(r"/v2/models/([a-z0-9_-]+)(?:/versions/([^/]+))?/infer")
 
 router = APIRouter()
 
@@ -98,7 +102,7 @@ async def _readiness(gateway: Gateway, name: str, version: str | None = None) ->
 @router.post("/v2/models/{name}/infer", tags=["v2"], openapi_extra=V2_INFER)
 async def infer(name: str = MODEL_NAME, *, request: Request) -> Response:
     """KServe v2 inference, with Triton's binary tensor data extension."""
-    return await _infer(_gateway(request), request, name)
+    return await handle_infer(_gateway(request), request, name)
 
 
 @router.post("/v2/models/{name}/versions/{version}/infer", tags=["v2"], openapi_extra=V2_INFER)
@@ -106,12 +110,13 @@ async def version_infer(
     name: str = MODEL_NAME, version: str = MODEL_VERSION, *, request: Request
 ) -> Response:
     """KServe v2 inference on one version of the model (each model has one: "1")."""
-    return await _infer(_gateway(request), request, name, version)
+    return await handle_infer(_gateway(request), request, name, version)
 
 
-async def _infer(
+async def handle_infer(
     gateway: Gateway, request: Request, name: str, version: str | None = None
 ) -> Response:
+    """The v2 infer routes (401 and 404 raised; errors past them become the response)."""
     gateway.authorize(request)
     served = gateway.model(name, version)
 
