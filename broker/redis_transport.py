@@ -22,11 +22,12 @@ from redis.exceptions import BusyLoadingError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from . import connections, functions
+from . import connections, functions, partitions
 from .errors import BrokerUnavailable, InvalidInput, MicrobatchError, QueueFull
 from .functions import ENQUEUE, MAX_CALL_BYTES, MAX_CALL_ENTRIES, REPLY, RETIRE, WITHDRAW
-from .keys import ModelKeys
+from .keys import ModelKeys, parse_partitions
 from .liveness import lapsed_s
+from .partition_reads import PartitionReads
 from .protocol import CallRequests
 from .redis_url import parse as parse_url
 from .resp_lane import CONNECT_TIMEOUT_S, bulk_strings
@@ -55,10 +56,14 @@ class RedisTransport:
         self.redis = connections.async_client(parsed, **options)
         connect_timeout_s = float(options.get("socket_connect_timeout") or CONNECT_TIMEOUT_S)
         target = connections.lane_target(parsed, connect_timeout_s)  # shared: one sentinel query
+        self._target, self._connect_timeout_s = target, connect_timeout_s
         self._lane = connections.lane(target, connect_timeout_s)  # commands that answer at once
         # blocking reads, each bounded by its own timeout instead of the lane's reply timeout
         self._reads = connections.lane(target, connect_timeout_s, None)  # the worker's XREADGROUP
         self._replies = connections.lane(target, connect_timeout_s, None)  # the caller's BLMPOP
+        # a partitioned queue's worker: one blocking lane per partition beyond the first
+        self._partition_lanes: dict[int, Any] = {}
+        self._partition_reads: dict[tuple[str, str], PartitionReads] = {}
         self.cancellations_pending = True  # as of the last finish(); True until known
         self._enqueues = EnqueuePacker()
         self._may_load: bool | None = None  # whether this user may load the library
@@ -186,6 +191,13 @@ class RedisTransport:
                 (keys.group, *ids[start : start + MAX_CALL_ENTRIES]),
             )
 
+    async def partition_count(self, keys: ModelKeys) -> int:
+        try:
+            stored = await self._lane.execute("GET", keys.partitions_key)
+        except UNAVAILABLE as exc:
+            raise _unavailable(exc) from exc
+        return parse_partitions(stored)
+
     async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:
         try:
             got: Any = await self._replies.execute_blocking(
@@ -197,6 +209,11 @@ class RedisTransport:
 
     # -- worker side ----------------------------------------------------------------------
     async def ensure_group(self, keys: ModelKeys) -> None:
+        for part in keys.each():
+            await self._create_group(part)
+
+    async def _create_group(self, keys: ModelKeys) -> None:
+        """Create one partition's stream and consumer group if missing."""
         try:
             await self.redis.xgroup_create(keys.stream, keys.group, id="0", mkstream=True)
         except ResponseError as exc:
@@ -208,9 +225,38 @@ class RedisTransport:
     async def read_batch(
         self, keys: ModelKeys, consumer: str, count: int, block_ms: int, busy_poll_s: float = 0.0
     ) -> list[Entry]:
+        if keys.partitions == 1:
+            return await self._read_partition(keys, consumer, count, block_ms, busy_poll_s)
+        reads = self._partition_reads.get((keys.stream, consumer))
+        if reads is None or reads.partitions != keys.partitions:
+            if reads is not None:
+                await reads.close()
+
+            def read(partition: int, count: int, block_ms: int, poll_s: float) -> Any:
+                return self._read_partition(keys.of(partition), consumer, count, block_ms, poll_s)
+
+            reads = self._partition_reads[keys.stream, consumer] = PartitionReads(
+                keys.partitions, read
+            )
+        return await reads.take(count, max(1, block_ms), busy_poll_s)
+
+    def _reads_lane(self, partition: int) -> Any:
+        if partition == 0:
+            return self._reads
+        lane = self._partition_lanes.get(partition)
+        if lane is None:
+            lane = self._partition_lanes[partition] = connections.lane(
+                self._target, self._connect_timeout_s, None
+            )
+        return lane
+
+    async def _read_partition(
+        self, keys: ModelKeys, consumer: str, count: int, block_ms: int, busy_poll_s: float
+    ) -> list[Entry]:
+        """One XREADGROUP of one partition's stream (ids as in the stream)."""
         block_ms = max(1, block_ms)
         try:
-            got: Any = await self._reads.execute_blocking(
+            got: Any = await self._reads_lane(keys.partition).execute_blocking(
                 block_ms / 1000, "XREADGROUP", "GROUP", keys.group, consumer,
                 "COUNT", count, "BLOCK", block_ms, "STREAMS", keys.stream, ">",
                 busy_poll_s=busy_poll_s,
@@ -222,7 +268,7 @@ class RedisTransport:
             log.warning(
                 "consumer group %s vanished from %s; recreating it", keys.group, keys.stream
             )
-            await self.ensure_group(keys)
+            await self._create_group(keys)
             return []
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
@@ -239,10 +285,20 @@ class RedisTransport:
         check: Sequence[str] = (),
     ) -> set[str]:
         reply = _reply_call(replies, reply_ttl_s) if replies else None
-        commands: list[tuple[Any, ...]] = _removal(keys, entries)
-        if check:
-            commands.append(("ZMSCORE", keys.cancelled, *check))
-        commands.append(("ZCARD", keys.cancelled))
+        # Per partition (one, unless the queue is partitioned): its acks, deletes and byte
+        # release, then the withdrawal checks and the count of withdrawals standing.
+        commands: list[tuple[Any, ...]] = []
+        removals: list[tuple[ModelKeys, int]] = []  # (partition, index of its DECRBY)
+        for partition, part in partitions.group(entries).items():
+            part_keys = keys.of(partition)
+            commands += _removal(part_keys, part)
+            if commands and commands[-1][0] == "DECRBY":
+                removals.append((part_keys, len(commands) - 1))
+        checks = partitions.group_ids(check)
+        for partition, ids in checks.items():
+            commands.append(("ZMSCORE", keys.of(partition).cancelled, *ids))
+        for part_keys in keys.each():
+            commands.append(("ZCARD", part_keys.cancelled))
         try:
             if reply is not None and self._lane.generation != self._replies_checked:
                 # The first replies on a connection (a fresh one may reach a Redis restarted
@@ -269,20 +325,30 @@ class RedisTransport:
                 log.warning("replies could not be written: %s", written)
             else:
                 _log_refused(written)
-        pending = results.pop()
-        self.cancellations_pending = not isinstance(pending, int) or pending > 0
-        scores: Any = results.pop() if check else []
+        standing = results[len(results) - keys.partitions :]
+        self.cancellations_pending = any(not isinstance(n, int) or n > 0 for n in standing)
+        del results[len(results) - keys.partitions :]
+        scored = results[len(results) - len(checks) :] if checks else []
+        del results[len(results) - len(checks) :]
         for result in results:
             if isinstance(result, Exception):
                 log.warning("an acknowledgement could not be completed: %s", result)
-        if isinstance(scores, Exception):
-            log.warning("could not check for withdrawn requests: %s", scores)
-            return set()
-        if entries and isinstance(results[-1], int) and results[-1] < 0:
-            # A caller that XADDed without counting its bytes (see docs/protocol.md) drove the
-            # counter below zero: bring it back, so that it never loosens the byte bound.
-            await self._floor_queued_bytes(keys, results[-1])
-        return {entry_id for entry_id, score in zip(check, scores, strict=True) if score}
+        for part_keys, at in removals:
+            if isinstance(results[at], int) and results[at] < 0:
+                # A caller that XADDed without counting its bytes (see docs/protocol.md) drove
+                # the counter below zero: bring it back, so that it never loosens the bound.
+                await self._floor_queued_bytes(part_keys, results[at])
+        withdrawn: set[str] = set()
+        for (partition, ids), scores in zip(checks.items(), scored, strict=True):
+            if isinstance(scores, Exception):
+                log.warning("could not check for withdrawn requests: %s", scores)
+                continue
+            withdrawn.update(
+                partitions.tag(entry_id, partition)
+                for entry_id, score in zip(ids, scores, strict=True)
+                if score
+            )
+        return withdrawn
 
     async def _send_replies(self, reply: tuple[list[str], list[Any]]) -> None:
         """Run one mb_reply alone and wait for it (loading the library if it must and may)."""
@@ -294,11 +360,23 @@ class RedisTransport:
     async def withdrawn(self, keys: ModelKeys, entry_ids: Sequence[str]) -> set[str]:
         if not entry_ids:
             return set()
+        checks = partitions.group_ids(entry_ids)
+        commands = [("ZMSCORE", keys.of(k).cancelled, *ids) for k, ids in checks.items()]
         try:
-            scores = await self._lane.execute("ZMSCORE", keys.cancelled, *entry_ids)
+            results = await self._lane.pipeline(commands)
+            _raise_unavailable(results)
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
-        return {entry_id for entry_id, score in zip(entry_ids, scores, strict=True) if score}
+        withdrawn: set[str] = set()
+        for (partition, ids), scores in zip(checks.items(), results, strict=True):
+            if isinstance(scores, Exception):
+                raise scores
+            withdrawn.update(
+                partitions.tag(entry_id, partition)
+                for entry_id, score in zip(ids, scores, strict=True)
+                if score
+            )
+        return withdrawn
 
     async def _floor_queued_bytes(self, keys: ModelKeys, value: int) -> None:
         with contextlib.suppress(*UNAVAILABLE, ResponseError):
@@ -306,6 +384,17 @@ class RedisTransport:
 
     async def reclaim(
         self, keys: ModelKeys, consumer: str, min_idle_ms: int, count: int, own: bool = False
+    ) -> list[Redelivery]:
+        taken: list[Redelivery] = []
+        for part in keys.each():  # every partition, each holding its own pending entries
+            found = await self._reclaim_partition(
+                part, consumer, min_idle_ms, count - len(taken), own
+            )
+            taken += [((partitions.tag(i, part.partition), f), n) for (i, f), n in found]
+        return taken
+
+    async def _reclaim_partition(
+        self, keys: ModelKeys, consumer: str, min_idle_ms: int, count: int, own: bool
     ) -> list[Redelivery]:
         try:
             if own:
@@ -379,8 +468,13 @@ class RedisTransport:
         return [((entry_id, fields), deliveries[entry_id]) for entry_id, fields in found]
 
     async def dead_letter(self, keys: ModelKeys, entries: Sequence[Entry], reason: str) -> None:
-        if not entries:
-            return
+        # Each partition's entries go to its own dead-letter stream, in its slot.
+        for partition, part in partitions.group(entries).items():
+            await self._dead_letter_partition(keys.of(partition), part, reason)
+
+    async def _dead_letter_partition(
+        self, keys: ModelKeys, entries: Sequence[Entry], reason: str
+    ) -> None:
         commands: list[tuple[Any, ...]] = []
         for entry_id, fields in entries:
             record: dict[Any, Any] = dict(fields)
@@ -431,7 +525,9 @@ class RedisTransport:
             return False
 
     async def close(self) -> None:
-        for lane in (self._lane, self._reads, self._replies):
+        for reads in self._partition_reads.values():
+            await reads.close()
+        for lane in (self._lane, self._reads, self._replies, *self._partition_lanes.values()):
             lane.close()
         await self.redis.aclose()
 

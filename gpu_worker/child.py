@@ -71,7 +71,7 @@ async def serve(model: Any, config: Any, consumer: str) -> None:
         max_batch_cost=budget or 0,
     )
     transport = RedisTransport(config.redis_url)
-    keys = ModelKeys(config.name or model.name, config.prefix)
+    keys = ModelKeys(config.name or model.name, config.prefix, partitions=config.partitions)
     # Vouch for this consumer once before its first read; from then on the supervisor renews
     # it, so that no one takes over entries from a worker that is starting up.
     heartbeats = Heartbeats(config.redis_url, keys, config.heartbeat_ttl)

@@ -219,6 +219,16 @@ def start(
             "bound.",
         ),
     ] = "auto",
+    partitions: Annotated[
+        int,
+        typer.Option(
+            envvar=f"{ENV}PARTITIONS",
+            help="Spread the model's queue over this many streams, each in its own Redis "
+            "Cluster hash slot, so that one model can use several shards. Stored with the "
+            "model for callers; every worker reads every partition. Start all workers of a "
+            "model with the same count (docs/protocol.md, 'Partitions').",
+        ),
+    ] = 1,
     log_level: Annotated[str, log_level_option(f"{ENV}LOG_LEVEL")] = "info",
     log_format: Annotated[str, log_format_option(f"{ENV}LOG_FORMAT")] = "text",
 ) -> None:
@@ -251,6 +261,7 @@ def start(
             busy_poll_us=busy_poll_us,
             max_queue_items=_auto_or_count("--max-queue-items", max_queue_items),
             max_queue_bytes=_auto_or_count("--max-queue-bytes", max_queue_bytes),
+            partitions=partitions,
             log_level=log_level,
             log_format=log_format,
         )

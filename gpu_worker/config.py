@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from broker.client import DEFAULT_REDIS_URL
-from broker.keys import DEFAULT_PREFIX, check_name, check_prefix
+from broker.keys import DEFAULT_PREFIX, check_name, check_partitions, check_prefix
 from broker.redis_url import parse as parse_redis_url
 
 from .batching import MODEL_THREAD_MODES
@@ -47,6 +47,7 @@ class WorkerConfig:
     busy_poll_us: int = 0
     max_queue_items: int | None = None  # per live worker; None: auto; 0: no item bound
     max_queue_bytes: int | None = None  # in all; None: auto; 0: no byte bound
+    partitions: int = 1  # streams the model's queue is spread over
     log_level: str = "info"
     log_format: str = "text"
     extra: dict[str, str] = field(default_factory=dict)
@@ -78,6 +79,10 @@ class WorkerConfig:
             raise ValueError(f"--model-thread must be one of {', '.join(MODEL_THREAD_MODES)}")
         if not 0 <= self.busy_poll_us <= MAX_BUSY_POLL_US:
             raise ValueError(f"--busy-poll-us must be between 0 and {MAX_BUSY_POLL_US}")
+        try:
+            check_partitions(self.partitions)
+        except ValueError as exc:
+            raise ValueError(f"--partitions: {exc}") from None
         for option, value in (
             ("--max-queue-items", self.max_queue_items),
             ("--max-queue-bytes", self.max_queue_bytes),
