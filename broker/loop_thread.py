@@ -63,10 +63,6 @@ class LoopThread:
         """Schedule a coroutine on the loop from any thread."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def call_soon(self, callback: Any, *args: Any) -> None:
-        """Call ``callback(*args)`` on the loop thread, from any thread."""
-        self.loop.call_soon_threadsafe(callback, *args)
-
     @property
     def in_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread

@@ -208,12 +208,6 @@ class Supervisor:
             if slot.process is not None and slot.process.poll() is None:
                 slot.process.send_signal(signal.SIGTERM)
 
-    def _kill_all(self) -> None:
-        for slot in self.slots:
-            if slot.process is not None and slot.process.poll() is None:
-                slot.process.kill()
-                slot.process.wait()
-
     def run(self) -> int:
         """Serve until SIGTERM/SIGINT; return the exit code. Raises StartError if workers can't."""
         signal.signal(signal.SIGTERM, self.request_stop)

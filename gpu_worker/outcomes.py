@@ -1,0 +1,62 @@
+"""What a model call gives each item: its output or a typed error, and the reply that says so."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from broker.errors import CodecError, InvalidOutput, MicrobatchError, ModelError
+from broker.protocol import Request, encode_error, encode_result
+
+log = logging.getLogger("microbatch.worker")
+
+PredictFn = Callable[[list[Any]], Sequence[Any]]
+
+
+def describe(exc: BaseException) -> str:
+    """A one-line description of a model exception (no traceback, no payload)."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for CUDA (or other accelerator) out-of-memory errors, without importing torch."""
+    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()
+
+
+def predict_robust(predict: PredictFn, items: list[Any]) -> list[Any]:
+    """Run the model; on an exception, bisect so only the failing items get ModelError."""
+    try:
+        outputs = predict(items)
+    except Exception as exc:
+        if len(items) == 1:
+            return [ModelError(describe(exc))]
+        kind = "out of memory" if is_out_of_memory(exc) else "failed"
+        log.warning("batch of %d %s (%s); splitting it", len(items), kind, describe(exc))
+        middle = len(items) // 2
+        return predict_robust(predict, items[:middle]) + predict_robust(predict, items[middle:])
+    try:
+        count = len(outputs)
+    except TypeError:
+        count = -1
+    if count != len(items):
+        error = InvalidOutput(
+            f"model returned {count if count >= 0 else 'no list of'} outputs "
+            f"for a batch of {len(items)}"
+        )
+        return [error] * len(items)
+    return list(outputs)
+
+
+def encode_outcome(request: Request, outcome: Any) -> tuple[bytes, str]:
+    """The reply to one computed item, and the name of its outcome."""
+    if isinstance(outcome, MicrobatchError):
+        kind = "model_error" if isinstance(outcome, ModelError) else "invalid_output"
+        return encode_error(request.request_id, outcome), kind
+    try:
+        return encode_result(request.request_id, outcome), "ok"
+    except Exception as exc:  # CodecError; anything else must not take the worker down
+        text = str(exc) if isinstance(exc, CodecError) else describe(exc)
+        error = InvalidOutput(f"cannot send output: {text}")
+        return encode_error(request.request_id, error), "invalid_output"

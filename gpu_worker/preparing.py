@@ -1,0 +1,183 @@
+"""Preparing a batch: entries read from the stream turned into items the model can take.
+
+Everything read from Redis is untrusted: whatever an entry holds, preparing it fails that
+entry alone (a typed error to its caller, or a dead letter when nobody can be told).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from broker import codec
+from broker.errors import CodecError, DeadlineExceeded, InvalidInput
+from broker.keys import ModelKeys
+from broker.protocol import MalformedEntry, Request, encode_error, parse_request
+from broker.transport import Entry
+
+from .model import ItemCheck
+from .outcomes import describe
+
+if TYPE_CHECKING:
+    from .batching import BatchObserver
+
+log = logging.getLogger("microbatch.worker")
+
+# Why an entry with no readable request id or reply key is dead-lettered.
+NO_READER = "malformed entry: no readable request id or reply key"
+
+
+@dataclass(slots=True)
+class PreparedBatch:
+    """A batch read and decoded, ready for the model: its entries, the answers already known
+    (errors), the entries nothing can be answered to (with why), and the requests and items
+    to compute."""
+
+    entries: list[Entry]
+    now_ms: float
+    replies: list[tuple[str, bytes]]
+    dead: list[tuple[Entry, str]]
+    live: list[Request]
+    items: list[Any]
+    costs: list[int] = field(default_factory=list)  # of the items, with a cost budget
+
+
+class Preparer:
+    """Parse, decode and check entries of one model's stream, against the broker's clock."""
+
+    def __init__(
+        self,
+        keys: ModelKeys,
+        observer: BatchObserver,
+        now_ms: Callable[[], float],
+        check_item: ItemCheck | None = None,
+    ) -> None:
+        self.keys = keys
+        self.observer = observer
+        self.now_ms = now_ms
+        # Each decoded item goes through this before the model sees it (the model's declared
+        # input, see gpu_worker.model.input_check): it returns the item, or raises InvalidInput.
+        self.check_item = check_item
+        # Why an entry whose reply key is not one of this model's inboxes is dead-lettered.
+        self.misdirected = f"reply key outside this model's inboxes ({keys.reply_namespace}*)"
+        self._reply_namespace = keys.reply_namespace
+
+    def prepare(self, entries: list[Entry], skip: set[str] | None = None) -> PreparedBatch:
+        """Parse, decode and check a batch; the entries that cannot be computed get their
+        answer (or, when nobody can be told, a dead letter). Entries in ``skip`` were withdrawn
+        by their callers. Whatever an entry holds, this fails that entry alone: it never
+        raises."""
+        batch = PreparedBatch(entries, self.now_ms(), [], [], [], [])
+        for entry in entries:
+            if skip and entry[0] in skip:
+                self.observer.answered("withdrawn")
+                continue
+            try:
+                request = parse_request(*entry)
+            except Exception as exc:  # MalformedEntry (were it anything else: not fatal)
+                self._malformed(entry, exc, batch)
+                continue
+            self._add(batch, entry, request)
+        return batch
+
+    def _add(self, batch: PreparedBatch, entry: Entry, request: Request) -> None:
+        """Add one parsed request: as an item to compute, or with its answer already."""
+        if not self.may_reply_to(request.reply_key):
+            batch.dead.append((entry, self.misdirected))
+            log.warning(
+                "dead-lettered entry %s on %s: its reply key %r is not one of this "
+                "model's inboxes", entry[0], self.keys.stream, request.reply_key[:200],
+            )  # fmt: skip
+            self.observer.answered("malformed")
+            return
+        # Past its deadline: also when the clock estimate lags Redis' a little, an entry is
+        # never before its own time (so one of timeout 0 is never computed).
+        deadline_ms = request.deadline_ms
+        if deadline_ms <= batch.now_ms or deadline_ms <= request.arrival_ms:
+            batch.replies.append(self.expired(request))
+            return
+        try:
+            item = self._decode(request.data)
+        except Exception as exc:  # CodecError, InvalidInput
+            batch.replies.append(self._refused(request, exc))
+            return
+        batch.items.append(item)
+        batch.live.append(request)
+
+    def _decode(self, data: bytes) -> Any:
+        item = codec.decode(data)
+        check = self.check_item
+        # an item of the input's dtype and shape passes at the cost of this comparison
+        if check is not None and (
+            type(item) is not np.ndarray
+            or item.dtype is not check.dtype
+            or item.shape != check.shape
+        ):
+            item = check(item)
+        return item
+
+    def _malformed(self, entry: Entry, exc: Exception, batch: PreparedBatch) -> None:
+        """Answer (or dead-letter, when nobody can be told) an entry that is not a request."""
+        if not isinstance(exc, MalformedEntry):  # parse_request raises nothing else
+            log.error("cannot parse entry %s on %s: %s", entry[0], self.keys.stream, describe(exc))
+            exc = MalformedEntry("entry could not be parsed")
+        if not exc.request_id or not exc.reply_key:
+            batch.dead.append((entry, NO_READER))
+        elif self.may_reply_to(exc.reply_key):
+            batch.replies.append((exc.reply_key, encode_error(exc.request_id, exc)))
+        else:
+            batch.dead.append((entry, self.misdirected))
+        log.warning("malformed entry %s on %s: %s", entry[0], self.keys.stream, exc)
+        self.observer.answered("malformed")
+
+    def _refused(self, request: Request, exc: Exception) -> tuple[str, bytes]:
+        """The reply to an item whose data cannot be decoded or does not fit the model."""
+        if isinstance(exc, InvalidInput):
+            self.observer.answered("invalid_input")
+        else:
+            if not isinstance(exc, CodecError):  # the codec raises nothing else: never expected
+                log.error("decoding entry %s failed: %s", request.entry_id, describe(exc))
+                exc = CodecError(f"malformed payload: {type(exc).__name__}")
+            self.observer.answered("codec_error")
+        return request.reply_key, encode_error(request.request_id, exc)
+
+    def expired(self, request: Request) -> tuple[str, bytes]:
+        """The reply to an item whose deadline passed before it was computed."""
+        self.observer.answered("deadline")
+        error = DeadlineExceeded("deadline passed before the item was computed")
+        return request.reply_key, encode_error(request.request_id, error)
+
+    def may_reply_to(self, key: str) -> bool:
+        """ModelKeys.may_reply_to, without formatting the namespace for every entry."""
+        namespace = self._reply_namespace
+        return len(key) > len(namespace) and key.startswith(namespace)
+
+    def drop_stale(self, batch: PreparedBatch, withdrawn: set[str]) -> bool:
+        """Take items withdrawn or past their deadline out of a prepared batch (their
+        entries stay, to be acknowledged with it); False if there were none."""
+        now_ms = self.now_ms()
+        stale = [
+            request.entry_id in withdrawn or request.deadline_ms <= now_ms for request in batch.live
+        ]
+        if not any(stale):
+            return False
+        costs = batch.costs
+        live, items, kept_costs = [], [], []
+        for index, (request, item, drop) in enumerate(
+            zip(batch.live, batch.items, stale, strict=True)
+        ):
+            if not drop:
+                live.append(request)
+                items.append(item)
+                if costs:
+                    kept_costs.append(costs[index])
+            elif request.entry_id in withdrawn:
+                self.observer.answered("withdrawn")
+            else:
+                batch.replies.append(self.expired(request))
+        batch.live, batch.items, batch.costs = live, items, kept_costs
+        return True
