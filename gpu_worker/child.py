@@ -92,7 +92,9 @@ async def serve(model: Any, config: Any, consumer: str) -> None:
     log.info(
         "worker %s serving %s on %s (batch_size=%d, max_latency=%gs, max_batch_cost=%d, "
         "model_thread=%s, busy_poll=%dus)",
-        consumer, keys.stream, model.device, settings.batch_size, settings.max_latency_s,
+        consumer,
+        keys.stream if keys.partitions == 1 else f"{keys.stream} and its partitions 1 to "
+        f"{keys.partitions - 1}", model.device, settings.batch_size, settings.max_latency_s,
         settings.max_batch_cost, settings.model_thread, config.busy_poll_us,
     )  # fmt: skip
     try:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -20,8 +24,19 @@ from broker.memory_transport import InMemoryTransport
 from broker.partitions import split_bound, tag, untag
 from broker.protocol import CallRequests, decode_reply
 from broker.transport import UNBOUNDED
-from tests.conftest import wait_for_consumers, worker_process
+from tests.conftest import ROOT, wait_for_consumers, worker_process
 from tests.models import DELAY_ENV
+
+
+def broker_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "broker.cli", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "80"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def slot_tag(key: str) -> str:
@@ -105,6 +120,41 @@ def test_items_are_spread_over_the_partitions_and_every_one_is_answered(
         assert model.stream_length == 0 and model.pending == 0 and model.queued_bytes == 0
         # the bound of each partition is its share of the model's (8 x batch_size 8 = 64)
         assert {p.queue_bound_items for p in model.partitions} == {22}
+        shown = broker_cli("status", "--redis", redis_server.url, "--prefix", prefix)
+        assert shown.returncode == 0 and "partitions" in shown.stdout
+        assert shown.stdout.count(prefix) == 1 + 3 + 1  # the model, its partitions, a worker
+        as_json = json.loads(
+            broker_cli("status", "--redis", redis_server.url, "--prefix", prefix, "--json").stdout
+        )
+        assert [p["stream"] for p in as_json[0]["partitions"]] == [
+            part.stream for part in keys.each()
+        ]
+
+
+def test_a_batch_merges_what_several_partitions_hold_up_to_batch_size(
+    redis_server: Any, prefix: str, tmp_path: Path
+) -> None:
+    keys = ModelKeys("toy", prefix, partitions=3)
+    client = redis.Redis.from_url(redis_server.url)
+    release = tmp_path / "release"
+    args = ("--partitions", "3", "--batch-size", "8")
+    with (
+        worker_process(redis_server.url, "tests.models:Toy", prefix, *args),
+        Streamer("toy", redis_url=redis_server.url, prefix=prefix) as streamer,
+    ):
+        blocker = streamer.submit([{"until": str(release)}])
+        deadline = time.monotonic() + 10
+        while not _pending(client, keys):  # the worker holds it: it computes it alone
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        futures = [streamer.submit([i]) for i in range(12)]  # 4 on each partition
+        while sum(client.xlen(part.stream) for part in keys.each()) < 13:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        release.touch()
+        assert blocker.result(timeout=30)[0]["batch"] == 1
+        sizes = [future.result(timeout=30)[0]["batch"] for future in futures]
+    assert max(sizes) <= 8 and max(sizes) > 4  # more than any one partition held
 
 
 def test_the_queue_bound_holds_per_partition(redis_server: Any, prefix: str) -> None:
@@ -247,6 +297,16 @@ def test_a_worker_killed_mid_batch_with_partitions_loses_nothing(
         assert held and any(by_item[item]["pid"] != victim for item in held)
         wait_for_consumers(redis_server.url, keys, 2)
     assert sum(client.xlen(part.stream) for part in keys.each()) == 0
+
+
+def _pending(client: redis.Redis, keys: ModelKeys) -> int:
+    """How many entries the model's workers hold, over every partition."""
+    held = 0
+    for part in keys.each():
+        with contextlib.suppress(redis.ResponseError):  # no group yet
+            summary: Any = client.xpending(part.stream, "workers")
+            held += int(summary["pending"])
+    return held
 
 
 def _holds(client: redis.Redis, keys: ModelKeys, consumer: str) -> bool:
