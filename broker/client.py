@@ -298,8 +298,14 @@ class ClientCore:
         """Read the model's partition count (kept as it was if Redis does not answer)."""
         try:
             self._partitions = await self.transport.partition_count(self.keys)
-        except Exception as exc:  # the enqueue that follows says what is wrong
+        except MicrobatchError as exc:  # Redis is away: the enqueue that follows says so
             log.debug("could not read the partition count of %s: %s", self.keys.stream, exc)
+        except Exception as exc:  # e.g. an ACL without GET on it: partition 0 is always read
+            if self._partitions_due is None:
+                log.warning(
+                    "cannot read the partition count of model %s (%s): sending to partition "
+                    "0 only", self.keys.model, exc,
+                )  # fmt: skip
         finally:
             self._partitions_due = self.loop.time() + PARTITIONS_EVERY_S
             self._partitions_task = None

@@ -109,6 +109,8 @@ class ModelKeys:
 
     def of(self, partition: int) -> ModelKeys:
         """The keys of another partition of the same queue."""
+        if partition == self.partition:
+            return self
         return ModelKeys(self.model, self.prefix, partition, self.partitions)
 
     def spread(self, partitions: int) -> ModelKeys:

@@ -18,9 +18,10 @@ import msgpack
 import pytest
 import redis
 
-from broker import DeadlineExceeded, QueueFull, Streamer, admin, codec
+from broker import BrokerUnavailable, DeadlineExceeded, QueueFull, Streamer, admin, codec
 from broker.keys import ModelKeys
 from broker.memory_transport import InMemoryTransport
+from broker.partition_reads import PartitionReads
 from broker.partitions import split_bound, tag, untag
 from broker.protocol import CallRequests, decode_reply
 from broker.transport import UNBOUNDED
@@ -90,6 +91,33 @@ def test_in_memory_partitions_are_read_oldest_first_acked_and_withdrawn_per_part
         assert await transport.withdrawn(keys, ids) == {ids[0]}
         await transport.finish(keys, [], batch, 60)
         assert [e for e, _ in await transport.read_batch(keys, "w", 3, 10)] == [ids[3]]
+
+    asyncio.run(scenario())
+
+
+def test_partition_reads_keep_what_came_and_never_hand_out_more_than_asked() -> None:
+    async def scenario() -> None:
+        queued = {0: [("5-0", {}), ("9-0", {})], 1: [("7-0", {})], 2: []}
+        failing = asyncio.Event()
+
+        async def read(partition: int, count: int, block_ms: int, poll_s: float) -> list[Any]:
+            if partition == 2:
+                await failing.wait()
+                raise BrokerUnavailable("gone")
+            got, queued[partition] = queued[partition][:count], queued[partition][count:]
+            return got
+
+        reads = PartitionReads(3, read)
+        first = await reads.take(2, 50)
+        await asyncio.sleep(0)
+        second = await reads.take(2, 50)
+        assert len(first) == 2  # never more than asked for: the rest is kept
+        assert [e for e, _ in first + second] == ["5-0", "7-0@1", "9-0"]  # oldest first
+        assert await reads.take(2, 20) == []  # partition 2's read is still in flight
+        failing.set()
+        with pytest.raises(BrokerUnavailable):
+            await reads.take(2, 50)
+        await reads.close()
 
     asyncio.run(scenario())
 
