@@ -60,6 +60,19 @@ class PartitionReads:
             taken.append(heapq.heappop(self._kept)[2])
         return taken
 
+    async def rest(self, count: int) -> list[Entry]:
+        """Up to ``count`` of what the reads brought, once those in flight have ended (within
+        their block time); no new read is sent. For a consumer that stops: what Redis
+        delivered to it is answered, rather than left pending until others take it over
+        (counted as one more delivery)."""
+        while self._inflight:
+            await asyncio.gather(*self._inflight.values(), return_exceptions=True)
+        self._error = None  # what failed delivered nothing
+        taken: list[Entry] = []
+        while self._kept and len(taken) < count:
+            taken.append(heapq.heappop(self._kept)[2])
+        return taken
+
     def _start(self, partition: int, count: int, block_ms: int, busy_poll_s: float) -> None:
         task = asyncio.get_running_loop().create_task(
             self._run(partition, count, block_ms, busy_poll_s)

@@ -240,6 +240,10 @@ class RedisTransport:
             )
         return await reads.take(count, max(1, block_ms), busy_poll_s)
 
+    async def read_rest(self, keys: ModelKeys, consumer: str, count: int) -> list[Entry]:
+        reads = self._partition_reads.get((keys.stream, consumer))
+        return [] if reads is None else await reads.rest(count)
+
     def _reads_lane(self, partition: int) -> Any:
         if partition == 0:
             return self._reads

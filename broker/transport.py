@@ -97,6 +97,12 @@ class Transport(Protocol):
         the first ``busy_poll_s`` of the wait polling, without sleeping."""
         ...
 
+    async def read_rest(self, keys: ModelKeys, consumer: str, count: int) -> list[Entry]:
+        """Stopping: up to ``count`` entries that reads for ``consumer`` delivered and
+        read_batch has not handed out yet (a partitioned queue's reads in flight are waited
+        for, and no new one is sent); empty once there are none."""
+        ...
+
     async def finish(
         self,
         keys: ModelKeys,

@@ -171,8 +171,8 @@ def test_a_batch_merges_what_several_partitions_hold_up_to_batch_size(
         Streamer("toy", redis_url=redis_server.url, prefix=prefix) as streamer,
     ):
         blocker = streamer.submit([{"until": str(release)}])
-        deadline = time.monotonic() + 10
-        while not _pending(client, keys):  # the worker holds it: it computes it alone
+        deadline = time.monotonic() + 30
+        while not _computing(client, keys):  # the worker computes it, alone
             assert time.monotonic() < deadline
             time.sleep(0.01)
         futures = [streamer.submit([i]) for i in range(12)]  # 4 on each partition
@@ -183,6 +183,39 @@ def test_a_batch_merges_what_several_partitions_hold_up_to_batch_size(
         assert blocker.result(timeout=30)[0]["batch"] == 1
         sizes = [future.result(timeout=30)[0]["batch"] for future in futures]
     assert max(sizes) <= 8 and max(sizes) > 4  # more than any one partition held
+
+
+def test_a_stopping_worker_answers_what_its_partition_reads_delivered(
+    redis_server: Any, prefix: str, tmp_path: Path
+) -> None:
+    # While the worker computes, its reads of the other partitions stay in flight and take
+    # what arrives; stopped then, it answers those entries too instead of leaving them
+    # pending with no other worker to take them over.
+    keys = ModelKeys("toy", prefix, partitions=3)
+    client = redis.Redis.from_url(redis_server.url)
+    release = tmp_path / "release"
+    args = ("--partitions", "3", "--batch-size", "2")
+    with (
+        worker_process(redis_server.url, "tests.models:Toy", prefix, *args) as worker,
+        Streamer("toy", redis_url=redis_server.url, prefix=prefix) as streamer,
+    ):
+        blocker = streamer.submit([{"until": str(release)}])
+        deadline = time.monotonic() + 30
+        while not _pending(client, keys):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        futures = [streamer.submit([i]) for i in range(6)]
+        while _pending(client, keys) < 2:  # delivered to the reads in flight
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        worker.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        release.touch()
+        assert blocker.result(timeout=30)[0]["batch"] == 1
+        worker.wait(30)
+        delivered = [f for f in futures if f.done() and f.exception() is None]
+        assert len(delivered) >= 2 and all(f.result()[0]["batch"] <= 2 for f in delivered)
+    assert _pending(client, keys) == 0  # nothing left held by the stopped worker
 
 
 def test_the_queue_bound_holds_per_partition(redis_server: Any, prefix: str) -> None:
@@ -221,7 +254,7 @@ def test_cancelled_calls_are_withdrawn_from_their_own_partitions(
     streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True)
     with streamer:
         futures = [streamer.submit([i, i], timeout=30) for i in range(6)]
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while sum(client.xlen(part.stream) for part in keys.each()) < 12:
             assert time.monotonic() < deadline
             time.sleep(0.01)
@@ -269,7 +302,7 @@ def test_an_entry_dead_lettered_in_partition_k_is_listed_and_replayed_there(
         # an entry whose reply key is no inbox of the model: dead-lettered unanswered
         fields = {"v": "1", "id": "odd", "reply": "elsewhere", "timeout": "5000", "data": b"\xc0"}
         client.xadd(keys.of(1).stream, fields)  # type: ignore[arg-type]
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while not client.xlen(keys.of(1).dead_letters):
             assert time.monotonic() < deadline
             time.sleep(0.02)
@@ -325,6 +358,11 @@ def test_a_worker_killed_mid_batch_with_partitions_loses_nothing(
         assert held and any(by_item[item]["pid"] != victim for item in held)
         wait_for_consumers(redis_server.url, keys, 2)
     assert sum(client.xlen(part.stream) for part in keys.each()) == 0
+
+
+def _computing(client: redis.Redis, keys: ModelKeys) -> bool:
+    """Whether a worker of the model is computing a batch (as its supervisor vouches)."""
+    return any(c.current_batch for c in admin.model_status(client, keys).consumers)
 
 
 def _pending(client: redis.Redis, keys: ModelKeys) -> int:
