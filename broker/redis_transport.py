@@ -64,6 +64,7 @@ class RedisTransport:
         # a partitioned queue's worker: one blocking lane per partition beyond the first
         self._partition_lanes: dict[int, Any] = {}
         self._partition_reads: dict[tuple[str, str], PartitionReads] = {}
+        self._reclaim_turn = 0  # the partition the last reclaim started from
         self.cancellations_pending = True  # as of the last finish(); True until known
         self._enqueues = EnqueuePacker()
         self._may_load: bool | None = None  # whether this user may load the library
@@ -390,7 +391,11 @@ class RedisTransport:
         self, keys: ModelKeys, consumer: str, min_idle_ms: int, count: int, own: bool = False
     ) -> list[Redelivery]:
         taken: list[Redelivery] = []
-        for part in keys.each():  # every partition, each holding its own pending entries
+        # Every partition, each holding its own pending entries; each call starts from the
+        # next one, so that a partition with many to take over does not starve the others.
+        parts = keys.each()
+        self._reclaim_turn = turn = (self._reclaim_turn + 1) % len(parts)
+        for part in parts[turn:] + parts[:turn]:
             found = await self._reclaim_partition(
                 part, consumer, min_idle_ms, count - len(taken), own
             )
