@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from broker.errors import BrokerUnavailable, PoisonRequest
@@ -21,28 +19,24 @@ from broker.logs import Every
 from broker.protocol import Request, encode_error, entry_time_ms, parse_request
 from broker.transport import Entry, Transport
 
+from .config import MODEL_THREAD_MODES, BatchSettings
 from .model import ItemCheck
-from .outcomes import PredictFn, describe, encode_outcome, is_out_of_memory
-from .preparing import NO_READER, PreparedBatch, Preparer
+from .observer import BatchObserver
+from .outcomes import PredictFn, encode_outcome
+from .preparing import PreparedBatch, Preparer
 from .read_ahead import ReadAhead
-from .runners import INLINE_BELOW_S, MODEL_THREAD_MODES, THREAD_FROM_S, make_runner
+from .runners import THREAD_FROM_S, make_runner
 from .windows import WINDOW_BATCHES, CostFn, CostWindows
 
 __all__ = [
-    "INLINE_BELOW_S",
     "MODEL_THREAD_MODES",
-    "NO_READER",
     "THREAD_FROM_S",
     "WINDOW_BATCHES",
     "BatchLoop",
     "BatchObserver",
     "BatchSettings",
     "BrokerClock",
-    "CostFn",
-    "PredictFn",
     "PreparedBatch",
-    "describe",
-    "is_out_of_memory",
 ]
 
 log = logging.getLogger("microbatch.worker")
@@ -57,50 +51,6 @@ async def _let_writes_go_out() -> None:
     loop (a read ahead, or the replies of the last batch)."""
     for _ in range(PREFETCH_TURNS):
         await asyncio.sleep(0)
-
-
-@dataclass
-class BatchSettings:
-    """How a worker forms batches and answers."""
-
-    batch_size: int = 32
-    max_latency_s: float = 0.0
-    block_ms: int = 500
-    reply_ttl_s: int = 60
-    clock_sync_s: float = 30.0
-    max_deliveries: int = 3
-    reclaim_every_s: float = 1.0
-    reclaim_min_idle_ms: int = 200
-    model_thread: str = "auto"  # "on", "off", or "auto": on for batches of 10 ms or more
-    busy_poll_s: float = 0.0  # how long a read with nothing in hand polls before it sleeps
-    max_batch_cost: int = 0  # the most a batch's items may cost together (0: count items only)
-
-
-class BatchObserver:
-    """What the batch loop reports as it works (metrics, the supervisor's watchdog, logs).
-
-    The base class ignores everything; subclasses override what they need. Calls are made on
-    the loop's thread and must be quick.
-    """
-
-    def batch_started(
-        self, size: int, queue_waits_s: Sequence[float], traces: Sequence[str]
-    ) -> None:
-        """The model is about to run on ``size`` items (their waits since arrival; the W3C
-        traceparents of those that carry one)."""
-
-    def batch_finished(self, size: int, inference_s: float) -> None:
-        """The model call (with any splitting after an exception) has returned."""
-
-    def answered(self, outcome: str, count: int = 1) -> None:
-        """``count`` items got their answer: ok, model_error, invalid_output, deadline,
-        codec_error, invalid_input, malformed, withdrawn or poison."""
-
-    def redelivered(self) -> None:
-        """An entry was taken over from a dead consumer (or this one's, after an outage)."""
-
-    def replies_sent(self) -> None:
-        """A batch's replies are on their way: bookkeeping that need not delay them goes here."""
 
 
 class BrokerClock:
@@ -149,7 +99,6 @@ class BatchLoop:
         check_item: ItemCheck | None = None,
         item_cost: CostFn | None = None,
     ) -> None:
-        self.predict_fn = predict
         self.observer = observer or BatchObserver()
         self.transport = transport
         self.keys = keys
@@ -261,7 +210,7 @@ class BatchLoop:
             await self.runner.drain()
             await self.clock.maybe_sync(self.settings.clock_sync_s)
             return True
-        if self.settings.max_latency_s > 0:
+        if self.settings.max_latency > 0:
             # The batch formed over a wait: callers may have withdrawn items meanwhile.
             skip |= await self.transport.withdrawn(self.keys, [e[0] for e in entries])
         await self._run_new(entries, skip)
@@ -353,10 +302,10 @@ class BatchLoop:
         entries = await self.transport.read_batch(
             keys, self.consumer, count, settings.block_ms, self._busy_poll_s(ahead)
         )
-        if not entries or settings.max_latency_s <= 0:
+        if not entries or settings.max_latency <= 0:
             return entries
         fill = count // WINDOW_BATCHES if windows is not None else count
-        wait_until_ms = entry_time_ms(entries[0][0]) + settings.max_latency_s * 1000
+        wait_until_ms = entry_time_ms(entries[0][0]) + settings.max_latency * 1000
         while len(entries) < fill and not self._stopping:
             remaining_ms = int(wait_until_ms - self.clock.now_ms())
             if remaining_ms < 1:

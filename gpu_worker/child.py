@@ -15,7 +15,11 @@ import os
 import signal
 import socket
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import WorkerConfig
+    from .model import ManagedModel
 
 CONFIG_ENV = "MICROBATCH_CHILD_CONFIG"
 STATUS_FD_ENV = "MICROBATCH_CHILD_STATUS_FD"
@@ -51,27 +55,19 @@ def check_device(device: str) -> None:
         )
 
 
-async def serve(model: Any, config: Any, consumer: str) -> None:
-    from broker.keys import ModelKeys
+async def serve(model: ManagedModel, config: WorkerConfig, consumer: str) -> None:
+    """Serve ``model`` as ``consumer`` until SIGTERM or SIGINT, with ``config`` (whole)."""
     from broker.redis_transport import RedisTransport
 
     from .batch_state import STATE_FILE_ENV, BatchState
-    from .batching import BatchLoop, BatchSettings
+    from .batching import BatchLoop
     from .heartbeat import Heartbeats
     from .metrics import WorkerObserver
     from .model import input_check
 
-    budget = model.max_batch_cost if config.max_batch_cost is None else config.max_batch_cost
-    settings = BatchSettings(
-        batch_size=config.batch_size or model.batch_size,
-        max_latency_s=config.max_latency if config.max_latency is not None else model.max_latency,
-        max_deliveries=config.max_deliveries,
-        model_thread=config.model_thread,
-        busy_poll_s=config.busy_poll_us / 1e6,
-        max_batch_cost=budget or 0,
-    )
+    settings = config.batch_settings(model)
     transport = RedisTransport(config.redis_url)
-    keys = ModelKeys(config.name or model.name, config.prefix, partitions=config.partitions)
+    keys = config.keys(model)
     # Vouch for this consumer once before its first read; from then on the supervisor renews
     # it, so that no one takes over entries from a worker that is starting up.
     heartbeats = Heartbeats(config.redis_url, keys, config.heartbeat_ttl)
@@ -94,8 +90,8 @@ async def serve(model: Any, config: Any, consumer: str) -> None:
         "model_thread=%s, busy_poll=%dus)",
         consumer,
         keys.stream if keys.partitions == 1 else f"{keys.stream} and its partitions 1 to "
-        f"{keys.partitions - 1}", model.device, settings.batch_size, settings.max_latency_s,
-        settings.max_batch_cost, settings.model_thread, config.busy_poll_us,
+        f"{keys.partitions - 1}", model.device, settings.batch_size, settings.max_latency,
+        settings.max_batch_cost, settings.model_thread, round(settings.busy_poll_s * 1e6),
     )  # fmt: skip
     try:
         await batch_loop.run()
@@ -126,7 +122,7 @@ def main() -> int:
         model.init_model()
         model.warmup()
     except BaseException as exc:
-        from .batching import describe
+        from .outcomes import describe
 
         report("error", message=f"model {config.model} failed to start: {describe(exc)}")
         log.debug("start-up failure", exc_info=True)

@@ -1,4 +1,9 @@
-"""`worker start`: a thin typer layer over WorkerConfig and Supervisor."""
+"""`worker start`: its options -> one WorkerConfig -> the Supervisor.
+
+The options are declared here once; each also reads an environment variable named after it
+through one prefix (click's ``auto_envvar_prefix``): MICROBATCH_WORKER_<OPTION>, REDIS_URL for
+--redis.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +12,30 @@ from typing import Annotated
 
 import typer
 
-from broker.cli_common import fail, log_format_option, log_level_option, new_app, version_option
+from broker.cli_common import (
+    CONTEXT_SETTINGS,
+    fail,
+    log_format_option,
+    log_level_option,
+    new_app,
+    version_option,
+)
 from broker.client import DEFAULT_REDIS_URL
 from broker.keys import DEFAULT_PREFIX
 from broker.logs import configure_logging
 
-from .config import AUTO_QUEUE_BATCHES, AUTO_QUEUE_BYTES, DEFAULT_REDIS_WAIT_S, WorkerConfig
-from .devices import DeviceError, parse_cuda
+from .config import (
+    AUTO_QUEUE_BATCHES,
+    AUTO_QUEUE_BYTES,
+    DEFAULT_REDIS_WAIT_S,
+    ENV_PREFIX,
+    WorkerConfig,
+)
+from .devices import DeviceError
 from .model import ModelLoadError
 
 app = new_app("Run GPU (or CPU) worker processes that serve a model from Redis streams.")
 
-ENV = "MICROBATCH_WORKER_"
 EXIT_STATUS = (
     "Exit status: 0 after a graceful stop (SIGTERM, Ctrl-C); 1 when the workers cannot start "
     "(the model's error is printed) or one did not stop in time; 2 for a bad option, or when "
@@ -55,40 +72,39 @@ def run_supervisor(config: WorkerConfig) -> int:
         return error(exc, 1)
 
 
-@app.command(epilog=EXIT_STATUS)
+@app.command(
+    epilog=EXIT_STATUS, context_settings={**CONTEXT_SETTINGS, "auto_envvar_prefix": ENV_PREFIX}
+)
 def start(
+    ctx: typer.Context,
     model: Annotated[
         str,
         typer.Option(
-            envvar=f"{ENV}MODEL",
             help="Import path 'module:Class' of a ManagedModel subclass, e.g. examples.mlp:MLP.",
         ),
     ],
     name: Annotated[
         str | None,
-        typer.Option(
-            envvar=f"{ENV}NAME", help="Model name to serve under [default: the class's name]."
-        ),
+        typer.Option(help="Model name to serve under [default: the class's name]."),
     ] = None,
     cuda: Annotated[
         str | None,
         typer.Option(
-            envvar=f"{ENV}CUDA",
             help="Comma-separated CUDA device indices (relative to the visible devices); one "
             "process per device (times --workers-per-device). Omit to run on the CPU.",
         ),
     ] = None,
     workers_per_device: Annotated[
         int,
-        typer.Option(envvar=f"{ENV}WORKERS_PER_DEVICE", min=1, help="Processes per CUDA device."),
+        typer.Option(min=1, help="Processes per CUDA device."),
     ] = 1,
     workers: Annotated[
         int,
-        typer.Option(envvar=f"{ENV}WORKERS", min=1, help="CPU worker processes (without --cuda)."),
+        typer.Option(min=1, help="CPU worker processes (without --cuda)."),
     ] = 1,
     prefix: Annotated[
         str,
-        typer.Option(envvar=f"{ENV}PREFIX", help="Key prefix: separates deployments in one Redis."),
+        typer.Option(help="Key prefix: separates deployments in one Redis."),
     ] = DEFAULT_PREFIX,
     redis: Annotated[
         str,
@@ -102,7 +118,6 @@ def start(
     redis_wait: Annotated[
         float,
         typer.Option(
-            envvar=f"{ENV}REDIS_WAIT",
             min=0.0,
             help="Seconds to wait at start-up for Redis to answer (saying so every 10 s) "
             "before giving up with exit status 2. Once serving, a worker rides out Redis "
@@ -112,7 +127,6 @@ def start(
     batch_size: Annotated[
         int | None,
         typer.Option(
-            envvar=f"{ENV}BATCH_SIZE",
             min=1,
             help="Most items per predict() call [default: the model's batch_size].",
         ),
@@ -120,7 +134,6 @@ def start(
     max_latency: Annotated[
         float | None,
         typer.Option(
-            envvar=f"{ENV}MAX_LATENCY",
             min=0.0,
             help="Seconds an item may wait for batch-mates, counted from its arrival; 0 never "
             "waits [default: the model's max_latency].",
@@ -129,7 +142,6 @@ def start(
     max_batch_cost: Annotated[
         int | None,
         typer.Option(
-            envvar=f"{ENV}MAX_BATCH_COST",
             min=0,
             help="Most a batch's items may cost together, by the model's item_cost (e.g. "
             "tokens); batches then group items of similar cost, and an item over it runs "
@@ -139,25 +151,22 @@ def start(
     metrics_port: Annotated[
         int | None,
         typer.Option(
-            envvar=f"{ENV}METRICS_PORT",
             help="Serve Prometheus metrics of all this command's worker processes on this port.",
         ),
     ] = None,
     start_timeout: Annotated[
         float,
-        typer.Option(envvar=f"{ENV}START_TIMEOUT", help="Seconds to wait for workers to load."),
+        typer.Option(help="Seconds to wait for workers to load."),
     ] = 600.0,
     graceful_timeout: Annotated[
         float,
         typer.Option(
-            envvar=f"{ENV}GRACEFUL_TIMEOUT",
             help="Seconds a worker may take to finish its batch after SIGTERM before it is killed.",
         ),
     ] = 30.0,
     batch_timeout: Annotated[
         float,
         typer.Option(
-            envvar=f"{ENV}BATCH_TIMEOUT",
             help="Seconds one batch may run before the watchdog kills the worker process; its "
             "items are then recomputed by another worker, or dead-lettered.",
         ),
@@ -165,7 +174,6 @@ def start(
     heartbeat_ttl: Annotated[
         float,
         typer.Option(
-            envvar=f"{ENV}HEARTBEAT_TTL",
             help="Seconds a worker stays vouched for without renewal; after that, live workers "
             "take over its unanswered items (a dead host is detected this fast).",
         ),
@@ -173,7 +181,6 @@ def start(
     max_deliveries: Annotated[
         int,
         typer.Option(
-            envvar=f"{ENV}MAX_DELIVERIES",
             min=1,
             help="Deliveries after which an unanswered item is dead-lettered and its caller "
             "gets PoisonRequest.",
@@ -182,7 +189,6 @@ def start(
     model_thread: Annotated[
         str,
         typer.Option(
-            envvar=f"{ENV}MODEL_THREAD",
             help="Run predict() on a thread of its own, so that reading and decoding the next "
             "batch and sending the last one's replies overlap the model: on, off, or auto (on "
             "while full batches take 10 ms or more; short CPU batches lose more to GIL "
@@ -192,7 +198,6 @@ def start(
     busy_poll_us: Annotated[
         int,
         typer.Option(
-            envvar=f"{ENV}BUSY_POLL_US",
             help="Microseconds a worker with nothing left to do keeps polling Redis's socket "
             "before it sleeps until work comes: a request arriving meanwhile finds a core that "
             "did not idle (on the CPU bench machine: ~0.1 ms less at concurrency 1). Costs up "
@@ -203,7 +208,6 @@ def start(
     max_queue_items: Annotated[
         str,
         typer.Option(
-            envvar=f"{ENV}MAX_QUEUE_ITEMS",
             help="The model's queue bound, stored with it in Redis for every caller: the most "
             "items queued per live worker process of the model (at least one is counted), "
             f"beyond which calls are refused at once (QueueFull, HTTP 503). auto: "
@@ -213,7 +217,6 @@ def start(
     max_queue_bytes: Annotated[
         str,
         typer.Option(
-            envvar=f"{ENV}MAX_QUEUE_BYTES",
             help="The most bytes of encoded items queued for the model in all (stored with "
             f"it, like --max-queue-items). auto: {AUTO_QUEUE_BYTES // 2**20} MiB; 0: no byte "
             "bound.",
@@ -222,15 +225,15 @@ def start(
     partitions: Annotated[
         int,
         typer.Option(
-            envvar=f"{ENV}PARTITIONS",
+            min=1,
             help="Spread the model's queue over this many streams, each in its own Redis "
             "Cluster hash slot, so that one model can use several shards. Stored with the "
             "model for callers; every worker reads every partition. Start all workers of a "
-            "model with the same count (docs/protocol.md, 'Partitions').",
+            "model with the same count (docs/protocol.md, section 3.1).",
         ),
     ] = 1,
-    log_level: Annotated[str, log_level_option(f"{ENV}LOG_LEVEL")] = "info",
-    log_format: Annotated[str, log_format_option(f"{ENV}LOG_FORMAT")] = "text",
+    log_level: Annotated[str, log_level_option(f"{ENV_PREFIX}_LOG_LEVEL")] = "info",
+    log_format: Annotated[str, log_format_option(f"{ENV_PREFIX}_LOG_FORMAT")] = "text",
 ) -> None:
     """Start worker processes serving MODEL until SIGTERM or Ctrl-C.
 
@@ -239,48 +242,11 @@ def start(
     """
     try:
         configure_logging(log_level, log_format)
-        config = WorkerConfig(
-            model=model,
-            name=name,
-            cuda=parse_cuda(cuda) if cuda else None,
-            workers_per_device=workers_per_device,
-            workers=workers,
-            prefix=prefix,
-            redis_url=redis,
-            redis_wait=redis_wait,
-            batch_size=batch_size,
-            max_latency=max_latency,
-            max_batch_cost=max_batch_cost,
-            metrics_port=metrics_port,
-            start_timeout=start_timeout,
-            graceful_timeout=graceful_timeout,
-            batch_timeout=batch_timeout,
-            heartbeat_ttl=heartbeat_ttl,
-            max_deliveries=max_deliveries,
-            model_thread=model_thread,
-            busy_poll_us=busy_poll_us,
-            max_queue_items=_auto_or_count("--max-queue-items", max_queue_items),
-            max_queue_bytes=_auto_or_count("--max-queue-bytes", max_queue_bytes),
-            partitions=partitions,
-            log_level=log_level,
-            log_format=log_format,
-        )
+        # every option by its name, as declared above (and checked by typer)
+        config = WorkerConfig.from_options(**ctx.params)
     except (ValueError, DeviceError) as exc:
         fail(str(exc))
     raise typer.Exit(run_supervisor(config))
-
-
-def _auto_or_count(option: str, value: str) -> int | None:
-    """None for auto, else a count of at least 0 (ValueError saying what is wrong)."""
-    if value.strip().lower() == "auto":
-        return None
-    try:
-        count = int(value)
-    except ValueError:
-        raise ValueError(f"{option} must be auto or a number, not {value!r}") from None
-    if count < 0:
-        raise ValueError(f"{option} must be auto, 0 (no bound) or a positive number")
-    return count
 
 
 def main() -> None:

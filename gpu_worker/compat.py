@@ -417,40 +417,20 @@ def _global_name(obj: Any, modules: list[str]) -> tuple[str, str] | None:
     return None
 
 
+_BY_NAME_HINT = (
+    "; the workers import the model by name: pass a ManagedModel subclass, a module-level "
+    "function or a method of a module-level object (or use ThreadedStreamer)"
+)
+
+
 def _reference(target: Any) -> dict[str, Any]:
     """How a worker process finds ``target`` by name: {module, qualname, attr}.
 
     Raises TypeError for something that cannot be imported by name (a lambda, a closure, an
     object that is not a module-level global).
     """
-    hint = (
-        "; the workers import the model by name: pass a ManagedModel subclass, a module-level "
-        "function or a method of a module-level object (or use ThreadedStreamer)"
-    )
-    ref: dict[str, Any] | None = None
-    if isinstance(target, type):
-        if not issubclass(target, (ManagedModel, MicrobatchModel)):
-            raise TypeError(f"{target.__qualname__} is not a ManagedModel subclass")
-        ref = {"module": target.__module__, "qualname": target.__qualname__, "attr": None}
-    elif not callable(target):
-        raise TypeError(f"predict_function_or_model must be callable, not {type(target).__name__}")
-    elif hasattr(target, "__self__") and not isinstance(target.__self__, ModuleType):
-        owner = target.__self__
-        modules = ["__main__", getattr(type(owner), "__module__", "__main__")]
-        if isinstance(owner, type):
-            found: tuple[str, str] | None = (owner.__module__, owner.__qualname__)
-        else:
-            found = _global_name(owner, modules)
-        if found is None:
-            raise TypeError(f"{target!r} belongs to an object that is no module-level global{hint}")
-        ref = {"module": found[0], "qualname": found[1], "attr": target.__name__}
-    elif hasattr(target, "__qualname__") and hasattr(target, "__module__"):
-        ref = {"module": target.__module__, "qualname": target.__qualname__, "attr": None}
-    else:
-        found = _global_name(target, ["__main__", type(target).__module__])
-        if found is None:
-            raise TypeError(f"{target!r} is no module-level global{hint}")
-        ref = {"module": found[0], "qualname": found[1], "attr": None}
+    hint = _BY_NAME_HINT
+    ref = _locate(target)
     if "<" in ref["qualname"]:  # <lambda>, <locals>
         raise TypeError(f"{target!r} cannot be imported by name{hint}")
     if ref["module"] == "__main__" and _main_module_path() is None:
@@ -464,6 +444,39 @@ def _reference(target: Any) -> dict[str, Any]:
     if ref["attr"] is None and found_obj is not target:
         raise TypeError(f"{target!r} cannot be imported by name{hint}")
     return ref
+
+
+def _locate(target: Any) -> dict[str, Any]:
+    """Where ``target`` claims to live: {module, qualname, attr} (not checked yet)."""
+    if isinstance(target, type):
+        if not issubclass(target, (ManagedModel, MicrobatchModel)):
+            raise TypeError(f"{target.__qualname__} is not a ManagedModel subclass")
+        return {"module": target.__module__, "qualname": target.__qualname__, "attr": None}
+    if not callable(target):
+        raise TypeError(f"predict_function_or_model must be callable, not {type(target).__name__}")
+    if hasattr(target, "__self__") and not isinstance(target.__self__, ModuleType):
+        return _locate_method(target)
+    if hasattr(target, "__qualname__") and hasattr(target, "__module__"):
+        return {"module": target.__module__, "qualname": target.__qualname__, "attr": None}
+    found = _global_name(target, ["__main__", type(target).__module__])
+    if found is None:
+        raise TypeError(f"{target!r} is no module-level global{_BY_NAME_HINT}")
+    return {"module": found[0], "qualname": found[1], "attr": None}
+
+
+def _locate_method(target: Any) -> dict[str, Any]:
+    """Where a bound method's owner lives (a class, or a module-level object)."""
+    owner = target.__self__
+    modules = ["__main__", getattr(type(owner), "__module__", "__main__")]
+    if isinstance(owner, type):
+        found: tuple[str, str] | None = (owner.__module__, owner.__qualname__)
+    else:
+        found = _global_name(owner, modules)
+    if found is None:
+        raise TypeError(
+            f"{target!r} belongs to an object that is no module-level global{_BY_NAME_HINT}"
+        )
+    return {"module": found[0], "qualname": found[1], "attr": target.__name__}
 
 
 def _import(module_name: str, main_path: str | None) -> ModuleType:

@@ -1,18 +1,30 @@
-"""WorkerConfig: everything `worker start` is told, handed to the supervisor and its children."""
+"""The worker's settings, stated once.
+
+:class:`WorkerConfig` is everything one `worker start` is told: its CLI builds it once and it is
+handed down whole (to the supervisor, and to each child as JSON). :class:`BatchSettings` is the
+batch loop's share, resolved against the model in one place (:meth:`BatchSettings.for_model`),
+which LocalStreamer uses too. A setting has one name and one unit throughout: seconds for
+every duration (``--busy-poll-us`` is converted once, as the CLI reads it).
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 from broker.client import DEFAULT_REDIS_URL
-from broker.keys import DEFAULT_PREFIX, check_name, check_partitions, check_prefix
+from broker.keys import DEFAULT_PREFIX, MAX_PARTITIONS, ModelKeys, check_name, check_prefix
 from broker.redis_url import parse as parse_redis_url
 
-from .batching import MODEL_THREAD_MODES
+if TYPE_CHECKING:
+    from .model import ManagedModel
 
+# Every `worker start` option also reads MICROBATCH_WORKER_<OPTION> (REDIS_URL for --redis).
+ENV_PREFIX = "MICROBATCH_WORKER"
 DEFAULT_REDIS_WAIT_S = 60.0
 MAX_BUSY_POLL_US = 100_000  # past a tenth of a second, spinning buys nothing a sleep would not
+MODEL_THREAD_MODES = ("auto", "on", "off")
 
 # The queue bound `worker start` stores with the model unless told otherwise ("auto"): this
 # many full batches per live worker (a burst of four batches per worker fits twice over, and an
@@ -22,8 +34,47 @@ AUTO_QUEUE_BYTES = 256 * 1024 * 1024
 
 
 @dataclass
+class BatchSettings:
+    """How a worker forms batches and answers."""
+
+    batch_size: int = 32
+    max_latency: float = 0.0  # seconds an item may wait for batch-mates
+    block_ms: int = 500
+    reply_ttl_s: int = 60
+    clock_sync_s: float = 30.0
+    max_deliveries: int = 3
+    reclaim_every_s: float = 1.0
+    reclaim_min_idle_ms: int = 200
+    model_thread: str = "auto"  # "on", "off", or "auto": on for batches of 10 ms or more
+    busy_poll_s: float = 0.0  # how long a read with nothing in hand polls before it sleeps
+    max_batch_cost: int = 0  # the most a batch's items may cost together (0: count items only)
+
+    @classmethod
+    def for_model(
+        cls,
+        model: type[ManagedModel] | ManagedModel,
+        batch_size: int | None = None,
+        max_latency: float | None = None,
+        max_batch_cost: int | None = None,
+        **settings: Any,
+    ) -> BatchSettings:
+        """The settings to serve ``model`` with: each of ``batch_size``, ``max_latency`` and
+        ``max_batch_cost`` given wins over the model class's attribute of that name (the one
+        place where a model's defaults are resolved)."""
+        budget = model.max_batch_cost if max_batch_cost is None else max_batch_cost
+        return cls(
+            batch_size=model.batch_size if batch_size is None else batch_size,
+            max_latency=model.max_latency if max_latency is None else max_latency,
+            max_batch_cost=budget or 0,
+            **settings,
+        )
+
+
+@dataclass
 class WorkerConfig:
-    """The settings of one `worker start`. The CLI mirrors these fields one for one."""
+    """The settings of one `worker start`: one field per CLI option, of the same name and in
+    the same unit (``--redis`` is ``redis_url``; ``--busy-poll-us`` is ``busy_poll_s``).
+    ``None`` for ``batch_size``, ``max_latency`` or ``max_batch_cost``: the model's."""
 
     model: str
     name: str | None = None
@@ -44,13 +95,36 @@ class WorkerConfig:
     heartbeat_ttl: float = 5.0
     max_deliveries: int = 3
     model_thread: str = "auto"
-    busy_poll_us: int = 0
+    busy_poll_s: float = 0.0
     max_queue_items: int | None = None  # per live worker; None: auto; 0: no item bound
     max_queue_bytes: int | None = None  # in all; None: auto; 0: no byte bound
     partitions: int = 1  # streams the model's queue is spread over
     log_level: str = "info"
     log_format: str = "text"
-    extra: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_options(
+        cls,
+        *,
+        redis: str,
+        cuda: str | None,
+        busy_poll_us: int,
+        max_queue_items: str,
+        max_queue_bytes: str,
+        **options: Any,
+    ) -> WorkerConfig:
+        """From `worker start`'s options as the user gives them (ValueError if one is bad);
+        the options not named here are fields of the same name."""
+        from .devices import parse_cuda
+
+        return cls(
+            redis_url=redis,
+            cuda=parse_cuda(cuda) if cuda else None,
+            busy_poll_s=busy_poll_us / 1e6,
+            max_queue_items=_auto_or_count("--max-queue-items", max_queue_items),
+            max_queue_bytes=_auto_or_count("--max-queue-bytes", max_queue_bytes),
+            **options,
+        )
 
     def validate(self) -> None:
         """Raise ValueError with a one-line reason for any bad setting."""
@@ -61,34 +135,57 @@ class WorkerConfig:
             parse_redis_url(self.redis_url)
         except ValueError as exc:
             raise ValueError(f"--redis: {exc}") from None
-        if self.workers < 1:
-            raise ValueError("--workers must be at least 1")
-        if self.batch_size is not None and self.batch_size < 1:
-            raise ValueError("--batch-size must be at least 1")
-        if self.max_latency is not None and self.max_latency < 0:
-            raise ValueError("--max-latency cannot be negative")
-        if self.max_batch_cost is not None and self.max_batch_cost < 0:
-            raise ValueError("--max-batch-cost cannot be negative")
-        if self.redis_wait < 0:
-            raise ValueError("--redis-wait cannot be negative")
-        if self.batch_timeout <= 0 or self.heartbeat_ttl <= 0:
-            raise ValueError("--batch-timeout and --heartbeat-ttl must be positive")
-        if self.max_deliveries < 1:
-            raise ValueError("--max-deliveries must be at least 1")
-        if self.model_thread not in MODEL_THREAD_MODES:
-            raise ValueError(f"--model-thread must be one of {', '.join(MODEL_THREAD_MODES)}")
-        if not 0 <= self.busy_poll_us <= MAX_BUSY_POLL_US:
-            raise ValueError(f"--busy-poll-us must be between 0 and {MAX_BUSY_POLL_US}")
-        try:
-            check_partitions(self.partitions)
-        except ValueError as exc:
-            raise ValueError(f"--partitions: {exc}") from None
-        for option, value in (
-            ("--max-queue-items", self.max_queue_items),
-            ("--max-queue-bytes", self.max_queue_bytes),
-        ):
-            if value is not None and value < 0:
-                raise ValueError(f"{option} must be auto, 0 (no bound) or a positive number")
+        for bad, reason in self._checks():
+            if bad:
+                raise ValueError(reason)
+
+    def _checks(self) -> list[tuple[bool, str]]:
+        def below(value: float | None, least: float) -> bool:
+            return value is not None and value < least
+
+        queue_bound = "must be auto, 0 (no bound) or a positive number"
+        return [
+            (self.workers < 1, "--workers must be at least 1"),
+            (below(self.batch_size, 1), "--batch-size must be at least 1"),
+            (below(self.max_latency, 0), "--max-latency cannot be negative"),
+            (below(self.max_batch_cost, 0), "--max-batch-cost cannot be negative"),
+            (self.redis_wait < 0, "--redis-wait cannot be negative"),
+            (
+                self.batch_timeout <= 0 or self.heartbeat_ttl <= 0,
+                "--batch-timeout and --heartbeat-ttl must be positive",
+            ),
+            (self.max_deliveries < 1, "--max-deliveries must be at least 1"),
+            (
+                self.model_thread not in MODEL_THREAD_MODES,
+                f"--model-thread must be one of {', '.join(MODEL_THREAD_MODES)}",
+            ),
+            (
+                not 0 <= self.busy_poll_s <= MAX_BUSY_POLL_US / 1e6,
+                f"--busy-poll-us must be between 0 and {MAX_BUSY_POLL_US}",
+            ),
+            (below(self.max_queue_items, 0), f"--max-queue-items {queue_bound}"),
+            (below(self.max_queue_bytes, 0), f"--max-queue-bytes {queue_bound}"),
+            (
+                not 1 <= self.partitions <= MAX_PARTITIONS,
+                f"--partitions must be between 1 and {MAX_PARTITIONS}",
+            ),
+        ]
+
+    def keys(self, model: type[ManagedModel] | ManagedModel) -> ModelKeys:
+        """The keys of the model served: named ``name``, or by the model class."""
+        return ModelKeys(self.name or model.name, self.prefix, partitions=self.partitions)
+
+    def batch_settings(self, model: type[ManagedModel] | ManagedModel) -> BatchSettings:
+        """The batch loop's settings for ``model`` (its defaults where none was given)."""
+        return BatchSettings.for_model(
+            model,
+            self.batch_size,
+            self.max_latency,
+            self.max_batch_cost,
+            max_deliveries=self.max_deliveries,
+            model_thread=self.model_thread,
+            busy_poll_s=self.busy_poll_s,
+        )
 
     def queue_bound(self, batch_size: int) -> tuple[int, int]:
         """The queue bound to store with the model: (items per live worker, bytes in all)."""
@@ -104,3 +201,16 @@ class WorkerConfig:
     @classmethod
     def from_json(cls, text: str) -> WorkerConfig:
         return cls(**json.loads(text))
+
+
+def _auto_or_count(option: str, value: str) -> int | None:
+    """None for auto, else a count of at least 0 (ValueError saying what is wrong)."""
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        raise ValueError(f"{option} must be auto or a number, not {value!r}") from None
+    if count < 0:
+        raise ValueError(f"{option} must be auto, 0 (no bound) or a positive number")
+    return count

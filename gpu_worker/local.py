@@ -8,7 +8,8 @@ from broker.client import DEFAULT_TIMEOUT_S, ClientCore, Streamer
 from broker.memory_transport import InMemoryTransport
 from broker.transport import Transport
 
-from .batching import BatchLoop, BatchSettings
+from .batching import BatchLoop
+from .config import BatchSettings
 from .model import ManagedModel, input_check
 
 LOCAL_PREFIX = "local"
@@ -49,14 +50,8 @@ class LocalStreamer(Streamer):
             max_queue_items=max_queue_items,
             wait_for_workers=True,  # its worker is the batch loop in this process
         )
-        self.settings = BatchSettings(
-            batch_size=batch_size if batch_size is not None else instance.batch_size,
-            max_latency_s=max_latency if max_latency is not None else instance.max_latency,
-            model_thread=model_thread,
-            max_batch_cost=(
-                max_batch_cost if max_batch_cost is not None else instance.max_batch_cost
-            )
-            or 0,
+        self.settings = BatchSettings.for_model(
+            instance, batch_size, max_latency, max_batch_cost, model_thread=model_thread
         )
         self._batch_loop: BatchLoop | None = None
         self._get_thread_core()  # build the model now, so that its errors surface here

@@ -15,7 +15,7 @@ from typing import Any
 from prometheus_client import Counter, Gauge, Histogram
 
 from .batch_state import BatchState
-from .batching import BatchObserver
+from .observer import BatchObserver
 
 log = logging.getLogger("microbatch.worker")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -20,10 +20,8 @@ from broker.protocol import MalformedEntry, Request, encode_error, parse_request
 from broker.transport import Entry
 
 from .model import ItemCheck
+from .observer import BatchObserver
 from .outcomes import describe
-
-if TYPE_CHECKING:
-    from .batching import BatchObserver
 
 log = logging.getLogger("microbatch.worker")
 

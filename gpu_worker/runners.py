@@ -13,11 +13,11 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from .config import MODEL_THREAD_MODES
 from .model_thread import ModelThread
 from .outcomes import PredictFn, predict_robust
 from .preparing import PreparedBatch
 
-MODEL_THREAD_MODES = ("auto", "on", "off")
 # auto: full batches taking this long (a moving average) move the model to its own thread, so
 # that reading the next batch and sending replies overlap it; below the second figure it comes
 # back. Short CPU batches lose more to GIL hand-offs between the model's operations than the

@@ -87,10 +87,8 @@ class Supervisor:
         else:
             devices = [None] * config.workers
         self.slots = [Slot(index, device) for index, device in enumerate(devices)]
-        self.keys = ModelKeys(
-            config.name or self.model_class.name, config.prefix, partitions=config.partitions
-        )
-        self.queue_bound = config.queue_bound(config.batch_size or self.model_class.batch_size)
+        self.keys = config.keys(self.model_class)
+        self.queue_bound = config.queue_bound(config.batch_settings(self.model_class).batch_size)
         self.heartbeats = Heartbeats(
             config.redis_url, self.keys, config.heartbeat_ttl, self.queue_bound
         )
@@ -165,22 +163,15 @@ class Supervisor:
         """Handle a child that exited: restart it with backoff, or give up."""
         assert slot.process is not None
         code = slot.process.returncode
-        if slot.status_fd is not None:
-            self._read_status(slot)
-            self._close_status(slot)
-        if self.metrics is not None:
-            self.metrics.process_gone(slot.process.pid)
-        was_ready, slot.process = slot.ready, None
-        slot.ready, slot.busy_since = False, None
-        if slot.consumer is not None:
-            self.heartbeats.retire(slot.consumer)
-            slot.consumer = None
+        was_ready = slot.ready
+        self._forget(slot)
         if self._stopping:
             return
         reason = slot.last_error or f"exited with code {code}"
         if not self.all_ready_once:
             raise StartError(f"worker {slot.index} could not start: {reason}")
-        if was_ready and now - slot.started_at > HEALTHY_AFTER_S:
+        healthy = was_ready and now - slot.started_at > HEALTHY_AFTER_S
+        if healthy:
             slot.failures = 0
         if not was_ready:
             slot.failures += 1
@@ -189,7 +180,7 @@ class Supervisor:
                     f"worker {slot.index} failed to start {slot.failures} times: {reason}"
                 )
         delay = RESTART_BACKOFF_S[min(slot.restarts, len(RESTART_BACKOFF_S) - 1)]
-        if was_ready and now - slot.started_at > HEALTHY_AFTER_S:
+        if healthy:
             delay = RESTART_BACKOFF_S[0]
         slot.restarts += 1
         slot.restart_at = now + delay
@@ -197,6 +188,20 @@ class Supervisor:
             self.metrics.restarted()
         slot.last_error = ""
         log.warning("worker %d %s; restarting in %.1f s", slot.index, reason, delay)
+
+    def _forget(self, slot: Slot) -> None:
+        """Let go of an exited child: its last words, its metrics, its heartbeat."""
+        assert slot.process is not None
+        if slot.status_fd is not None:
+            self._read_status(slot)
+            self._close_status(slot)
+        if self.metrics is not None:
+            self.metrics.process_gone(slot.process.pid)
+        slot.process = None
+        slot.ready, slot.busy_since = False, None
+        if slot.consumer is not None:
+            self.heartbeats.retire(slot.consumer)
+            slot.consumer = None
 
     # -- lifecycle ----------------------------------------------------------------------------
     def request_stop(self, signum: int = signal.SIGTERM, frame: FrameType | None = None) -> None:
@@ -209,9 +214,20 @@ class Supervisor:
                 slot.process.send_signal(signal.SIGTERM)
 
     def run(self) -> int:
-        """Serve until SIGTERM/SIGINT; return the exit code. Raises StartError if workers can't."""
-        signal.signal(signal.SIGTERM, self.request_stop)
-        signal.signal(signal.SIGINT, self.request_stop)
+        """Serve until SIGTERM/SIGINT; return the exit code. Raises StartError if workers can't.
+
+        The signal handlers it installs are put back as they were when it returns.
+        """
+        stopping = (signal.SIGTERM, signal.SIGINT)
+        previous = {signum: signal.signal(signum, self.request_stop) for signum in stopping}
+        try:
+            return self._serve()
+        finally:
+            for signum, handler in previous.items():
+                if handler is not None:  # None: installed outside Python, cannot be put back
+                    signal.signal(signum, handler)
+
+    def _serve(self) -> int:
         try:
             if not self._wait_for_redis():
                 return self._drain()
@@ -268,14 +284,7 @@ class Supervisor:
         for key, _ in self.selector.select(timeout=min(0.2, self._heartbeat_every)):
             self._read_status(key.data)
         now = time.monotonic()
-        for slot in self.slots:
-            if slot.process is not None and slot.process.poll() is not None:
-                self._reap(slot, now)
-            elif slot.process is None and slot.restart_at is not None and now >= slot.restart_at:
-                self._spawn(slot)
-        for slot in self.slots:
-            if slot.state is not None and slot.process is not None:
-                slot.batch_items, slot.busy_since = slot.state.read()
+        self._tend_children(now)
         self._watchdog(now)
         if self.metrics is not None:
             self.metrics.maybe_sample(now)
@@ -289,19 +298,34 @@ class Supervisor:
                 }
             )
         if not self.all_ready_once:
-            if all(slot.ready for slot in self.slots):
-                self.all_ready_once = True
-                items, size = self.queue_bound
-                log.info(
-                    "all %d worker(s) ready; queue bound of %s: %s per live worker, %s",
-                    len(self.slots), self.keys.model,
-                    f"{items} items" if items else "no item bound",
-                    f"{size} bytes in all" if size else "no byte bound",
-                )  # fmt: skip
-            elif now > start_deadline:
-                raise StartError(
-                    f"workers not ready within {self.config.start_timeout:g} s (--start-timeout)"
-                )
+            self._check_started(now, start_deadline)
+
+    def _tend_children(self, now: float) -> None:
+        """Reap the children that exited, restart those due, and read the others' batches."""
+        for slot in self.slots:
+            if slot.process is not None and slot.process.poll() is not None:
+                self._reap(slot, now)
+            elif slot.process is None and slot.restart_at is not None and now >= slot.restart_at:
+                self._spawn(slot)
+        for slot in self.slots:
+            if slot.state is not None and slot.process is not None:
+                slot.batch_items, slot.busy_since = slot.state.read()
+
+    def _check_started(self, now: float, start_deadline: float) -> None:
+        """Say when all workers are ready for the first time; give up past --start-timeout."""
+        if all(slot.ready for slot in self.slots):
+            self.all_ready_once = True
+            items, size = self.queue_bound
+            log.info(
+                "all %d worker(s) ready; queue bound of %s: %s per live worker, %s",
+                len(self.slots), self.keys.model,
+                f"{items} items" if items else "no item bound",
+                f"{size} bytes in all" if size else "no byte bound",
+            )  # fmt: skip
+        elif now > start_deadline:
+            raise StartError(
+                f"workers not ready within {self.config.start_timeout:g} s (--start-timeout)"
+            )
 
     @staticmethod
     def _state(slot: Slot, now: float) -> dict[str, int]:

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from broker.errors import ModelError
 from broker.protocol import encode_error
 
 from .forming import cut
+from .observer import BatchObserver
 from .outcomes import describe
 from .preparing import PreparedBatch
-
-if TYPE_CHECKING:
-    from .batching import BatchObserver
 
 CostFn = Callable[[Any], int]
 

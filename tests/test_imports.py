@@ -31,3 +31,16 @@ def test_broker_imports_neither_torch_nor_web_frameworks() -> None:
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert result.stdout.strip() == "[]", result.stderr
+
+
+def test_a_model_class_comes_without_the_batch_loop() -> None:
+    # what a gateway imports of gpu_worker: the package and model classes, never the worker
+    code = (
+        "import sys, gpu_worker, examples.mlp; from gpu_worker import ManagedModel, TensorSpec; "
+        "bad = [m for m in ('gpu_worker.batching', 'gpu_worker.local', 'gpu_worker.runners', "
+        "'gpu_worker.model_thread', 'broker.memory_transport') if m in sys.modules]; print(bad)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.stdout.strip() == "[]", result.stderr
