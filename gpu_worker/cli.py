@@ -223,6 +223,16 @@ def start(
             "bound.",
         ),
     ] = "auto",
+    partitions: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Spread the model's queue over this many streams, each in its own Redis "
+            "Cluster hash slot, so that one model can use several shards. Stored with the "
+            "model for callers; every worker reads every partition. Start all workers of a "
+            "model with the same count (docs/protocol.md, section 3.1).",
+        ),
+    ] = 1,
     log_level: Annotated[str, log_level_option(f"{ENV_PREFIX}_LOG_LEVEL")] = "info",
     log_format: Annotated[str, log_format_option(f"{ENV_PREFIX}_LOG_FORMAT")] = "text",
 ) -> None:
