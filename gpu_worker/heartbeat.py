@@ -21,7 +21,7 @@ from typing import Any
 
 from broker.connections import REDIS_ERRORS, sync_client
 from broker.keys import ModelKeys
-from broker.liveness import server_time_ms
+from broker.liveness import server_times_ms
 from broker.logs import Every
 from broker.partitions import split_bound
 
@@ -60,10 +60,13 @@ class Heartbeats:
         if not consumers:
             return True
         try:
-            expires_ms = server_time_ms(self.client, self.keys.consumers) + self.ttl_ms
+            parts = self.keys.each()
+            # each partition's expiry by the clock of its node (that of its functions)
+            clocks = server_times_ms(self.client, [part.consumers for part in parts])
             pipe = self.client.pipeline(transaction=False)
             count = self.keys.partitions
-            for part in self.keys.each():
+            for part, now_ms in zip(parts, clocks, strict=True):
+                expires_ms = now_ms + self.ttl_ms
                 pipe.zadd(part.consumers, dict.fromkeys(consumers, expires_ms))
                 # forget consumers whose heartbeat lapsed long ago (their supervisor died)
                 pipe.zremrangebyscore(part.consumers, "-inf", expires_ms - FORGET_AFTER_MS)

@@ -10,6 +10,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -19,6 +20,7 @@ from broker import Streamer, connections, functions
 from broker.cli import app
 from broker.cluster_lane import ClusterLanes, key_slot
 from broker.keys import ModelKeys
+from broker.liveness import server_times_ms
 from broker.redis_transport import RedisTransport
 from gpu_worker.batching import BatchLoop, BatchSettings
 from tests.cluster_local import LocalCluster
@@ -425,3 +427,26 @@ def test_a_partitioned_queue_spread_over_the_primaries(cluster: LocalCluster, pr
     assert letters.exit_code == 0, letters.output
     [letter] = json.loads(letters.output)
     assert letter["partition"] == 2 and letter["dead_id"].endswith("@2")
+
+
+def test_a_partitioned_model_s_clocks_are_read_on_each_partition_s_node(
+    cluster: LocalCluster, prefix: str
+) -> None:
+    """Heartbeats score each partition's consumers by its own node's clock: one TIME per node."""
+    keys = ModelKeys("toy", prefix_spreading_partitions(cluster, prefix, 3), partitions=3)
+
+    def times_asked() -> dict[int, int]:
+        asked = {}
+        for port in cluster.primaries():
+            with cluster.client(port) as client:
+                stats: Any = client.info("commandstats")
+                asked[port] = int(stats.get("cmdstat_time", {}).get("calls", 0))
+        return asked
+
+    with connections.sync_client(cluster.url()) as client:
+        client.ping()  # the slot map read first
+        before = times_asked()
+        clocks = server_times_ms(client, [part.consumers for part in keys.each()] * 2)
+    after = times_asked()
+    assert len(clocks) == 6 and clocks[:3] == clocks[3:]
+    assert {port: after[port] - before[port] for port in after} == dict.fromkeys(after, 1)
