@@ -117,7 +117,8 @@ TENANT_USERS = (
             f"%RW~{_keys(kind)}"
             for kind in ("requests", "queued-bytes", "queue-bound", "consumers", "cancelled")
         )
-        + f" %RW~{_keys('inbox:*')} resetchannels -@all {CONNECT} +time +info +fcall +blmpop "
+        + f" %RW~{_keys('inbox:*')} %R~{_keys('partitions')} resetchannels -@all {CONNECT} "
+        "+time +info +fcall +blmpop "
         "+zrangebyscore +zcount +hmget +xlen +get +xpending +xrange "
         f"(~{_keys('requests')} +xadd +xdel) (~{_keys('queued-bytes')} +incrby +decrby) "
         f"(~{_keys('cancelled')} +zadd +zremrangebyscore)",
@@ -127,6 +128,7 @@ TENANT_USERS = (
   withdraw a cancelled call: FCALL mb_withdraw -> TIME, XPENDING, ZADD, XRANGE, XDEL, DECRBY,
     ZREMRANGEBYSCORE
   replies: BLMPOP on its inboxes
+  the model's partition count: GET (read only)
   health and model readiness: PING, TIME, ZRANGEBYSCORE (live consumers)
   the eviction-policy check at start: INFO (its memory section names maxmemory_policy)
 FCALL needs read and write access to the keys it is given; the writes themselves are allowed
@@ -140,7 +142,7 @@ consumer, change a bound, delete or expire anything, nor touch workers' keys."""
         f"{TENANT_KEYS} resetchannels -@all {CONNECT} +time +info +fcall +xgroup|create "
         "+xgroup|delconsumer +xreadgroup +xack +xdel +xclaim +xpending +xinfo|consumers +xadd "
         "+xlen +decrby +incrby +zmscore +zcard +zadd +zrem +zrangebyscore +zremrangebyscore "
-        f"+hset (~{_keys('heartbeat:*')} +set +del +exists) "
+        f"+hset (~{_keys('heartbeat:*')} +set +del +exists) (~{_keys('partitions')} +set) "
         f"(~{_keys('inbox:*')} +type +pttl +rpush +expire)",
         """The GPU/CPU workers of the prefix (worker start: supervisor and children):
   consumer group: XGROUP CREATE (MKSTREAM), XREADGROUP
@@ -151,7 +153,7 @@ consumer, change a bound, delete or expire anything, nor touch workers' keys."""
     retire one: FCALL mb_retire -> EXISTS, XPENDING, XGROUP DELCONSUMER
   dead letters: XADD
   heartbeats: TIME, ZADD, ZREMRANGEBYSCORE, ZREM; SET, DEL, EXISTS on heartbeat keys only
-  the queue bound: HSET
+  the queue bound: HSET; the partition count: SET on its key only
   metrics (--metrics-port): XLEN, XPENDING, TIME, ZRANGEBYSCORE
   liveness of the connection: PING; the eviction-policy check at start: INFO""",
     ),

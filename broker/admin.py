@@ -9,11 +9,14 @@ from typing import Any
 
 import redis
 
-from .keys import ModelKeys
+from .keys import MAX_PARTITIONS, ModelKeys, parse_partitions
 from .liveness import server_time_ms
+from .partitions import tag, untag
 from .protocol import F_DATA, F_ID
 
-STREAM_KEY = re.compile(r"^mb:\{(?P<prefix>[^:}]+):(?P<model>[^}]+)\}:requests$")
+STREAM_KEY = re.compile(
+    r"^mb:\{(?P<prefix>[^:}]+):(?P<model>[^:}]+)(?::p(?P<partition>[1-9][0-9]*))?\}:requests$"
+)
 DEAD_FIELDS = (b"dead_reason", b"dead_entry")
 
 
@@ -27,14 +30,28 @@ def _now_ms(client: redis.Redis, keys: ModelKeys) -> int:
 
 def find_models(client: redis.Redis, prefix: str | None = None) -> list[ModelKeys]:
     """Every (prefix, model) with a request stream, optionally under one prefix (SCAN of
-    every primary of a Redis Cluster)."""
+    every primary of a Redis Cluster), each with its partitions: as many as stored with the
+    model, or as its streams show if more."""
     pattern = f"mb:{{{prefix}:*}}:requests" if prefix else "mb:{*}:requests"
-    found = set()
+    found: dict[tuple[str, str], int] = {}
     for key in client.scan_iter(match=pattern, count=1000, _type="stream"):
         match = STREAM_KEY.match(_text(key))
         if match:
-            found.add((match["prefix"], match["model"]))
-    return [ModelKeys(model, prefix) for prefix, model in sorted(found)]
+            partition = int(match["partition"] or 0)
+            if partition < MAX_PARTITIONS:
+                model = (match["prefix"], match["model"])
+                found[model] = max(found.get(model, 1), partition + 1)
+    return [
+        model_keys(client, model, prefix, streams)
+        for (prefix, model), streams in sorted(found.items())
+    ]
+
+
+def model_keys(client: redis.Redis, model: str, prefix: str, seen: int = 1) -> ModelKeys:
+    """A model's keys with its partition count: the stored one, or ``seen`` if more."""
+    keys = ModelKeys(model, prefix)
+    stored = parse_partitions(client.get(keys.partitions_key))
+    return keys.spread(max(stored, seen))
 
 
 @dataclass
@@ -49,16 +66,31 @@ class ConsumerStatus:
 
 
 @dataclass
+class PartitionStatus:
+    """One partition of a model's queue (its own stream, in its own hash slot)."""
+
+    partition: int
+    stream: str
+    stream_length: int
+    pending: int
+    queued_bytes: int
+    dead_letters: int
+    queue_bound_items: int = 0  # this partition's item bound now (0: none)
+    queue_bound_bytes: int = 0
+
+
+@dataclass
 class ModelStatus:
     prefix: str
     model: str
-    stream_length: int
+    stream_length: int  # the counts are the model's: summed over its partitions
     pending: int
     queued_bytes: int
     dead_letters: int
     consumers: list[ConsumerStatus] = field(default_factory=list)
     queue_bound_items: int = 0  # the model's item bound now: per live worker x live (0: none)
     queue_bound_bytes: int = 0  # its byte bound (0: none)
+    partitions: list[PartitionStatus] = field(default_factory=list)
 
     @property
     def live_consumers(self) -> int:
@@ -68,28 +100,54 @@ class ModelStatus:
         return {**asdict(self), "live_consumers": self.live_consumers}
 
 
-def model_status(client: redis.Redis, keys: ModelKeys) -> ModelStatus:
-    """A snapshot of one model's queue, workers and dead letters."""
-    now_ms = _now_ms(client, keys)
+def _partition_status(client: redis.Redis, keys: ModelKeys) -> tuple[PartitionStatus, Any]:
+    """One partition's counts and bound (its item bound per live worker), and its group's
+    consumers as XINFO CONSUMERS lists them."""
     pipe = client.pipeline(transaction=False)
     pipe.xlen(keys.stream)
     pipe.get(keys.queued_bytes)
     pipe.xlen(keys.dead_letters)
-    pipe.zrange(keys.consumers, 0, -1, withscores=True)
     pipe.hmget(keys.queue_bound, ["items", "bytes"])
-    length, queued, dead, vouched, bound = pipe.execute()
-    expiries = {_text(name): int(score) for name, score in vouched}
+    length, queued, dead, bound = pipe.execute()
     try:
         summary: Any = client.xpending(keys.stream, keys.group)
         infos: Any = client.xinfo_consumers(keys.stream, keys.group)
     except redis.ResponseError:  # no consumer group yet
         summary, infos = {"pending": 0}, []
-    names = sorted({_text(info["name"]) for info in infos} | set(expiries))
-    by_name = {_text(info["name"]): info for info in infos}
+    status = PartitionStatus(
+        partition=keys.partition,
+        stream=keys.stream,
+        stream_length=int(length),
+        pending=int(summary["pending"]),
+        queued_bytes=int(queued or 0),
+        dead_letters=int(dead),
+        queue_bound_items=_count(bound[0]),
+        queue_bound_bytes=_count(bound[1]),
+    )
+    return status, infos
+
+
+def model_status(client: redis.Redis, keys: ModelKeys) -> ModelStatus:
+    """A snapshot of one model's queue (each of its partitions), workers and dead letters.
+    ``keys`` carry the partition count (:func:`model_keys`)."""
+    now_ms = _now_ms(client, keys)  # the clock that scores the consumers (partition 0's)
+    vouched: Any = client.zrange(keys.consumers, 0, -1, withscores=True)
+    expiries = {_text(name): int(score) for name, score in vouched}
+    parts: list[PartitionStatus] = []
+    held: dict[str, dict[str, int]] = {}  # consumer -> pending (summed) and idle (least)
+    for part in keys.each():
+        status, infos = _partition_status(client, part)
+        parts.append(status)
+        for info in infos:
+            name = _text(info["name"])
+            seen = held.setdefault(name, {"pending": 0, "idle": int(info.get("idle", 0))})
+            seen["pending"] += int(info.get("pending", 0))
+            seen["idle"] = min(seen["idle"], int(info.get("idle", 0)))
+    names = sorted(set(held) | set(expiries))
     beats: Any = client.mget([keys.heartbeat(name) for name in names]) if names else []
     consumers = []
     for name, beat in zip(names, beats, strict=True):
-        info = by_name.get(name, {})
+        info = held.get(name, {})
         expiry = expiries.get(name)
         state = _heartbeat_state(beat)
         consumers.append(
@@ -103,17 +161,20 @@ def model_status(client: redis.Redis, keys: ModelKeys) -> ModelStatus:
                 current_batch_ms=int(state.get("batch_ms", 0)),
             )
         )
-    live = sum(consumer.alive for consumer in consumers)
+    live = max(sum(consumer.alive for consumer in consumers), 1)
+    for share in parts:
+        share.queue_bound_items *= live
     return ModelStatus(
-        queue_bound_items=_count(bound[0]) * max(live, 1),
-        queue_bound_bytes=_count(bound[1]),
+        queue_bound_items=sum(p.queue_bound_items for p in parts),
+        queue_bound_bytes=sum(p.queue_bound_bytes for p in parts),
         prefix=keys.prefix,
         model=keys.model,
-        stream_length=int(length),
-        pending=int(summary["pending"]),
-        queued_bytes=int(queued or 0),
-        dead_letters=int(dead),
+        stream_length=sum(p.stream_length for p in parts),
+        pending=sum(p.pending for p in parts),
+        queued_bytes=sum(p.queued_bytes for p in parts),
+        dead_letters=sum(p.dead_letters for p in parts),
         consumers=consumers,
+        partitions=parts,
     )
 
 
@@ -142,7 +203,10 @@ def status(client: redis.Redis, prefix: str | None = None) -> list[ModelStatus]:
 
 @dataclass
 class DeadLetter:
-    """One dead-lettered request; its payload is not shown, only its size."""
+    """One dead-lettered request; its payload is not shown, only its size.
+
+    Each partition of a model has its own dead-letter stream: the ids of partition k's dead
+    letters (and of their entries) end in ``@k`` (:mod:`broker.partitions`)."""
 
     dead_id: str
     entry_id: str
@@ -150,53 +214,64 @@ class DeadLetter:
     reason: str
     data_bytes: int
     age_s: float
+    partition: int = 0
 
 
 def dead_letters(client: redis.Redis, keys: ModelKeys, count: int = 100) -> list[DeadLetter]:
-    """The oldest ``count`` dead letters of a model."""
-    now_ms = _now_ms(client, keys)
+    """The oldest ``count`` dead letters of a model (of each of its partitions)."""
     out = []
-    entries: Any = client.xrange(keys.dead_letters, count=count)
-    for dead_id, fields in entries:
-        dead = _text(dead_id)
-        out.append(
-            DeadLetter(
-                dead_id=dead,
-                entry_id=_text(fields.get(b"dead_entry", b"")),
-                request_id=_text(fields.get(F_ID, b"")),
-                reason=_text(fields.get(b"dead_reason", b"")),
-                data_bytes=len(fields.get(F_DATA, b"")),
-                age_s=max(0.0, (now_ms - int(dead.split("-")[0])) / 1000),
+    for part in keys.each():
+        now_ms = _now_ms(client, part)  # the clock that stamped this partition's ids
+        entries: Any = client.xrange(part.dead_letters, count=count)
+        for dead_id, fields in entries:
+            dead = _text(dead_id)
+            out.append(
+                DeadLetter(
+                    dead_id=tag(dead, part.partition),
+                    entry_id=tag(_text(fields.get(b"dead_entry", b"")), part.partition),
+                    request_id=_text(fields.get(F_ID, b"")),
+                    reason=_text(fields.get(b"dead_reason", b"")),
+                    data_bytes=len(fields.get(F_DATA, b"")),
+                    age_s=max(0.0, (now_ms - int(dead.split("-")[0])) / 1000),
+                    partition=part.partition,
+                )
             )
-        )
-    return out
+    out.sort(key=lambda letter: -letter.age_s)
+    return out[:count]
 
 
 def replay_dead_letters(client: redis.Redis, keys: ModelKeys, ids: list[str] | None = None) -> int:
-    """Queue dead letters again as fresh requests (all, or those with ``ids``); return how many.
+    """Queue dead letters again as fresh requests (all, or those with ``ids``), each on its
+    own partition's stream; return how many.
 
     A replayed request keeps its request id, reply key and timeout; its deadline starts anew.
     """
     replayed = 0
-    entries: Any = client.xrange(keys.dead_letters)
-    for dead_id, fields in entries:
-        dead = _text(dead_id)
-        if ids is not None and dead not in ids:
-            continue
-        original = {k: v for k, v in fields.items() if k not in DEAD_FIELDS}
-        pipe = client.pipeline(transaction=True)
-        pipe.xadd(keys.stream, original)
-        pipe.incrby(keys.queued_bytes, len(original.get(F_DATA, b"")))
-        pipe.xdel(keys.dead_letters, dead)
-        pipe.execute()
-        replayed += 1
+    wanted = None if ids is None else {untag(i) for i in ids}
+    for part in keys.each():
+        entries: Any = client.xrange(part.dead_letters)
+        for dead_id, fields in entries:
+            dead = _text(dead_id)
+            if wanted is not None and (dead, part.partition) not in wanted:
+                continue
+            original = {k: v for k, v in fields.items() if k not in DEAD_FIELDS}
+            pipe = client.pipeline(transaction=True)
+            pipe.xadd(part.stream, original)
+            pipe.incrby(part.queued_bytes, len(original.get(F_DATA, b"")))
+            pipe.xdel(part.dead_letters, dead)
+            pipe.execute()
+            replayed += 1
     return replayed
 
 
 def purge_dead_letters(client: redis.Redis, keys: ModelKeys, ids: list[str] | None = None) -> int:
     """Delete dead letters (all, or those with ``ids``); return how many."""
-    if ids is not None:
-        return int(client.xdel(keys.dead_letters, *ids)) if ids else 0
-    count = int(client.xlen(keys.dead_letters))
-    client.delete(keys.dead_letters)
-    return count
+    purged = 0
+    for part in keys.each():
+        if ids is not None:
+            mine = [i for i, k in map(untag, ids) if k == part.partition]
+            purged += int(client.xdel(part.dead_letters, *mine)) if mine else 0
+            continue
+        purged += int(client.xlen(part.dead_letters))
+        client.delete(part.dead_letters)
+    return purged

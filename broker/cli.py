@@ -23,7 +23,7 @@ from .cli_common import (
     version_option,
 )
 from .client import DEFAULT_REDIS_URL
-from .keys import DEFAULT_PREFIX, ModelKeys
+from .keys import DEFAULT_PREFIX
 from .logs import configure_logging
 from .redis_url import RedisURLError
 
@@ -104,6 +104,8 @@ def _status_tables(models: list[admin.ModelStatus]) -> Group:
     summary = _table("microbatch models", ["prefix", "model", *counts], right=counts)
     columns = ["prefix", "model", "consumer", "alive", "pending", "idle s", "heartbeat s"]
     workers = _table("workers", [*columns, "batch", "batch s"])
+    shares = ("queued", "pending", "queued bytes", "dead letters", "bound items", "bound bytes")
+    partitions = _table("partitions", ["prefix", "model", "partition", *shares], right=shares)
     for model in models:
         summary.add_row(
             model.prefix,
@@ -114,6 +116,18 @@ def _status_tables(models: list[admin.ModelStatus]) -> Group:
             str(model.live_consumers),
             str(model.dead_letters),
         )
+        for part in model.partitions if len(model.partitions) > 1 else ():
+            partitions.add_row(
+                model.prefix,
+                model.model,
+                str(part.partition),
+                str(part.stream_length),
+                str(part.pending),
+                str(part.queued_bytes),
+                str(part.dead_letters),
+                str(part.queue_bound_items) if part.queue_bound_items else "-",
+                str(part.queue_bound_bytes) if part.queue_bound_bytes else "-",
+            )
         for consumer in model.consumers:
             expires = consumer.heartbeat_expires_in_ms
             workers.add_row(
@@ -127,6 +141,8 @@ def _status_tables(models: list[admin.ModelStatus]) -> Group:
                 str(consumer.current_batch) if consumer.current_batch else "-",
                 f"{consumer.current_batch_ms / 1000:.1f}" if consumer.current_batch else "-",
             )
+    if partitions.rows:  # only models spread over several partitions
+        return Group(summary, partitions, workers)
     return Group(summary, workers)
 
 
@@ -165,7 +181,8 @@ def list_dead(
     as_json: JsonOption = False,
 ) -> None:
     """List dead letters (ids, reasons and sizes; never payloads)."""
-    letters = admin.dead_letters(_connect(redis_url), ModelKeys(name, prefix), count)
+    client = _connect(redis_url)
+    letters = admin.dead_letters(client, admin.model_keys(client, name, prefix), count)
     if as_json:
         typer.echo(json.dumps([letter.__dict__ for letter in letters], indent=2))
         return
@@ -199,7 +216,8 @@ def replay(
     ids: IdsOption = None,
 ) -> None:
     """Queue dead letters again (after fixing the model); they leave the dead-letter stream."""
-    count = admin.replay_dead_letters(_connect(redis_url), ModelKeys(name, prefix), ids)
+    client = _connect(redis_url)
+    count = admin.replay_dead_letters(client, admin.model_keys(client, name, prefix), ids)
     typer.echo(f"replayed {count} dead letter(s) of {name}")
 
 
@@ -214,7 +232,8 @@ def purge(
     """Delete dead letters for good."""
     if not yes and not typer.confirm(f"Delete dead letters of {name} (prefix {prefix})?"):
         raise typer.Exit(1)
-    count = admin.purge_dead_letters(_connect(redis_url), ModelKeys(name, prefix), ids)
+    client = _connect(redis_url)
+    count = admin.purge_dead_letters(client, admin.model_keys(client, name, prefix), ids)
     typer.echo(f"purged {count} dead letter(s) of {name}")
 
 

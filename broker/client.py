@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import logging
 import os
+import random
 import socket
 import threading
 import uuid
@@ -37,6 +38,7 @@ from .handoff import CallFuture, Mailbox, Relay, Waiter
 from .keys import DEFAULT_PREFIX, ModelKeys
 from .logs import Every, ThrottledWarning
 from .loop_thread import LoopThread
+from .partitions import split_bound
 from .protocol import CallRequests, Reply, decode_reply
 from .redis_url import parse as parse_redis_url
 from .transport import UNBOUNDED, QueueBound, Transport
@@ -49,6 +51,7 @@ DEFAULT_TIMEOUT_S = 30.0
 REPLY_BATCH = 1024
 REPLY_WAIT_S = 1.0
 LOG_EVERY_S = 60.0  # garbage flooding an inbox logs a line a minute, not one per reply
+PARTITIONS_EVERY_S = 5.0  # how often a busy core reads the model's partition count again
 
 AnyFuture = Future[list[Any]] | asyncio.Future[list[Any]]
 Outcome = AnyFuture | Waiter  # where a call's results go: a future, or a blocked thread's waiter
@@ -72,7 +75,7 @@ class _Call:
 
     __slots__ = (
         "abandoned", "accepted_at", "deadline", "entries", "errors", "future", "ids", "post",
-        "remaining", "requests", "results", "timeout_s",
+        "queue", "remaining", "requests", "results", "timeout_s",
     )  # fmt: skip
 
     def __init__(
@@ -88,6 +91,7 @@ class _Call:
         self.timeout_s = timeout_s
         self.post = post  # applied to the results before the future gets them
         self.entries: list[str] = []  # stream entry ids, once queued
+        self.queue: ModelKeys | None = None  # the keys of the partition it was queued to
         self.results: list[Any] = [None] * len(ids)
         self.errors: dict[int, MicrobatchError] = {}
         self.remaining = len(ids)
@@ -135,6 +139,13 @@ class ClientCore:
         self._watch_timer: asyncio.TimerHandle | None = None
         self._watch_task: asyncio.Task[None] | None = None
         self._watch_log = Every(10.0)
+        # The model's partition count, read before the first send and again every
+        # PARTITIONS_EVERY_S while calls go out; calls go to partitions in turn, from a
+        # random one, so that many callers spread evenly.
+        self._partitions = 1
+        self._partitions_due: float | None = None  # loop time of the next read (None: never read)
+        self._partitions_task: asyncio.Task[None] | None = None
+        self._turn = random.randrange(1 << 16)
 
     def _new_call(
         self,
@@ -260,22 +271,60 @@ class ClientCore:
             self._flusher = None
 
     async def _send(self, calls: list[_Call]) -> None:
+        due = self._partitions_due
+        if due is None:
+            await self._read_partitions()
+        elif due <= self.loop.time() and self._partitions_task is None:
+            self._partitions_task = self.loop.create_task(self._read_partitions())
+        count = self._partitions
+        if count == 1:
+            await self._send_to(self.keys, calls, self.bound)
+            return
+        # Each call goes whole to one partition (so it is still queued whole or not at all),
+        # the calls in turn; each partition's bound is its share of the model's.
+        by_partition: dict[int, list[_Call]] = {}
+        for call in calls:
+            self._turn += 1
+            by_partition.setdefault(self._turn % count, []).append(call)
+        bound = QueueBound(
+            split_bound(self.bound.max_items, count), split_bound(self.bound.max_bytes, count)
+        )
+        queue = self.keys.spread(count)
+        await asyncio.gather(
+            *(self._send_to(queue.of(k), part, bound) for k, part in by_partition.items())
+        )
+
+    async def _read_partitions(self) -> None:
+        """Read the model's partition count (kept as it was if Redis does not answer)."""
         try:
-            outcomes = await self.transport.enqueue(
-                self.keys, [call.requests for call in calls], self.bound
-            )
+            self._partitions = await self.transport.partition_count(self.keys)
+        except MicrobatchError as exc:  # Redis is away: the enqueue that follows says so
+            log.debug("could not read the partition count of %s: %s", self.keys.stream, exc)
+        except Exception as exc:  # e.g. an ACL without GET on it: partition 0 is always read
+            if self._partitions_due is None:
+                log.warning(
+                    "cannot read the partition count of model %s (%s): sending to partition "
+                    "0 only", self.keys.model, exc,
+                )  # fmt: skip
+        finally:
+            self._partitions_due = self.loop.time() + PARTITIONS_EVERY_S
+            self._partitions_task = None
+
+    async def _send_to(self, queue: ModelKeys, calls: list[_Call], bound: QueueBound) -> None:
+        try:
+            outcomes = await self.transport.enqueue(queue, [call.requests for call in calls], bound)
         except MicrobatchError as exc:
             self._fail_calls(calls, exc)
             return
         except Exception as exc:
-            log.exception("submitting to %s failed", self.keys.stream)
+            log.exception("submitting to %s failed", queue.stream)
             self._fail_calls(calls, BrokerUnavailable(f"{type(exc).__name__}: {exc}"))
             return
         for call, outcome in zip(calls, outcomes, strict=True):
             if isinstance(outcome, MicrobatchError):
                 self._fail_calls([call], outcome)
             else:
-                call.entries = outcome
+                call.entries, call.queue = outcome, queue
                 if call.future.cancelled() or call.abandoned:  # gave up while being queued
                     self._withdraw(call)
 
@@ -455,18 +504,18 @@ class ClientCore:
     def _withdraw(self, call: _Call) -> None:
         entries = list(zip(call.entries, map(len, call.requests.payloads), strict=True))
         call.entries = []
-        task = self.loop.create_task(self._cancel_entries(entries))
+        task = self.loop.create_task(self._cancel_entries(call.queue or self.keys, entries))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _cancel_entries(self, entries: list[tuple[str, int]]) -> None:
+    async def _cancel_entries(self, queue: ModelKeys, entries: list[tuple[str, int]]) -> None:
         try:
-            await self.transport.cancel(self.keys, entries)
+            await self.transport.cancel(queue, entries)
         except MicrobatchError as exc:  # best effort: the worker will answer into the void
             log.info("could not withdraw %d cancelled item(s): %s", len(entries), exc)
         except Exception as exc:  # e.g. a Redis error reply: the same, but worth a warning
             log.warning(
-                "could not withdraw %d item(s) from %s: %s", len(entries), self.keys.stream, exc
+                "could not withdraw %d item(s) from %s: %s", len(entries), queue.stream, exc
             )
 
     async def aclose(self) -> None:
@@ -474,7 +523,10 @@ class ClientCore:
         self._closing = True
         if self._watch_timer is not None:
             self._watch_timer.cancel()
-        running = (self._reader, self._flusher, self._watch_task, *self._background)
+        running = (
+            self._reader, self._flusher, self._watch_task, self._partitions_task,
+            *self._background,
+        )  # fmt: skip
         tasks = [task for task in running if task is not None]
         for task in tasks:
             task.cancel()

@@ -4,6 +4,13 @@ All keys of one model under one prefix share the hash tag ``{prefix:model}``, so
 one Redis Cluster slot and the functions that take several of them work there. These templates
 are copied verbatim into docs/protocol.md; change both together.
 
+A model's queue may be partitioned over N streams (``PARTITIONS_TEMPLATE`` holds N; absent: 1).
+Partition 0 is the model's own keys; partition k >= 1 has the same keys under its own hash tag
+``{prefix:model:pk}`` (``TAG_TEMPLATE``), so a cluster can place it on another shard: its stream,
+dead letters, cancelled set, queued-bytes counter, and the copies of the model's queue bound,
+consumers and heartbeats that its functions read in its slot. Model names and prefixes hold no
+``:``, so no partition's tag is another model's.
+
 A worker replies only to keys of the inbox namespace of the model whose stream the entry came
 from, ``INBOX_TEMPLATE`` with any non-empty ``client``: a reply can then never touch a
 request stream, a dead-letter stream, a counter, another model's keys or another prefix's
@@ -21,6 +28,8 @@ from dataclasses import dataclass
 DEFAULT_PREFIX = "default"
 GROUP = "workers"
 
+MAX_PARTITIONS = 256
+
 STREAM_TEMPLATE = "mb:{{{prefix}:{model}}}:requests"
 DEAD_LETTER_TEMPLATE = "mb:{{{prefix}:{model}}}:dead"
 INBOX_TEMPLATE = "mb:{{{prefix}:{model}}}:inbox:{client}"
@@ -29,6 +38,11 @@ CONSUMERS_TEMPLATE = "mb:{{{prefix}:{model}}}:consumers"
 CANCELLED_TEMPLATE = "mb:{{{prefix}:{model}}}:cancelled"
 QUEUED_BYTES_TEMPLATE = "mb:{{{prefix}:{model}}}:queued-bytes"
 QUEUE_BOUND_TEMPLATE = "mb:{{{prefix}:{model}}}:queue-bound"
+PARTITIONS_TEMPLATE = "mb:{{{prefix}:{model}}}:partitions"
+
+# Partition k >= 1 of a model: every template above but INBOX_TEMPLATE and PARTITIONS_TEMPLATE,
+# with this in place of "{prefix}:{model}" (partition 0 is the model's own keys).
+TAG_TEMPLATE = "{prefix}:{model}:p{partition}"
 
 NAME_PATTERN = re.compile(r"^[a-z0-9_-]+$")
 PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -48,21 +62,69 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
+def check_partitions(count: int) -> int:
+    """Return ``count`` if it is a valid partition count (1 to MAX_PARTITIONS), else raise."""
+    if not 1 <= count <= MAX_PARTITIONS:
+        raise ValueError(f"a model's queue has 1 to {MAX_PARTITIONS} partitions, not {count}")
+    return count
+
+
+def parse_partitions(value: bytes | str | None) -> int:
+    """The partition count stored with a model (``PARTITIONS_TEMPLATE``): 1 when absent, and
+    when unreadable or out of range (partition 0, which every worker reads, is always safe)."""
+    try:
+        count = int(value or 1)
+    except ValueError:
+        return 1
+    return count if 1 <= count <= MAX_PARTITIONS else 1
+
+
 @dataclass(frozen=True)
 class ModelKeys:
-    """The keys of one model under one prefix."""
+    """The keys of one model under one prefix: of its queue's partition ``partition`` (0: the
+    model's own keys) out of ``partitions``."""
 
     model: str
     prefix: str = DEFAULT_PREFIX
+    partition: int = 0
+    partitions: int = 1
 
     def __post_init__(self) -> None:
         check_name(self.model)
         check_prefix(self.prefix)
+        check_partitions(self.partitions)
+        if not 0 <= self.partition < self.partitions:
+            raise ValueError(f"partition {self.partition} of {self.partitions} does not exist")
+
+    def _format(self, template: str, **more: str) -> str:
+        model = self.model if self.partition == 0 else f"{self.model}:p{self.partition}"
+        return template.format(prefix=self.prefix, model=model, **more)
+
+    @property
+    def tag(self) -> str:
+        """The hash tag of this partition's keys (without braces)."""
+        if self.partition == 0:
+            return f"{self.prefix}:{self.model}"
+        return TAG_TEMPLATE.format(prefix=self.prefix, model=self.model, partition=self.partition)
+
+    def of(self, partition: int) -> ModelKeys:
+        """The keys of another partition of the same queue."""
+        if partition == self.partition:
+            return self
+        return ModelKeys(self.model, self.prefix, partition, self.partitions)
+
+    def spread(self, partitions: int) -> ModelKeys:
+        """Partition 0's keys of this model's queue spread over ``partitions``."""
+        return ModelKeys(self.model, self.prefix, 0, partitions)
+
+    def each(self) -> list[ModelKeys]:
+        """The keys of every partition, 0 first."""
+        return [self.of(k) for k in range(self.partitions)]
 
     @property
     def stream(self) -> str:
         """The request stream: one entry per item."""
-        return STREAM_TEMPLATE.format(prefix=self.prefix, model=self.model)
+        return self._format(STREAM_TEMPLATE)
 
     @property
     def group(self) -> str:
@@ -72,31 +134,37 @@ class ModelKeys:
     @property
     def dead_letters(self) -> str:
         """The stream of entries that could not be answered normally."""
-        return DEAD_LETTER_TEMPLATE.format(prefix=self.prefix, model=self.model)
+        return self._format(DEAD_LETTER_TEMPLATE)
 
     @property
     def consumers(self) -> str:
         """Sorted set of live consumers, scored by heartbeat expiry (ms since epoch)."""
-        return CONSUMERS_TEMPLATE.format(prefix=self.prefix, model=self.model)
+        return self._format(CONSUMERS_TEMPLATE)
 
     @property
     def cancelled(self) -> str:
         """Sorted set of request ids whose callers gave up, scored by expiry (ms)."""
-        return CANCELLED_TEMPLATE.format(prefix=self.prefix, model=self.model)
+        return self._format(CANCELLED_TEMPLATE)
 
     @property
     def queued_bytes(self) -> str:
         """Counter of the data bytes queued in the stream (for the byte bound)."""
-        return QUEUED_BYTES_TEMPLATE.format(prefix=self.prefix, model=self.model)
+        return self._format(QUEUED_BYTES_TEMPLATE)
 
     @property
     def queue_bound(self) -> str:
-        """Hash of the model's queue bound, written by its workers: ``items`` per live
-        worker, ``bytes`` in all (0 or absent: no bound)."""
-        return QUEUE_BOUND_TEMPLATE.format(prefix=self.prefix, model=self.model)
+        """Hash of the queue bound (of this partition), written by the model's workers:
+        ``items`` per live worker, ``bytes`` in all (0 or absent: no bound)."""
+        return self._format(QUEUE_BOUND_TEMPLATE)
+
+    @property
+    def partitions_key(self) -> str:
+        """The model's partition count (a string; absent: 1), in partition 0's slot."""
+        return PARTITIONS_TEMPLATE.format(prefix=self.prefix, model=self.model)
 
     def inbox(self, client: str) -> str:
-        """The reply list of one client process (or one request, for simple callers)."""
+        """The reply list of one client process (or one request, for simple callers): the
+        model's, whichever partition its requests went to."""
         return INBOX_TEMPLATE.format(prefix=self.prefix, model=self.model, client=client)
 
     @property
@@ -105,10 +173,11 @@ class ModelKeys:
         return self.inbox("")
 
     def may_reply_to(self, key: str) -> bool:
-        """Whether a worker of this model may reply to ``key``: an inbox of this model."""
+        """Whether a worker of this model may reply to ``key``: an inbox of this model (of
+        the model's, in partition 0's slot, for an entry of any partition)."""
         namespace = self.reply_namespace
         return len(key) > len(namespace) and key.startswith(namespace)
 
     def heartbeat(self, consumer: str) -> str:
         """The heartbeat key of one worker consumer (exists while the worker is vouched for)."""
-        return HEARTBEAT_TEMPLATE.format(prefix=self.prefix, model=self.model, consumer=consumer)
+        return self._format(HEARTBEAT_TEMPLATE, consumer=consumer)

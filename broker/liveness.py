@@ -36,6 +36,19 @@ def server_time_ms(client: redis.Redis, key: str) -> int:
     return redis_time_ms(client.time())
 
 
+def server_times_ms(client: redis.Redis, keys: Sequence[str]) -> list[int]:
+    """:func:`server_time_ms` of each of ``keys``, with one TIME per node (one in all on a
+    single Redis): a partitioned model's keys may live on several primaries of a cluster."""
+    if not isinstance(client, redis.cluster.RedisCluster):
+        return [redis_time_ms(client.time())] * len(keys)
+    nodes = [client.get_node_from_key(key) for key in keys]
+    clocks: dict[str, int] = {}
+    for node in nodes:
+        if node.name not in clocks:
+            clocks[node.name] = redis_time_ms(client.time(target_nodes=node))
+    return [clocks[node.name] for node in nodes]
+
+
 async def async_server_time_ms(client: aioredis.Redis, key: str) -> int:
     """:func:`server_time_ms` with an asyncio client."""
     if isinstance(client, async_cluster.RedisCluster):

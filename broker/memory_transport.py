@@ -10,6 +10,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 
+from . import partitions
 from .busy_poll import busy_poll
 from .errors import MicrobatchError, QueueFull
 from .keys import ModelKeys
@@ -46,6 +47,7 @@ class InMemoryTransport:
         self._last_ms = 0
         self._seq = 0
         self.dead: dict[str, list[tuple[Entry, str]]] = {}
+        self.partition_counts: dict[str, int] = {}  # by ModelKeys.partitions_key
         self.cancellations_pending = True
 
     def _stream(self, key: str) -> _Stream:
@@ -92,9 +94,14 @@ class InMemoryTransport:
                 target.new.append((ids[-1], encoded))
             target.queued_bytes += size
             outcomes.append(ids)
-        async with target.changed:
-            target.changed.notify_all()
+        # A worker of a partitioned queue waits on partition 0's stream for all of them.
+        for woken in {id(s): s for s in (target, self._stream(keys.of(0).stream))}.values():
+            async with woken.changed:
+                woken.changed.notify_all()
         return outcomes
+
+    async def partition_count(self, keys: ModelKeys) -> int:
+        return self.partition_counts.get(keys.partitions_key, 1)
 
     async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, int]]) -> None:
         source = self._stream(keys.stream)
@@ -121,7 +128,8 @@ class InMemoryTransport:
         return out
 
     async def ensure_group(self, keys: ModelKeys) -> None:
-        self._stream(keys.stream)
+        for part in keys.each():
+            self._stream(part.stream)
 
     async def check_functions(self) -> None:
         return None  # nothing to load in-process
@@ -129,21 +137,34 @@ class InMemoryTransport:
     async def read_batch(
         self, keys: ModelKeys, consumer: str, count: int, block_ms: int, busy_poll_s: float = 0.0
     ) -> list[Entry]:
-        source = self._stream(keys.stream)
-        if not source.new and busy_poll_s > 0:
-            await busy_poll(lambda: bool(source.new), busy_poll_s)
-        if not source.new:
-            async with source.changed:
+        sources = [self._stream(part.stream) for part in keys.each()]
+        if not any(source.new for source in sources) and busy_poll_s > 0:
+            await busy_poll(lambda: any(source.new for source in sources), busy_poll_s)
+        if not any(source.new for source in sources):
+            waited = sources[0]  # enqueues to any partition wake it
+            async with waited.changed:
                 try:
-                    await asyncio.wait_for(source.changed.wait(), max(1, block_ms) / 1000)
+                    await asyncio.wait_for(waited.changed.wait(), max(1, block_ms) / 1000)
                 except asyncio.TimeoutError:
                     return []
         batch: list[Entry] = []
-        while source.new and len(batch) < count:
-            entry = source.new.popleft()
-            source.pending[entry[0]] = entry[1]
-            batch.append(entry)
+        while len(batch) < count:  # oldest first, over every partition
+            heads = [(self._age(s.new[0][0]), k) for k, s in enumerate(sources) if s.new]
+            if not heads:
+                break
+            partition = min(heads)[1]
+            entry_id, fields = sources[partition].new.popleft()
+            sources[partition].pending[entry_id] = fields
+            batch.append((partitions.tag(entry_id, partition), fields))
         return batch
+
+    @staticmethod
+    def _age(entry_id: str) -> tuple[int, int]:
+        ms, _, seq = entry_id.partition("-")
+        return int(ms), int(seq)
+
+    async def read_rest(self, keys: ModelKeys, consumer: str, count: int) -> list[Entry]:
+        return []  # a read hands out all it takes
 
     async def finish(
         self,
@@ -167,20 +188,29 @@ class InMemoryTransport:
             # queued cancellations (a callback, then the task it starts) land before answering.
             for _ in range(3):
                 await asyncio.sleep(0)
-        source = self._stream(keys.stream)
-        self.cancellations_pending = bool(source.withdrawn)
-        return {entry_id for entry_id in check if entry_id in source.withdrawn}
+        self.cancellations_pending = any(
+            self._stream(part.stream).withdrawn for part in keys.each()
+        )
+        return self._withdrawn(keys, check)
 
     async def withdrawn(self, keys: ModelKeys, entry_ids: Sequence[str]) -> set[str]:
-        source = self._stream(keys.stream)
-        return {entry_id for entry_id in entry_ids if entry_id in source.withdrawn}
+        return self._withdrawn(keys, entry_ids)
+
+    def _withdrawn(self, keys: ModelKeys, entry_ids: Sequence[str]) -> set[str]:
+        out = set()
+        for entry_id in entry_ids:
+            stream_id, partition = partitions.untag(entry_id)
+            if stream_id in self._stream(keys.of(partition).stream).withdrawn:
+                out.add(entry_id)
+        return out
 
     def _remove(self, keys: ModelKeys, entries: Sequence[Entry]) -> None:
-        source = self._stream(keys.stream)
-        for entry_id, fields in entries:
-            source.withdrawn.discard(entry_id)
-            if source.pending.pop(entry_id, None) is not None:
-                source.queued_bytes -= entry_data_size(fields)
+        for partition, part in partitions.group(entries).items():
+            source = self._stream(keys.of(partition).stream)
+            for entry_id, fields in part:
+                source.withdrawn.discard(entry_id)
+                if source.pending.pop(entry_id, None) is not None:
+                    source.queued_bytes -= entry_data_size(fields)
 
     async def reclaim(
         self, keys: ModelKeys, consumer: str, min_idle_ms: int, count: int, own: bool = False
@@ -188,7 +218,9 @@ class InMemoryTransport:
         return []  # one process, one consumer: nobody else's entries to take over
 
     async def dead_letter(self, keys: ModelKeys, entries: Sequence[Entry], reason: str) -> None:
-        self.dead.setdefault(keys.dead_letters, []).extend((entry, reason) for entry in entries)
+        for partition, part in partitions.group(entries).items():
+            dead = self.dead.setdefault(keys.of(partition).dead_letters, [])
+            dead.extend((entry, reason) for entry in part)
         self._remove(keys, entries)
 
     async def workers_lapsed_s(self, keys: ModelKeys) -> float | None:

@@ -13,6 +13,7 @@ Redis as the functions of :mod:`broker.functions`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Mapping, Sequence
@@ -24,12 +25,13 @@ from redis.exceptions import BusyLoadingError, RedisClusterException, ResponseEr
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from . import connections, functions
-from .cluster_lane import ClusterMap, SlotLane
+from . import connections, functions, partitions
+from .cluster_lane import ClusterLanes, ClusterMap, SlotLane
 from .errors import BrokerUnavailable, InvalidInput, MicrobatchError, QueueFull
 from .functions import ENQUEUE, MAX_CALL_BYTES, MAX_CALL_ENTRIES, REPLY, RETIRE, WITHDRAW
-from .keys import ModelKeys
+from .keys import ModelKeys, parse_partitions
 from .liveness import lapsed_s, redis_time_ms
+from .partition_reads import PartitionReads
 from .protocol import CallRequests
 from .redis_url import parse as parse_url
 from .resp_lane import CONNECT_TIMEOUT_S, RespLane, bulk_strings
@@ -60,6 +62,7 @@ class RedisTransport:
         connect_timeout_s = float(options.get("socket_connect_timeout") or CONNECT_TIMEOUT_S)
         # shared: one sentinel query, or one slot map of a cluster
         target = connections.lane_target(parsed, connect_timeout_s)
+        self._target, self._connect_timeout_s = target, connect_timeout_s
         self._cluster = target if isinstance(target, ClusterMap) else None
         # Each is one lane, or a cluster's lane per node: `.at(key)` picks the one for a key.
         self._lane = connections.lanes(target, connect_timeout_s)  # commands that answer at once
@@ -69,6 +72,11 @@ class RedisTransport:
         # The stream of the model this transport last set up: keyless commands (TIME, the
         # library check) go to its node, so a worker's clock is that of its stream's node.
         self._home = ""
+        # a partitioned queue's worker: blocking lanes of its own for each partition beyond
+        # the first (on a cluster, to the node serving that partition's slot)
+        self._partition_lanes: dict[int, RespLane | ClusterLanes] = {}
+        self._partition_reads: dict[tuple[str, str], PartitionReads] = {}
+        self._reclaim_turn = 0  # the partition the last reclaim started from
         self.cancellations_pending = True  # as of the last finish(); True until known
         self._enqueues = EnqueuePacker()
         self._may_load: bool | None = None  # whether this user may load the library
@@ -211,6 +219,13 @@ class RedisTransport:
                 (keys.group, *ids[start : start + MAX_CALL_ENTRIES]),
             )
 
+    async def partition_count(self, keys: ModelKeys) -> int:
+        try:
+            stored = await self._lane.at(keys.partitions_key).execute("GET", keys.partitions_key)
+        except UNAVAILABLE as exc:
+            raise _unavailable(exc) from exc
+        return parse_partitions(stored)
+
     async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:
         try:
             got: Any = await self._replies.at(inbox).execute_blocking(
@@ -223,6 +238,11 @@ class RedisTransport:
     # -- worker side ----------------------------------------------------------------------
     async def ensure_group(self, keys: ModelKeys) -> None:
         self._home = keys.stream
+        for part in keys.each():
+            await self._create_group(part)
+
+    async def _create_group(self, keys: ModelKeys) -> None:
+        """Create one partition's stream and consumer group if missing."""
         try:
             await self.redis.xgroup_create(keys.stream, keys.group, id="0", mkstream=True)
         except ResponseError as exc:
@@ -234,9 +254,44 @@ class RedisTransport:
     async def read_batch(
         self, keys: ModelKeys, consumer: str, count: int, block_ms: int, busy_poll_s: float = 0.0
     ) -> list[Entry]:
+        if keys.partitions == 1:
+            return await self._read_partition(keys, consumer, count, block_ms, busy_poll_s)
+        reads = self._partition_reads.get((keys.stream, consumer))
+        if reads is None or reads.partitions != keys.partitions:
+            if reads is not None:
+                await reads.close()
+
+            def read(partition: int, count: int, block_ms: int, poll_s: float) -> Any:
+                return self._read_partition(keys.of(partition), consumer, count, block_ms, poll_s)
+
+            reads = self._partition_reads[keys.stream, consumer] = PartitionReads(
+                keys.partitions, read
+            )
+        return await reads.take(count, max(1, block_ms), busy_poll_s)
+
+    async def read_rest(self, keys: ModelKeys, consumer: str, count: int) -> list[Entry]:
+        reads = self._partition_reads.get((keys.stream, consumer))
+        return [] if reads is None else await reads.rest(count)
+
+    def _reads_lane(self, partition: int) -> RespLane | ClusterLanes:
+        """The blocking lane(s) of a partition's reads: one blocked XREADGROUP holds its
+        connection, so each partition has its own (a cluster's: its own to each node)."""
+        if partition == 0:
+            return self._reads
+        lane = self._partition_lanes.get(partition)
+        if lane is None:
+            lane = self._partition_lanes[partition] = connections.lanes(
+                self._target, self._connect_timeout_s, None
+            )
+        return lane
+
+    async def _read_partition(
+        self, keys: ModelKeys, consumer: str, count: int, block_ms: int, busy_poll_s: float
+    ) -> list[Entry]:
+        """One XREADGROUP of one partition's stream (ids as in the stream)."""
         block_ms = max(1, block_ms)
         try:
-            got: Any = await self._reads.at(keys.stream).execute_blocking(
+            got: Any = await self._reads_lane(keys.partition).at(keys.stream).execute_blocking(
                 block_ms / 1000, "XREADGROUP", "GROUP", keys.group, consumer,
                 "COUNT", count, "BLOCK", block_ms, "STREAMS", keys.stream, ">",
                 busy_poll_s=busy_poll_s,
@@ -250,7 +305,7 @@ class RedisTransport:
             log.warning(
                 "consumer group %s vanished from %s; recreating it", keys.group, keys.stream
             )
-            await self.ensure_group(keys)
+            await self._create_group(keys)
             return []
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
@@ -267,68 +322,114 @@ class RedisTransport:
         check: Sequence[str] = (),
     ) -> set[str]:
         reply = _reply_call(replies, reply_ttl_s) if replies else None
-        commands: list[tuple[Any, ...]] = _removal(keys, entries)
-        if check:
-            commands.append(("ZMSCORE", keys.cancelled, *check))
-        commands.append(("ZCARD", keys.cancelled))
-        results = await self._reply_and_run(keys, reply, commands)
-        pending = results.pop()
-        self.cancellations_pending = not isinstance(pending, int) or pending > 0
-        scores: Any = results.pop() if check else []
+        # Per partition (one, unless the queue is partitioned), all of its slot: its acks,
+        # deletes and byte release, its withdrawal checks, the count of its withdrawals standing.
+        held = partitions.group(entries)
+        checks = partitions.group_ids(check)
+        batches: list[tuple[ModelKeys, list[tuple[Any, ...]]]] = []
+        for part in keys.each():
+            commands = _removal(part, held.get(part.partition, []))
+            if part.partition in checks:
+                commands.append(("ZMSCORE", part.cancelled, *checks[part.partition]))
+            commands.append(("ZCARD", part.cancelled))
+            batches.append((part, commands))
+        results = await self._reply_and_run(
+            keys, reply, [(part.stream, commands) for part, commands in batches]
+        )
+        withdrawn: set[str] = set()
+        standing: list[Any] = []
+        for (part, commands), got in zip(batches, results, strict=True):
+            standing.append(got.pop())
+            if part.partition in checks:
+                withdrawn |= _withdrawn(part.partition, checks[part.partition], got.pop())
+            await self._acknowledged(part, commands[: len(got)], got)
+        self.cancellations_pending = any(not isinstance(n, int) or n > 0 for n in standing)
+        return withdrawn
+
+    async def _acknowledged(
+        self, keys: ModelKeys, commands: Sequence[tuple[Any, ...]], results: Sequence[Any]
+    ) -> None:
+        """Check the results of one partition's :func:`_removal` commands."""
         for result in results:
             if isinstance(result, Exception):
                 log.warning("an acknowledgement could not be completed: %s", result)
-        if isinstance(scores, Exception):
-            log.warning("could not check for withdrawn requests: %s", scores)
-            return set()
-        if entries and isinstance(results[-1], int) and results[-1] < 0:
-            # A caller that XADDed without counting its bytes (see docs/protocol.md) drove the
-            # counter below zero: bring it back, so that it never loosens the byte bound.
-            await self._floor_queued_bytes(keys, results[-1])
-        return {entry_id for entry_id, score in zip(check, scores, strict=True) if score}
+        released = results[-1] if commands and commands[-1][0] == "DECRBY" else 0
+        if isinstance(released, int) and released < 0:
+            # A caller that XADDed without counting its bytes (see docs/protocol.md) drove
+            # the counter below zero: bring it back, so that it never loosens the bound.
+            await self._floor_queued_bytes(keys, released)
 
     async def _reply_and_run(
         self,
         keys: ModelKeys,
         reply: tuple[list[str], list[Any]] | None,
-        commands: list[tuple[Any, ...]],
-    ) -> list[Any]:
-        """Write the replies, then run ``commands`` (which acknowledge their entries); the
-        commands' results. One round trip, except for the first replies on a connection (and
-        on a cluster, always two)."""
-        # One node's lane (a cluster's: the stream's, where the model's reply keys live too,
-        # the commands sent as one transaction: replies written before the acks, or neither).
-        lane = self._lane.at(keys.stream)
+        batches: Sequence[tuple[str, Sequence[tuple[Any, ...]]]],
+    ) -> list[list[Any]]:
+        """Write the replies, then run each batch of commands (of the slot of its key; they
+        acknowledge their entries); each batch's results. One round trip on one Redis, except
+        for the first replies on a connection; on a cluster, the replies first, then the
+        batches (one round trip to each node, at once)."""
         try:
             if reply is not None and (
-                self._cluster is not None or lane.generation != self._replies_checked
+                self._cluster is not None
+                or self._lane.at(keys.stream).generation != self._replies_checked
             ):
                 # The first replies on a connection (a fresh one may reach a Redis restarted
                 # without its functions) go alone: the entries are acknowledged only once
-                # their replies are written. On a cluster they always do: a migrating slot
-                # may send them to a node that lacks the functions at any time.
+                # their replies are written. On a cluster they always do: they may live on
+                # another node than the entries (a partition's), and a migrating slot may send
+                # them to a node that lacks the functions at any time.
                 await self._send_replies(reply)
                 reply = None
+            head: list[tuple[Any, ...]] = []
             if reply is not None:
                 reply_keys, reply_args = reply
                 command = ("FCALL", REPLY, len(reply_keys), *reply_keys, functions.VERSION)
-                commands = [(*command, *reply_args), *commands]
-            results: list[Any] = await lane.pipeline(commands)
-            _raise_unavailable(results)
+                head = [(*command, *reply_args)]
+            written, results = await self._run_per_slot(batches, head)
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
         if reply is not None:
-            written = results.pop(0)
-            if _is_missing(written):
+            if _is_missing(written[0]):
                 # The library went away under a live connection (FUNCTION FLUSH): the entries
                 # are acknowledged already; their replies can still go once it is back.
-                log.error("replies failed (%s); the entries were acknowledged already", written)
+                log.error("replies failed (%s); the entries were acknowledged already", written[0])
                 await self._send_replies(reply)
-            elif isinstance(written, ResponseError):
-                log.warning("replies could not be written: %s", written)
+            elif isinstance(written[0], ResponseError):
+                log.warning("replies could not be written: %s", written[0])
             else:
-                _log_refused(written)
+                _log_refused(written[0])
         return results
+
+    async def _run_per_slot(
+        self,
+        batches: Sequence[tuple[str, Sequence[tuple[Any, ...]]]],
+        head: Sequence[tuple[Any, ...]] = (),
+    ) -> tuple[list[Any], list[list[Any]]]:
+        """Run ``head`` then each (key, commands) batch; (head's results, each batch's).
+
+        One Redis: all in one pipeline. A cluster (no ``head``): each batch a pipeline on the
+        node of its key's slot (a transaction there), all sent at once."""
+        if self._cluster is None:
+            flat = [*head, *chain.from_iterable(commands for _, commands in batches)]
+            results: list[Any] = await self._lane.at("").pipeline(flat)
+            _raise_unavailable(results)
+            out, at = [], len(head)
+            for _, commands in batches:
+                out.append(results[at : at + len(commands)])
+                at += len(commands)
+            return results[: len(head)], out
+        if head:
+            raise ValueError("a cluster runs no commands ahead of its per-slot batches")
+        got = await asyncio.gather(
+            *(self._lane.at(key).pipeline(commands) for key, commands in batches),
+            return_exceptions=True,
+        )
+        for result in got:
+            if isinstance(result, BaseException):
+                raise result
+            _raise_unavailable(result)
+        return [], [list(result) for result in got if not isinstance(result, BaseException)]
 
     async def _send_replies(self, reply: tuple[list[str], list[Any]]) -> None:
         """Run one mb_reply alone and wait for it (loading the library if it must and may)."""
@@ -341,13 +442,21 @@ class RedisTransport:
     async def withdrawn(self, keys: ModelKeys, entry_ids: Sequence[str]) -> set[str]:
         if not entry_ids:
             return set()
+        checks = partitions.group_ids(entry_ids)
+        batches = [
+            (keys.of(k).cancelled, [("ZMSCORE", keys.of(k).cancelled, *ids)])
+            for k, ids in checks.items()
+        ]
         try:
-            scores = await self._lane.at(keys.cancelled).execute(
-                "ZMSCORE", keys.cancelled, *entry_ids
-            )
+            _, results = await self._run_per_slot(batches)
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
-        return {entry_id for entry_id, score in zip(entry_ids, scores, strict=True) if score}
+        withdrawn: set[str] = set()
+        for (partition, ids), (scores,) in zip(checks.items(), results, strict=True):
+            if isinstance(scores, Exception):
+                raise scores
+            withdrawn |= _withdrawn(partition, ids, scores)
+        return withdrawn
 
     async def _floor_queued_bytes(self, keys: ModelKeys, value: int) -> None:
         with contextlib.suppress(*UNAVAILABLE, ResponseError):
@@ -355,6 +464,21 @@ class RedisTransport:
 
     async def reclaim(
         self, keys: ModelKeys, consumer: str, min_idle_ms: int, count: int, own: bool = False
+    ) -> list[Redelivery]:
+        taken: list[Redelivery] = []
+        # Every partition, each holding its own pending entries; each call starts from the
+        # next one, so that a partition with many to take over does not starve the others.
+        parts = keys.each()
+        self._reclaim_turn = turn = (self._reclaim_turn + 1) % len(parts)
+        for part in parts[turn:] + parts[:turn]:
+            found = await self._reclaim_partition(
+                part, consumer, min_idle_ms, count - len(taken), own
+            )
+            taken += [((partitions.tag(i, part.partition), f), n) for (i, f), n in found]
+        return taken
+
+    async def _reclaim_partition(
+        self, keys: ModelKeys, consumer: str, min_idle_ms: int, count: int, own: bool
     ) -> list[Redelivery]:
         try:
             if own:
@@ -428,8 +552,13 @@ class RedisTransport:
         return [((entry_id, fields), deliveries[entry_id]) for entry_id, fields in found]
 
     async def dead_letter(self, keys: ModelKeys, entries: Sequence[Entry], reason: str) -> None:
-        if not entries:
-            return
+        # Each partition's entries go to its own dead-letter stream, in its slot.
+        for partition, part in partitions.group(entries).items():
+            await self._dead_letter_partition(keys.of(partition), part, reason)
+
+    async def _dead_letter_partition(
+        self, keys: ModelKeys, entries: Sequence[Entry], reason: str
+    ) -> None:
         commands: list[tuple[Any, ...]] = []
         for entry_id, fields in entries:
             record: dict[Any, Any] = dict(fields)
@@ -478,7 +607,9 @@ class RedisTransport:
             return False
 
     async def close(self) -> None:
-        for lane in (self._lane, self._reads, self._replies):
+        for reads in self._partition_reads.values():
+            await reads.close()
+        for lane in (self._lane, self._reads, self._replies, *self._partition_lanes.values()):
             lane.close()
         await self.redis.aclose()
 
@@ -601,6 +732,18 @@ def _reply_call(replies: Sequence[tuple[str, bytes]], ttl_s: int) -> tuple[list[
         by_key.setdefault(key, []).append(payload)
     counts = [len(payloads) for payloads in by_key.values()]
     return list(by_key), [ttl_s, *counts, *chain.from_iterable(by_key.values())]
+
+
+def _withdrawn(partition: int, ids: Sequence[str], scores: Any) -> set[str]:
+    """The ids (tagged with their partition) that ZMSCORE found withdrawn."""
+    if isinstance(scores, Exception):
+        log.warning("could not check for withdrawn requests: %s", scores)
+        return set()
+    return {
+        partitions.tag(entry_id, partition)
+        for entry_id, score in zip(ids, scores, strict=True)
+        if score
+    }
 
 
 def _log_refused(refused: Any) -> None:

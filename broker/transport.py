@@ -53,7 +53,8 @@ class Transport(Protocol):
     async def enqueue(
         self, keys: ModelKeys, calls: Sequence[CallRequests], bound: QueueBound
     ) -> list[list[str] | MicrobatchError]:
-        """Append each call's items to the model's stream, in order, each call atomically.
+        """Append each call's items to the stream of ``keys`` (one partition's), in order, each
+        call atomically.
 
         Returns one outcome per call: the entry ids if queued, :class:`QueueFull` if its items
         would take the queue over ``bound`` (then none of them is queued).
@@ -67,6 +68,11 @@ class Transport(Protocol):
         """
         ...
 
+    async def partition_count(self, keys: ModelKeys) -> int:
+        """How many partitions the model's queue is spread over, as its workers stored it
+        (1 when none is stored)."""
+        ...
+
     async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:
         """Wait up to ``timeout_s`` for replies on ``inbox``; return up to ``count`` of them."""
         ...
@@ -77,6 +83,9 @@ class Transport(Protocol):
         ...
 
     # -- worker side ----------------------------------------------------------------------
+    # ``keys`` are the model's (partition 0's) with its partition count: a worker reads every
+    # partition, and the ids of the entries it is handed name their partition
+    # (:mod:`broker.partitions`), so the methods that take entries find their streams.
     async def ensure_group(self, keys: ModelKeys) -> None:
         """Create the model's stream and its consumer group if missing."""
         ...
@@ -92,6 +101,12 @@ class Transport(Protocol):
     ) -> list[Entry]:
         """Read up to ``count`` new entries for ``consumer``, waiting up to ``block_ms`` (>= 1);
         the first ``busy_poll_s`` of the wait polling, without sleeping."""
+        ...
+
+    async def read_rest(self, keys: ModelKeys, consumer: str, count: int) -> list[Entry]:
+        """Stopping: up to ``count`` entries that reads for ``consumer`` delivered and
+        read_batch has not handed out yet (a partitioned queue's reads in flight are waited
+        for, and no new one is sent); empty once there are none."""
         ...
 
     async def finish(

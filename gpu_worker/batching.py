@@ -199,6 +199,11 @@ class BatchLoop:
         if self.ahead.reading:
             entries, skip = await self._take_read_ahead()
         elif self._stopping:
+            # What reads of a partitioned queue delivered, not yet handed out, is answered too.
+            rest = await self.transport.read_rest(self.keys, self.consumer, self._read_count())
+            if rest:
+                await self._run_new(rest, set())
+                return True
             await self.runner.drain()
             await self._settle_finish()
             return False
@@ -282,15 +287,21 @@ class BatchLoop:
             return 0.0
         return self.settings.busy_poll_s
 
+    def _read_count(self) -> int:
+        """How many entries a read asks for: batch_size; with a budget, a window's worth."""
+        windows = self.windows
+        if windows is None:
+            return self.settings.batch_size
+        windows.asked = windows.read_count()
+        return windows.asked
+
     async def read_batch(self, ahead: bool = False) -> list[Entry]:
         """Everything queued up to batch_size (with a budget: a window's worth); wait for more
         only while max_latency allows, and only until a batch's worth is in hand. ``ahead``:
         read while the model computes the batch in hand."""
         settings, keys = self.settings, self.keys
         windows = self.windows
-        count = settings.batch_size
-        if windows is not None:
-            count = windows.asked = windows.read_count()
+        count = self._read_count()
         entries = await self.transport.read_batch(
             keys, self.consumer, count, settings.block_ms, self._busy_poll_s(ahead)
         )

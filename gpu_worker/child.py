@@ -88,7 +88,9 @@ async def serve(model: ManagedModel, config: WorkerConfig, consumer: str) -> Non
     log.info(
         "worker %s serving %s on %s (batch_size=%d, max_latency=%gs, max_batch_cost=%d, "
         "model_thread=%s, busy_poll=%dus)",
-        consumer, keys.stream, model.device, settings.batch_size, settings.max_latency,
+        consumer,
+        keys.stream if keys.partitions == 1 else f"{keys.stream} and its partitions 1 to "
+        f"{keys.partitions - 1}", model.device, settings.batch_size, settings.max_latency,
         settings.max_batch_cost, settings.model_thread, round(settings.busy_poll_s * 1e6),
     )  # fmt: skip
     try:

@@ -223,6 +223,16 @@ def start(
             "bound.",
         ),
     ] = "auto",
+    partitions: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Spread the model's queue over this many streams, each in its own Redis "
+            "Cluster hash slot, so that one model can use several shards. Stored with the "
+            "model for callers; every worker reads every partition. Start all workers of a "
+            "model with the same count (docs/protocol.md, section 3.1).",
+        ),
+    ] = 1,
     app_dir: Annotated[
         str,
         typer.Option(
@@ -238,12 +248,11 @@ def start(
     Every option also reads its environment variable (REDIS_URL for --redis, otherwise
     MICROBATCH_WORKER_<OPTION>, e.g. MICROBATCH_WORKER_BATCH_SIZE).
     """
-    options = dict(ctx.params)
-    use_app_dir(options.pop("app_dir"))
+    use_app_dir(app_dir)  # before anything imports the model
     try:
         configure_logging(log_level, log_format)
         # every option by its name, as declared above (and checked by typer)
-        config = WorkerConfig.from_options(**options)
+        config = WorkerConfig.from_options(**ctx.params)
     except (ValueError, DeviceError) as exc:
         fail(str(exc))
     raise typer.Exit(run_supervisor(config))

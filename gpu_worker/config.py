@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from broker.client import DEFAULT_REDIS_URL
-from broker.keys import DEFAULT_PREFIX, ModelKeys, check_name, check_prefix
+from broker.keys import DEFAULT_PREFIX, MAX_PARTITIONS, ModelKeys, check_name, check_prefix
 from broker.redis_url import parse as parse_redis_url
 
 if TYPE_CHECKING:
@@ -98,6 +98,8 @@ class WorkerConfig:
     busy_poll_s: float = 0.0
     max_queue_items: int | None = None  # per live worker; None: auto; 0: no item bound
     max_queue_bytes: int | None = None  # in all; None: auto; 0: no byte bound
+    partitions: int = 1  # streams the model's queue is spread over
+    app_dir: str = "."  # imported from first (on sys.path, and on the children's PYTHONPATH)
     log_level: str = "info"
     log_format: str = "text"
 
@@ -164,11 +166,15 @@ class WorkerConfig:
             ),
             (below(self.max_queue_items, 0), f"--max-queue-items {queue_bound}"),
             (below(self.max_queue_bytes, 0), f"--max-queue-bytes {queue_bound}"),
+            (
+                not 1 <= self.partitions <= MAX_PARTITIONS,
+                f"--partitions must be between 1 and {MAX_PARTITIONS}",
+            ),
         ]
 
     def keys(self, model: type[ManagedModel] | ManagedModel) -> ModelKeys:
         """The keys of the model served: named ``name``, or by the model class."""
-        return ModelKeys(self.name or model.name, self.prefix)
+        return ModelKeys(self.name or model.name, self.prefix, partitions=self.partitions)
 
     def batch_settings(self, model: type[ManagedModel] | ManagedModel) -> BatchSettings:
         """The batch loop's settings for ``model`` (its defaults where none was given)."""

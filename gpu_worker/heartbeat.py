@@ -1,5 +1,9 @@
 """Heartbeats: the supervisor vouches for each live worker consumer in Redis (and keeps the
-model's queue bound there).
+model's queue bound and partition count there).
+
+A partitioned queue's functions read the bound, the consumers and the heartbeats in each
+partition's own hash slot, so every partition gets its own copy of them; the bound of each is
+its share of the model's.
 
 Each consumer has a key ``heartbeat`` with a short TTL and a member in the model's ``consumers``
 sorted set, scored by when its heartbeat expires. Readers (gateway readiness, `broker status`,
@@ -17,8 +21,9 @@ from typing import Any
 
 from broker.connections import REDIS_ERRORS, sync_client
 from broker.keys import ModelKeys
-from broker.liveness import server_time_ms
+from broker.liveness import server_times_ms
 from broker.logs import Every
+from broker.partitions import split_bound
 
 log = logging.getLogger("microbatch.heartbeat")
 
@@ -55,17 +60,24 @@ class Heartbeats:
         if not consumers:
             return True
         try:
-            expires_ms = server_time_ms(self.client, self.keys.consumers) + self.ttl_ms
+            parts = self.keys.each()
+            # each partition's expiry by the clock of its node (that of its functions)
+            clocks = server_times_ms(self.client, [part.consumers for part in parts])
             pipe = self.client.pipeline(transaction=False)
-            pipe.zadd(self.keys.consumers, dict.fromkeys(consumers, expires_ms))
-            # forget consumers whose heartbeat lapsed long ago (their supervisor died)
-            pipe.zremrangebyscore(self.keys.consumers, "-inf", expires_ms - FORGET_AFTER_MS)
-            for consumer, state in states.items():
-                value = json.dumps({"expires_ms": expires_ms, **state})
-                pipe.set(self.keys.heartbeat(consumer), value, px=self.ttl_ms)
-            if self.queue_bound is not None:
-                items, size = self.queue_bound
-                pipe.hset(self.keys.queue_bound, mapping={"items": items, "bytes": size})
+            count = self.keys.partitions
+            for part, now_ms in zip(parts, clocks, strict=True):
+                expires_ms = now_ms + self.ttl_ms
+                pipe.zadd(part.consumers, dict.fromkeys(consumers, expires_ms))
+                # forget consumers whose heartbeat lapsed long ago (their supervisor died)
+                pipe.zremrangebyscore(part.consumers, "-inf", expires_ms - FORGET_AFTER_MS)
+                for consumer, state in states.items():
+                    value = json.dumps({"expires_ms": expires_ms, **state})
+                    pipe.set(part.heartbeat(consumer), value, px=self.ttl_ms)
+                if self.queue_bound is not None:
+                    items, size = (split_bound(n, count) for n in self.queue_bound)
+                    pipe.hset(part.queue_bound, mapping={"items": items, "bytes": size})
+            if self.queue_bound is not None:  # the supervisor's: a child's first one has none
+                pipe.set(self.keys.partitions_key, count)
             pipe.execute()
         except REDIS_ERRORS as exc:
             self._failing = True
@@ -82,8 +94,9 @@ class Heartbeats:
         """Stop vouching for ``consumer`` (it exited)."""
         try:
             pipe = self.client.pipeline(transaction=False)
-            pipe.zrem(self.keys.consumers, consumer)
-            pipe.delete(self.keys.heartbeat(consumer))
+            for part in self.keys.each():
+                pipe.zrem(part.consumers, consumer)
+                pipe.delete(part.heartbeat(consumer))
             pipe.execute()
         except REDIS_ERRORS as exc:
             log.warning("cannot retire consumer %s: %s", consumer, exc)

@@ -415,17 +415,20 @@ class SupervisorMetrics:
 
         labels = (self.keys.model, self.keys.prefix)
         try:
-            depth = self.client.xlen(self.keys.stream)
-            try:
-                pending: Any = self.client.xpending(self.keys.stream, self.keys.group)
-            except redis.ResponseError:
-                pending = {"pending": 0}
+            depth = pending = 0
+            for part in self.keys.each():  # the model's queue: all its partitions
+                depth += self.client.xlen(part.stream)
+                try:
+                    summary: Any = self.client.xpending(part.stream, part.group)
+                except redis.ResponseError:
+                    summary = {"pending": 0}
+                pending += int(summary["pending"])
             live = len(live_consumers(self.client, self.keys))
         except redis.RedisError as exc:
             log.debug("cannot sample the queue: %s", exc)
             return
         self._metrics.QUEUE_DEPTH.labels(*labels).set(depth)
-        self._metrics.QUEUE_PENDING.labels(*labels).set(int(pending["pending"]))
+        self._metrics.QUEUE_PENDING.labels(*labels).set(pending)
         self._metrics.LIVE_WORKERS.labels(*labels).set(live)
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -19,6 +20,7 @@ from broker import Streamer, connections, functions
 from broker.cli import app
 from broker.cluster_lane import ClusterLanes, key_slot
 from broker.keys import ModelKeys
+from broker.liveness import server_times_ms
 from broker.redis_transport import RedisTransport
 from gpu_worker.batching import BatchLoop, BatchSettings
 from tests.cluster_local import LocalCluster
@@ -382,3 +384,69 @@ def test_a_worker_started_before_the_cluster_answers_waits_for_it() -> None:
     assert last.startswith("Error: Redis at redis+cluster://worker:***@127.0.0.1:"), last
     assert "did not answer within 2 s (--redis-wait)" in last
     assert "Traceback" not in done.stderr and "s3cret" not in done.stderr
+
+
+def prefix_spreading_partitions(cluster: LocalCluster, prefix: str, partitions: int) -> str:
+    """A prefix under which model toy's partitions are each served by another primary."""
+    for number in range(1000):
+        keys = ModelKeys("toy", f"{prefix}-{number}", partitions=partitions)
+        if len({cluster.owner(part.stream) for part in keys.each()}) == partitions:
+            return keys.prefix
+    raise AssertionError("no prefix spreads the partitions over the primaries")
+
+
+def test_a_partitioned_queue_spread_over_the_primaries(cluster: LocalCluster, prefix: str) -> None:
+    """Three partitions on three primaries: a `worker start --partitions 3` reads each on its
+    node, callers spread their calls over them and every call is answered; `broker status`
+    and the dead letters show each partition, read from its own node."""
+    spread = prefix_spreading_partitions(cluster, prefix, 3)
+    keys = ModelKeys("toy", spread, partitions=3)
+    url = cluster.url()
+    with worker_process(url, "tests.models:Toy", spread, "--partitions", "3"):
+        with Streamer("toy", redis_url=url, prefix=spread) as streamer:
+            futures = [streamer.submit([f"a{i}", f"b{i}"]) for i in range(30)]
+            for i, future in enumerate(futures):
+                assert [out["item"] for out in future.result(timeout=30)] == [f"a{i}", f"b{i}"]
+        added = []
+        for part in keys.each():
+            with cluster.client(cluster.owner(part.stream)) as client:
+                added.append(int(client.xinfo_stream(part.stream)["entries-added"]))
+        assert sum(added) == 60 and all(count >= 10 for count in added)  # calls in turn
+        cli = CliRunner()
+        shown = cli.invoke(app, ["status", "--redis", url, "--prefix", spread, "--json"])
+        assert shown.exit_code == 0, shown.output
+        [row] = json.loads(shown.output)
+        assert [p["stream"] for p in row["partitions"]] == [part.stream for part in keys.each()]
+        assert row["stream_length"] == 0 and row["pending"] == 0 and row["live_consumers"] == 1
+        assert all(p["queue_bound_items"] > 0 for p in row["partitions"])  # each node's copy
+    last = keys.of(2)
+    with cluster.client(cluster.owner(last.stream)) as client:
+        client.xadd(last.dead_letters, {"id": "r2", "dead_reason": "test", "data": b"12"})
+    letters = cli.invoke(app, ["dead-letters", "list", "--name", "toy", "--prefix", spread,
+                               "--redis", url, "--json"])  # fmt: skip
+    assert letters.exit_code == 0, letters.output
+    [letter] = json.loads(letters.output)
+    assert letter["partition"] == 2 and letter["dead_id"].endswith("@2")
+
+
+def test_a_partitioned_model_s_clocks_are_read_on_each_partition_s_node(
+    cluster: LocalCluster, prefix: str
+) -> None:
+    """Heartbeats score each partition's consumers by its own node's clock: one TIME per node."""
+    keys = ModelKeys("toy", prefix_spreading_partitions(cluster, prefix, 3), partitions=3)
+
+    def times_asked() -> dict[int, int]:
+        asked = {}
+        for port in cluster.primaries():
+            with cluster.client(port) as client:
+                stats: Any = client.info("commandstats")
+                asked[port] = int(stats.get("cmdstat_time", {}).get("calls", 0))
+        return asked
+
+    with connections.sync_client(cluster.url()) as client:
+        client.ping()  # the slot map read first
+        before = times_asked()
+        clocks = server_times_ms(client, [part.consumers for part in keys.each()] * 2)
+    after = times_asked()
+    assert len(clocks) == 6 and clocks[:3] == clocks[3:]
+    assert {port: after[port] - before[port] for port in after} == dict.fromkeys(after, 1)

@@ -1112,6 +1112,10 @@ def json_patch(document: Any, operations: list[dict[str, Any]]) -> Any:
         target = patched
         for part in parents:
             target = target[int(part)] if isinstance(target, list) else target[part]
+        if isinstance(target, list) and last == "-":  # append
+            assert operation["op"] == "add", operation
+            target.append(operation["value"])
+            continue
         key: Any = int(last) if isinstance(target, list) else last
         if operation["op"] == "remove":
             del target[key]
@@ -1150,6 +1154,59 @@ def test_the_cluster_overlay_scales_on_the_stream_through_redis_cluster_streams(
                 if k not in ("addressFromEnv", "databaseIndex")}  # fmt: skip
         assert {k: metadata[k] for k in kept} == kept  # the same stream, group and targets
         assert after["authenticationRef"] == before["authenticationRef"]
+    written = tmp_path / "scaledobject.yaml"
+    written.write_text(yaml.safe_dump(patched))
+    done = subprocess.run(
+        [str(BIN / "check-jsonschema"), "--schemafile",
+         str(DEPLOY / "k8s" / "schemas" / "scaledobject.json"), str(written)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_cluster_partitions_overlay_has_two_triggers_per_partition_stream(
+    tmp_path: Path,
+) -> None:
+    """deploy/k8s/overlays/cluster-partitions: on the cluster overlay, the workers' partition
+    count and, for each partition's stream (as broker/keys.py names it), the two triggers with
+    the base's targets split over the partitions; the result validates against KEDA's schema."""
+    from broker.partitions import split_bound
+
+    cluster = yaml.safe_load((DEPLOY / "k8s/overlays/cluster/kustomization.yaml").read_text())
+    overlay = yaml.safe_load(
+        (DEPLOY / "k8s/overlays/cluster-partitions/kustomization.yaml").read_text()
+    )
+    assert overlay["resources"] == ["../cluster"]
+    (generator,) = overlay["configMapGenerator"]
+    assert (generator["name"], generator["behavior"]) == ("microbatch", "merge")
+    added = dict(literal.split("=", 1) for literal in generator["literals"])
+    count = int(added["MICROBATCH_WORKER_PARTITIONS"])
+    assert count > 1
+    scaled = k8s_find("ScaledObject")
+    base = scaled["spec"]["triggers"]
+    (on_cluster,) = cluster["patches"]
+    (patch,) = overlay["patches"]
+    assert patch["target"] == on_cluster["target"]
+    on_the_cluster = json_patch(scaled, yaml.safe_load(on_cluster["patch"]))
+    patched = json_patch(on_the_cluster, yaml.safe_load(patch["patch"]))
+    triggers = patched["spec"]["triggers"]
+    literals = config_map_literals()
+    name = load_model_class(literals["MICROBATCH_WORKER_MODEL"]).name
+    keys = ModelKeys(name, literals["MICROBATCH_WORKER_PREFIX"], partitions=count)
+    assert len(triggers) == len(base) * count
+    assert len({trigger["name"] for trigger in triggers}) == len(triggers)
+    for part in keys.each():
+        mine = [t for t in triggers if t["metadata"]["stream"] == part.stream]
+        assert len(mine) == len(base), part.stream
+        for before, after in zip(base, mine, strict=True):
+            assert after["type"] == "redis-cluster-streams"
+            assert after["metadata"]["addressesFromEnv"] == "REDIS_ADDRESSES"
+            assert after["metadata"].get("consumerGroup") == before["metadata"].get("consumerGroup")
+            for target in ("streamLength", "pendingEntriesCount"):
+                if target in before["metadata"]:
+                    share = split_bound(int(before["metadata"][target]), count)
+                    assert after["metadata"][target] == str(share)
+            assert after["authenticationRef"] == before["authenticationRef"]
     written = tmp_path / "scaledobject.yaml"
     written.write_text(yaml.safe_dump(patched))
     done = subprocess.run(

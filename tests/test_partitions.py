@@ -1,0 +1,410 @@
+"""Partitioned queues: a model's queue spread over several streams, each in its own hash slot."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import redis
+
+from broker import BrokerUnavailable, DeadlineExceeded, QueueFull, Streamer, admin, codec
+from broker.keys import ModelKeys
+from broker.memory_transport import InMemoryTransport
+from broker.partition_reads import PartitionReads
+from broker.partitions import split_bound, tag, untag
+from broker.protocol import CallRequests, decode_reply
+from broker.transport import UNBOUNDED
+from tests.conftest import ROOT, wait_for_consumers, worker_process
+from tests.models import DELAY_ENV
+
+
+def broker_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "broker.cli", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "80"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def slot_tag(key: str) -> str:
+    """The text Redis Cluster hashes a key by (between its first '{' and the next '}')."""
+    return key[key.index("{") + 1 : key.index("}")]
+
+
+# -- keys and names ----------------------------------------------------------------------------
+def test_partition_zero_keeps_the_model_keys_and_the_others_get_a_slot_of_their_own() -> None:
+    keys = ModelKeys("toy", "demo", partitions=3)
+    assert keys.stream == "mb:{demo:toy}:requests" == ModelKeys("toy", "demo").stream
+    two = keys.of(2)
+    assert two.stream == "mb:{demo:toy:p2}:requests"
+    for key in (two.stream, two.queued_bytes, two.queue_bound, two.consumers, two.cancelled,
+                two.dead_letters, two.heartbeat("w-1")):  # fmt: skip
+        assert slot_tag(key) == "demo:toy:p2" == two.tag
+    # the count and the inboxes stay in the model's slot, whichever partition
+    assert two.partitions_key == keys.partitions_key == "mb:{demo:toy}:partitions"
+    assert two.inbox("c1") == keys.inbox("c1") == "mb:{demo:toy}:inbox:c1"
+    assert two.may_reply_to("mb:{demo:toy}:inbox:c1")
+    assert not two.may_reply_to("mb:{demo:toy:p2}:inbox:c1")
+    assert not two.may_reply_to(two.stream)
+    assert [k.partition for k in keys.each()] == [0, 1, 2]
+    with pytest.raises(ValueError):
+        keys.of(3)
+    with pytest.raises(ValueError):
+        ModelKeys("toy", "demo", partitions=0)
+
+
+def test_entry_ids_carry_their_partition_and_bounds_split_rounding_up() -> None:
+    assert tag("17-0", 0) == "17-0" and untag("17-0") == ("17-0", 0)
+    assert tag("17-0", 3) == "17-0@3" and untag("17-0@3") == ("17-0", 3)
+    assert split_bound(10, 3) == 4 and split_bound(0, 3) == 0 and split_bound(8, 1) == 8
+
+
+# -- the in-memory transport behaves the same --------------------------------------------------
+def test_in_memory_partitions_are_read_oldest_first_acked_and_withdrawn_per_partition() -> None:
+    async def scenario() -> None:
+        transport = InMemoryTransport()
+        keys = ModelKeys("toy", "mem", partitions=3)
+        await transport.ensure_group(keys)
+        ids = []
+        for k in (2, 0, 1, 2):
+            call = CallRequests("mb:{mem:toy}:inbox:c", 1000, [f"r{k}"], [b"x"], None)
+            [outcome] = await transport.enqueue(keys.of(k), [call], UNBOUNDED)
+            assert isinstance(outcome, list)
+            ids.append(tag(outcome[0], k))
+        batch = await transport.read_batch(keys, "w", 3, 10)
+        assert [entry_id for entry_id, _ in batch] == ids[:3]  # oldest first, any partition
+        await transport.cancel(keys.of(2), [(untag(ids[0])[0], 1)])  # read: marked, not deleted
+        assert await transport.withdrawn(keys, ids) == {ids[0]}
+        await transport.finish(keys, [], batch, 60)
+        assert [e for e, _ in await transport.read_batch(keys, "w", 3, 10)] == [ids[3]]
+
+    asyncio.run(scenario())
+
+
+def test_partition_reads_keep_what_came_and_never_hand_out_more_than_asked() -> None:
+    async def scenario() -> None:
+        queued = {0: [("5-0", {}), ("9-0", {})], 1: [("7-0", {})], 2: []}
+        failing = asyncio.Event()
+
+        async def read(partition: int, count: int, block_ms: int, poll_s: float) -> list[Any]:
+            if partition == 2:
+                await failing.wait()
+                raise BrokerUnavailable("gone")
+            got, queued[partition] = queued[partition][:count], queued[partition][count:]
+            return got
+
+        reads = PartitionReads(3, read)
+        first = await reads.take(2, 50)
+        await asyncio.sleep(0)
+        second = await reads.take(2, 50)
+        assert len(first) == 2  # never more than asked for: the rest is kept
+        assert [e for e, _ in first + second] == ["5-0", "7-0@1", "9-0"]  # oldest first
+        assert await reads.take(2, 20) == []  # partition 2's read is still in flight
+        failing.set()
+        with pytest.raises(BrokerUnavailable):
+            await reads.take(2, 50)
+        await reads.close()
+
+    asyncio.run(scenario())
+
+
+# -- over Redis ---------------------------------------------------------------------------------
+def entries_added(client: redis.Redis, keys: ModelKeys) -> list[int]:
+    """How many entries each partition's stream was ever given (XINFO STREAM)."""
+    return [int(client.xinfo_stream(part.stream)["entries-added"]) for part in keys.each()]
+
+
+def test_items_are_spread_over_the_partitions_and_every_one_is_answered(
+    redis_server: Any, prefix: str
+) -> None:
+    keys = ModelKeys("toy", prefix, partitions=3)
+    client = redis.Redis.from_url(redis_server.url)
+    with worker_process(redis_server.url, "tests.models:Toy", prefix, "--partitions", "3"):
+        assert client.get(keys.partitions_key) == b"3"
+        with Streamer("toy", redis_url=redis_server.url, prefix=prefix) as streamer:
+            futures = [streamer.submit([f"a{i}", f"b{i}"]) for i in range(30)]
+            for i, future in enumerate(futures):
+                assert [out["item"] for out in future.result(timeout=30)] == [f"a{i}", f"b{i}"]
+            assert streamer.predict(["one"])[0]["item"] == "one"
+        added = entries_added(client, keys)
+        assert sum(added) == 61 and all(count >= 20 for count in added)  # calls in turn
+        state = admin.status(client, prefix)
+        [model] = state
+        assert [p.partition for p in model.partitions] == [0, 1, 2]
+        assert model.stream_length == 0 and model.pending == 0 and model.queued_bytes == 0
+        # the bound of each partition is its share of the model's (8 x batch_size 8 = 64)
+        assert {p.queue_bound_items for p in model.partitions} == {22}
+        shown = broker_cli("status", "--redis", redis_server.url, "--prefix", prefix)
+        assert shown.returncode == 0 and "partitions" in shown.stdout
+        assert shown.stdout.count(prefix) == 1 + 3 + 1  # the model, its partitions, a worker
+        as_json = json.loads(
+            broker_cli("status", "--redis", redis_server.url, "--prefix", prefix, "--json").stdout
+        )
+        assert [p["stream"] for p in as_json[0]["partitions"]] == [
+            part.stream for part in keys.each()
+        ]
+
+
+def test_a_batch_merges_what_several_partitions_hold_up_to_batch_size(
+    redis_server: Any, prefix: str, tmp_path: Path
+) -> None:
+    keys = ModelKeys("toy", prefix, partitions=3)
+    client = redis.Redis.from_url(redis_server.url)
+    release = tmp_path / "release"
+    args = ("--partitions", "3", "--batch-size", "8")
+    with (
+        worker_process(redis_server.url, "tests.models:Toy", prefix, *args),
+        Streamer("toy", redis_url=redis_server.url, prefix=prefix) as streamer,
+    ):
+        blocker = streamer.submit([{"until": str(release)}])
+        deadline = time.monotonic() + 30
+        while not _computing(client, keys):  # the worker computes it, alone
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        futures = [streamer.submit([i]) for i in range(12)]  # 4 on each partition
+        while sum(client.xlen(part.stream) for part in keys.each()) < 13:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        release.touch()
+        assert blocker.result(timeout=30)[0]["batch"] == 1
+        sizes = [future.result(timeout=30)[0]["batch"] for future in futures]
+    assert max(sizes) <= 8 and max(sizes) > 4  # more than any one partition held
+
+
+def test_a_stopping_worker_answers_what_its_partition_reads_delivered(
+    redis_server: Any, prefix: str, tmp_path: Path
+) -> None:
+    # While the worker computes, its reads of the other partitions stay in flight and take
+    # what arrives; stopped then, it answers those entries too instead of leaving them
+    # pending with no other worker to take them over.
+    keys = ModelKeys("toy", prefix, partitions=3)
+    client = redis.Redis.from_url(redis_server.url)
+    release = tmp_path / "release"
+    args = ("--partitions", "3", "--batch-size", "2")
+    with (
+        worker_process(redis_server.url, "tests.models:Toy", prefix, *args) as worker,
+        Streamer("toy", redis_url=redis_server.url, prefix=prefix) as streamer,
+    ):
+        blocker = streamer.submit([{"until": str(release)}])
+        deadline = time.monotonic() + 30
+        while not _pending(client, keys):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        futures = [streamer.submit([i]) for i in range(6)]
+        while _pending(client, keys) < 2:  # delivered to the reads in flight
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        worker.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        release.touch()
+        assert blocker.result(timeout=30)[0]["batch"] == 1
+        worker.wait(30)
+        delivered = [f for f in futures if f.done() and f.exception() is None]
+        assert len(delivered) >= 2 and all(f.result()[0]["batch"] <= 2 for f in delivered)
+    assert _pending(client, keys) == 0  # nothing left held by the stopped worker
+
+
+def test_the_queue_bound_holds_per_partition(redis_server: Any, prefix: str) -> None:
+    keys = ModelKeys("toy", prefix, partitions=2)
+    client = redis.Redis.from_url(redis_server.url)
+    # a worker stores the count and each partition's share of the bound (4 of 8); they stay
+    # when it stops, and with no live worker one worker's worth is queued
+    args = ("--partitions", "2", "--max-queue-items", "8")
+    with worker_process(redis_server.url, "tests.models:Toy", prefix, *args):
+        pass
+    assert client.hget(keys.of(1).queue_bound, "items") == b"4"
+    streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True)
+    with streamer:
+        futures = [streamer.submit([i], timeout=2) for i in range(10)]
+        too_big = streamer.submit(list(range(5)), timeout=2)  # more than a partition's share
+        outcomes = [_outcome(future) for future in futures]
+        assert outcomes.count("QueueFull") == 2 and outcomes.count("DeadlineExceeded") == 8
+        assert _outcome(too_big) == "QueueFull"
+    assert [client.xlen(part.stream) for part in keys.each()] == [4, 4]
+
+
+def _outcome(future: Future[Any]) -> str:
+    try:
+        future.result(timeout=30)
+    except (QueueFull, DeadlineExceeded) as exc:
+        return type(exc).__name__
+    return "answered"
+
+
+def test_cancelled_calls_are_withdrawn_from_their_own_partitions(
+    redis_server: Any, prefix: str
+) -> None:
+    keys = ModelKeys("toy", prefix, partitions=3)
+    client = redis.Redis.from_url(redis_server.url)
+    client.set(keys.partitions_key, 3)  # as a worker would store it: callers follow it
+    streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True)
+    with streamer:
+        futures = [streamer.submit([i, i], timeout=30) for i in range(6)]
+        deadline = time.monotonic() + 30
+        while sum(client.xlen(part.stream) for part in keys.each()) < 12:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert [client.xlen(part.stream) for part in keys.each()] == [4, 4, 4]
+        for future in futures:
+            future.cancel()
+        while sum(client.xlen(part.stream) for part in keys.each()) > 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    assert [int(client.get(part.queued_bytes) or 0) for part in keys.each()] == [0, 0, 0]
+
+
+def test_a_foreign_client_enqueues_to_partition_k_and_gets_its_reply(
+    redis_server: Any, prefix: str
+) -> None:
+    """A caller written from docs/protocol.md alone: read the count, FCALL mb_enqueue with
+    partition k's keys, BLPOP a reply key in the model's inbox namespace."""
+    client = redis.Redis.from_url(redis_server.url)
+    with worker_process(redis_server.url, "tests.models:Toy", prefix, "--partitions", "3"):
+        count = int(client.get(f"mb:{{{prefix}:toy}}:partitions") or 1)
+        assert count == 3
+        for k in range(count):
+            tag_k = f"{prefix}:toy" if k == 0 else f"{prefix}:toy:p{k}"
+            reply_key = f"mb:{{{prefix}:toy}}:inbox:foreign-{k}"
+            keys = [f"mb:{{{tag_k}}}:{kind}" for kind in
+                    ("requests", "queued-bytes", "queue-bound", "consumers")]  # fmt: skip
+            data = msgpack.packb({"k": k})
+            [result] = client.fcall(
+                "mb_enqueue", 4, *keys, 1, 0, 0, 1, reply_key, 10000, "", f"req-{k}", data
+            )
+            assert result[0] == 0
+            popped = client.blpop([reply_key], timeout=10)
+            assert popped is not None
+            reply = decode_reply(popped[1])
+            assert reply.request_id == f"req-{k}" and reply.ok
+            assert reply.result["item"] == {"k": k}
+
+
+def test_an_entry_dead_lettered_in_partition_k_is_listed_and_replayed_there(
+    redis_server: Any, prefix: str
+) -> None:
+    keys = ModelKeys("toy", prefix, partitions=2)
+    client = redis.Redis.from_url(redis_server.url)
+    with worker_process(redis_server.url, "tests.models:Toy", prefix, "--partitions", "2"):
+        # an entry whose reply key is no inbox of the model: dead-lettered unanswered
+        fields = {"v": "1", "id": "odd", "reply": "elsewhere", "timeout": "5000", "data": b"\xc0"}
+        client.xadd(keys.of(1).stream, fields)  # type: ignore[arg-type]
+        deadline = time.monotonic() + 30
+        while not client.xlen(keys.of(1).dead_letters):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert client.xlen(keys.dead_letters) == 0
+        [letter] = admin.dead_letters(client, admin.model_keys(client, "toy", prefix))
+        assert letter.partition == 1 and letter.dead_id.endswith("@1")
+        assert letter.request_id == "odd" and letter.entry_id.endswith("@1")
+    # replayed onto its own partition's stream (no worker now: it stays queued there)
+    assert admin.replay_dead_letters(client, keys, [letter.dead_id]) == 1
+    assert (client.xlen(keys.stream), client.xlen(keys.of(1).stream)) == (0, 1)
+    assert client.xlen(keys.of(1).dead_letters) == 0
+
+
+def test_a_worker_killed_mid_batch_with_partitions_loses_nothing(
+    redis_server: Any, prefix: str, tmp_path: Path
+) -> None:
+    keys = ModelKeys("toy", prefix, partitions=3)
+    client = redis.Redis.from_url(redis_server.url)
+    args = (
+        "--partitions",
+        "3",
+        "--heartbeat-ttl",
+        "2",
+        "--batch-size",
+        "4",
+        "--max-queue-items",
+        "0",
+    )
+    env = {DELAY_ENV: "0.2"}  # each batch takes a while: a worker dies holding some
+    with (
+        worker_process(redis_server.url, "tests.models:Toy", prefix, *args, env=env),
+        worker_process(
+            redis_server.url, "tests.models:Toy", prefix, *args, env=env, expect_consumers=2
+        ) as second,
+    ):
+        victim = _children(second.pid)[0]
+        consumer = next(
+            name.decode() for name in client.zrange(keys.consumers, 0, -1)
+            if name.decode().endswith(f"-{victim}")
+        )  # fmt: skip
+        with Streamer("toy", redis_url=redis_server.url, prefix=prefix) as streamer:
+            futures = [streamer.submit([f"x{i}"], timeout=60) for i in range(80)]
+            deadline = time.monotonic() + 30
+            while not _holds(client, keys, consumer):  # in the middle of a batch
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            held = _held_items(client, keys, consumer)
+            os.kill(victim, signal.SIGKILL)
+            results = [future.result(timeout=60) for future in futures]
+        assert [r[0]["item"] for r in results] == [f"x{i}" for i in range(80)]
+        by_item = {r[0]["item"]: r[0] for r in results}
+        # what it held when it died was computed again by the other worker
+        assert held and any(by_item[item]["pid"] != victim for item in held)
+        wait_for_consumers(redis_server.url, keys, 2)
+    assert sum(client.xlen(part.stream) for part in keys.each()) == 0
+
+
+def _computing(client: redis.Redis, keys: ModelKeys) -> bool:
+    """Whether a worker of the model is computing a batch (as its supervisor vouches)."""
+    return any(c.current_batch for c in admin.model_status(client, keys).consumers)
+
+
+def _pending(client: redis.Redis, keys: ModelKeys) -> int:
+    """How many entries the model's workers hold, over every partition."""
+    held = 0
+    for part in keys.each():
+        with contextlib.suppress(redis.ResponseError):  # no group yet
+            summary: Any = client.xpending(part.stream, "workers")
+            held += int(summary["pending"])
+    return held
+
+
+def _holds(client: redis.Redis, keys: ModelKeys, consumer: str) -> bool:
+    for part in keys.each():
+        try:
+            pending: Any = client.xpending_range(part.stream, "workers", "-", "+", 1, consumer)
+        except redis.ResponseError:
+            continue
+        if pending:
+            return True
+    return False
+
+
+def _held_items(client: redis.Redis, keys: ModelKeys, consumer: str) -> list[Any]:
+    """The items a consumer holds, in every partition: delivered to it, not answered."""
+    items = []
+    for part in keys.each():
+        pending: Any = client.xpending_range(part.stream, "workers", "-", "+", 1000, consumer)
+        for row in pending:
+            for _, fields in client.xrange(part.stream, row["message_id"], row["message_id"]):
+                items.append(codec.decode(fields[b"data"]))
+    return items
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
