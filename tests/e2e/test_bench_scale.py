@@ -15,7 +15,7 @@ from bench.scale import SLOTS, model_names
 from broker.cluster_lane import key_slot
 from broker.keys import ModelKeys
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("shards", [1, 2, 3, 6])
