@@ -38,13 +38,6 @@ PING_TIMEOUT_S = 1.0
 INLINE_BYTES = 64 * 1024  # bodies up to this size are parsed on the event loop (~0.1 ms)
 
 
-def _uncancel(task: asyncio.Task[Any]) -> int:
-    """Take back one cancel request from ``task``; the requests left (Python 3.11+ counts
-    them; 3.10 does not, and there this is 0)."""
-    uncancel = getattr(task, "uncancel", None)
-    return 0 if uncancel is None else int(uncancel())
-
-
 class Gateway:
     """Per-process state: the served models, the thread pool and a Redis client for health."""
 
@@ -132,28 +125,20 @@ class Gateway:
         """Submit ``items`` and wait; abandon them (withdrawn from the queue) if the client goes."""
         served.metrics.items.inc(len(items))
         trace = valid_traceparent(request.headers.get("traceparent"))
-        # The call runs in this task (no task of its own): when the client leaves, the watch
-        # cancels this task while it waits for the call, which withdraws the call's items.
-        this = asyncio.current_task()
-        assert this is not None
-        gone = asyncio.get_running_loop().create_task(reading.disconnected(request))
-        waiting = True
-
-        def client_left(watch: asyncio.Task[None]) -> None:
-            if waiting and not watch.cancelled():
-                this.cancel()
-
-        gone.add_done_callback(client_left)
+        loop = asyncio.get_running_loop()
+        call = loop.create_task(served.streamer.apredict(items, timeout=timeout, traceparent=trace))
+        gone = loop.create_task(reading.disconnected(request))
+        # The client left: cancelling the call withdraws its items from the queue.
+        gone.add_done_callback(lambda _: call.cancel())
         try:
-            return await served.streamer.apredict(items, timeout=timeout, traceparent=trace)
+            return await call
         except asyncio.CancelledError:
-            if gone.done() and not gone.cancelled() and _uncancel(this) == 0:
+            if gone.done() and not gone.cancelled():
                 raise ClientGone from None
             raise  # we are cancelled ourselves (the call is cancelled with us)
         except MicrobatchError as exc:
             raise from_microbatch(exc, self.settings.retry_after) from None
         finally:
-            waiting = False
             gone.cancel()
 
     async def observed(
