@@ -120,7 +120,8 @@ def dockerfile_entrypoint(name: str) -> list[str]:
 
 
 def base_env() -> dict[str, str]:
-    """This environment without anything microbatch reads, plus the venv's bin on PATH."""
+    """This environment without anything microbatch reads, plus the venv's bin on PATH and the
+    checkout on PYTHONPATH."""
     env = {
         key: value
         for key, value in os.environ.items()
@@ -128,6 +129,8 @@ def base_env() -> dict[str, str]:
         and key not in ("REDIS_URL", "PROMETHEUS_MULTIPROC_DIR")
     }
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    # the example models importable, as the images' PYTHONPATH (/app/models) makes them
+    env["PYTHONPATH"] = str(ROOT)
     return env
 
 
