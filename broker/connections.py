@@ -89,17 +89,22 @@ class _ConcurrentSyncSentinel(redis.sentinel.Sentinel):
 
         def asker(sentinel: Any) -> Callable[[], tuple[str, int]]:
             def ask() -> tuple[str, int]:
-                state = sentinel.sentinel_masters().get(service_name)
-                check = self.check_master_state
-                if not state or not check(state, service_name):  # type: ignore[no-untyped-call]
-                    raise NoAnswer(f"names no up master of {service_name!r}")
-                ip = self._force_master_ip if self._force_master_ip is not None else state["ip"]
-                return ip, state["port"]
+                return _up_master(self, sentinel.sentinel_masters(), service_name)
 
             return ask
 
         found = first_answer_sync([asker(s) for s in sentinels])
         return _found(self.sentinels, sentinels, service_name, found, redis.sentinel)
+
+
+def _up_master(manager: Any, masters: dict[str, Any], service_name: str) -> tuple[str, int]:
+    """The address of the service's master in one sentinel's SENTINEL MASTERS answer, checked
+    as redis-py's Sentinel ``manager`` checks it; NoAnswer if it names none that is up."""
+    state = masters.get(service_name)
+    if not state or not manager.check_master_state(state, service_name):
+        raise NoAnswer(f"names no up master of {service_name!r}")
+    forced = manager._force_master_ip
+    return (state["ip"] if forced is None else forced), state["port"]
 
 
 def _found(
@@ -126,11 +131,7 @@ class _ConcurrentSentinel(async_sentinel.Sentinel):
         sentinels = list(self.sentinels)
 
         async def ask(sentinel: Any) -> tuple[str, int]:
-            state = (await sentinel.sentinel_masters()).get(service_name)
-            if not state or not self.check_master_state(state, service_name):
-                raise NoAnswer(f"names no up master of {service_name!r}")
-            ip = self._force_master_ip if self._force_master_ip is not None else state["ip"]
-            return ip, state["port"]
+            return _up_master(self, await sentinel.sentinel_masters(), service_name)
 
         found = await first_answer([ask(s) for s in sentinels])
         return _found(self.sentinels, sentinels, service_name, found, async_sentinel)

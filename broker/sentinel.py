@@ -61,14 +61,9 @@ async def first_answer(
     try:
         while pending:
             _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            failed = {index for index, _ in failures}
-            for index, task in enumerate(tasks):
-                if task in pending or index in failed:
-                    continue
-                exc = task.exception()
-                if exc is None:
-                    return index, task.result(), failures
-                failures.append((index, exc))
+            won = _first_success(tasks, pending, failures)
+            if won is not None:
+                return won[0], won[1], failures
         return -1, None, failures
     finally:
         for task in tasks:
@@ -100,15 +95,27 @@ def first_answer_sync(
     pending = set(futures)
     while pending:
         _, pending = wait(pending, return_when=FIRST_COMPLETED)
-        failed = {index for index, _ in failures}
-        for index, future in enumerate(futures):
-            if future in pending or index in failed:
-                continue
-            exc = future.exception()
-            if exc is None:
-                return index, future.result(), failures
-            failures.append((index, exc))
+        won = _first_success(futures, pending, failures)
+        if won is not None:
+            return won[0], won[1], failures
     return -1, None, failures
+
+
+def _first_success(
+    outcomes: Sequence[Any], pending: set[Any], failures: list[tuple[int, BaseException]]
+) -> tuple[int, Any] | None:
+    """Of ``outcomes`` (asyncio or concurrent futures), those done and not seen before, in
+    index order: each failure added to ``failures``; the index and result of the first
+    success, if there is one."""
+    failed = {index for index, _ in failures}
+    for index, outcome in enumerate(outcomes):
+        if outcome in pending or index in failed:
+            continue
+        exc = outcome.exception()
+        if exc is None:
+            return index, outcome.result()
+        failures.append((index, exc))
+    return None
 
 
 def _state(flat: Any) -> dict[str, str]:
