@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 
 from broker import liveness
@@ -93,3 +94,27 @@ def worker_process(
         stop_process(process)
         if log is not None:
             log.close()
+
+
+def gateway_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a gateway a test starts: nothing of the test process's own gateway
+    settings or metrics directory, the checkout on PYTHONPATH, warnings only; then ``extra``."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MICROBATCH_GATEWAY_")}
+    clean.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    return {**clean, "PYTHONPATH": str(ROOT), "MICROBATCH_GATEWAY_LOG_LEVEL": "warning",
+            **(extra or {})}  # fmt: skip
+
+
+def wait_for_healthz(base: str, process: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """Wait until the gateway at ``base`` answers /healthz; RuntimeError if ``process`` exits
+    or ``timeout`` passes first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"gateway did not start (exit code {process.poll()})")
+        time.sleep(0.1)

@@ -28,7 +28,14 @@ import redis
 
 from broker.devserver import RedisServer, free_port
 from broker.keys import ModelKeys
-from tests.conftest import ROOT, stop_process, wait_for_consumers, worker_process
+from tests.conftest import (
+    ROOT,
+    gateway_env,
+    stop_process,
+    wait_for_consumers,
+    wait_for_healthz,
+    worker_process,
+)
 from tests.gateway_models import RECORD_ENV, ByteStats, fail_item, sleep_item
 
 TOKEN = "test-token-" + uuid.uuid4().hex
@@ -59,24 +66,11 @@ def gateway_process(
     for model in models:
         command += ["--model", model]
     command += ["--prefix", prefix, "--port", str(port), "--workers", str(workers), *args]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MICROBATCH_GATEWAY_")}
-    clean.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    full_env = {**clean, "PYTHONPATH": str(ROOT), "MICROBATCH_GATEWAY_LOG_LEVEL": "warning"}
-    full_env.update(env or {})
     log = open(log_path, "ab") if log_path is not None else None  # noqa: SIM115
-    process = subprocess.Popen(command, cwd=ROOT, env=full_env, stderr=log)
+    process = subprocess.Popen(command, cwd=ROOT, env=gateway_env(env), stderr=log)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"gateway did not start (exit code {process.poll()})")
-            time.sleep(0.1)
+        wait_for_healthz(base, process)
         yield base, process
     finally:
         stop_process(process)

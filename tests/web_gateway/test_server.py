@@ -4,10 +4,8 @@ deploy/gunicorn.conf.py` (settings from the environment, REDIS_URL included)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from broker.devserver import RedisServer, free_port
-from tests.conftest import ROOT, stop_process
+from tests.conftest import ROOT, gateway_env, stop_process, wait_for_healthz
 
 DOUBLER = "tests.gateway_models:Doubler"
 
@@ -23,22 +21,10 @@ DOUBLER = "tests.gateway_models:Doubler"
 @contextmanager
 def serving(command: list[str], cwd: Path, env: dict[str, str], port: int) -> Iterator[str]:
     """Run a gateway command until its /healthz answers; yield its base URL; SIGTERM it."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MICROBATCH_GATEWAY_")}
-    clean.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    full_env = {**clean, "PYTHONPATH": str(ROOT), "MICROBATCH_GATEWAY_LOG_LEVEL": "warning", **env}
-    process = subprocess.Popen(command, cwd=cwd, env=full_env)
+    process = subprocess.Popen(command, cwd=cwd, env=gateway_env(env))
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None, f"the gateway exited with {process.returncode}"
-            assert time.monotonic() < deadline, "the gateway did not start"
-            time.sleep(0.1)
+        wait_for_healthz(base, process)
         yield base
     finally:
         stop_process(process)
