@@ -118,3 +118,12 @@ def wait_for_healthz(base: str, process: subprocess.Popen[bytes], timeout: float
         if process.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"gateway did not start (exit code {process.poll()})")
         time.sleep(0.1)
+
+
+def run_python(code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter in the checkout (on its PYTHONPATH too), as a
+    process of the product would import it; its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip

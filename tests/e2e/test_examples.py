@@ -10,10 +10,7 @@ from __future__ import annotations
 import base64
 import importlib.util
 import io
-import os
 import struct
-import subprocess
-import sys
 import uuid
 import zlib
 from collections.abc import Iterator
@@ -30,7 +27,7 @@ from broker.errors import InvalidInput
 from broker.keys import ModelKeys
 from examples.embedder import MAX_TEXT_CHARS, Embedder
 from examples.image_classifier import MAX_PIXELS, ImageClassifier
-from tests.conftest import ROOT, wait_for_consumers, worker_process
+from tests.conftest import run_python, wait_for_consumers, worker_process
 from tests.e2e.test_gateway import check_error, check_v2_error, gateway_process
 
 # looked up, not imported: importing sentence-transformers takes seconds, and only the tests
@@ -118,14 +115,7 @@ def test_the_gateway_imports_both_examples_without_torch() -> None:
         "assert not heavy, heavy\n"
         "print('light')\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_python(code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "light"
 

@@ -31,6 +31,7 @@ from broker.keys import ModelKeys
 from tests.conftest import (
     ROOT,
     gateway_env,
+    run_python,
     stop_process,
     wait_for_consumers,
     wait_for_healthz,
@@ -165,14 +166,7 @@ def test_importing_the_app_with_the_mlp_leaves_torch_out() -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "print('ok')\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = run_python(code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
 

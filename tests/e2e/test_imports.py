@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-from tests.conftest import ROOT
+from tests.conftest import run_python
 
 
 def test_importing_gpu_worker_and_the_example_model_leaves_torch_out() -> None:
@@ -14,9 +11,7 @@ def test_importing_gpu_worker_and_the_example_model_leaves_torch_out() -> None:
         "m = examples.mlp.MLP(); m.preprocess([0.0]); "
         "assert 'torch' not in sys.modules, 'torch was imported'; print('light')"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+    result = run_python(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "light"
 
@@ -27,9 +22,7 @@ def test_broker_imports_neither_torch_nor_web_frameworks() -> None:
         "bad = [m for m in ('torch', 'gpu_worker', 'web_gateway', 'fastapi', 'starlette') "
         "if m in sys.modules]; print(bad)"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+    result = run_python(code)
     assert result.stdout.strip() == "[]", result.stderr
 
 
@@ -51,18 +44,14 @@ def test_the_gateway_process_never_imports_the_batch_loop() -> None:
         "from gpu_worker.model import load_model_class; load_model_class('examples.mlp:MLP'); "
         f"print([m for m in {BATCH_LOOP!r} if m in sys.modules])"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+    result = run_python(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
     # the embedded streamer still loads on first use
     code = (
         "import gpu_worker, sys; gpu_worker.LocalStreamer; print('gpu_worker.local' in sys.modules)"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+    result = run_python(code)
     assert result.stdout.strip() == "True", result.stderr
 
 
@@ -72,7 +61,5 @@ def test_a_model_class_comes_without_the_batch_loop() -> None:
         "import sys, gpu_worker, examples.mlp; from gpu_worker import ManagedModel, TensorSpec; "
         f"print([m for m in {BATCH_LOOP[:-1]!r} if m in sys.modules])"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+    result = run_python(code)
     assert result.stdout.strip() == "[]", result.stderr
