@@ -23,6 +23,7 @@ from .config import MODEL_THREAD_MODES, BatchSettings
 from .model import ItemCheck
 from .observer import BatchObserver
 from .outcomes import PredictFn, encode_outcome
+from .polling import AutoBusyPoll
 from .preparing import PreparedBatch, Preparer
 from .read_ahead import ReadAhead
 from .runners import THREAD_FROM_S, make_runner
@@ -122,6 +123,8 @@ class BatchLoop:
                 settings.batch_size, settings.max_batch_cost, cost, self.observer
             )
         self.ahead = ReadAhead()
+        # busy_poll_s None: polling decided read by read from the arrivals and the spare cores.
+        self.auto_poll = AutoBusyPoll() if settings.busy_poll_s is None else None
         self.runner = make_runner(settings.model_thread, predict, self)
         self.batches = 0
         self.items = 0
@@ -285,7 +288,9 @@ class BatchLoop:
         computes, and a spinning loop would take the GIL from the model's thread)."""
         if ahead or self.runner.busy:
             return 0.0
-        return self.settings.busy_poll_s
+        if self.auto_poll is not None:
+            return self.auto_poll.seconds()
+        return self.settings.busy_poll_s or 0.0
 
     def _read_count(self) -> int:
         """How many entries a read asks for: batch_size; with a budget, a window's worth."""
@@ -306,6 +311,7 @@ class BatchLoop:
             keys, self.consumer, count, settings.block_ms, self._busy_poll_s(ahead)
         )
         if not entries or settings.max_latency <= 0:
+            self._observe_arrivals(entries)
             return entries
         fill = count // WINDOW_BATCHES if windows is not None else count
         wait_until_ms = entry_time_ms(entries[0][0]) + settings.max_latency * 1000
@@ -316,7 +322,12 @@ class BatchLoop:
             entries += await self.transport.read_batch(
                 keys, self.consumer, fill - len(entries), remaining_ms
             )
+        self._observe_arrivals(entries)
         return entries
+
+    def _observe_arrivals(self, entries: list[Entry]) -> None:
+        if self.auto_poll is not None:
+            self.auto_poll.observe([entry_id for entry_id, _ in entries])
 
     def prepare(self, entries: list[Entry], skip: set[str] | None = None) -> PreparedBatch:
         """Parse, decode and check a batch (see :meth:`Preparer.prepare`)."""

@@ -87,11 +87,12 @@ async def serve(model: ManagedModel, config: WorkerConfig, consumer: str) -> Non
         loop.add_signal_handler(sig, batch_loop.stop)
     log.info(
         "worker %s serving %s on %s (batch_size=%d, max_latency=%gs, max_batch_cost=%d, "
-        "model_thread=%s, busy_poll=%dus)",
+        "model_thread=%s, busy_poll=%s)",
         consumer,
         keys.stream if keys.partitions == 1 else f"{keys.stream} and its partitions 1 to "
         f"{keys.partitions - 1}", model.device, settings.batch_size, settings.max_latency,
-        settings.max_batch_cost, settings.model_thread, round(settings.busy_poll_s * 1e6),
+        settings.max_batch_cost, settings.model_thread,
+        "auto" if settings.busy_poll_s is None else f"{round(settings.busy_poll_s * 1e6)}us",
     )  # fmt: skip
     try:
         await batch_loop.run()

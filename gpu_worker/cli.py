@@ -197,15 +197,18 @@ def start(
         ),
     ] = "auto",
     busy_poll_us: Annotated[
-        int,
+        str,
         typer.Option(
             help="Microseconds a worker with nothing left to do keeps polling Redis's socket "
             "before it sleeps until work comes: a request arriving meanwhile finds a core that "
-            "did not idle (on the CPU bench machine: ~0.1 ms less at concurrency 1). Costs up "
-            "to that much CPU time per batch when the queue runs dry; 0 (default) never spins. "
-            "Worth it with a core to spare per worker, e.g. a GPU worker: try 1000.",
+            "did not idle. auto (default): only while requests arrive less than 1 ms apart "
+            "(then twice the mean gap, at most 1000) and only while a whole core is spare "
+            "(the process's cores and CPU quota less the machine's load): off on a busy "
+            "machine, on for a GPU worker with cores to spare under dense traffic. "
+            "A number fixes it (costs up to that much CPU time per batch when the queue runs "
+            "dry); 0 never spins.",
         ),
-    ] = 0,
+    ] = "auto",
     max_queue_items: Annotated[
         str,
         typer.Option(

@@ -46,7 +46,9 @@ class BatchSettings:
     reclaim_every_s: float = 1.0
     reclaim_min_idle_ms: int = 200
     model_thread: str = "auto"  # "on", "off", or "auto": on for batches of 10 ms or more
-    busy_poll_s: float = 0.0  # how long a read with nothing in hand polls before it sleeps
+    # how long a read with nothing in hand polls before it sleeps; None: decided as it goes
+    # (gpu_worker.polling: only while arrivals are dense and a core is spare)
+    busy_poll_s: float | None = 0.0
     max_batch_cost: int = 0  # the most a batch's items may cost together (0: count items only)
 
     @classmethod
@@ -95,7 +97,7 @@ class WorkerConfig:
     heartbeat_ttl: float = 5.0
     max_deliveries: int = 3
     model_thread: str = "auto"
-    busy_poll_s: float = 0.0
+    busy_poll_s: float | None = None  # None: auto
     max_queue_items: int | None = None  # per live worker; None: auto; 0: no item bound
     max_queue_bytes: int | None = None  # in all; None: auto; 0: no byte bound
     partitions: int = 1  # streams the model's queue is spread over
@@ -109,7 +111,7 @@ class WorkerConfig:
         *,
         redis: str,
         cuda: str | None,
-        busy_poll_us: int,
+        busy_poll_us: str,
         max_queue_items: str,
         max_queue_bytes: str,
         **options: Any,
@@ -121,7 +123,7 @@ class WorkerConfig:
         return cls(
             redis_url=redis,
             cuda=parse_cuda(cuda) if cuda else None,
-            busy_poll_s=busy_poll_us / 1e6,
+            busy_poll_s=_busy_poll_s(busy_poll_us),
             max_queue_items=_auto_or_count("--max-queue-items", max_queue_items),
             max_queue_bytes=_auto_or_count("--max-queue-bytes", max_queue_bytes),
             **options,
@@ -161,8 +163,9 @@ class WorkerConfig:
                 f"--model-thread must be one of {', '.join(MODEL_THREAD_MODES)}",
             ),
             (
-                not 0 <= self.busy_poll_s <= MAX_BUSY_POLL_US / 1e6,
-                f"--busy-poll-us must be between 0 and {MAX_BUSY_POLL_US}",
+                self.busy_poll_s is not None
+                and not 0 <= self.busy_poll_s <= MAX_BUSY_POLL_US / 1e6,
+                f"--busy-poll-us must be auto or between 0 and {MAX_BUSY_POLL_US}",
             ),
             (below(self.max_queue_items, 0), f"--max-queue-items {queue_bound}"),
             (below(self.max_queue_bytes, 0), f"--max-queue-bytes {queue_bound}"),
@@ -202,6 +205,18 @@ class WorkerConfig:
     @classmethod
     def from_json(cls, text: str) -> WorkerConfig:
         return cls(**json.loads(text))
+
+
+def _busy_poll_s(value: str) -> float | None:
+    """``--busy-poll-us`` in seconds; None for auto (ValueError saying what is wrong)."""
+    if value.strip().lower() == "auto":
+        return None
+    try:
+        return int(value) / 1e6
+    except ValueError:
+        raise ValueError(
+            f"--busy-poll-us must be auto or a number of microseconds, not {value!r}"
+        ) from None
 
 
 def _auto_or_count(option: str, value: str) -> int | None:

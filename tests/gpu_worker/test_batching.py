@@ -109,7 +109,7 @@ async def serve_items(
     transport: InMemoryTransport | None = None,
     batch_size: int = 4,
     block_ms: int = 20,
-    busy_poll_s: float = 0.0,
+    busy_poll_s: float | None = 0.0,
 ) -> tuple[dict[str, Reply], float]:
     """Enqueue ``items`` at once, serve them with a BatchLoop until all are answered, stop.
 

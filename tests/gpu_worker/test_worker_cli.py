@@ -105,11 +105,29 @@ def test_a_busy_polling_worker_serves_and_says_so(
     assert "busy_poll=2000us" in log_path.read_text()
 
 
-@pytest.mark.parametrize("value", ["-1", "100001"])
-def test_a_busy_poll_out_of_range_gives_one_line(value: str) -> None:
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("-1", "--busy-poll-us must be auto or between 0 and 100000"),
+        ("100001", "--busy-poll-us must be auto or between 0 and 100000"),
+        ("soon", "--busy-poll-us must be auto or a number of microseconds, not 'soon'"),
+    ],
+)
+def test_a_bad_busy_poll_gives_one_line(value: str, message: str) -> None:
     result = run_worker_cli("--model", "tests.models:Toy", "--busy-poll-us", value)
     assert result.returncode == 2
-    assert result.stderr.strip() == "Error: --busy-poll-us must be between 0 and 100000"
+    assert result.stderr.strip() == f"Error: {message}"
+
+
+def test_busy_polling_is_automatic_by_default(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    log_path = tmp_path / "worker.log"
+    with worker_process(redis_server.url, "tests.models:Toy", prefix, log_path=log_path):
+        streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix)
+        assert [out["item"] for out in streamer.predict(["a", "b"])] == ["a", "b"]
+        streamer.close()
+    assert "busy_poll=auto" in log_path.read_text()
 
 
 # -- Redis at start-up, and after ------------------------------------------------------------------

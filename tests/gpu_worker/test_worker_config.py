@@ -71,10 +71,11 @@ class Defaults(ManagedModel):
 def test_a_models_defaults_are_resolved_the_same_way_for_workers_and_local_streamers() -> None:
     defaults = WorkerConfig(model="m").batch_settings(Defaults)
     assert (defaults.batch_size, defaults.max_latency, defaults.max_batch_cost) == (7, 0.25, 90)
-    with LocalStreamer(Defaults) as local:
-        assert local.settings == defaults
+    assert defaults.busy_poll_s is None  # a worker decides as it goes; an embedded loop,
+    with LocalStreamer(Defaults) as local:  # shared with its callers, never spins
+        assert local.settings == dataclasses.replace(defaults, busy_poll_s=0.0)
 
-    worker = WorkerConfig(model="m", batch_size=3, max_latency=0.0, max_batch_cost=0)
+    worker = WorkerConfig(model="m", batch_size=3, max_latency=0.0, max_batch_cost=0, busy_poll_s=0)
     settings = worker.batch_settings(Defaults)
     assert (settings.batch_size, settings.max_latency, settings.max_batch_cost) == (3, 0.0, 0)
     assert settings == BatchSettings.for_model(Defaults, 3, 0.0, 0)
