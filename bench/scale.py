@@ -9,9 +9,12 @@ bytes per request of each host.
 
 (b) *shards*: a Redis Cluster of 1, 2 and 3 primaries on this machine's loopback, each
 redis-server capped by a cgroup (v1 ``cpu.cfs_quota_us`` or v2 ``cpu.max``) at ``--redis-cpu``
-CPUs, serving six :class:`bench.models.Identity` models whose hash slots spread evenly over the
-shards (one queue per model: the stand-in for a partitioned queue). Caller processes keep many
-calls open on every model; the items/s answered, and each process kind's CPU per item.
+CPUs, serving one :class:`bench.models.Identity` model whose queue is partitioned six ways
+(``worker start --partitions 6``), named so that its six partition streams fall in the six
+sixths of the slot space: every primary serves the same number of partitions
+(``--layout models``: six unpartitioned models spread the same way instead, the earlier
+stand-in). Caller processes keep many calls open; the items/s answered, each process kind's
+CPU per item, and each primary's Redis CPU.
 
 Results go to ``bench/results/scale/``. Needs root (namespaces, cgroups). ``--quick``: a smoke
 run of about a minute.
@@ -45,6 +48,7 @@ SLOTS = 16384
 PREFIX = "scale"
 IDENTITY = "bench.models:Identity"
 MODELS = 6  # spread evenly over 1, 2 or 3 shards
+PARTITIONS = 6  # of the one model of the partitioned layout, spread the same way
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -129,6 +133,17 @@ def model_names(count: int = MODELS) -> list[str]:
     return names
 
 
+def partitioned_name(partitions: int = PARTITIONS) -> str:
+    """A model name whose ``partitions`` partition streams fall one in each 1/partitions of
+    the slot space, so that any shard count dividing ``partitions`` serves as many of them."""
+
+    def parts(name: str) -> list[int]:
+        keys = ModelKeys(name, PREFIX, partitions=partitions)
+        return sorted(key_slot(each.stream) * partitions // SLOTS for each in keys.each())
+
+    return next(f"p{k}" for k in range(1_000_000) if parts(f"p{k}") == list(range(partitions)))
+
+
 @contextmanager
 def cluster(shards: int, cpus: float) -> Iterator[tuple[str, list[RedisServer], str]]:
     """(redis+cluster:// URL, nodes, cgroup kind) of ``shards`` capped primaries, slots in
@@ -174,22 +189,26 @@ def _cluster_ok(node: RedisServer, shards: int) -> bool:
         client.close()
 
 
-def redis_counters(nodes: list[RedisServer]) -> dict[str, float]:
-    """Summed over nodes: CPU seconds used and commands' microseconds (INFO)."""
+def redis_counters(nodes: list[RedisServer]) -> dict[str, Any]:
+    """Summed over nodes: CPU seconds used and commands' microseconds (INFO); and each node's
+    CPU seconds."""
     cpu = usec = calls = 0.0
+    each: list[float] = []
     for node in nodes:
         client = node.client()
         info = client.info("cpu")
-        cpu += float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+        each.append(float(info["used_cpu_user"]) + float(info["used_cpu_sys"]))
+        cpu += each[-1]
         for stats in client.info("commandstats").values():
             usec += float(stats["usec"])
             calls += float(stats["calls"])
         client.close()
-    return {"cpu_s": cpu, "command_usec": usec, "commands": calls}
+    return {"cpu_s": cpu, "command_usec": usec, "commands": calls, "node_cpu_s": each}
 
 
 async def _callers(config: dict[str, Any]) -> dict[str, Any]:
-    """One caller process: ``concurrency`` call loops on every model, for warm-up + seconds."""
+    """One caller process: ``concurrency`` call loops split evenly over the models, for
+    warm-up + seconds."""
     from broker import Streamer
 
     streamers = [
@@ -218,7 +237,8 @@ async def _callers(config: dict[str, Any]) -> dict[str, Any]:
         await asyncio.sleep(max(0.0, end - time.monotonic()))
         cpu["end"] = time.process_time()
 
-    tasks = [loop(s) for s in streamers for _ in range(config["concurrency"])]
+    each = max(1, config["concurrency"] // len(streamers))
+    tasks = [loop(s) for s in streamers for _ in range(each)]
     await asyncio.gather(mark(), *tasks)
     for streamer in streamers:
         await streamer.aclose()
@@ -250,18 +270,30 @@ def _stop(processes: list[subprocess.Popen[bytes]]) -> None:
             process.wait(10)
 
 
+def _start_workers(
+    url: str, names: list[str], args: argparse.Namespace, log_to: Path
+) -> list[subprocess.Popen[bytes]]:
+    """One `worker start` per model: of ``--workers`` processes over ``PARTITIONS``
+    partitions (partitioned layout), or of one process (six models)."""
+    partitioned = args.layout == "partitions"
+    extra = ["--partitions", str(PARTITIONS), "--workers", str(args.workers)] if partitioned else []
+    workers = []
+    for name in names:
+        cmd = [sys.executable, "-m", "gpu_worker.cli", "start", "--model", IDENTITY,
+               "--name", name, "--redis", url, "--prefix", PREFIX,
+               "--max-latency", "0", "--batch-size", str(args.batch_size), *extra]  # fmt: skip
+        workers.append(_spawn(cmd, log_to.with_name(f"{log_to.name}-{name}.log")))
+    _wait_workers(url, names, PARTITIONS if partitioned else 1, args.workers if partitioned else 1)
+    return workers
+
+
 def run_shards(shards: int, cpus: float, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    names = model_names()
+    names = [partitioned_name()] if args.layout == "partitions" else model_names()
     with cluster(shards, cpus) as (url, nodes, cap_kind):
         workers: list[subprocess.Popen[bytes]] = []
         callers: list[subprocess.Popen[bytes]] = []
         try:
-            for name in names:
-                cmd = [sys.executable, "-m", "gpu_worker.cli", "start", "--model", IDENTITY,
-                       "--name", name, "--redis", url, "--prefix", PREFIX,
-                       "--max-latency", "0", "--batch-size", str(args.batch_size)]  # fmt: skip
-                workers.append(_spawn(cmd, workdir / f"worker-{shards}-{name}.log"))
-            _wait_workers(url, names)
+            workers = _start_workers(url, names, args, workdir / f"worker-{shards}")
             outs = []
             for index in range(args.callers):
                 outs.append(workdir / f"caller-{shards}-{index}.json")
@@ -292,10 +324,17 @@ def run_shards(shards: int, cpus: float, args: argparse.Namespace, workdir: Path
         for kind, n in g["errors"].items():
             errors[kind] = errors.get(kind, 0) + n
     redis_cpu = redis1["cpu_s"] - redis0["cpu_s"]
+    node_cpu = [
+        (b - a) / wall for a, b in zip(redis0["node_cpu_s"], redis1["node_cpu_s"], strict=True)
+    ]
     per_item = max(items, 1)
+    partitioned = args.layout == "partitions"
     result = {
         "shards": shards,
+        "layout": args.layout,
         "models": names,
+        "partitions": PARTITIONS if partitioned else 1,
+        "worker_processes": args.workers if partitioned else len(names),
         "cgroup": cap_kind,
         "redis_cpu_cap": cpus,
         "items": items,
@@ -303,31 +342,42 @@ def run_shards(shards: int, cpus: float, args: argparse.Namespace, workdir: Path
         "items_per_s": items / args.seconds,
         "errors": errors,
         "redis_cpu_used": redis_cpu / wall,  # CPUs, summed over shards
+        "redis_cpu_used_per_shard": node_cpu,  # the first holds partition 0 (and the inboxes)
         "redis_cpu_us_per_item": redis_cpu / per_item * 1e6,
         "redis_command_us_per_item": (redis1["command_usec"] - redis0["command_usec"]) / per_item,
         "redis_commands_per_item": (redis1["commands"] - redis0["commands"]) / per_item,
         "worker_cpu_us_per_item": worker_cpu / per_item * 1e6,
         "caller_cpu_us_per_item": sum(g["cpu_s"] for g in got) / per_item * 1e6,
     }
+    per_shard = ", ".join(f"{used:.3f}" for used in node_cpu)
     log(
         f"{shards} shard(s): {result['items_per_s']:.0f} items/s, Redis at "
-        f"{result['redis_cpu_used']:.2f} CPU of {shards * cpus:.2f}, errors {errors}"
+        f"{result['redis_cpu_used']:.2f} CPU of {shards * cpus:.2f} ({per_shard}), "
+        f"errors {errors}"
     )
     return result
 
 
-def _wait_workers(url: str, names: list[str]) -> None:
+def _wait_workers(url: str, names: list[str], partitions: int, processes: int) -> None:
+    """Until each model has ``processes`` live workers, every partition stream exists and the
+    partition count is stored (callers read it before their first call)."""
     from broker.connections import sync_client
     from broker.liveness import live_consumers
 
     client = sync_client(url)
     deadline = time.monotonic() + 120
+
+    def ready(keys: ModelKeys) -> bool:
+        streams = all(client.exists(each.stream) for each in keys.each())
+        stored = partitions == 1 or client.get(keys.partitions_key) == str(partitions).encode()
+        return streams and stored and len(live_consumers(client, keys)) >= processes
+
     try:
         for name in names:
-            keys = ModelKeys(name, PREFIX)
-            while not (client.exists(keys.stream) and live_consumers(client, keys)):
+            keys = ModelKeys(name, PREFIX, partitions=partitions)
+            while not ready(keys):
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"no live worker of {name} within 120 s")
+                    raise RuntimeError(f"{name}'s workers were not ready within 120 s")
                 time.sleep(0.2)
     finally:
         client.close()
@@ -461,7 +511,10 @@ def plot(caps: list[dict[str, Any]], path: Path) -> bool:
         xs = [r["shards"] for r in cap["runs"]]
         ys = [r["items_per_s"] / cap["runs"][0]["items_per_s"] for r in cap["runs"]]
         first = cap["runs"][0]["items_per_s"]
-        label = f"Redis capped at {cap['redis_cpu']:g} CPU each ({first:,.0f}/s at {xs[0]})"
+        shape = (
+            "six models" if cap.get("layout") == "models" else f"one model, {PARTITIONS} partitions"
+        )
+        label = f"{shape}, Redis at {cap['redis_cpu']:g} CPU each ({first:,.0f}/s at {xs[0]})"
         ax.plot(xs, ys, "o-", label=label)
         ax.set_xticks(xs)
     ax.plot(xs, [x / xs[0] for x in xs], ":", color="grey", label="linear")
@@ -486,9 +539,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="0.25,0.03",
         help="(b) CPUs per redis-server, comma-separated: one series each",
     )
+    parser.add_argument(
+        "--layout",
+        choices=["partitions", "models"],
+        default="partitions",
+        help=f"(b) one model of {PARTITIONS} partitions, or {MODELS} unpartitioned models",
+    )
     parser.add_argument("--callers", type=int, default=2, help="(b) caller processes")
     parser.add_argument(
-        "--concurrency", type=int, default=32, help="(b) open calls per model per caller process"
+        "--concurrency",
+        type=int,
+        default=192,
+        help="(b) open calls per caller process (split evenly over the models)",
+    )
+    parser.add_argument(
+        "--workers", type=int, default=2, help="(b) worker processes of the partitioned model"
     )
     parser.add_argument("--batch-size", type=int, default=64, help="(b) worker batch size")
     parser.add_argument("--seconds", type=float, default=12.0, help="(b) measured seconds")
@@ -528,7 +593,7 @@ def main(argv: list[str] | None = None) -> None:
             caps = []
             for cpus in (float(c) for c in args.redis_cpu.split(",")):
                 runs = [run_shards(int(n), cpus, args, workdir) for n in args.shards.split(",")]
-                cap: dict[str, Any] = {"redis_cpu": cpus, "runs": runs}
+                cap: dict[str, Any] = {"redis_cpu": cpus, "layout": args.layout, "runs": runs}
                 if len(runs) > 1 and runs[0]["items_per_s"]:
                     cap["ratio_last_to_first"] = runs[-1]["items_per_s"] / runs[0]["items_per_s"]
                     log(
@@ -536,10 +601,8 @@ def main(argv: list[str] | None = None) -> None:
                         f" shards = {cap['ratio_last_to_first']:.2f}"
                     )
                 caps.append(cap)
-            settings = {
-                k: getattr(args, k)
-                for k in ("callers", "concurrency", "batch_size", "seconds", "warmup")
-            }
+            knobs = ("layout", "callers", "concurrency", "workers", "batch_size", "seconds")
+            settings = {k: getattr(args, k) for k in (*knobs, "warmup")}
             report["shards"] = {"settings": settings, "caps": caps}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")

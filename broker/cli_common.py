@@ -18,6 +18,10 @@ from .logs import parse_format, parse_level
 CONTEXT_SETTINGS: dict[str, Any] = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 LOG_LEVEL_HELP = "debug, info, warning, error or critical (any case)."
 LOG_FORMAT_HELP = "text, or json: one JSON object per line."
+PREFIX_HELP = (
+    "Key prefix: separates deployments in one Redis (the gateways and workers of one "
+    "deployment use the same)."
+)
 REDIS_HELP = (
     "Redis URL: redis://[user:password@]host:port/db (rediss:// for TLS), or "
     "redis+sentinel://[user:password@]host:26379,host:26379/service[/db] for a Sentinel "

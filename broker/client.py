@@ -22,7 +22,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import codec
 from .deadlines import Deadlines
@@ -35,14 +35,16 @@ from .errors import (
     error_from_wire,
 )
 from .handoff import CallFuture, Mailbox, Relay, Waiter
-from .keys import DEFAULT_PREFIX, ModelKeys
+from .keys import ModelKeys
 from .logs import Every, ThrottledWarning
 from .loop_thread import LoopThread
 from .partitions import split_bound
 from .protocol import CallRequests, Reply, decode_reply
-from .redis_url import parse as parse_redis_url
 from .transport import UNBOUNDED, QueueBound, Transport
-from .worker_watch import CHECK_EVERY_S, DEFAULT_GRACE_S, WorkerWatch
+from .worker_watch import CHECK_EVERY_S, WorkerWatch
+
+if TYPE_CHECKING:
+    from .client_settings import ClientSettings
 
 log = logging.getLogger("microbatch.client")
 
@@ -553,6 +555,11 @@ class Streamer:
     withdrawn; with ``wait_for_workers=True`` calls wait for a worker until their timeout
     instead (e.g. while workers scale up from zero). Safe to share between threads, and across
     fork: each process makes its own connections on first use.
+
+    Every keyword argument but ``model`` is a field of :class:`broker.client_settings.
+    ClientSettings` (``client_settings``): each one given wins over ``settings=``, which
+    defaults to the environment (``MICROBATCH_CLIENT_<FIELD>``; ``REDIS_URL`` too) and the
+    defaults.
     """
 
     # Whether apredict may run on the caller's loop (False where the transport lives on the
@@ -563,23 +570,36 @@ class Streamer:
         self,
         name: str,
         redis_url: str | None = None,
-        prefix: str = DEFAULT_PREFIX,
+        prefix: str | None = None,
         model: Any = None,
         *,
-        timeout: float = DEFAULT_TIMEOUT_S,
-        max_queue_items: int = 0,
-        max_queue_bytes: int = 0,
-        wait_for_workers: bool = False,
-        workers_grace: float = DEFAULT_GRACE_S,
+        timeout: float | None = None,
+        max_queue_items: int | None = None,
+        max_queue_bytes: int | None = None,
+        wait_for_workers: bool | None = None,
+        workers_grace: float | None = None,
+        settings: ClientSettings | None = None,
     ) -> None:
-        self.keys = ModelKeys(name, prefix)
-        self.bound = QueueBound(max_queue_items, max_queue_bytes)
-        self.wait_for_workers = wait_for_workers
-        self.workers_grace = WorkerWatch(workers_grace).grace_s  # checked here
-        self.redis_url = redis_url or os.environ.get("REDIS_URL", DEFAULT_REDIS_URL)
-        if redis_url is not None:  # a malformed URL fails here (RedisURLError, a ValueError)
-            parse_redis_url(redis_url)
-        self.timeout = _check_timeout(timeout)
+        from .client_settings import ClientSettings
+
+        # Each argument given wins over ``settings`` (default: the environment's
+        # MICROBATCH_CLIENT_*, REDIS_URL, then the defaults); a bad one raises a ValueError here.
+        self.client_settings = config = ClientSettings.resolve(
+            settings,
+            redis_url=redis_url,
+            prefix=prefix,
+            timeout=timeout,
+            max_queue_items=max_queue_items,
+            max_queue_bytes=max_queue_bytes,
+            wait_for_workers=wait_for_workers,
+            workers_grace=workers_grace,
+        )
+        self.keys = ModelKeys(name, config.prefix)
+        self.bound = QueueBound(config.max_queue_items, config.max_queue_bytes)
+        self.wait_for_workers = config.wait_for_workers
+        self.workers_grace = config.workers_grace
+        self.redis_url = config.redis_url
+        self.timeout = config.timeout
         self.model = model() if isinstance(model, type) else model
         self._reset_for_process()
 

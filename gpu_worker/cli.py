@@ -14,10 +14,13 @@ import typer
 
 from broker.cli_common import (
     CONTEXT_SETTINGS,
+    PREFIX_HELP,
     fail,
     log_format_option,
     log_level_option,
     new_app,
+    prefix_option,
+    redis_option,
     version_option,
 )
 from broker.client import DEFAULT_REDIS_URL
@@ -102,20 +105,8 @@ def start(
         int,
         typer.Option(min=1, help="CPU worker processes (without --cuda)."),
     ] = 1,
-    prefix: Annotated[
-        str,
-        typer.Option(help="Key prefix: separates deployments in one Redis."),
-    ] = DEFAULT_PREFIX,
-    redis: Annotated[
-        str,
-        typer.Option(
-            envvar="REDIS_URL",
-            help="Redis URL: redis://[user:password@]host:port/db (rediss:// for TLS), or "
-            "redis+sentinel://[user:password@]host:26379,host:26379/service[/db] for a "
-            "Sentinel service's master, or redis+cluster://[user:password@]host:port[,host:port] "
-            "for a Redis Cluster (docs/deployment.md).",
-        ),
-    ] = DEFAULT_REDIS_URL,
+    prefix: Annotated[str, prefix_option(PREFIX_HELP)] = DEFAULT_PREFIX,
+    redis: Annotated[str, redis_option()] = DEFAULT_REDIS_URL,
     redis_wait: Annotated[
         float,
         typer.Option(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from broker.client import DEFAULT_TIMEOUT_S, ClientCore, Streamer
+from broker.client_settings import ClientSettings
 from broker.memory_transport import InMemoryTransport
 from broker.transport import Transport
 
@@ -42,14 +43,14 @@ class LocalStreamer(Streamer):
         max_batch_cost: int | None = None,
     ) -> None:
         instance = model(device=device) if isinstance(model, type) else model
-        super().__init__(
-            instance.name,
+        # Nothing from the environment: the MICROBATCH_CLIENT_* settings are for Redis clients.
+        client = ClientSettings.from_values(
             prefix=LOCAL_PREFIX,
-            model=instance,
             timeout=timeout,
             max_queue_items=max_queue_items,
             wait_for_workers=True,  # its worker is the batch loop in this process
         )
+        super().__init__(instance.name, model=instance, settings=client)
         self.settings = BatchSettings.for_model(
             instance, batch_size, max_latency, max_batch_cost, model_thread=model_thread
         )

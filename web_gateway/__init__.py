@@ -25,13 +25,10 @@ __all__ = ["GatewaySettings", "create_app", "package_version"]
 
 
 def package_version() -> str:
-    """The installed microbatch version ("0" when run from a tree that is not installed)."""
-    try:
-        from importlib.metadata import version
+    """The installed microbatch version, as every command's ``--version`` prints it."""
+    from broker.cli_common import version
 
-        return version("microbatch")
-    except Exception:
-        return "0"
+    return version()
 
 
 def __getattr__(name: str) -> Any:

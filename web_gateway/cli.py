@@ -9,47 +9,47 @@ fails at once, exit code 2), then served whole by gunicorn in this process.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from pydantic import ValidationError
 
-from . import package_version
+from broker.cli_common import (
+    CONTEXT_SETTINGS,
+    PREFIX_HELP,
+    fail,
+    log_format_option,
+    log_level_option,
+    new_app,
+    prefix_option,
+    redis_option,
+    version_option,
+)
+
 from .settings import ENV_PREFIX, GatewaySettings
 
 FIELDS = GatewaySettings.model_fields
-
-app = typer.Typer(
-    help="The microbatch HTTP gateway: FastAPI under gunicorn with uvicorn workers.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-    rich_markup_mode=None,
-    context_settings={"help_option_names": ["-h", "--help"]},
+EXIT_STATUS = (
+    "Exit status: 0 after a graceful stop (SIGTERM, Ctrl-C); 2 for a bad option or a --model "
+    "that cannot be imported; gunicorn's 3 when a worker process cannot boot, or 4 when one "
+    "cannot load the app."
 )
 
-
-def _print_version(value: bool) -> None:
-    if value:
-        typer.echo(f"gateway, version {package_version()}")
-        raise typer.Exit()
+app = new_app("The microbatch HTTP gateway: FastAPI under gunicorn with uvicorn workers.")
 
 
 @app.callback()
-def _root(
-    version: bool = typer.Option(
-        False,
-        "--version",
-        callback=_print_version,
-        is_eager=True,
-        help="Print the version and exit.",
-    ),
-) -> None:
+def _root(version: Annotated[bool, version_option()] = False) -> None:
     """microbatch HTTP gateway."""
 
 
+def _default(field: str) -> Any:
+    return FIELDS[field].default
+
+
 def _option(field: str, *names: str, **kwargs: Any) -> Any:
-    """The option of settings field ``field``: its default and its description."""
+    """The option of settings field ``field``: its default and its description (the options
+    every command shares come from broker.cli_common instead)."""
     info = FIELDS[field]
     default = ... if field == "model" else info.default
     return typer.Option(default, *names, help=info.description, **kwargs)
@@ -67,11 +67,14 @@ def describe(exc: ValidationError) -> str:
     return f"{option}: {error['msg']}"
 
 
-@app.command(context_settings={"auto_envvar_prefix": ENV_PREFIX.rstrip("_")})
+@app.command(
+    epilog=EXIT_STATUS,
+    context_settings={**CONTEXT_SETTINGS, "auto_envvar_prefix": ENV_PREFIX.rstrip("_")},
+)
 def start(
     model: list[str] = _option("model", metavar="<str>"),
-    prefix: str = _option("prefix"),
-    redis: str = _option("redis_url", "--redis", envvar="REDIS_URL"),
+    prefix: Annotated[str, prefix_option(PREFIX_HELP)] = _default("prefix"),
+    redis: Annotated[str, redis_option()] = _default("redis_url"),
     host: str = _option("host"),
     port: int = _option("port"),
     workers: int = _option("workers"),
@@ -88,8 +91,10 @@ def start(
     keepalive_timeout: float = _option("keepalive_timeout"),
     max_connections: int = _option("max_connections"),
     graceful_timeout: float = _option("graceful_timeout"),
-    log_level: str = _option("log_level"),
-    log_format: str = _option("log_format"),
+    log_level: Annotated[str, log_level_option(f"{ENV_PREFIX}LOG_LEVEL")] = _default("log_level"),
+    log_format: Annotated[str, log_format_option(f"{ENV_PREFIX}LOG_FORMAT")] = _default(
+        "log_format"
+    ),
     access_log: bool = _option("access_log", "--access-log/--no-access-log"),
     app_dir: str = typer.Option(
         ".",
@@ -130,8 +135,7 @@ def _checked(options: dict[str, Any]) -> GatewaySettings:
         if not names:
             raise ValueError("give at least one --model")
     except (ValueError, OSError, ModelLoadError) as exc:
-        typer.echo(f"Error: {exc}", err=True)
-        raise typer.Exit(2) from None
+        fail(str(exc))
     return settings
 
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from broker.cli_common import REDIS_HELP
+from broker.cli_common import PREFIX_HELP, REDIS_HELP
 from broker.client import DEFAULT_REDIS_URL
 from broker.keys import DEFAULT_PREFIX, check_prefix
 from broker.logs import parse_format, parse_level
@@ -55,7 +55,7 @@ class GatewaySettings(BaseSettings):
         description="Import path 'module:Class' of a ManagedModel subclass to serve; repeat for "
         "several models (env: comma- or space-separated).",
     )
-    prefix: str = Field(default=DEFAULT_PREFIX, description="Key prefix: the one the workers use.")
+    prefix: str = Field(default=DEFAULT_PREFIX, description=PREFIX_HELP)
     redis_url: str = Field(
         default=DEFAULT_REDIS_URL,
         validation_alias=AliasChoices("redis_url", "REDIS_URL", f"{ENV_PREFIX}REDIS_URL"),

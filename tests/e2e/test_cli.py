@@ -20,7 +20,7 @@ from broker.logs import TEXT_FORMAT, configure_logging
 from tests.conftest import ROOT
 
 # (module, the command's name); each module has ``app``, a Typer app.
-CLIS = [("gpu_worker.cli", "worker"), ("broker.cli", "broker")]
+CLIS = [("gpu_worker.cli", "worker"), ("broker.cli", "broker"), ("web_gateway.cli", "gateway")]
 BOX = re.compile("[\u2500-\u257f]")  # box-drawing characters: rich's panels
 
 

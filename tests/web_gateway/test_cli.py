@@ -1,4 +1,4 @@
-"""`gateway start`'s command line and logs: help like the other CLIs, -h, --version, log levels,
+"""`gateway start`'s command line and logs: help like the other CLIs, -h, log levels,
 the access log, a start-up line without credentials, and a quiet shutdown."""
 
 from __future__ import annotations
@@ -7,7 +7,6 @@ import os
 import re
 import subprocess
 import sys
-from importlib.metadata import version
 from pathlib import Path
 
 import httpx
@@ -50,12 +49,6 @@ def test_help_is_plain_text_with_every_env_var_whole_and_h_is_help() -> None:
     assert "redis://[user:password@]host:port/db" in text
     assert gateway("start", "-h").stdout == text
     assert "-h, --help" in gateway("-h").stdout
-
-
-def test_version_prints_the_version_and_exits_0() -> None:
-    shown = gateway("--version")
-    assert shown.returncode == 0
-    assert shown.stdout.strip() == f"gateway, version {version('microbatch')}"
 
 
 def test_log_level_takes_the_five_levels_in_any_case_and_nothing_else() -> None:

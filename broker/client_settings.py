@@ -1,0 +1,120 @@
+"""The client's settings: the one object a :class:`~broker.client.Streamer` is configured by.
+
+Constructor arguments win, else the environment (``MICROBATCH_CLIENT_<FIELD>``, the one
+prefix), else the defaults stated here. ``redis_url`` reads ``MICROBATCH_CLIENT_REDIS_URL``,
+else ``REDIS_URL`` (the variable every microbatch command shares). ``Streamer``'s keyword
+arguments of the same names win over a ``settings=`` object and over the environment.
+
+Imported by a Streamer when it is made, not by ``import broker`` (pydantic is slow to import).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import AliasChoices, Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .client import DEFAULT_REDIS_URL, DEFAULT_TIMEOUT_S
+from .keys import DEFAULT_PREFIX, check_prefix
+from .redis_url import parse as parse_redis_url
+from .worker_watch import DEFAULT_GRACE_S
+
+ENV_PREFIX = "MICROBATCH_CLIENT_"
+
+
+class ClientSettings(BaseSettings):
+    """Everything a Streamer is told, one field per keyword argument of the same name."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+    redis_url: str = Field(
+        default=DEFAULT_REDIS_URL,
+        validation_alias=AliasChoices(f"{ENV_PREFIX}REDIS_URL", "REDIS_URL"),
+        description="Redis URL, in any form that `worker start --redis` takes.",
+    )
+    prefix: str = Field(default=DEFAULT_PREFIX, description="Key prefix: the one the workers use.")
+    timeout: float = Field(
+        default=DEFAULT_TIMEOUT_S,
+        description="Seconds a call may wait for its results when it is given no timeout.",
+    )
+    max_queue_items: int = Field(
+        default=0,
+        ge=0,
+        description="An extra cap on the model's queued items, stricter than the bound its "
+        "workers store with it, never looser (0: only the model's bound).",
+    )
+    max_queue_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="An extra cap on the model's queued payload bytes (0: only the model's).",
+    )
+    wait_for_workers: bool = Field(
+        default=False,
+        description="Let calls wait for a worker until their timeout, however long the model "
+        "has had none, instead of failing with NoWorkers after workers_grace seconds.",
+    )
+    workers_grace: float = Field(
+        default=DEFAULT_GRACE_S,
+        description="Seconds the model may have no live worker before its calls fail with "
+        "NoWorkers (at least twice the workers' --heartbeat-ttl).",
+    )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, value: str) -> str:
+        parse_redis_url(value)  # RedisURLError (a ValueError) saying what is wrong
+        return value
+
+    @field_validator("prefix")
+    @classmethod
+    def _check_prefix(cls, value: str) -> str:
+        return check_prefix(value)
+
+    @field_validator("timeout")
+    @classmethod
+    def _check_timeout(cls, value: float) -> float:
+        if not value > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, not {value!r}")
+        return value
+
+    @field_validator("workers_grace")
+    @classmethod
+    def _check_grace(cls, value: float) -> float:
+        if not value > 0:
+            raise ValueError(f"the workers' grace period must be positive, not {value!r}")
+        return value
+
+    @classmethod
+    def from_values(cls, **values: Any) -> ClientSettings:
+        """``values`` and the defaults, without reading the environment."""
+        # The environment only fills the fields that were not given: give them all.
+        fields = cls.model_fields.items()
+        defaults = {name: field.get_default(call_default_factory=True) for name, field in fields}
+        return cls(**{**defaults, **values})
+
+    @classmethod
+    def resolve(cls, base: ClientSettings | None = None, **given: Any) -> ClientSettings:
+        """``base`` (else the environment and the defaults), with the ``given`` values that are
+        not None over it. A bad value raises the ValueError its check raised (RedisURLError for
+        a bad URL), or a ValueError naming the setting."""
+        given = {key: value for key, value in given.items() if value is not None}
+        try:
+            if base is None:
+                return cls(**given)
+            return cls.from_values(**{**base.model_dump(), **given})
+        except ValidationError as exc:
+            raise first_error(exc) from None
+
+
+def first_error(exc: ValidationError) -> ValueError:
+    """The first problem of invalid settings as one ValueError: the check's own error where a
+    check raised one, else ``<setting>: <pydantic's message>``."""
+    error = exc.errors()[0]
+    raised = error.get("ctx", {}).get("error")
+    if error["type"] == "value_error" and isinstance(raised, ValueError):
+        return raised
+    where = ".".join(str(part) for part in error["loc"])
+    return ValueError(f"{where}: {error['msg']}" if where else str(error["msg"]))
