@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -16,11 +19,13 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
+import redis
 
-from broker import DeadlineExceeded, ModelError, Streamer
+from broker import DeadlineExceeded, ModelError, Streamer, acl, functions
 from broker.devserver import RedisServer
 from broker.keys import ModelKeys
 from broker.protocol import decode_reply, entry_time_ms, request_fields
+from broker.redis_transport import RedisTransport
 from tests.conftest import ROOT, wait_for_consumers, wait_until, worker_process
 from tests.e2e.test_gateway import gateway_process
 from tests.models import DELAY_ENV, RECORD_ENV
@@ -267,3 +272,49 @@ def test_a_stage_worker_refuses_what_pipelines_do_not_support(
         done = start(*args)
         assert done.returncode == 2, done.stderr
         assert said in done.stderr
+
+
+def acl_setuser(line: str) -> list[str]:
+    """``ACL SETUSER`` arguments of one ACL file line (a selector in parentheses is one)."""
+    tokens = re.findall(r"\([^)]*\)|\S+", line)
+    assert tokens[0] == "user"
+    return tokens[1:]
+
+
+@pytest.mark.slow
+def test_a_pipeline_runs_with_the_tenants_acl_users_and_nothing_is_refused(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    client = redis_server.client()
+    client.execute_command(*functions.LOAD_COMMAND)  # the operator's job
+    passwords = {role: uuid.uuid4().hex for role in ("GATEWAY", "WORKER")}
+    env = {f"PW_{role}": password for role, password in passwords.items()}
+    lines, _ = acl.render([prefix], password_env="PW_{ROLE}", environ=env)
+    for line in lines:
+        client.execute_command("ACL", "SETUSER", *acl_setuser(line))
+    client.acl_log_reset()
+    host = redis_server.url.split("//", 1)[1]
+
+    def url(role: str) -> str:
+        return f"redis://{prefix}-{role.lower()}:{passwords[role]}@{host}"
+
+    items = inputs(3)
+    with (
+        stages(url("WORKER"), prefix, "fan", ["embed", "polarity", "topic"]),
+        Streamer("fan", redis_url=url("GATEWAY"), prefix=prefix) as streamer,
+    ):
+        assert len(streamer.predict(items, timeout=20)) == 3
+
+    async def withdraw() -> None:  # what a caller that gives up sends: request ids included
+        transport = RedisTransport(url("GATEWAY"))
+        await transport.cancel(ModelKeys("fan", prefix), [("0-1", 1)], ["r-1"])
+        await transport.close()
+
+    asyncio.run(withdraw())
+    assert client.zrange(ModelKeys("fan", prefix).withdrawn, 0, -1) == [b"r-1"]
+    denied = [entry for entry in client.acl_log() if entry["username"].startswith(prefix)]
+    assert denied == []
+    # the users stay confined: a stage worker may not write outside its tenant's keys
+    worker = redis.Redis.from_url(url("WORKER"))
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        worker.xadd("mb:{other:fan.polarity}:requests", {"v": "1"})
