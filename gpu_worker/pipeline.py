@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from broker.keys import ModelKeys, check_name, stage_keys_name
 
-from .model import ManagedModel, ModelLoadError, load_model_class
+from .model import ManagedModel, ModelLoadError, TensorSpec, load_model_class
 
 __all__ = ["Pipeline", "Stage", "load_stage"]
 
@@ -84,8 +84,9 @@ class Pipeline(ManagedModel):
     """Base class of a declared pipeline of models (a chain, or a tree that fans out).
 
     Subclasses set ``name`` and ``stages``. ``inputs``, ``preprocess`` default to the first
-    stage's model's; ``outputs`` and ``postprocess`` to the single leaf's (several leaves:
-    ``postprocess`` applies each leaf's to its entry of the joined map). Override any of them.
+    stage's model's; ``outputs`` and ``postprocess`` to the single leaf's (several leaves: one
+    output per leaf, named after it, where each declares one; ``postprocess`` applies each
+    leaf's to its entry of the joined map). Override any of them.
     A pipeline computes nothing itself: each stage runs in its own workers.
     """
 
@@ -101,9 +102,20 @@ class Pipeline(ManagedModel):
         # inputs and outputs are theirs, and a wrong path fails here, not in a worker.
         if "inputs" not in cls.__dict__:
             cls.inputs = list(cls.stage(cls.first()).model_class().inputs)
+        if "outputs" not in cls.__dict__:
+            cls.outputs = cls._leaf_outputs()
+
+    @classmethod
+    def _leaf_outputs(cls) -> list[TensorSpec]:
+        """The single leaf's outputs; with several leaves, one output per leaf named after it
+        (as the joined answer's map is), where each leaf declares exactly one."""
         leaves = cls.leaves()
-        if "outputs" not in cls.__dict__ and len(leaves) == 1:
-            cls.outputs = list(cls.stage(leaves[0]).model_class().outputs)
+        specs = {leaf: cls.stage(leaf).model_class().outputs for leaf in leaves}
+        if len(leaves) == 1:
+            return list(specs[leaves[0]])
+        if all(len(outputs) == 1 for outputs in specs.values()):
+            return [TensorSpec(leaf, out[0].datatype, out[0].shape) for leaf, out in specs.items()]
+        return []
 
     # -- the graph --------------------------------------------------------------------------
     @classmethod

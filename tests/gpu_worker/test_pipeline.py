@@ -23,7 +23,11 @@ def test_a_chain_and_a_fan_out_declare_their_graph() -> None:
     assert Fan.leaves() == ["polarity", "topic"]
     # to callers a pipeline is a model: the first stage's inputs, the single leaf's outputs
     assert Chain.inputs == Embed.inputs and Chain.outputs == Polarity.outputs
-    assert Fan.outputs == []  # several leaves: declare them on the class if wanted
+    # several leaves: one output per leaf, named after it, as the joined answer's map is
+    assert [(o.name, o.datatype, o.shape) for o in Fan.outputs] == [
+        ("polarity", "FP32", [2]),
+        ("topic", "FP32", [3]),
+    ]
 
 
 def test_stage_keys_are_the_pipelines_own_then_their_own_with_the_pipelines_inboxes() -> None:
