@@ -26,6 +26,7 @@ from broker.devserver import RedisServer
 from broker.keys import ModelKeys
 from broker.protocol import decode_reply, entry_time_ms, request_fields
 from broker.redis_transport import RedisTransport
+from tests.cluster_local import LocalCluster
 from tests.conftest import ROOT, wait_for_consumers, wait_until, worker_process
 from tests.e2e.test_gateway import gateway_process
 from tests.models import DELAY_ENV, RECORD_ENV
@@ -258,6 +259,38 @@ def test_kill_9_of_a_stage_worker_mid_load_loses_nothing(
     np.testing.assert_allclose(answers, expected, rtol=1e-6)  # 0 lost, each its own answer
     for name in ("chain", "chain.polarity"):
         assert client.xlen(ModelKeys(name, prefix).stream) == 0
+
+
+@pytest.mark.slow
+def test_a_fan_out_over_a_redis_cluster_with_its_stages_on_different_primaries() -> None:
+    """Forwarding and joins are commands of one slot each: a stage's stream on one node, the
+    next stage's on another, the pipeline's inboxes and joins on a third."""
+    prefix = "c1"  # its stages hash to slots of three different primaries
+    items = inputs(10)
+    embed, polarity, topic = in_process(Embed, Polarity, Topic)
+    embeddings = embed.predict(items)
+    bad = inputs(1)[0]
+    bad[0] = np.nan
+    with LocalCluster(primaries=3) as cluster:
+        url = cluster.url(nodes=1)
+        names = ("fan", "fan.polarity", "fan.topic")
+        owners = {cluster.owner(ModelKeys(name, prefix).stream) for name in names}
+        assert len(owners) == 3  # each stage on a primary of its own
+        with (
+            stages(url, prefix, "fan", ["embed", "polarity", "topic"]),
+            Streamer("fan", redis_url=url, prefix=prefix) as streamer,
+        ):
+            got = streamer.predict(items, timeout=20)
+            with pytest.raises(ModelError, match=r"stage '(polarity|topic)': ValueError"):
+                streamer.predict([bad], timeout=20)
+    np.testing.assert_allclose(
+        np.stack([a["polarity"] for a in got]), np.stack(polarity.predict(embeddings)), rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        np.stack([a["topic"] for a in got]),
+        np.stack(topic.predict([double(e) for e in embeddings])),
+        rtol=1e-6,
+    )
 
 
 def test_a_stage_worker_refuses_what_pipelines_do_not_support(
