@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import redis
 
-from broker import DeadlineExceeded, ModelError, Streamer, acl, functions
+from broker import DeadlineExceeded, ModelError, Streamer, acl, admin, functions
 from broker.devserver import RedisServer
 from broker.keys import ModelKeys
 from broker.protocol import decode_reply, entry_time_ms, request_fields
@@ -359,3 +359,16 @@ def test_a_pipeline_runs_with_the_tenants_acl_users_and_nothing_is_refused(
     worker = redis.Redis.from_url(url("WORKER"))
     with pytest.raises(redis.exceptions.NoPermissionError):
         worker.xadd("mb:{other:fan.polarity}:requests", {"v": "1"})
+
+
+def test_a_stages_dead_letter_is_replayed_with_a_fresh_deadline(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    client = redis_server.client()
+    later = ModelKeys("chain.polarity", prefix)
+    fields = request_fields("r-1", ModelKeys("chain", prefix).inbox("c"), 5000, b"\xc0")
+    client.xadd(later.dead_letters, {**fields, "deadline": "1", "dead_reason": "x"})
+    assert admin.replay_dead_letters(client, admin.model_keys(client, later.model, prefix)) == 1
+    [(_, replayed)] = client.xrange(later.stream)
+    assert b"deadline" not in replayed and b"dead_reason" not in replayed
+    assert replayed[b"timeout"] == b"5000"
