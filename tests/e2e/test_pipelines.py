@@ -103,6 +103,8 @@ def test_a_chain_answers_as_its_models_in_sequence(redis_server: RedisServer, se
     np.testing.assert_allclose(np.stack(got), np.stack(expected), rtol=1e-6)
     np.testing.assert_allclose(np.stack(again), np.stack(expected), rtol=1e-6)
     client = redis_server.client()
+    stages_seen = {keys.model for keys in admin.find_models(client, served)}
+    assert {"chain", "chain.polarity"} <= stages_seen  # broker status lists every stage
     for name in ("chain", "chain.polarity"):  # every stage's entries answered and deleted
         keys = ModelKeys(name, served)
         assert client.xlen(keys.stream) == 0
