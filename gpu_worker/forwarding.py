@@ -26,6 +26,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from itertools import chain
 from typing import Any
 
 import msgpack
@@ -34,8 +35,14 @@ from broker import codec
 from broker.errors import BrokerUnavailable, DeadlineExceeded, InvalidOutput
 from broker.keys import ModelKeys
 from broker.protocol import (
+    F_DATA,
+    F_DEADLINE,
     F_ID,
+    F_REPLY,
+    F_TIMEOUT,
+    F_VERSION,
     VERSION,
+    Fields,
     Reply,
     Request,
     decode_reply,
@@ -175,14 +182,14 @@ class StageTransport:
         route = self.route
         requests = _requests(entries)
         out: list[tuple[str, bytes]] = []
-        onward: list[tuple[Request, bytes]] = []
+        onward: list[tuple[Request, bytes]] = []  # with the output, encoded
         for key, payload in replies:
             try:
                 reply = decode_reply(payload)
             except Exception:  # not a reply this worker could have made: send it as it is
                 out.append((key, payload))
                 continue
-            request = requests.get((key, reply.request_id))
+            request, _ = requests.get((key, reply.request_id), (None, None))
             if not reply.ok:
                 out.append((key, stage_error(route.stage, reply)))
             elif not (route.next or route.leaves):
@@ -193,15 +200,20 @@ class StageTransport:
                 out.append((key, encode_error(reply.request_id, error)))
             else:
                 onward.append((request, codec.encode(reply.result)))
+
         if not onward:
             return out, []
         if route.next:
-            out += await self._forward(onward)
+            fields = {request.entry_id: entry for request, entry in requests.values()}
+            out += await self._forward(onward, fields)
             return out, []
         return await self._join(onward, out)
 
-    async def _forward(self, items: list[tuple[Request, bytes]]) -> list[tuple[str, bytes]]:
-        """Add the outputs to each next stage's stream; the replies of items already late."""
+    async def _forward(
+        self, items: list[tuple[Request, bytes]], fields: dict[str, Fields]
+    ) -> list[tuple[str, bytes]]:
+        """Add the outputs to each next stage's stream (``fields``: of their entries, by entry
+        id); the replies of items already late."""
         now_ms = self.now_ms()
         late: list[tuple[str, bytes]] = []
         live: list[tuple[Request, bytes]] = []
@@ -214,23 +226,33 @@ class StageTransport:
             else:
                 live.append((request, data))
         if live:
-            await asyncio.gather(*(self._add(keys, live, now_ms) for keys in self.route.next))
+            await asyncio.gather(
+                *(self._add(keys, live, fields, now_ms) for keys in self.route.next)
+            )
         return late
 
     async def _add(
-        self, keys: ModelKeys, items: list[tuple[Request, bytes]], now_ms: float
+        self,
+        keys: ModelKeys,
+        items: list[tuple[Request, bytes]],
+        entries: dict[str, Fields],
+        now_ms: float,
     ) -> None:
-        """XADD the items to one next stage's stream, with INCRBY of its queued bytes."""
+        """XADD the items to one next stage's stream, with INCRBY of its queued bytes. Each
+        entry keeps the fields of the one it came from (request id, reply key, trace context,
+        fields this worker does not know), with its output as ``data``, the deadline it carries
+        and the time left until then as ``timeout``."""
         commands: list[tuple[Any, ...]] = []
         for request, data in items:
-            fields: list[Any] = [
-                "v", VERSION, "id", request.request_id, "reply", request.reply_key,
-                "timeout", max(1, int(request.deadline_ms - now_ms)),
-                "deadline", request.deadline_ms, "data", data,
-            ]  # fmt: skip
-            if request.traceparent:
-                fields += ["traceparent", request.traceparent]
-            commands.append(("XADD", keys.stream, "*", *fields))
+            fields = dict(entries.get(request.entry_id) or {})
+            for name in (F_DATA, F_TIMEOUT, F_DEADLINE):
+                fields.pop(name, None)
+            fields[F_VERSION], fields[F_ID] = VERSION.encode(), request.request_id.encode()
+            fields[F_REPLY] = request.reply_key.encode()
+            fields[F_TIMEOUT] = b"%d" % max(1, int(request.deadline_ms - now_ms))
+            fields[F_DEADLINE] = b"%d" % request.deadline_ms
+            fields[F_DATA] = data
+            commands.append(("XADD", keys.stream, "*", *chain.from_iterable(fields.items())))
         commands.append(("INCRBY", keys.queued_bytes, sum(len(data) for _, data in items)))
         results = await self.inner.run_in_slot(keys.stream, commands)
         for result in results:
@@ -276,15 +298,16 @@ def _parts(flat: Any) -> dict[str, bytes]:
     }
 
 
-def _requests(entries: Sequence[Entry]) -> dict[tuple[str, str], Request]:
-    """The parsed requests of the entries answered, by (reply key, request id)."""
-    found: dict[tuple[str, str], Request] = {}
+def _requests(entries: Sequence[Entry]) -> dict[tuple[str, str], tuple[Request, Fields]]:
+    """The parsed requests of the entries answered, with their fields, by (reply key, request
+    id)."""
+    found: dict[tuple[str, str], tuple[Request, Fields]] = {}
     for entry in entries:
         try:
             request = parse_request(*entry)
         except Exception:  # MalformedEntry: answered (or dead-lettered) as such already
             continue
-        found.setdefault((request.reply_key, request.request_id), request)
+        found.setdefault((request.reply_key, request.request_id), (request, entry[1]))
     return found
 
 

@@ -198,7 +198,8 @@ def test_withdrawn_items_are_not_computed_later_and_deadlines_travel(
     ):
         withdrawn = streamer.submit(items[:2], timeout=60)
         kept = streamer.submit(items[2:3], timeout=60)
-        entry = client.xadd(first.stream, request_fields("late", inbox, 1500, data))
+        fields = {**request_fields("late", inbox, 1500, data), "extra": "kept"}
+        entry = client.xadd(first.stream, fields)
         wait_until(lambda: client.xlen(later.stream) == 4, 20, "the items on the next stage")
         withdrawn.cancel()  # the caller gives up once its items have moved on
         wait_until(lambda: client.zcard(later.withdrawn) == 2, 5, "the withdrawal")
@@ -206,6 +207,7 @@ def test_withdrawn_items_are_not_computed_later_and_deadlines_travel(
         deadline = entry_time_ms(entry) + 1500
         [late] = [f for _, f in client.xrange(later.stream) if f[b"id"] == b"late"]
         assert int(late[b"deadline"]) == deadline and late[b"reply"].decode() == inbox
+        assert late[b"extra"] == b"kept"  # fields a worker does not know travel on
 
         def redis_ms() -> int:
             seconds, micros = client.time()
