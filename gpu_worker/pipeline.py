@@ -104,6 +104,20 @@ class Pipeline(ManagedModel):
             cls.inputs = list(cls.stage(cls.first()).model_class().inputs)
         if "outputs" not in cls.__dict__:
             cls.outputs = cls._leaf_outputs()
+        # No stage model to delegate to: the base's own (callers then know there is nothing to
+        # run, and the gateway prepares small bodies inline).
+        if "preprocess" not in cls.__dict__ and not _overrides(cls.first_model(), "preprocess"):
+            cls.preprocess = ManagedModel.preprocess  # type: ignore[method-assign]
+        leaf_models = [cls.stage(leaf).model_class() for leaf in cls.leaves()]
+        if "postprocess" not in cls.__dict__ and not any(
+            _overrides(model, "postprocess") for model in leaf_models
+        ):
+            cls.postprocess = ManagedModel.postprocess  # type: ignore[method-assign]
+
+    @classmethod
+    def first_model(cls) -> type[ManagedModel]:
+        """The model class of the stage that takes the caller's input."""
+        return cls.stage(cls.first()).model_class()
 
     @classmethod
     def _leaf_outputs(cls) -> list[TensorSpec]:
@@ -181,6 +195,10 @@ class Pipeline(ManagedModel):
             leaf: self._model(leaf).postprocess(value) if leaf in leaves else value
             for leaf, value in output.items()
         }
+
+
+def _overrides(model: type[ManagedModel], method: str) -> bool:
+    return getattr(model, method) is not getattr(ManagedModel, method)
 
 
 def _graph(pipeline: str, stages: Sequence[Stage | str]) -> dict[str, Stage]:

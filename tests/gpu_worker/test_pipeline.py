@@ -11,7 +11,7 @@ from broker import codec
 from broker.keys import ModelKeys
 from broker.protocol import Reply, decode_reply
 from gpu_worker.forwarding import StageRoute, _joined, stage_error
-from gpu_worker.model import ModelLoadError
+from gpu_worker.model import ManagedModel, ModelLoadError
 from gpu_worker.pipeline import Pipeline, Stage, load_stage
 from tests.conftest import run_python
 from tests.pipeline_models import Chain, Embed, Fan, Polarity, Topic
@@ -24,6 +24,10 @@ def test_a_chain_and_a_fan_out_declare_their_graph() -> None:
     assert Fan.leaves() == ["polarity", "topic"]
     # to callers a pipeline is a model: the first stage's inputs, the single leaf's outputs
     assert Chain.inputs == Embed.inputs and Chain.outputs == Polarity.outputs
+    # no stage model preprocesses or postprocesses: neither does the pipeline (the gateway
+    # then prepares small bodies inline)
+    assert Chain.preprocess is ManagedModel.preprocess
+    assert Fan.postprocess is ManagedModel.postprocess
     # several leaves: one output per leaf, named after it, as the joined answer's map is
     assert [(o.name, o.datatype, o.shape) for o in Fan.outputs] == [
         ("polarity", "FP32", [2]),
@@ -123,3 +127,23 @@ def test_a_pipeline_class_comes_without_torch_or_the_batch_loop() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+class Shout(ManagedModel):
+    """A stage model with caller-side processing."""
+
+    def preprocess(self, item: str) -> str:
+        return item.upper()
+
+    def postprocess(self, output: str) -> str:
+        return output + "!"
+
+
+def test_a_pipeline_runs_its_stage_models_caller_side_processing() -> None:
+    class Loud(Pipeline):
+        stages = [Stage("a", Shout), Stage("b", Embed), Stage("c", Shout, after="a")]
+
+    loud = Loud()
+    assert loud.preprocess("hi") == "HI"  # the first stage's
+    # leaves b and c: each leaf's postprocess on its entry of the joined map
+    assert loud.postprocess({"b": "x", "c": "y"}) == {"b": "x", "c": "y!"}
