@@ -376,3 +376,18 @@ def test_a_stages_dead_letter_is_replayed_with_a_fresh_deadline(
     [(_, replayed)] = client.xrange(later.stream)
     assert b"deadline" not in replayed and b"dead_reason" not in replayed
     assert replayed[b"timeout"] == b"5000"
+
+
+@pytest.mark.slow
+def test_the_pipeline_hops_bench_reports_both_arms() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.pipeline_hops", "--requests", "20"], cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert [line.split(" p50 ")[0].strip() for line in lines] == [
+        "one model (embed)",
+        "chain embed->polarity",
+    ]
+    assert all("(20 requests)" in line for line in lines)
