@@ -142,6 +142,11 @@ class Pipeline(ManagedModel):
         return stage
 
     @classmethod
+    def stage_names(cls) -> list[str]:
+        """Every stage's name, in declaration order (the first stage first)."""
+        return list(cls._graph)
+
+    @classmethod
     def first(cls) -> str:
         """The stage that takes the caller's input."""
         return next(iter(cls._graph))

@@ -92,6 +92,13 @@ class Chain(Pipeline):
     stages = [Stage("embed", Embed), Stage("polarity", "tests.pipeline_models:Polarity")]
 
 
+class Half(Pipeline):
+    """embed -> topic (tests serve its first stage only)."""
+
+    name = "half"
+    stages = [Stage("embed", Embed), Stage("topic", Topic)]
+
+
 class Fan(Pipeline):
     """embed -> polarity, and (x2, in topic's worker) topic; joined."""
 

@@ -84,6 +84,7 @@ def served(redis_server: RedisServer) -> Iterator[str]:
     with (
         stages(redis_server.url, prefix, "chain", ["embed", "polarity"], "--batch-size", "4"),
         stages(redis_server.url, prefix, "fan", ["embed", "polarity", "topic"]),
+        stages(redis_server.url, prefix, "half", ["embed"]),  # its topic stage: no worker
     ):
         yield prefix
 
@@ -160,7 +161,8 @@ def test_one_http_route_serves_the_pipeline(redis_server: RedisServer, served: s
     embed, polarity = in_process(Embed, Polarity)
     expected = np.stack(polarity.predict(embed.predict(items)))
     bad = [1e9] + [0.0] * 7
-    with gateway_process(redis_server.url, [f"{MODULE}:Chain"], served) as (base, _):
+    models = [f"{MODULE}:Chain", f"{MODULE}:Fan", f"{MODULE}:Half"]
+    with gateway_process(redis_server.url, models, served) as (base, _):
         v1 = httpx.post(
             f"{base}/v1/models/chain/predict", json={"inputs": [x.tolist() for x in items]}
         )
@@ -171,14 +173,24 @@ def test_one_http_route_serves_the_pipeline(redis_server: RedisServer, served: s
             ]
         }  # fmt: skip
         v2 = httpx.post(f"{base}/v2/models/chain/infer", json=body)
-        failed = httpx.post(
-            f"{base}/v1/models/chain/predict", content=json.dumps({"inputs": [bad]})
-        )
+        failed = httpx.post(f"{base}/v1/models/chain/predict", json={"inputs": [bad]})
+        body["inputs"][0]["shape"] = [1, 8]
+        body["inputs"][0]["data"] = items[0].tolist()
+        fan = httpx.post(f"{base}/v2/models/fan/infer", json=body)  # the join: one per leaf
+        # a pipeline is ready when every stage has a live worker
+        ready = {name: httpx.get(f"{base}/v2/models/{name}/ready") for name in ("fan", "half")}
     assert v1.status_code == 200, v1.text
     np.testing.assert_allclose(np.array(v1.json()["outputs"]), expected, rtol=1e-5)
     assert v2.status_code == 200, v2.text
     [output] = v2.json()["outputs"]
     np.testing.assert_allclose(np.array(output["data"]).reshape(2, 2), expected, rtol=1e-5)
+    assert fan.status_code == 200, fan.text
+    assert [(o["name"], o["shape"]) for o in fan.json()["outputs"]] == [
+        ("polarity", [1, 2]),
+        ("topic", [1, 3]),
+    ]
+    assert ready["fan"].status_code == 200 and ready["fan"].json()["ready"] is True
+    assert ready["half"].status_code == 503 and ready["half"].json()["ready"] is False
     assert failed.status_code == 500
     assert failed.json()["error"]["message"].startswith("item 0: stage 'polarity': ValueError")
 
