@@ -12,12 +12,13 @@ import redis
 from .keys import MAX_PARTITIONS, ModelKeys, parse_partitions
 from .liveness import server_time_ms
 from .partitions import tag, untag
-from .protocol import F_DATA, F_ID
+from .protocol import F_DATA, F_DEADLINE, F_ID
 
 STREAM_KEY = re.compile(
     r"^mb:\{(?P<prefix>[^:}]+):(?P<model>[^:}]+)(?::p(?P<partition>[1-9][0-9]*))?\}:requests$"
 )
 DEAD_FIELDS = (b"dead_reason", b"dead_entry")
+REPLAY_DROPS = (*DEAD_FIELDS, F_DEADLINE)
 
 
 def _text(value: Any) -> str:
@@ -244,7 +245,8 @@ def replay_dead_letters(client: redis.Redis, keys: ModelKeys, ids: list[str] | N
     """Queue dead letters again as fresh requests (all, or those with ``ids``), each on its
     own partition's stream; return how many.
 
-    A replayed request keeps its request id, reply key and timeout; its deadline starts anew.
+    A replayed request keeps its request id, reply key and timeout; its deadline starts anew
+    (the deadline a pipeline's stage carried with it, F_DEADLINE, is not replayed).
     """
     replayed = 0
     wanted = None if ids is None else {untag(i) for i in ids}
@@ -254,7 +256,7 @@ def replay_dead_letters(client: redis.Redis, keys: ModelKeys, ids: list[str] | N
             dead = _text(dead_id)
             if wanted is not None and (dead, part.partition) not in wanted:
                 continue
-            original = {k: v for k, v in fields.items() if k not in DEAD_FIELDS}
+            original = {k: v for k, v in fields.items() if k not in REPLAY_DROPS}
             pipe = client.pipeline(transaction=True)
             pipe.xadd(part.stream, original)
             pipe.incrby(part.queued_bytes, len(original.get(F_DATA, b"")))

@@ -16,7 +16,9 @@ import numpy as np
 
 from broker import Streamer
 from broker.errors import InvalidInput
+from broker.keys import ModelKeys
 from gpu_worker.model import ManagedModel, TensorSpec, load_model_class
+from gpu_worker.pipeline import Pipeline
 
 from .errors import invalid_input
 from .metrics import ModelMetrics
@@ -25,6 +27,14 @@ from .settings import GatewaySettings
 
 def _overrides(cls: type[ManagedModel], method: str) -> bool:
     return getattr(cls, method) is not getattr(ManagedModel, method)
+
+
+def _stage_keys(cls: type[ManagedModel], keys: ModelKeys) -> list[ModelKeys]:
+    """The keys of each stage of a pipeline (the first stage's are the pipeline's own), or
+    ``[keys]`` for a model."""
+    if not issubclass(cls, Pipeline):
+        return [keys]
+    return [cls.keys(stage, keys.prefix) for stage in cls.stage_names()]
 
 
 class ServedModel:
@@ -56,6 +66,8 @@ class ServedModel:
             wait_for_workers=settings.wait_for_workers,
             workers_grace=settings.workers_grace,
         )
+        # whose workers model readiness counts: the model's; a pipeline's, every stage's
+        self.stage_keys = _stage_keys(cls, self.streamer.keys)
 
     @classmethod
     def load(cls, path: str, settings: GatewaySettings) -> ServedModel:

@@ -89,14 +89,16 @@ async def version_ready(
 
 async def _readiness(gateway: Gateway, name: str, version: str | None = None) -> Response:
     served = gateway.model(name, version)
-    try:
-        consumers = await asyncio.wait_for(
-            alive_consumers(gateway.redis, served.streamer.keys), PING_TIMEOUT_S * 2
+    try:  # a pipeline: a live worker of every stage
+        stages = await asyncio.wait_for(
+            asyncio.gather(*(alive_consumers(gateway.redis, k) for k in served.stage_keys)),
+            PING_TIMEOUT_S * 2,
         )
     except Exception:  # Redis away: not ready
-        consumers = []
-    ok = bool(consumers)
-    return json_response({"name": name, "ready": ok, "workers": len(consumers)}, 200 if ok else 503)
+        stages = [[]]
+    ok = all(stages)
+    body = {"name": name, "ready": ok, "workers": len(stages[0])}
+    return json_response(body, 200 if ok else 503)
 
 
 @router.post("/v2/models/{name}/infer", tags=["v2"], openapi_extra=V2_INFER)
