@@ -57,12 +57,14 @@ def load_examples(path: Path, labels: list[str]) -> tuple[list[str], np.ndarray]
     return texts, targets
 
 
-def embed_texts(texts: list[str]) -> np.ndarray:
-    """The texts' embeddings by the real embedder, loaded in this process on the CPU."""
-    from examples.embedder import Embedder
+def embed_texts(texts: list[str], embedder: Any = None) -> np.ndarray:
+    """The texts' embeddings (one batch) by the real embedder: ``embedder``, else one loaded
+    in this process on the CPU."""
+    if embedder is None:
+        from examples.embedder import Embedder
 
-    embedder = Embedder("cpu")
-    embedder.init_model()
+        embedder = Embedder("cpu")
+        embedder.init_model()
     return np.stack(embedder.predict([embedder.preprocess(text) for text in texts]))
 
 
