@@ -504,13 +504,17 @@ class ClientCore:
     def _withdraw(self, call: _Call) -> None:
         entries = list(zip(call.entries, map(len, call.requests.payloads), strict=True))
         call.entries = []
-        task = self.loop.create_task(self._cancel_entries(call.queue or self.keys, entries))
+        task = self.loop.create_task(
+            self._cancel_entries(call.queue or self.keys, entries, call.ids)
+        )
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _cancel_entries(self, queue: ModelKeys, entries: list[tuple[str, int]]) -> None:
+    async def _cancel_entries(
+        self, queue: ModelKeys, entries: list[tuple[str, int]], request_ids: list[str]
+    ) -> None:
         try:
-            await self.transport.cancel(queue, entries)
+            await self.transport.cancel(queue, entries, request_ids)
         except MicrobatchError as exc:  # best effort: the worker will answer into the void
             log.info("could not withdraw %d cancelled item(s): %s", len(entries), exc)
         except Exception as exc:  # e.g. a Redis error reply: the same, but worth a warning

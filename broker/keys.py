@@ -18,6 +18,12 @@ request stream, a dead-letter stream, a counter, another model's keys or another
 the model names' pattern and their namespace); a partition of a model's stream does not get
 inboxes of its own, so replies stay in the model's namespace whichever partition the entry
 came from.
+
+A pipeline of models (``gpu_worker.pipeline``) is served under its own name: its first stage
+consumes the pipeline's own keys (so callers queue to it exactly as to a model), and each later
+stage has keys of its own under the name ``<pipeline>.<stage>`` (``STAGE_TEMPLATE``; ``.`` is in
+no model name, so no stage's keys are a model's), in a slot of its own. Every stage replies only
+to the pipeline's inboxes, ``INBOX_TEMPLATE`` with the pipeline's name.
 """
 
 from __future__ import annotations
@@ -39,13 +45,20 @@ CANCELLED_TEMPLATE = "mb:{{{prefix}:{model}}}:cancelled"
 QUEUED_BYTES_TEMPLATE = "mb:{{{prefix}:{model}}}:queued-bytes"
 QUEUE_BOUND_TEMPLATE = "mb:{{{prefix}:{model}}}:queue-bound"
 PARTITIONS_TEMPLATE = "mb:{{{prefix}:{model}}}:partitions"
+# Of a pipeline (under its own name): request ids its callers withdrew, and fan-out joins.
+WITHDRAWN_TEMPLATE = "mb:{{{prefix}:{model}}}:withdrawn"
+JOIN_TEMPLATE = "mb:{{{prefix}:{model}}}:join:{client}:{request}"
 
 # Partition k >= 1 of a model: every template above but INBOX_TEMPLATE and PARTITIONS_TEMPLATE,
 # with this in place of "{prefix}:{model}" (partition 0 is the model's own keys).
 TAG_TEMPLATE = "{prefix}:{model}:p{partition}"
 
+# The name whose keys stage ``stage`` (not the first) of pipeline ``pipeline`` consumes.
+STAGE_TEMPLATE = "{pipeline}.{stage}"
+
 NAME_PATTERN = re.compile(r"^[a-z0-9_-]+$")
 PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
+STAGE_KEYS_PATTERN = re.compile(r"^[a-z0-9_-]+\.[a-z0-9_-]+$")
 
 
 def check_name(name: str) -> str:
@@ -53,6 +66,21 @@ def check_name(name: str) -> str:
     if not NAME_PATTERN.match(name):
         raise ValueError(f"invalid model name {name!r}: use lower-case letters, digits, '_' or '-'")
     return name
+
+
+def check_keys_name(name: str) -> str:
+    """Return ``name`` if keys may be named so: a model's (or pipeline's) name, or a later
+    stage's ``<pipeline>.<stage>`` (``STAGE_TEMPLATE``); else raise ValueError."""
+    if not STAGE_KEYS_PATTERN.match(name):
+        check_name(name)
+    return name
+
+
+def stage_keys_name(pipeline: str, stage: str, first: bool) -> str:
+    """The name whose keys a pipeline's stage consumes: the pipeline's for its first stage."""
+    check_name(pipeline)
+    check_name(stage)
+    return pipeline if first else STAGE_TEMPLATE.format(pipeline=pipeline, stage=stage)
 
 
 def check_prefix(prefix: str) -> str:
@@ -90,7 +118,7 @@ class ModelKeys:
     partitions: int = 1
 
     def __post_init__(self) -> None:
-        check_name(self.model)
+        check_keys_name(self.model)
         check_prefix(self.prefix)
         check_partitions(self.partitions)
         if not 0 <= self.partition < self.partitions:
@@ -162,10 +190,30 @@ class ModelKeys:
         """The model's partition count (a string; absent: 1), in partition 0's slot."""
         return PARTITIONS_TEMPLATE.format(prefix=self.prefix, model=self.model)
 
+    @property
+    def pipeline(self) -> str:
+        """The name whose inboxes replies go to: the model's, or for a pipeline's later stage
+        (``<pipeline>.<stage>``) the pipeline's."""
+        return self.model.partition(".")[0]
+
+    @property
+    def withdrawn(self) -> str:
+        """Sorted set of the request ids that callers of this pipeline (or model) withdrew,
+        scored by expiry (ms): what a pipeline's later stages skip."""
+        return WITHDRAWN_TEMPLATE.format(prefix=self.prefix, model=self.pipeline)
+
+    def join(self, client: str, request_id: str) -> str:
+        """The hash in which a fan-out pipeline's branches leave their outputs for one request
+        (``client``: its reply key's part after the inbox namespace)."""
+        return JOIN_TEMPLATE.format(
+            prefix=self.prefix, model=self.pipeline, client=client, request=request_id
+        )
+
     def inbox(self, client: str) -> str:
         """The reply list of one client process (or one request, for simple callers): the
-        model's, whichever partition its requests went to."""
-        return INBOX_TEMPLATE.format(prefix=self.prefix, model=self.model, client=client)
+        model's, whichever partition its requests went to (a pipeline stage's: the
+        pipeline's)."""
+        return INBOX_TEMPLATE.format(prefix=self.prefix, model=self.pipeline, client=client)
 
     @property
     def reply_namespace(self) -> str:

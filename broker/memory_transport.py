@@ -103,7 +103,12 @@ class InMemoryTransport:
     async def partition_count(self, keys: ModelKeys) -> int:
         return self.partition_counts.get(keys.partitions_key, 1)
 
-    async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, int]]) -> None:
+    async def cancel(
+        self,
+        keys: ModelKeys,
+        entries: Sequence[tuple[str, int]],
+        request_ids: Sequence[str] = (),
+    ) -> None:  # (no pipelines in one process: request ids are not needed)
         source = self._stream(keys.stream)
         withdrawn = {entry_id for entry_id, _ in entries}
         for entry_id, fields in source.new:

@@ -10,6 +10,10 @@ A request is one stream entry per item with the fields:
 ``data``     the item, encoded by :mod:`broker.codec`
 ====== ==================================================================
 
+Optional: ``traceparent`` (W3C trace context) and ``deadline``, an absolute deadline in ms on
+Redis' clock that can only bring the deadline forward (a pipeline's stages forward an item with
+its caller's deadline: docs/pipelines.md).
+
 A reply is one msgpack map pushed (RPUSH) to the reply key, which then gets a TTL::
 
     {"id": <request id>, "ok": true, "result": <value>}
@@ -36,6 +40,7 @@ F_REPLY = b"reply"
 F_TIMEOUT = b"timeout"
 F_DATA = b"data"
 F_TRACE = b"traceparent"
+F_DEADLINE = b"deadline"
 
 Fields = dict[bytes, bytes]
 
@@ -53,6 +58,15 @@ def entry_time_ms(entry_id: str | bytes) -> int:
     """The Redis server time (ms) at which a stream entry was added, read from its id."""
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     return int(text.split("-", 1)[0])
+
+
+def carried_deadline(fields: Fields, deadline_ms: int) -> int:
+    """``deadline_ms``, or the entry's ``deadline`` field if that is earlier (a field that is
+    not ASCII digits is ignored: it can only bring a deadline forward, never extend it)."""
+    carried = fields.get(F_DEADLINE)
+    if isinstance(carried, bytes) and carried.isdigit() and len(carried) <= 15:
+        return min(deadline_ms, int(carried))
+    return deadline_ms
 
 
 def request_fields(
@@ -162,7 +176,9 @@ def parse_request(entry_id: str | bytes, fields: Fields) -> Request:
                 request_id=request_id,
                 reply_key=reply_key,
                 arrival_ms=arrival_ms,
-                deadline_ms=arrival_ms + int(timeout),
+                deadline_ms=arrival_ms + int(timeout)
+                if F_DEADLINE not in fields
+                else carried_deadline(fields, arrival_ms + int(timeout)),
                 data=fields[F_DATA],
                 traceparent=None if trace is None else valid_traceparent(_text(fields, F_TRACE)),
             )
@@ -219,7 +235,9 @@ def _parse_carefully(entry_id: str | bytes, fields: Fields) -> Request:
         request_id=request_id,
         reply_key=reply_key,
         arrival_ms=arrival_ms,
-        deadline_ms=arrival_ms + (int(digits or b"0") if len(digits) <= 15 else MAX_TIMEOUT_MS),
+        deadline_ms=carried_deadline(
+            fields, arrival_ms + (int(digits or b"0") if len(digits) <= 15 else MAX_TIMEOUT_MS)
+        ),
         data=data,
         traceparent=valid_traceparent(_text(fields, F_TRACE)),
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from itertools import chain
 from typing import Any
@@ -26,7 +27,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import connections, functions, partitions
-from .cluster_lane import ClusterLanes, ClusterMap, SlotLane
+from .cluster_lane import ClusterLanes, ClusterMap, SlotLane, _unwrap
 from .errors import BrokerUnavailable, InvalidInput, MicrobatchError, QueueFull
 from .functions import ENQUEUE, MAX_CALL_BYTES, MAX_CALL_ENTRIES, REPLY, RETIRE, WITHDRAW
 from .keys import ModelKeys, parse_partitions
@@ -210,7 +211,14 @@ class RedisTransport:
             log.warning("%s", message)
         return BrokerUnavailable(message)
 
-    async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, int]]) -> None:
+    async def cancel(
+        self,
+        keys: ModelKeys,
+        entries: Sequence[tuple[str, int]],
+        request_ids: Sequence[str] = (),
+    ) -> None:
+        if request_ids:
+            await self._withdraw_ids(keys, request_ids)
         ids = [entry_id for entry_id, _ in entries]
         for start in range(0, len(ids), MAX_CALL_ENTRIES):
             await self._fcall(
@@ -218,6 +226,24 @@ class RedisTransport:
                 (keys.stream, keys.queued_bytes, keys.cancelled),
                 (keys.group, *ids[start : start + MAX_CALL_ENTRIES]),
             )
+
+    async def _withdraw_ids(self, keys: ModelKeys, request_ids: Sequence[str]) -> None:
+        """Mark request ids withdrawn (scored with their expiry, on this host's clock) for a
+        pipeline's later stages, and prune the expired ones; best effort (an older ACL may
+        not allow it: only pipelines need it)."""
+        now_ms = int(time.time() * 1000)
+        expiry = now_ms + functions.CANCELLED_TTL_MS
+        key = keys.withdrawn
+        commands = [
+            ("ZADD", key, *chain.from_iterable((expiry, rid) for rid in request_ids)),
+            ("ZREMRANGEBYSCORE", key, "-inf", now_ms),
+        ]
+        try:
+            for result in await self.run_in_slot(key, commands):
+                if isinstance(result, Exception):
+                    log.debug("could not mark requests withdrawn: %s", result)
+        except BrokerUnavailable as exc:
+            log.debug("could not mark requests withdrawn: %s", exc)
 
     async def partition_count(self, keys: ModelKeys) -> int:
         try:
@@ -599,6 +625,24 @@ class RedisTransport:
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
         return redis_time_ms(reply)
+
+    async def run_in_slot(self, key: str, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Run commands whose keys all lie in ``key``'s slot as one transaction, in one round
+        trip; their replies in order, error replies in place (what forwarding between a
+        pipeline's stages sends: each command touches one slot, never a cross-slot script)."""
+        if not commands:
+            return []
+        try:
+            if self._cluster is not None or len(commands) == 1:
+                results: list[Any] = await self._lane.at(key).pipeline(commands)
+            else:
+                results = _unwrap(
+                    await self._lane.at(key).pipeline([("MULTI",), *commands, ("EXEC",)])
+                )
+            _raise_unavailable(results)
+        except UNAVAILABLE as exc:
+            raise _unavailable(exc) from exc
+        return results
 
     async def ping(self) -> bool:
         try:

@@ -61,10 +61,17 @@ class Transport(Protocol):
         """
         ...
 
-    async def cancel(self, keys: ModelKeys, entries: Sequence[tuple[str, int]]) -> None:
+    async def cancel(
+        self,
+        keys: ModelKeys,
+        entries: Sequence[tuple[str, int]],
+        request_ids: Sequence[str] = (),
+    ) -> None:
         """Withdraw entries, given as (entry id, data size), whose caller gave up.
 
         One no worker has read yet is deleted; one a worker holds is marked for it to skip.
+        Their ``request_ids`` are marked withdrawn too, for a pipeline's later stages, to
+        which an entry's item may have moved on.
         """
         ...
 

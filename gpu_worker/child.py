@@ -64,6 +64,7 @@ async def serve(model: ManagedModel, config: WorkerConfig, consumer: str) -> Non
     from .heartbeat import Heartbeats
     from .metrics import WorkerObserver
     from .model import input_check
+    from .outcomes import PredictFn
 
     settings = config.batch_settings(model)
     transport = RedisTransport(config.redis_url)
@@ -79,9 +80,17 @@ async def serve(model: ManagedModel, config: WorkerConfig, consumer: str) -> Non
     state_file = os.environ.get(STATE_FILE_ENV)
     observer = WorkerObserver(keys.model, consumer, BatchState(state_file) if state_file else None)
     check = input_check(model.inputs)
+    predict: PredictFn = model.predict
+    stage = None
+    if config.stage is not None:  # a pipeline's stage: its outputs go on to the next stages
+        from .forwarding import stage_worker
+
+        stage, predict, check = stage_worker(config, transport, predict, check)
     batch_loop = BatchLoop(
-        model.predict, transport, keys, consumer, settings, observer, check, model.item_cost
+        predict, stage or transport, keys, consumer, settings, observer, check, model.item_cost
     )
+    if stage is not None:
+        stage.now_ms = batch_loop.clock.now_ms
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, batch_loop.stop)
@@ -115,10 +124,10 @@ def main() -> int:
     configure_logging(config.log_level, config.log_format)
     device = os.environ.get(DEVICE_ENV, "cpu")
     try:
-        from .model import load_model_class
+        from .pipeline import load_stage
 
         check_device(device)
-        model = load_model_class(config.model)(device=device)
+        model = load_stage(config.model, config.stage)(device=device)
         model.init_model()
         model.warmup()
     except BaseException as exc:

@@ -80,9 +80,17 @@ def start(
     model: Annotated[
         str,
         typer.Option(
-            help="Import path 'module:Class' of a ManagedModel subclass, e.g. examples.mlp:MLP.",
+            help="Import path 'module:Class' of a ManagedModel subclass, e.g. examples.mlp:MLP, "
+            "or of a Pipeline with --stage.",
         ),
     ],
+    stage: Annotated[
+        str | None,
+        typer.Option(
+            help="Serve this stage of the Pipeline given by --model (its own model, batch size "
+            "and devices; every stage needs workers of its own: docs/pipelines.md).",
+        ),
+    ] = None,
     name: Annotated[
         str | None,
         typer.Option(help="Model name to serve under [default: the class's name]."),

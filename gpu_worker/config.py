@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker.client import DEFAULT_REDIS_URL
 from broker.keys import DEFAULT_PREFIX, MAX_PARTITIONS, ModelKeys, check_name, check_prefix
+from broker.redis_url import ClusterURL
 from broker.redis_url import parse as parse_redis_url
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ class WorkerConfig:
 
     model: str
     name: str | None = None
+    stage: str | None = None  # of the Pipeline ``model``
     cuda: list[int] | None = None
     workers_per_device: int = 1
     workers: int = 1
@@ -132,6 +134,8 @@ class WorkerConfig:
         if self.name is not None:
             check_name(self.name)
         check_prefix(self.prefix)
+        if self.stage is not None:
+            self._check_stage()
         try:
             parse_redis_url(self.redis_url)
         except ValueError as exc:
@@ -139,6 +143,18 @@ class WorkerConfig:
         for bad, reason in self._checks():
             if bad:
                 raise ValueError(reason)
+
+    def _check_stage(self) -> None:
+        """What a pipeline's stage worker cannot be started with (docs/pipelines.md)."""
+        if self.name is not None:
+            raise ValueError("--name cannot rename a pipeline's stage: name the Pipeline class")
+        if self.partitions != 1:
+            raise ValueError("--partitions: a pipeline's stages are not partitioned")
+        if isinstance(parse_redis_url(self.redis_url), ClusterURL):
+            raise ValueError(
+                "--stage: pipelines run on one Redis (or a Sentinel service), not on a Redis "
+                "Cluster yet"
+            )
 
     def _checks(self) -> list[tuple[bool, str]]:
         def below(value: float | None, least: float) -> bool:
@@ -173,7 +189,12 @@ class WorkerConfig:
         ]
 
     def keys(self, model: type[ManagedModel] | ManagedModel) -> ModelKeys:
-        """The keys of the model served: named ``name``, or by the model class."""
+        """The keys of the model served: named ``name``, or by the model class (a pipeline's
+        stage: the stage's, docs/pipelines.md)."""
+        if self.stage is not None:
+            from .pipeline import load_pipeline
+
+            return load_pipeline(self.model).keys(self.stage, self.prefix)
         return ModelKeys(self.name or model.name, self.prefix, partitions=self.partitions)
 
     def batch_settings(self, model: type[ManagedModel] | ManagedModel) -> BatchSettings:

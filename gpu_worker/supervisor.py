@@ -31,7 +31,7 @@ from .child import CONFIG_ENV, DEVICE_ENV, STATUS_FD_ENV
 from .config import WorkerConfig
 from .devices import child_environment, plan_devices
 from .heartbeat import Heartbeats
-from .model import load_model_class
+from .pipeline import load_stage
 
 log = logging.getLogger("microbatch.supervisor")
 
@@ -81,7 +81,8 @@ class Supervisor:
     def __init__(self, config: WorkerConfig) -> None:
         config.validate()
         self.config = config
-        self.model_class = load_model_class(config.model)  # light: fails fast on a bad path
+        # light: fails fast on a bad path (a pipeline's stage: the stage's model)
+        self.model_class = load_stage(config.model, config.stage)
         if config.cuda:
             devices: list[str | None] = list(plan_devices(config.cuda, config.workers_per_device))
         else:

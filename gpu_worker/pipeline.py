@@ -1,0 +1,216 @@
+"""Pipelines of models: what a user declares. Light, like :mod:`.model`: never imports torch.
+
+A :class:`Pipeline` names its stages; each stage is its own model, served by its own workers
+(``worker start --model <pipeline> --stage <name>``), with its own batch size and devices. An
+item's output goes from a stage's worker straight onto the next stage's stream; the leaves'
+outputs are the answer (several leaves: joined into a map by stage name). To callers (the
+gateway, ``Streamer(model=...)``) a pipeline is a model: its name, inputs, pre- and
+postprocessing. The wire: docs/pipelines.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from broker.keys import ModelKeys, check_name, stage_keys_name
+
+from .model import ManagedModel, ModelLoadError, load_model_class
+
+__all__ = ["Pipeline", "Stage", "load_stage"]
+
+Transform = Callable[[Any], Any]
+
+
+def _import(path: str, what: str) -> Any:
+    """The object at ``module:attribute``."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ModelLoadError(f"{what} {path!r} must look like 'package.module:name'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ModelLoadError(f"cannot import module {module_name!r}: {exc}") from exc
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise ModelLoadError(f"module {module_name!r} has no attribute {attr!r}")
+    return obj
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a pipeline.
+
+    ``model``: a ManagedModel subclass, or its import path ``"module:Class"`` (imported only
+    when needed). ``after``: the stage whose output this one takes (default: the stage listed
+    before it; the first stage takes the caller's input). ``transform``: a callable (or its
+    import path ``"module:function"``) run in this stage's worker on each item before
+    ``predict``, never on the caller; an exception there fails that item with ModelError.
+    """
+
+    name: str
+    model: type[ManagedModel] | str
+    after: str | None = None
+    transform: Transform | str | None = None
+
+    def __post_init__(self) -> None:
+        check_name(self.name)
+
+    def model_class(self) -> type[ManagedModel]:
+        """The stage's model class (imported if given by path)."""
+        if isinstance(self.model, str):
+            return load_model_class(self.model)
+        if not (isinstance(self.model, type) and issubclass(self.model, ManagedModel)):
+            raise ModelLoadError(f"stage {self.name!r}: model must be a ManagedModel subclass")
+        return self.model
+
+    def transform_fn(self) -> Transform | None:
+        """The stage's transform (imported if given by path), or None."""
+        fn: Any
+        if isinstance(self.transform, str):
+            fn = _import(self.transform, f"stage {self.name!r}: transform")
+        else:
+            fn = self.transform
+        if fn is not None and not callable(fn):
+            raise ModelLoadError(f"stage {self.name!r}: transform is not callable")
+        transform: Transform | None = fn
+        return transform
+
+
+class Pipeline(ManagedModel):
+    """Base class of a declared pipeline of models (a chain, or a tree that fans out).
+
+    Subclasses set ``name`` and ``stages``. ``inputs``, ``preprocess`` default to the first
+    stage's model's; ``outputs`` and ``postprocess`` to the single leaf's (several leaves:
+    ``postprocess`` applies each leaf's to its entry of the joined map). Override any of them.
+    A pipeline computes nothing itself: each stage runs in its own workers.
+    """
+
+    stages: ClassVar[Sequence[Stage | str]] = ()
+    _graph: ClassVar[dict[str, Stage]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._graph = _graph(cls.name, cls.stages)
+        if "inputs" not in cls.__dict__ and cls._graph:
+            first = next(iter(cls._graph.values()))
+            if isinstance(first.model, type):
+                cls.inputs = list(first.model.inputs)
+        leaves = cls.leaves()
+        if "outputs" not in cls.__dict__ and len(leaves) == 1:
+            model = cls._graph[leaves[0]].model
+            if isinstance(model, type):
+                cls.outputs = list(model.outputs)
+
+    # -- the graph --------------------------------------------------------------------------
+    @classmethod
+    def stage(cls, name: str) -> Stage:
+        """The stage called ``name`` (ValueError naming the stages if there is none)."""
+        stage = cls._graph.get(name)
+        if stage is None:
+            known = ", ".join(cls._graph) or "none"
+            raise ValueError(f"pipeline {cls.name!r} has no stage {name!r} (stages: {known})")
+        return stage
+
+    @classmethod
+    def first(cls) -> str:
+        """The stage that takes the caller's input."""
+        return next(iter(cls._graph))
+
+    @classmethod
+    def next_stages(cls, name: str) -> list[str]:
+        """The stages that take ``name``'s output, in declaration order."""
+        return [stage.name for stage in cls._graph.values() if stage.after == name]
+
+    @classmethod
+    def leaves(cls) -> list[str]:
+        """The stages whose outputs make the answer, in declaration order."""
+        return [name for name in cls._graph if not cls.next_stages(name)]
+
+    @classmethod
+    def keys(cls, stage: str, prefix: str) -> ModelKeys:
+        """The keys stage ``stage`` consumes (the first stage: the pipeline's own)."""
+        cls.stage(stage)
+        return ModelKeys(stage_keys_name(cls.name, stage, stage == cls.first()), prefix)
+
+    # -- to callers, a model ----------------------------------------------------------------
+    def init_model(self) -> None:
+        raise RuntimeError(
+            f"pipeline {self.name!r} runs in one worker per stage: "
+            f"worker start --model <this pipeline> --stage <{'|'.join(self._graph)}>"
+        )
+
+    def predict(self, batch: list[Any]) -> Sequence[Any]:
+        raise RuntimeError(f"pipeline {self.name!r} computes nothing itself")
+
+    def preprocess(self, item: Any) -> Any:
+        model = self.stage(self.first()).model_class()
+        if model.preprocess is ManagedModel.preprocess:
+            return item
+        return model(self.device).preprocess(item)
+
+    def postprocess(self, output: Any) -> Any:
+        leaves = self.leaves()
+        models = {leaf: self.stage(leaf).model_class() for leaf in leaves}
+        if len(leaves) == 1:
+            model = models[leaves[0]]
+            if model.postprocess is ManagedModel.postprocess:
+                return output
+            return model(self.device).postprocess(output)
+        if not isinstance(output, dict):
+            return output
+        return {
+            leaf: models[leaf](self.device).postprocess(value) if leaf in models else value
+            for leaf, value in output.items()
+        }
+
+
+def _graph(pipeline: str, stages: Sequence[Stage | str]) -> dict[str, Stage]:
+    """The stages by name, in order, each with its ``after`` filled in; ValueError if they do
+    not form a tree rooted at the first stage."""
+    graph: dict[str, Stage] = {}
+    for index, stage in enumerate(stages):
+        if isinstance(stage, str):
+            raise ValueError(f"pipeline {pipeline!r}: give Stage(name, model), not {stage!r}")
+        if stage.name in graph:
+            raise ValueError(f"pipeline {pipeline!r}: stage {stage.name!r} declared twice")
+        after = stage.after
+        if index == 0:
+            if after is not None:
+                raise ValueError(f"pipeline {pipeline!r}: the first stage follows no stage")
+        elif after is None:
+            after = stages[index - 1].name  # type: ignore[union-attr]
+        elif after not in graph:
+            raise ValueError(
+                f"pipeline {pipeline!r}: stage {stage.name!r} follows {after!r}, "
+                "which is not declared before it"
+            )
+        graph[stage.name] = Stage(stage.name, stage.model, after, stage.transform)
+    return graph
+
+
+def load_stage(path: str, stage: str | None) -> type[ManagedModel]:
+    """The model class a worker of ``--model path [--stage stage]`` runs."""
+    model = load_model_class(path)
+    if stage is None:
+        if issubclass(model, Pipeline):
+            stages = "|".join(model._graph)
+            raise ModelLoadError(f"{path!r} is a pipeline: give --stage <{stages}>")
+        return model
+    if not issubclass(model, Pipeline):
+        raise ModelLoadError(f"--stage {stage!r} needs a Pipeline for --model, not {path!r}")
+    try:
+        return model.stage(stage).model_class()
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+
+
+def load_pipeline(path: str) -> type[Pipeline]:
+    """The Pipeline class at ``path``."""
+    model = load_model_class(path)
+    if not issubclass(model, Pipeline):
+        raise ModelLoadError(f"{path!r} is not a Pipeline")
+    return model
