@@ -43,6 +43,7 @@ SENTENCES = [
     "The soup was delicious and the staff were lovely.",
     "My new laptop crashed twice today, what a waste of money.",
 ]
+MODULES = {"worker": "gpu_worker.cli", "gateway": "web_gateway.cli"}
 STARTUP_S = 300.0  # a cold start of torch and the MiniLM weights in several processes at once
 
 
@@ -163,44 +164,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"Started a private redis-server at {url}")
         # our own keys in a shared Redis, unless serving (then callers use the default prefix)
         prefix = "default" if args.serve else f"demo-{uuid.uuid4().hex[:8]}"
+        commands = [
+            ["worker", "start", "--model", path, "--stage", stage]
+            for stage in stage_names(pipeline)
+        ]
+        commands.append(["gateway", "start", "--model", path, "--port", str(args.port)])
+        # their logs: warnings and errors only, so that the answers below stand out
+        quiet = {
+            "MICROBATCH_WORKER_LOG_LEVEL": "WARNING",
+            "MICROBATCH_GATEWAY_LOG_LEVEL": "warning",
+        }
+        env = {**os.environ, **quiet}
         processes = []
-        for stage in stage_names(pipeline):
-            command = ["worker", "start", "--model", path, "--stage", stage]
+        for command in commands:
             print("Starting:", " ".join(command))
-            full = [
-                sys.executable,
-                "-m",
-                "gpu_worker.cli",
-                *command[2:],
-                "--redis",
-                url,
-                "--prefix",
-                prefix,
-            ]
-            process = subprocess.Popen(full, start_new_session=True)
+            full = [sys.executable, "-m", MODULES[command[0]], *command[1:], "--redis", url]
+            full += ["--prefix", prefix]
+            if command[0] == "gateway":
+                full += ["--host", "127.0.0.1", "--workers", "1"]
+            process = subprocess.Popen(full, env=env, start_new_session=True)
             cleanup.callback(stop_worker, process)
             processes.append(process)
-        command = ["gateway", "start", "--model", path, "--port", str(args.port)]
-        print("Starting:", " ".join(command))
-        gateway = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "web_gateway.cli",
-                *command[2:],
-                "--host",
-                "127.0.0.1",
-                "--workers",
-                "1",
-                "--redis",
-                url,
-                "--prefix",
-                prefix,
-            ],
-            start_new_session=True,
-        )
-        cleanup.callback(stop_worker, gateway)
-        processes.append(gateway)
+        print("Waiting until every stage has a live worker (they load torch and the weights)")
         wait_ready(url, pipeline, prefix, processes)
 
         base = f"http://localhost:{args.port}"
