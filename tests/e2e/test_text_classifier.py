@@ -1,5 +1,9 @@
 """examples.text_classifier: the sentiment and topic heads trained at start-up on the shipped
-sentences, embedded by the real all-MiniLM-L6-v2 embedder (in this process)."""
+sentences, embedded by the real all-MiniLM-L6-v2 embedder (in this process).
+
+The tests that load the embedder (sentence-transformers, seconds) are marked slow; the others
+train the heads on seeded random vectors.
+"""
 
 from __future__ import annotations
 
@@ -63,6 +67,15 @@ def trained(head: type[TextClassifierHead], embeddings: dict[str, np.ndarray]) -
     return model
 
 
+def random_vectors(head: type[TextClassifierHead]) -> dict[str, np.ndarray]:
+    """Seeded random unit vectors, one per training sentence of ``head``: stand-ins for the
+    embeddings where the embedder's own are not needed."""
+    count = len(head().training_set()[0])
+    vectors = np.random.default_rng(0).standard_normal((count, DIM)).astype(np.float32)
+    return {head.name: vectors / np.linalg.norm(vectors, axis=1, keepdims=True)}
+
+
+@pytest.mark.slow  # the real embedder, in this process
 @pytest.mark.parametrize("head", HEADS, ids=lambda head: head.name)
 def test_the_head_predicts_its_training_labels(
     head: type[TextClassifierHead], embeddings: dict[str, np.ndarray]
@@ -82,9 +95,8 @@ def test_the_head_predicts_its_training_labels(
 
 
 @pytest.mark.parametrize("head", HEADS, ids=lambda head: head.name)
-def test_training_is_deterministic(
-    head: type[TextClassifierHead], embeddings: dict[str, np.ndarray]
-) -> None:
+def test_training_is_deterministic(head: type[TextClassifierHead]) -> None:
+    embeddings = random_vectors(head)
     first, second = trained(head, embeddings), trained(head, embeddings)
     assert np.array_equal(first.weight.numpy(), second.weight.numpy())
     assert np.array_equal(first.bias.numpy(), second.bias.numpy())
@@ -97,6 +109,7 @@ def test_training_is_deterministic(
         np.testing.assert_allclose(a["scores"], b["scores"], atol=1e-6)
 
 
+@pytest.mark.slow  # the real embedder, in this process
 def test_init_model_trains_on_the_real_embeddings_of_the_shipped_sentences(
     embeddings: dict[str, np.ndarray],
 ) -> None:
@@ -111,7 +124,8 @@ def test_init_model_trains_on_the_real_embeddings_of_the_shipped_sentences(
     assert output["label"] == "positive"
 
 
-def test_the_head_refuses_what_is_not_an_embedding(embeddings: dict[str, np.ndarray]) -> None:
+def test_the_head_refuses_what_is_not_an_embedding() -> None:
+    embeddings = random_vectors(SentimentHead)
     model = trained(SentimentHead, embeddings)
     good = embeddings["sentiment-head"][0]
     bad: list[tuple[Any, str]] = [
