@@ -6,9 +6,10 @@
 
 (or ``make demo-pipeline``). Uses the Redis at ``--redis``, else at ``$REDIS_URL`` when one
 answers there, else a private redis-server on a free port. Starts one ``worker start`` per stage
-of the pipeline (``examples.pipelines``) and one ``gateway start`` on ``--port`` (8000), waits
-until every stage has a live worker, then asks the gateway what ``curl`` would (KServe v1 and
-v2) and prints each command with the answer as it came. It checks the answers against the
+of the pipeline (``examples.pipelines``) and one ``gateway start`` on ``--port`` (default
+``$MICROBATCH_GATEWAY_PORT``, else 8000), waits until every stage has a live worker, then asks
+the gateway what ``curl`` would (KServe v1 and v2) and prints each command with the answer as it
+came. It checks the answers against the
 embedder and the heads called one after the other in this process, and exits (0 when they
 match), or with ``--serve`` keeps the services up for your own requests.
 """
@@ -146,7 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--pipeline", choices=sorted(PIPELINES), default="sentiment")
     parser.add_argument("--serve", action="store_true", help="keep serving until Ctrl-C")
-    parser.add_argument("--port", type=int, default=8000, help="the gateway's port (8000)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=int(os.environ.get("MICROBATCH_GATEWAY_PORT", "8000")),
+        help="the gateway's port (default: $MICROBATCH_GATEWAY_PORT, else 8000)",
+    )
     parser.add_argument(
         "--redis", help="a Redis URL (default: $REDIS_URL if it answers, else a private one)"
     )
