@@ -115,25 +115,34 @@ TENANT_USERS = (
         "GATEWAY",
         " ".join(
             f"%RW~{_keys(kind)}"
-            for kind in ("requests", "queued-bytes", "queue-bound", "consumers", "cancelled")
+            for kind in (
+                "requests",
+                "queued-bytes",
+                "queue-bound",
+                "consumers",
+                "cancelled",
+                "withdrawn",
+            )
         )
         + f" %RW~{_keys('inbox:*')} %R~{_keys('partitions')} resetchannels -@all {CONNECT} "
         "+time +info +fcall +blmpop "
         "+zrangebyscore +zcount +hmget +xlen +get +xpending +xrange "
         f"(~{_keys('requests')} +xadd +xdel) (~{_keys('queued-bytes')} +incrby +decrby) "
-        f"(~{_keys('cancelled')} +zadd +zremrangebyscore)",
+        f"(~{_keys('cancelled')} ~{_keys('withdrawn')} +zadd +zremrangebyscore)",
         """The HTTP gateways (web_gateway) and Python callers (broker.Streamer) of the prefix:
   enqueue: FCALL mb_enqueue -> HMGET, XLEN, INCRBY, XADD; TIME and ZCOUNT (the live workers)
     once the queue outgrows one worker's share, DECRBY when it refuses a call
   withdraw a cancelled call: FCALL mb_withdraw -> TIME, XPENDING, ZADD, XRANGE, XDEL, DECRBY,
-    ZREMRANGEBYSCORE
+    ZREMRANGEBYSCORE; and ZADD, ZREMRANGEBYSCORE of its request ids on the withdrawn set (for
+    a pipeline's later stages)
   replies: BLMPOP on its inboxes
   the model's partition count: GET (read only)
   health and model readiness: PING, TIME, ZRANGEBYSCORE (live consumers)
   the eviction-policy check at start: INFO (its memory section names maxmemory_policy)
 FCALL needs read and write access to the keys it is given; the writes themselves are allowed
 only where they belong (the selectors): XADD and XDEL on request streams, INCRBY and DECRBY
-on the byte counters, ZADD and ZREMRANGEBYSCORE on the cancelled sets. So it cannot forge a
+on the byte counters, ZADD and ZREMRANGEBYSCORE on the cancelled and withdrawn sets. So it
+cannot forge a
 consumer, change a bound, delete or expire anything, nor touch workers' keys.""",
     ),
     User(
@@ -143,7 +152,8 @@ consumer, change a bound, delete or expire anything, nor touch workers' keys."""
         "+xgroup|delconsumer +xreadgroup +xack +xdel +xclaim +xpending +xinfo|consumers +xadd "
         "+xlen +decrby +incrby +zmscore +zcard +zadd +zrem +zrangebyscore +zremrangebyscore "
         f"+hset (~{_keys('heartbeat:*')} +set +del +exists) (~{_keys('partitions')} +set) "
-        f"(~{_keys('inbox:*')} +type +pttl +rpush +expire)",
+        f"(~{_keys('inbox:*')} +type +pttl +rpush +expire) "
+        f"(~{_keys('join:*')} +hgetall +pexpireat +del) +multi +exec",
         """The GPU/CPU workers of the prefix (worker start: supervisor and children):
   consumer group: XGROUP CREATE (MKSTREAM), XREADGROUP
   replies: FCALL mb_reply -> TYPE, PTTL, RPUSH, EXPIRE, on inbox keys only (a selector), so
@@ -152,6 +162,9 @@ consumer, change a bound, delete or expire anything, nor touch workers' keys."""
   takeover of dead consumers: XINFO CONSUMERS, EXISTS, XPENDING, XCLAIM, XACK;
     retire one: FCALL mb_retire -> EXISTS, XPENDING, XGROUP DELCONSUMER
   dead letters: XADD
+  a pipeline's stages (docs/pipelines.md): forwarding, MULTI, XADD and INCRBY on the next
+    stage's stream and counter, EXEC; withdrawn request ids: ZMSCORE; fan-out joins: MULTI,
+    HSET, PEXPIREAT, HGETALL, EXEC, then DEL, on join hashes only (a selector)
   heartbeats: TIME, ZADD, ZREMRANGEBYSCORE, ZREM; SET, DEL, EXISTS on heartbeat keys only
   the queue bound: HSET; the partition count: SET on its key only
   metrics (--metrics-port): XLEN, XPENDING, TIME, ZRANGEBYSCORE

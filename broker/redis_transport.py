@@ -239,7 +239,7 @@ class RedisTransport:
             ("ZREMRANGEBYSCORE", key, "-inf", now_ms),
         ]
         try:
-            for result in await self.run_in_slot(key, commands):
+            for result in await self.run_in_slot(key, commands, atomic=False):
                 if isinstance(result, Exception):
                     log.debug("could not mark requests withdrawn: %s", result)
         except BrokerUnavailable as exc:
@@ -626,14 +626,16 @@ class RedisTransport:
             raise _unavailable(exc) from exc
         return redis_time_ms(reply)
 
-    async def run_in_slot(self, key: str, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
-        """Run commands whose keys all lie in ``key``'s slot as one transaction, in one round
-        trip; their replies in order, error replies in place (what forwarding between a
-        pipeline's stages sends: each command touches one slot, never a cross-slot script)."""
+    async def run_in_slot(
+        self, key: str, commands: Sequence[tuple[Any, ...]], atomic: bool = True
+    ) -> list[Any]:
+        """Run commands whose keys all lie in ``key``'s slot in one round trip (``atomic``: as
+        one transaction, as a cluster's always are); their replies in order, error replies in
+        place. What a pipeline's stages send: each touches one slot, never a cross-slot script."""
         if not commands:
             return []
         try:
-            if self._cluster is not None or len(commands) == 1:
+            if self._cluster is not None or len(commands) == 1 or not atomic:
                 results: list[Any] = await self._lane.at(key).pipeline(commands)
             else:
                 results = _unwrap(

@@ -31,7 +31,7 @@ from typing import Any
 import msgpack
 
 from broker import codec
-from broker.errors import BrokerUnavailable, DeadlineExceeded
+from broker.errors import BrokerUnavailable, DeadlineExceeded, InvalidOutput
 from broker.keys import ModelKeys
 from broker.protocol import (
     F_ID,
@@ -185,8 +185,12 @@ class StageTransport:
             request = requests.get((key, reply.request_id))
             if not reply.ok:
                 out.append((key, stage_error(route.stage, reply)))
-            elif request is None or not (route.next or route.leaves):
+            elif not (route.next or route.leaves):
                 out.append((key, payload))  # a chain's last stage: the answer
+            elif request is None:  # never expected: an output is always of an entry answered
+                log.error("an output of stage %r has no entry to go on with", route.stage)
+                error = InvalidOutput(f"stage {route.stage!r}: output without its entry")
+                out.append((key, encode_error(reply.request_id, error)))
             else:
                 onward.append((request, codec.encode(reply.result)))
         if not onward:

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from broker.keys import ModelKeys, check_name, stage_keys_name
 
-from .model import ManagedModel, ModelLoadError, load_model_class
+from .model import ManagedModel, ModelLoadError, TensorSpec, load_model_class
 
 __all__ = ["Pipeline", "Stage", "load_stage"]
 
@@ -84,8 +84,9 @@ class Pipeline(ManagedModel):
     """Base class of a declared pipeline of models (a chain, or a tree that fans out).
 
     Subclasses set ``name`` and ``stages``. ``inputs``, ``preprocess`` default to the first
-    stage's model's; ``outputs`` and ``postprocess`` to the single leaf's (several leaves:
-    ``postprocess`` applies each leaf's to its entry of the joined map). Override any of them.
+    stage's model's; ``outputs`` and ``postprocess`` to the single leaf's (several leaves: one
+    output per leaf, named after it, where each declares one; ``postprocess`` applies each
+    leaf's to its entry of the joined map). Override any of them.
     A pipeline computes nothing itself: each stage runs in its own workers.
     """
 
@@ -95,15 +96,26 @@ class Pipeline(ManagedModel):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls._graph = _graph(cls.name, cls.stages)
-        if "inputs" not in cls.__dict__ and cls._graph:
-            first = next(iter(cls._graph.values()))
-            if isinstance(first.model, type):
-                cls.inputs = list(first.model.inputs)
+        if not cls._graph:
+            raise ValueError(f"pipeline {cls.name!r} declares no stages")
+        # Stage models named by path are imported now (model classes are light): the pipeline's
+        # inputs and outputs are theirs, and a wrong path fails here, not in a worker.
+        if "inputs" not in cls.__dict__:
+            cls.inputs = list(cls.stage(cls.first()).model_class().inputs)
+        if "outputs" not in cls.__dict__:
+            cls.outputs = cls._leaf_outputs()
+
+    @classmethod
+    def _leaf_outputs(cls) -> list[TensorSpec]:
+        """The single leaf's outputs; with several leaves, one output per leaf named after it
+        (as the joined answer's map is), where each leaf declares exactly one."""
         leaves = cls.leaves()
-        if "outputs" not in cls.__dict__ and len(leaves) == 1:
-            model = cls._graph[leaves[0]].model
-            if isinstance(model, type):
-                cls.outputs = list(model.outputs)
+        specs = {leaf: cls.stage(leaf).model_class().outputs for leaf in leaves}
+        if len(leaves) == 1:
+            return list(specs[leaves[0]])
+        if all(len(outputs) == 1 for outputs in specs.values()):
+            return [TensorSpec(leaf, out[0].datatype, out[0].shape) for leaf, out in specs.items()]
+        return []
 
     # -- the graph --------------------------------------------------------------------------
     @classmethod
@@ -146,24 +158,27 @@ class Pipeline(ManagedModel):
     def predict(self, batch: list[Any]) -> Sequence[Any]:
         raise RuntimeError(f"pipeline {self.name!r} computes nothing itself")
 
+    def _model(self, stage: str) -> ManagedModel:
+        """An instance of a stage's model, for its caller-side pre- or postprocess (never
+        initialised: init_model runs only in the stage's workers)."""
+        models: dict[str, ManagedModel] = self.__dict__.setdefault("_models", {})
+        if stage not in models:
+            models[stage] = self.stage(stage).model_class()(self.device)
+        return models[stage]
+
     def preprocess(self, item: Any) -> Any:
-        model = self.stage(self.first()).model_class()
-        if model.preprocess is ManagedModel.preprocess:
-            return item
-        return model(self.device).preprocess(item)
+        """The first stage's model's preprocess."""
+        return self._model(self.first()).preprocess(item)
 
     def postprocess(self, output: Any) -> Any:
+        """The leaf's postprocess; with several leaves, each one's on its entry of the map."""
         leaves = self.leaves()
-        models = {leaf: self.stage(leaf).model_class() for leaf in leaves}
         if len(leaves) == 1:
-            model = models[leaves[0]]
-            if model.postprocess is ManagedModel.postprocess:
-                return output
-            return model(self.device).postprocess(output)
+            return self._model(leaves[0]).postprocess(output)
         if not isinstance(output, dict):
             return output
         return {
-            leaf: models[leaf](self.device).postprocess(value) if leaf in models else value
+            leaf: self._model(leaf).postprocess(value) if leaf in leaves else value
             for leaf, value in output.items()
         }
 

@@ -1,0 +1,320 @@
+"""Pipelines with real workers, one `worker start --stage` per stage, over a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgpack
+import numpy as np
+import pytest
+import redis
+
+from broker import DeadlineExceeded, ModelError, Streamer, acl, functions
+from broker.devserver import RedisServer
+from broker.keys import ModelKeys
+from broker.protocol import decode_reply, entry_time_ms, request_fields
+from broker.redis_transport import RedisTransport
+from tests.conftest import ROOT, wait_for_consumers, wait_until, worker_process
+from tests.e2e.test_gateway import gateway_process
+from tests.models import DELAY_ENV, RECORD_ENV
+from tests.pipeline_models import Chain, Embed, Polarity, Topic, double
+
+MODULE = "tests.pipeline_models"
+FIRST = "embed"  # the first stage of every test pipeline
+
+
+def keys_name(pipeline: str, stage: str) -> str:
+    return pipeline if stage == FIRST else f"{pipeline}.{stage}"
+
+
+@contextmanager
+def stages(
+    url: str, prefix: str, pipeline: str, names: list[str], *args: str, **options: Any
+) -> Iterator[None]:
+    """One `worker start --stage` per stage named, all started at once; yields once each
+    stage has a live worker."""
+    count = int(options.pop("expect", 1))
+    with ExitStack() as stack:
+        for stage in names:
+            command = ("--stage", stage, *args)
+            model = f"{MODULE}:{pipeline.capitalize()}"
+            stack.enter_context(
+                worker_process(url, model, prefix, *command, expect_consumers=None, **options)
+            )
+        for stage in names:
+            wait_for_consumers(url, ModelKeys(keys_name(pipeline, stage), prefix), count)
+        yield
+
+
+def in_process(*models: type[Any]) -> list[Any]:
+    instances = [model() for model in models]
+    for model in instances:
+        model.init_model()
+    return instances
+
+
+def inputs(count: int) -> list[np.ndarray]:
+    return [np.arange(8, dtype=np.float32) + i for i in range(count)]
+
+
+def records(directory: Path, stage: str) -> list[float]:
+    found: list[float] = []
+    for path in directory.glob(f"{stage}-*.jsonl"):
+        found += [json.loads(line) for line in path.read_text().splitlines()]
+    return found
+
+
+@pytest.fixture(scope="module")
+def served(redis_server: RedisServer) -> Iterator[str]:
+    """A chain and a fan-out, every stage with a worker of its own; their prefix."""
+    prefix = "pipelines"
+    with (
+        stages(redis_server.url, prefix, "chain", ["embed", "polarity"], "--batch-size", "4"),
+        stages(redis_server.url, prefix, "fan", ["embed", "polarity", "topic"]),
+    ):
+        yield prefix
+
+
+def test_a_chain_answers_as_its_models_in_sequence(redis_server: RedisServer, served: str) -> None:
+    items = inputs(20)
+    embed, polarity = in_process(Embed, Polarity)
+    expected = polarity.predict(embed.predict(items))
+    url = redis_server.url
+    with (
+        Streamer("chain", redis_url=url, prefix=served) as streamer,
+        Streamer("chain", redis_url=url, prefix=served, model=Chain) as with_class,
+    ):
+        got = streamer.predict(items, timeout=20)
+        # through the pipeline's class: caller-side conversion of plain lists
+        again = with_class.predict([item.tolist() for item in items], timeout=20)
+    np.testing.assert_allclose(np.stack(got), np.stack(expected), rtol=1e-6)
+    np.testing.assert_allclose(np.stack(again), np.stack(expected), rtol=1e-6)
+    client = redis_server.client()
+    for name in ("chain", "chain.polarity"):  # every stage's entries answered and deleted
+        keys = ModelKeys(name, served)
+        assert client.xlen(keys.stream) == 0
+        assert int(client.get(keys.queued_bytes) or 0) == 0
+
+
+def test_a_fan_out_joins_both_heads_into_one_answer(redis_server: RedisServer, served: str) -> None:
+    items = inputs(12)
+    embed, polarity, topic = in_process(Embed, Polarity, Topic)
+    embeddings = embed.predict(items)
+    with Streamer("fan", redis_url=redis_server.url, prefix=served) as streamer:
+        got = streamer.predict(items, timeout=20)
+    assert all(set(answer) == {"polarity", "topic"} for answer in got)
+    np.testing.assert_allclose(
+        np.stack([a["polarity"] for a in got]), np.stack(polarity.predict(embeddings)), rtol=1e-6
+    )
+    # topic's transform (x2) ran in topic's worker
+    np.testing.assert_allclose(
+        np.stack([a["topic"] for a in got]),
+        np.stack(topic.predict([double(e) for e in embeddings])),
+        rtol=1e-6,
+    )
+    client = redis_server.client()
+    assert not list(client.scan_iter(f"mb:{{{served}:fan}}:join:*"))  # answered joins deleted
+
+
+def test_an_error_in_stage_two_names_stage_two(redis_server: RedisServer, served: str) -> None:
+    good, bad = inputs(2)
+    bad[1] = np.nan  # the embedding keeps it; the head refuses it
+    with Streamer("chain", redis_url=redis_server.url, prefix=served) as streamer:
+        with pytest.raises(ModelError) as caught:
+            streamer.predict([good, bad], timeout=20)
+        assert len(streamer.predict([good], timeout=20)) == 1  # its batch-mate was fine
+    assert caught.value.index == 1
+    assert (
+        caught.value.message == "stage 'polarity': ValueError: head got an embedding out of range"
+    )
+
+
+def test_a_fan_out_error_names_the_failing_branch(redis_server: RedisServer, served: str) -> None:
+    bad = inputs(1)[0]
+    bad[0] = np.nan
+    said = r"stage '(polarity|topic)': ValueError: head got"
+    with (
+        Streamer("fan", redis_url=redis_server.url, prefix=served) as streamer,
+        pytest.raises(ModelError, match=said),
+    ):
+        streamer.predict([bad], timeout=20)
+
+
+def test_one_http_route_serves_the_pipeline(redis_server: RedisServer, served: str) -> None:
+    items = inputs(2)
+    embed, polarity = in_process(Embed, Polarity)
+    expected = np.stack(polarity.predict(embed.predict(items)))
+    bad = [1e9] + [0.0] * 7
+    with gateway_process(redis_server.url, [f"{MODULE}:Chain"], served) as (base, _):
+        v1 = httpx.post(
+            f"{base}/v1/models/chain/predict", json={"inputs": [x.tolist() for x in items]}
+        )
+        body = {
+            "inputs": [
+                {"name": "input", "datatype": "FP32", "shape": [2, 8],
+                 "data": np.stack(items).ravel().tolist()}
+            ]
+        }  # fmt: skip
+        v2 = httpx.post(f"{base}/v2/models/chain/infer", json=body)
+        failed = httpx.post(
+            f"{base}/v1/models/chain/predict", content=json.dumps({"inputs": [bad]})
+        )
+    assert v1.status_code == 200, v1.text
+    np.testing.assert_allclose(np.array(v1.json()["outputs"]), expected, rtol=1e-5)
+    assert v2.status_code == 200, v2.text
+    [output] = v2.json()["outputs"]
+    np.testing.assert_allclose(np.array(output["data"]).reshape(2, 2), expected, rtol=1e-5)
+    assert failed.status_code == 500
+    assert failed.json()["error"]["message"].startswith("item 0: stage 'polarity': ValueError")
+
+
+def test_withdrawn_items_are_not_computed_later_and_deadlines_travel(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    url = redis_server.url
+    client = redis_server.client()
+    first, later = ModelKeys("chain", prefix), ModelKeys("chain.polarity", prefix)
+    items = inputs(4)
+    inbox = first.inbox("by-hand")
+    data = msgpack.packb(items[3].tolist())
+    with (
+        stages(url, prefix, "chain", ["embed"]),  # no worker of polarity yet
+        Streamer("chain", redis_url=url, prefix=prefix) as streamer,
+    ):
+        withdrawn = streamer.submit(items[:2], timeout=60)
+        kept = streamer.submit(items[2:3], timeout=60)
+        entry = client.xadd(first.stream, request_fields("late", inbox, 1500, data))
+        wait_until(lambda: client.xlen(later.stream) == 4, 20, "the items on the next stage")
+        withdrawn.cancel()  # the caller gives up once its items have moved on
+        wait_until(lambda: client.zcard(later.withdrawn) == 2, 5, "the withdrawal")
+        # The deadline travels: the caller's, not one counted from the forwarding.
+        deadline = entry_time_ms(entry) + 1500
+        [late] = [f for _, f in client.xrange(later.stream) if f[b"id"] == b"late"]
+        assert int(late[b"deadline"]) == deadline and late[b"reply"].decode() == inbox
+
+        def redis_ms() -> int:
+            seconds, micros = client.time()
+            return int(seconds) * 1000 + int(micros) // 1000
+
+        wait_until(lambda: redis_ms() > deadline, 5, "the deadline")
+        with stages(url, prefix, "chain", ["polarity"], env={RECORD_ENV: str(tmp_path)}):
+            assert len(kept.result(timeout=20)) == 1
+            popped = client.blpop([inbox], 20)
+            wait_until(lambda: client.xlen(later.stream) == 0, 10, "the stream drained")
+    [embedded] = in_process(Embed)[0].predict(items[2:3])  # what polarity got of the item kept
+    assert records(tmp_path, "polarity") == [pytest.approx(float(embedded[0]))]  # only it
+    assert popped is not None
+    reply = decode_reply(popped[1])
+    assert reply.error_type == DeadlineExceeded.__name__
+    assert reply.error_message == "stage 'polarity': deadline passed before the item was computed"
+    assert client.xpending(later.stream, later.group)["pending"] == 0
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_stage_worker_mid_load_loses_nothing(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    url = redis_server.url
+    client = redis_server.client()
+    later = ModelKeys("chain.polarity", prefix)
+    items = inputs(200)
+    embed, polarity = in_process(Embed, Polarity)
+    expected = np.stack(polarity.predict(embed.predict(items)))
+    slow = ("--batch-size", "4", "--workers", "2", "--max-queue-items", "0")
+    with (
+        stages(url, prefix, "chain", ["embed"], "--max-queue-items", "0"),
+        stages(url, prefix, "chain", ["polarity"], *slow, env={DELAY_ENV: "0.02"}, expect=2),
+        Streamer("chain", redis_url=url, prefix=prefix) as streamer,
+    ):
+        futures = [streamer.submit(items[i : i + 4], timeout=60) for i in range(0, 200, 4)]
+
+        def holders() -> list[str]:
+            consumers = client.xinfo_consumers(later.stream, later.group)
+            return [c["name"].decode() for c in consumers if c["pending"]]
+
+        wait_until(lambda: bool(holders()), 10, "a worker of polarity holding items")
+        os.kill(int(holders()[0].rsplit("-", 1)[1]), signal.SIGKILL)  # mid-batch
+        got = [future.result(timeout=60) for future in futures]
+    answers = np.stack([out for result in got for out in result])
+    np.testing.assert_allclose(answers, expected, rtol=1e-6)  # 0 lost, each its own answer
+    assert client.xlen(later.stream) == 0
+
+
+def test_a_stage_worker_refuses_what_pipelines_do_not_support(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    def start(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "gpu_worker.cli", "start", "--redis", redis_server.url]
+        return subprocess.run(
+            [*command, "--prefix", prefix, *args], cwd=ROOT, capture_output=True, text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60,
+        )  # fmt: skip
+
+    chain = f"{MODULE}:Chain"
+    for args, said in [
+        (("--model", chain, "--stage", "polarity", "--partitions", "2"), "not partitioned"),
+        (("--model", chain, "--stage", "nope"), "has no stage 'nope'"),
+        (("--model", chain), "is a pipeline: give --stage <embed|polarity>"),
+        (("--model", f"{MODULE}:Embed", "--stage", "embed"), "needs a Pipeline"),
+    ]:
+        done = start(*args)
+        assert done.returncode == 2, done.stderr
+        assert said in done.stderr
+
+
+def acl_setuser(line: str) -> list[str]:
+    """``ACL SETUSER`` arguments of one ACL file line (a selector in parentheses is one)."""
+    tokens = re.findall(r"\([^)]*\)|\S+", line)
+    assert tokens[0] == "user"
+    return tokens[1:]
+
+
+@pytest.mark.slow
+def test_a_pipeline_runs_with_the_tenants_acl_users_and_nothing_is_refused(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    client = redis_server.client()
+    client.execute_command(*functions.LOAD_COMMAND)  # the operator's job
+    passwords = {role: uuid.uuid4().hex for role in ("GATEWAY", "WORKER")}
+    env = {f"PW_{role}": password for role, password in passwords.items()}
+    lines, _ = acl.render([prefix], password_env="PW_{ROLE}", environ=env)
+    for line in lines:
+        client.execute_command("ACL", "SETUSER", *acl_setuser(line))
+    client.acl_log_reset()
+    host = redis_server.url.split("//", 1)[1]
+
+    def url(role: str) -> str:
+        return f"redis://{prefix}-{role.lower()}:{passwords[role]}@{host}"
+
+    items = inputs(3)
+    with (
+        stages(url("WORKER"), prefix, "fan", ["embed", "polarity", "topic"]),
+        Streamer("fan", redis_url=url("GATEWAY"), prefix=prefix) as streamer,
+    ):
+        assert len(streamer.predict(items, timeout=20)) == 3
+
+    async def withdraw() -> None:  # what a caller that gives up sends: request ids included
+        transport = RedisTransport(url("GATEWAY"))
+        await transport.cancel(ModelKeys("fan", prefix), [("0-1", 1)], ["r-1"])
+        await transport.close()
+
+    asyncio.run(withdraw())
+    assert client.zrange(ModelKeys("fan", prefix).withdrawn, 0, -1) == [b"r-1"]
+    denied = [entry for entry in client.acl_log() if entry["username"].startswith(prefix)]
+    assert denied == []
+    # the users stay confined: a stage worker may not write outside its tenant's keys
+    worker = redis.Redis.from_url(url("WORKER"))
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        worker.xadd("mb:{other:fan.polarity}:requests", {"v": "1"})

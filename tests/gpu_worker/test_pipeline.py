@@ -1,0 +1,111 @@
+"""Declaring pipelines, their keys, and what a stage's worker sends on (no Redis needed)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from broker import codec
+from broker.keys import ModelKeys
+from broker.protocol import Reply, decode_reply
+from gpu_worker.forwarding import StageRoute, _joined, stage_error
+from gpu_worker.model import ModelLoadError
+from gpu_worker.pipeline import Pipeline, Stage, load_stage
+from tests.pipeline_models import Chain, Embed, Fan, Polarity, Topic
+
+
+def test_a_chain_and_a_fan_out_declare_their_graph() -> None:
+    assert Chain.first() == "embed" and Chain.next_stages("embed") == ["polarity"]
+    assert Chain.leaves() == ["polarity"]
+    assert Fan.next_stages("embed") == ["polarity", "topic"]
+    assert Fan.leaves() == ["polarity", "topic"]
+    # to callers a pipeline is a model: the first stage's inputs, the single leaf's outputs
+    assert Chain.inputs == Embed.inputs and Chain.outputs == Polarity.outputs
+    # several leaves: one output per leaf, named after it, as the joined answer's map is
+    assert [(o.name, o.datatype, o.shape) for o in Fan.outputs] == [
+        ("polarity", "FP32", [2]),
+        ("topic", "FP32", [3]),
+    ]
+
+
+def test_stage_keys_are_the_pipelines_own_then_their_own_with_the_pipelines_inboxes() -> None:
+    first, later = Chain.keys("embed", "p"), Chain.keys("polarity", "p")
+    assert first == ModelKeys("chain", "p")  # callers queue to the pipeline as to a model
+    assert later.stream == "mb:{p:chain.polarity}:requests"  # a slot of its own
+    assert later.dead_letters == "mb:{p:chain.polarity}:dead"
+    assert later.reply_namespace == first.reply_namespace == "mb:{p:chain}:inbox:"
+    assert later.may_reply_to("mb:{p:chain}:inbox:c1")
+    assert not later.may_reply_to("mb:{p:chain.polarity}:inbox:c1")
+    assert not later.may_reply_to("mb:{p:chainx}:inbox:c1")
+    assert later.withdrawn == first.withdrawn == "mb:{p:chain}:withdrawn"
+    assert later.join("c1", "r1") == "mb:{p:chain}:join:c1:r1"
+    for bad in ("a.b.c", ".b", "a.", "A.b"):
+        with pytest.raises(ValueError):
+            ModelKeys(bad, "p")
+
+
+def test_a_malformed_declaration_is_refused_when_the_class_is_defined() -> None:
+    with pytest.raises(ValueError, match="not declared before it"):
+
+        class Backwards(Pipeline):
+            stages = [Stage("a", Embed), Stage("b", Polarity, after="c"), Stage("c", Topic)]
+
+    with pytest.raises(ValueError, match="declared twice"):
+
+        class Twice(Pipeline):
+            stages = [Stage("a", Embed), Stage("a", Polarity)]
+
+    with pytest.raises(ValueError, match="first stage follows no stage"):
+
+        class Headless(Pipeline):
+            stages = [Stage("a", Embed, after="b")]
+
+    with pytest.raises(ValueError, match="declares no stages"):
+
+        class Empty(Pipeline):
+            stages = []
+
+    with pytest.raises(ModelLoadError, match="cannot import module"):
+
+        class Missing(Pipeline):
+            stages = [Stage("a", "no_such_module:Model")]
+
+
+def test_a_worker_loads_the_model_of_its_stage() -> None:
+    assert load_stage("tests.pipeline_models:Chain", "polarity") is Polarity
+    assert load_stage("tests.pipeline_models:Embed", None) is Embed
+    with pytest.raises(ModelLoadError, match=re.escape("give --stage <embed|polarity>")):
+        load_stage("tests.pipeline_models:Chain", None)
+    with pytest.raises(ModelLoadError, match="has no stage 'nope'"):
+        load_stage("tests.pipeline_models:Chain", "nope")
+    with pytest.raises(ModelLoadError, match="needs a Pipeline"):
+        load_stage("tests.pipeline_models:Embed", "embed")
+
+
+def test_routes_come_from_the_declaration() -> None:
+    embed = StageRoute(Fan, "embed", "p")
+    assert [k.stream for k in embed.next] == [
+        "mb:{p:fan.polarity}:requests",
+        "mb:{p:fan.topic}:requests",
+    ]
+    assert embed.leaves == [] and not embed.later
+    topic = StageRoute(Fan, "topic", "p")
+    assert topic.next == [] and topic.leaves == ["polarity", "topic"] and topic.later
+    polarity = StageRoute(Chain, "polarity", "p")
+    assert polarity.next == [] and polarity.leaves == []  # a chain's leaf answers as it is
+
+
+def test_a_joined_answer_and_a_stage_error_are_replies_every_reader_takes() -> None:
+    parts = {"topic": codec.encode(np.array([1.0, 2.0])), "polarity": codec.encode("neg")}
+    reply = decode_reply(_joined("r-1", parts, ["polarity", "topic"]))
+    assert reply.ok and reply.request_id == "r-1"
+    assert reply.result["polarity"] == "neg"
+    np.testing.assert_array_equal(reply.result["topic"], [1.0, 2.0])
+    error = decode_reply(stage_error("topic", Reply("r-2", False, None, "ModelError", "E: x")))
+    assert (error.error_type, error.error_message) == ("ModelError", "stage 'topic': E: x")
+    assert (
+        codec.decode(stage_error("topic", Reply("r", False, None, "T", "m")))["error"]["stage"]
+        == "topic"
+    )
