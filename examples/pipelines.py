@@ -19,7 +19,7 @@ One command runs either of them on this machine: ``python -m examples.pipeline_d
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from examples.embedder import Embedder
 from examples.text_classifier import SentimentHead, TopicHead
@@ -27,26 +27,14 @@ from gpu_worker import TensorSpec
 from gpu_worker.pipeline import Pipeline, Stage
 
 
-class _TextPipeline(Pipeline):
-    """A pipeline whose first stage is the embedder: one tokenizer for all its items."""
-
-    _embedder: ClassVar[Embedder | None] = None
-
-    def preprocess(self, item: Any) -> Any:
-        embedder = type(self)._embedder
-        if embedder is None:  # the tokenizer loads once, on first use, not once per item
-            embedder = type(self)._embedder = Embedder()
-        return embedder.preprocess(item)
-
-
-class Sentiment(_TextPipeline):
+class Sentiment(Pipeline):
     """Text -> sentence embedding -> ``{"label": ..., "scores": FP32 [2]}`` (negative, positive)."""
 
     name = "sentiment"
     stages = [Stage("embedder", Embedder), Stage("classifier", SentimentHead)]
 
 
-class SentimentTopic(_TextPipeline):
+class SentimentTopic(Pipeline):
     """Text -> sentence embedding -> sentiment and topic heads, joined into one answer."""
 
     name = "sentiment-topic"
