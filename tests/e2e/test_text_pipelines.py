@@ -19,6 +19,7 @@ import pytest
 
 from broker import Streamer
 from broker.devserver import RedisServer
+from examples.embedder import Embedder
 from examples.pipeline_demo import in_process, stage_names, v2_items
 from examples.pipelines import Sentiment, SentimentTopic
 from gpu_worker.pipeline import Pipeline
@@ -97,6 +98,14 @@ def test_the_pipeline_answers_as_the_models_called_in_sequence(
         pipeline.name, redis_url=stack["url"], prefix=stack["prefix"], model=pipeline
     ) as streamer:
         assert_same(streamer.predict(TEXTS, timeout=120), want)
+    # without the pipeline's class: token ids in, the leaves' answers as the workers give them
+    # (a fan-out's joined map, {leaf: its answer}), which the class's postprocess flattens
+    tokens = [Embedder().preprocess(text) for text in TEXTS]
+    with Streamer(pipeline.name, redis_url=stack["url"], prefix=stack["prefix"]) as raw:
+        outputs = raw.predict(tokens, timeout=120)
+    if len(pipeline.leaves()) > 1:
+        assert all(set(output) == set(pipeline.leaves()) for output in outputs)
+    assert_same([pipeline().postprocess(output) for output in outputs], want)
 
     with httpx.Client(base_url=stack["base"], timeout=120) as http:
         # HTTP v1
