@@ -36,7 +36,9 @@ from broker.devserver import RedisServer
 from broker.liveness import live_consumers
 from broker.logs import redact_url
 from examples.demo import redis_answers, stop_worker
+from examples.embedder import Embedder
 from examples.pipelines import Sentiment, SentimentTopic
+from examples.text_classifier import TextClassifierHead, embed_texts
 from gpu_worker.pipeline import Pipeline, Stage
 
 PIPELINES: dict[str, type[Pipeline]] = {p.name: p for p in (Sentiment, SentimentTopic)}
@@ -65,17 +67,16 @@ def post(url: str, body: dict[str, Any]) -> tuple[int, bytes]:
 
 
 def in_process(pipeline: type[Pipeline], texts: list[str]) -> list[Any]:
-    """The answers of the embedder and then the heads, called in this process."""
-    from examples.embedder import Embedder
-    from examples.text_classifier import TextClassifierHead, embed_texts
-
+    """The answers of the embedder and then the heads, called in this process (one embedder;
+    each head trained as its worker trains it, on that embedder's vectors of its sentences)."""
     embedder = Embedder()
     embedder.init_model()
     vectors = embedder.predict([embedder.preprocess(text) for text in texts])
     answers: dict[str, list[Any]] = {}
     for leaf in pipeline.leaves():
         head = pipeline.stage(leaf).model_class()()
-        assert isinstance(head, TextClassifierHead)
+        if not isinstance(head, TextClassifierHead):
+            raise TypeError(f"stage {leaf!r} is not a classifier head")
         head.fit(embed_texts(head.training_set()[0], embedder))  # what init_model does
         answers[leaf] = head.predict(vectors)
     model = pipeline()
@@ -89,6 +90,8 @@ def in_process(pipeline: type[Pipeline], texts: list[str]) -> list[Any]:
 
 def same(served: list[Any], expected: list[Any]) -> bool:
     """Labels equal, scores within 1e-4 (a batch pads its texts differently in each process)."""
+    if len(served) != len(expected):
+        return False
     for got, want in zip(served, expected, strict=True):
         for key, value in want.items():
             if isinstance(value, str):
@@ -96,10 +99,11 @@ def same(served: list[Any], expected: list[Any]) -> bool:
                     return False
             elif not np.allclose(np.asarray(got[key], dtype=np.float32), value, atol=1e-4):
                 return False
-    return len(served) == len(expected)
+    return True
 
 
 def stage_names(pipeline: type[Pipeline]) -> list[str]:
+    """The pipeline's stages, in declaration order."""
     return [stage.name for stage in pipeline.stages if isinstance(stage, Stage)]
 
 
