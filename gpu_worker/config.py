@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 from broker.client import DEFAULT_REDIS_URL
 from broker.keys import DEFAULT_PREFIX, MAX_PARTITIONS, ModelKeys, check_name, check_prefix
-from broker.redis_url import ClusterURL
 from broker.redis_url import parse as parse_redis_url
 
 if TYPE_CHECKING:
@@ -150,11 +149,6 @@ class WorkerConfig:
             raise ValueError("--name cannot rename a pipeline's stage: name the Pipeline class")
         if self.partitions != 1:
             raise ValueError("--partitions: a pipeline's stages are not partitioned")
-        if isinstance(parse_redis_url(self.redis_url), ClusterURL):
-            raise ValueError(
-                "--stage: pipelines run on one Redis (or a Sentinel service), not on a Redis "
-                "Cluster yet"
-            )
 
     def _checks(self) -> list[tuple[bool, str]]:
         def below(value: float | None, least: float) -> bool:

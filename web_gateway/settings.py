@@ -52,8 +52,8 @@ class GatewaySettings(BaseSettings):
 
     model: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Import path 'module:Class' of a ManagedModel subclass to serve; repeat for "
-        "several models (env: comma- or space-separated).",
+        description="Import path 'module:Class' of a ManagedModel subclass (or a Pipeline) to "
+        "serve; repeat for several models (env: comma- or space-separated).",
     )
     prefix: str = Field(default=DEFAULT_PREFIX, description="Key prefix: the one the workers use.")
     redis_url: str = Field(

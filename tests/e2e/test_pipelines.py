@@ -26,6 +26,7 @@ from broker.devserver import RedisServer
 from broker.keys import ModelKeys
 from broker.protocol import decode_reply, entry_time_ms, request_fields
 from broker.redis_transport import RedisTransport
+from tests.cluster_local import LocalCluster
 from tests.conftest import ROOT, wait_for_consumers, wait_until, worker_process
 from tests.e2e.test_gateway import gateway_process
 from tests.models import DELAY_ENV, RECORD_ENV
@@ -223,33 +224,73 @@ def test_withdrawn_items_are_not_computed_later_and_deadlines_travel(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("victim", ["embed", "polarity"])
 def test_kill_9_of_a_stage_worker_mid_load_loses_nothing(
-    redis_server: RedisServer, prefix: str
+    redis_server: RedisServer, prefix: str, victim: str
 ) -> None:
+    """The first stage forwards (a worker killed after forwarding and before its ack has its
+    entries forwarded again: duplicates the caller drops); the last one answers."""
     url = redis_server.url
     client = redis_server.client()
-    later = ModelKeys("chain.polarity", prefix)
+    keys = ModelKeys(keys_name("chain", victim), prefix)
     items = inputs(200)
     embed, polarity = in_process(Embed, Polarity)
     expected = np.stack(polarity.predict(embed.predict(items)))
+    other = "polarity" if victim == "embed" else "embed"
     slow = ("--batch-size", "4", "--workers", "2", "--max-queue-items", "0")
     with (
-        stages(url, prefix, "chain", ["embed"], "--max-queue-items", "0"),
-        stages(url, prefix, "chain", ["polarity"], *slow, env={DELAY_ENV: "0.02"}, expect=2),
+        stages(url, prefix, "chain", [other], "--max-queue-items", "0"),
+        stages(url, prefix, "chain", [victim], *slow, env={DELAY_ENV: "0.02"}, expect=2),
         Streamer("chain", redis_url=url, prefix=prefix) as streamer,
     ):
         futures = [streamer.submit(items[i : i + 4], timeout=60) for i in range(0, 200, 4)]
 
         def holders() -> list[str]:
-            consumers = client.xinfo_consumers(later.stream, later.group)
+            try:
+                consumers = client.xinfo_consumers(keys.stream, keys.group)
+            except redis.ResponseError:  # the stage's group is not created yet
+                return []
             return [c["name"].decode() for c in consumers if c["pending"]]
 
-        wait_until(lambda: bool(holders()), 10, "a worker of polarity holding items")
+        wait_until(lambda: bool(holders()), 10, f"a worker of {victim} holding items")
         os.kill(int(holders()[0].rsplit("-", 1)[1]), signal.SIGKILL)  # mid-batch
         got = [future.result(timeout=60) for future in futures]
     answers = np.stack([out for result in got for out in result])
     np.testing.assert_allclose(answers, expected, rtol=1e-6)  # 0 lost, each its own answer
-    assert client.xlen(later.stream) == 0
+    for name in ("chain", "chain.polarity"):
+        assert client.xlen(ModelKeys(name, prefix).stream) == 0
+
+
+@pytest.mark.slow
+def test_a_fan_out_over_a_redis_cluster_with_its_stages_on_different_primaries() -> None:
+    """Forwarding and joins are commands of one slot each: a stage's stream on one node, the
+    next stage's on another, the pipeline's inboxes and joins on a third."""
+    prefix = "c1"  # its stages hash to slots of three different primaries
+    items = inputs(10)
+    embed, polarity, topic = in_process(Embed, Polarity, Topic)
+    embeddings = embed.predict(items)
+    bad = inputs(1)[0]
+    bad[0] = np.nan
+    with LocalCluster(primaries=3) as cluster:
+        url = cluster.url(nodes=1)
+        names = ("fan", "fan.polarity", "fan.topic")
+        owners = {cluster.owner(ModelKeys(name, prefix).stream) for name in names}
+        assert len(owners) == 3  # each stage on a primary of its own
+        with (
+            stages(url, prefix, "fan", ["embed", "polarity", "topic"]),
+            Streamer("fan", redis_url=url, prefix=prefix) as streamer,
+        ):
+            got = streamer.predict(items, timeout=20)
+            with pytest.raises(ModelError, match=r"stage '(polarity|topic)': ValueError"):
+                streamer.predict([bad], timeout=20)
+    np.testing.assert_allclose(
+        np.stack([a["polarity"] for a in got]), np.stack(polarity.predict(embeddings)), rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        np.stack([a["topic"] for a in got]),
+        np.stack(topic.predict([double(e) for e in embeddings])),
+        rtol=1e-6,
+    )
 
 
 def test_a_stage_worker_refuses_what_pipelines_do_not_support(

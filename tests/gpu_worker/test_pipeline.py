@@ -13,6 +13,7 @@ from broker.protocol import Reply, decode_reply
 from gpu_worker.forwarding import StageRoute, _joined, stage_error
 from gpu_worker.model import ModelLoadError
 from gpu_worker.pipeline import Pipeline, Stage, load_stage
+from tests.conftest import run_python
 from tests.pipeline_models import Chain, Embed, Fan, Polarity, Topic
 
 
@@ -109,3 +110,16 @@ def test_a_joined_answer_and_a_stage_error_are_replies_every_reader_takes() -> N
         codec.decode(stage_error("topic", Reply("r", False, None, "T", "m")))["error"]["stage"]
         == "topic"
     )
+
+
+def test_a_pipeline_class_comes_without_torch_or_the_batch_loop() -> None:
+    """What a gateway or a caller imports: the declaration, its stage model classes."""
+    done = run_python(
+        "import sys\n"
+        "from gpu_worker.model import load_model_class\n"
+        "load_model_class('tests.pipeline_models:Fan')\n"
+        "heavy = {'torch', 'gpu_worker.batching', 'gpu_worker.forwarding'}\n"
+        "print(sorted(heavy & set(sys.modules)))\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
