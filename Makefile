@@ -13,7 +13,7 @@ TORCH_INDEX_URL ?=
 # pip's own progress (what it fetches and installs, with progress bars) on the long steps.
 PIP_PROGRESS    ?= --progress-bar on --disable-pip-version-check
 
-.PHONY: install demo test test-slow lint format typecheck bench clean
+.PHONY: install demo demo-pipeline test test-slow lint format typecheck bench clean
 
 install: $(STAMP)
 
@@ -64,6 +64,14 @@ $(STAMP): pyproject.toml Makefile
 demo: install
 	@echo "==> demo: Redis, a worker serving examples.mlp:MLP, and a Streamer asking it"
 	$(BIN)/python -m examples.demo
+
+# The embedder feeding a classifier head as a pipeline (examples/pipelines.py): Redis, one worker
+# per stage, a gateway, and the curl requests (v1, v2) with their answers. The fan-out (sentiment
+# and topic heads on one embedding): `make demo-pipeline DEMO_ARGS="--pipeline sentiment-topic"`.
+DEMO_ARGS ?=
+demo-pipeline: install
+	@echo "==> demo-pipeline: Redis, a worker per stage (embedder, classifier head), a gateway, curl"
+	$(BIN)/python -m examples.pipeline_demo $(DEMO_ARGS)
 
 lint: install
 	$(BIN)/ruff check .
