@@ -45,6 +45,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -394,12 +395,15 @@ class Harness:
         return [*gateway, "--workers", str(self.args.gateway_workers), "--log-level", "warning"]
 
     @contextmanager
-    def our_http(self, model: str, redis_url: str) -> Iterator[tuple[str, CpuMeter, BatchProbe]]:
-        """A fresh `worker start` and `gateway start` for the model, ready: (URL, a CPU meter of
-        the worker, the gateway and Redis, the worker's batch probe)."""
-        prefix = f"open{os.getpid()}"
+    def our_http(
+        self, model: str, redis_url: str, tuned: list[str] | None = None
+    ) -> Iterator[tuple[str, CpuMeter, BatchProbe]]:
+        """A fresh `worker start` (with the ``tuned`` options, if any) and `gateway start` for
+        the model, ready: (URL, a CPU meter of the worker, the gateway and Redis, the worker's
+        batch probe)."""
+        prefix = f"open{os.getpid()}{'t' if tuned else ''}"
         metrics_port, port = free_port(), free_port()
-        worker = self.worker_command(model, redis_url, prefix, metrics_port)
+        worker = self.worker_command(model, redis_url, prefix, metrics_port) + (tuned or [])
         gateway = self.gateway_command(model, redis_url, prefix, port)
         with ExitStack() as stack:
             worker_proc = stack.enter_context(self.process(worker, f"open-worker-{model}"))
@@ -437,6 +441,10 @@ class Harness:
         arms: list[tuple[str, Callable[[], Any]]] = [
             (OURS[5], partial(self.our_http, model, redis_url))
         ]
+        if self.args.open_loop_tuned:
+            tuned = shlex.split(self.args.open_loop_tuned)
+            label = f"{OURS[5]}, tuned: worker {self.args.open_loop_tuned}"
+            arms.append((label, partial(self.our_http, model, redis_url, tuned)))
         arms += [(s, partial(self.mosec, model, s)) for s in MOSEC_WAIT_MS]
         results = self.open_loops.setdefault(model, {})
         for scenario, stack in arms:
@@ -613,7 +621,7 @@ class Harness:
                     versions[name] = venvs.versions(name)
         shutil.rmtree(self.tmp, ignore_errors=True)
         return {
-            "command": " ".join(["python -m bench", *sys.argv[1:]]),
+            "command": "python -m bench " + shlex.join(sys.argv[1:]),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
             "elapsed_s": round(time.time() - started, 1),
             "machine": machine(),
@@ -638,6 +646,7 @@ class Harness:
                 "busy_poll_us": self.args.busy_poll_us,
                 "mosec_max_wait_ms": list(MOSEC_WAIT_MS.values()),
                 "sla_p99_ms": self.args.sla_p99_ms,
+                "open_loop_tuned": self.args.open_loop_tuned,
                 "min_success": self.args.min_success,
             },
             "memory_mb": self.memory,
@@ -829,6 +838,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--open-loop-models",
         default="mlp",
         help="comma-separated: the models the open-loop scenario runs for (default mlp)",
+    )
+    parser.add_argument(
+        "--open-loop-tuned",
+        metavar="WORKER-OPTIONS",
+        help="open loop: also an arm of our gateway whose worker runs with these `worker start` "
+        "options, labelled as tuned (e.g. '--max-latency 0.005'); the targets judge the "
+        "defaults' arm",
     )
     parser.add_argument("--sla-p99-ms", type=float, default=50.0, help="open loop: p99 SLA")
     parser.add_argument(

@@ -469,12 +469,12 @@ def open_loop_section(report: dict[str, Any], suffix: str = "") -> list[str]:
             "whole tree) in cores over the whole window.",
             "",
             "| arm | offered/s | achieved/s | answered 200 | p50 ms | p90 ms | p99 ms | "
-            "p99.9 ms | within SLA | windows | generator cores | server cores |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+            "p99.9 ms | mean batch | within SLA | windows | generator cores | server cores |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
         ]
         for arm, curve in arms.items():
             if "error" in curve:
-                parts.append(f"| {arm} | failed: {curve['error'][:120]} | | | | | | | | | | |")
+                parts.append(f"| {arm} | failed: {curve['error'][:120]} | | | | | | | | | | | |")
                 continue
             for p in curve["points"]:
                 cores = (p.get("cpu_us_per_item") or {}).get("total")
@@ -483,7 +483,8 @@ def open_loop_section(report: dict[str, Any], suffix: str = "") -> list[str]:
                     f"| {arm} | {p['rate']:,.0f} | {p['achieved_rps']:,.0f} | "
                     f"{p['ok_fraction']:.2%} | {fmt(p['p50_ms'], 1)} | {fmt(p['p90_ms'], 1)} | "
                     f"{fmt(p['p99_ms'], 1)} | {fmt(p['p999_ms'], 1)} | "
-                    f"{'yes' if p['passed'] else 'no'} | {len(p['windows'])} | "
+                    f"{fmt(p.get('mean_batch'), 1)} | {'yes' if p['passed'] else 'no'} | "
+                    f"{len(p['windows'])} | "
                     f"{p['generator_cpu']:.2f}{flag} | {fmt(cores)} |"
                 )
         parts += [

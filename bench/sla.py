@@ -38,6 +38,12 @@ class Point:
         values = [v for v in values if not (isinstance(v, float) and math.isnan(v))]
         return float(statistics.median(values)) if values else math.nan
 
+    def mean_batch(self) -> float | None:
+        """The median over the windows of the items per model call (where the server says)."""
+        values = [w.extra.get("mean_batch") for w in self.windows]
+        known = [v for v in values if v is not None]
+        return float(statistics.median(known)) if known else None
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "rate": self.rate,
@@ -48,6 +54,7 @@ class Point:
             "p999_ms": self.median("p999_ms"),
             "ok_fraction": statistics.median(w.ok_fraction for w in self.windows),
             "achieved_rps": self.median("achieved_rps"),
+            "mean_batch": self.mean_batch(),
             "generator_cpu": self.median("generator_cpu"),
             "generator_cpu_max": max(w.generator_cpu for w in self.windows),
             "generator_saturated": any(w.generator_saturated for w in self.windows),
