@@ -265,7 +265,7 @@ def defaults_targets(
         if bracket and bracket["concurrency"] == 256:
             share, how = bracket["share"], "bracketed"
         out.append(
-            (f"{model} via Redis, c=256, {device}: >= {goal:.0%} of direct batched",
+            (f"{model} via Redis, c=256 (on {device}): >= {goal:.0%} of direct batched",
              f"{share:.1%} ({how})", verdict(share >= goal))
         )  # fmt: skip
     out += http_targets(rows, verdict)
