@@ -116,3 +116,21 @@ def test_the_open_loop_target_and_the_client_targets_print_with_their_verdicts()
     assert "MISSED identity, c=1: blocking predict's p50 within 0.2 ms of apredict's" in text
     assert "MISSED mlp over HTTP, open loop: highest rate within the p99 SLA >= 1.3x" in text
     assert "3,600 / 3,000/s = 1.20x" in text  # against mosec's better setting
+
+
+def test_the_open_loop_counts_as_run_only_for_its_models() -> None:
+    from bench.harness import OPEN_LOOP, not_run, parse_args
+
+    args = parse_args(["--models", "identity,mlp", "--scenarios", "open loop,mosec"])
+    assert args.scenarios == [
+        "mosec, batching (10 ms wait)",
+        "mosec, batching (1 ms wait)",
+        OPEN_LOOP,
+    ]
+    rows = [
+        row(model, scenario, 64, 1000.0)
+        for model in ("identity", "mlp")
+        for scenario in args.scenarios[:2]
+    ]
+    assert not_run({"results": rows, "open_loop": {"mlp": {}}}, args) == []
+    assert not_run({"results": rows, "open_loop": {}}, args) == [f"mlp: {OPEN_LOOP}"]
