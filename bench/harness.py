@@ -20,7 +20,12 @@ windows reported; items/s, p50/p90/p99 latency, mean batch size the model ran):
 * the alternatives (full mode), each from its own virtualenv under .cache/bench-venvs/:
   ``service_streamer RedisStreamer`` (threads, the same thread load generator as ours) with its
   RedisWorker, and over HTTP with wrk: ``service_streamer ThreadedStreamer (Flask)``,
-  ``fastapi, per request``, ``litserve, batching``, ``mosec, batching``.
+  ``fastapi, per request``, ``litserve, batching``, and mosec twice, at 10 ms and at 1 ms max
+  wait (``mosec, batching (10 ms wait)``, ``(1 ms wait)``: the better is the baseline);
+* ``open loop (gateway, mosec)`` (full mode, --open-loop-models, default mlp): latency against
+  offered load for our gateway (a fresh worker and gateway at their defaults) and for mosec at
+  both settings, from a ``bench.openloop`` generator process (bench/sla.py), and each one's
+  highest rate whose p99 stays within --sla-p99-ms with --min-success answered 200.
 
 Same payload (one 256-float vector per request; JSON ``{"inputs": [[...]]}`` over HTTP), same
 model code and weights (bench.models / examples.mlp), same torch thread count everywhere
@@ -28,8 +33,9 @@ model code and weights (bench.models / examples.mlp), same torch thread count ev
 alternatives that wait for batch-mates, a max wait of --max-wait-ms. Everything runs on the
 CPU unless --cuda N names a device: then the direct and embedded arms load the model on cuda:N
 and the worker starts with ``--cuda N`` (--workers: processes on it), the alternatives are left
-as they are (docs/gpu.md). Writes <output-dir>/harness.json (raw) and, unless --no-report,
-docs/benchmarks.md with PNG plots.
+as they are (docs/gpu.md). Writes <output-dir>/harness.json (raw), prints which targets the run
+met (bench.report.verdicts: each ratio between arms of this run) and, unless --no-report,
+writes docs/benchmarks.md with PNG plots.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -80,8 +87,13 @@ ALTERNATIVES = [
     "service_streamer ThreadedStreamer (Flask)",
     "fastapi, per request",
     "litserve, batching",
-    "mosec, batching",
+    "mosec, batching (10 ms wait)",
+    "mosec, batching (1 ms wait)",
 ]
+# mosec's max_wait_time per arm: the issue's two settings; the better one is the baseline
+MOSEC_WAIT_MS = {ALTERNATIVES[4]: 10.0, ALTERNATIVES[5]: 1.0}
+# latency against offered load, open loop (bench.sla): our gateway and mosec at both settings
+OPEN_LOOP = "open loop (gateway, mosec)"
 UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3}
 
 
@@ -109,6 +121,7 @@ class Harness:
         self.lua = post_script(self.tmp / "post.lua", body)
         self.memory: dict[str, dict[str, float]] = {}
         self.brackets: dict[str, dict[str, Any]] = {}
+        self.open_loops: dict[str, dict[str, Any]] = {}
         self.redis_pid: int | None = None
 
     # -- bookkeeping -------------------------------------------------------------------------
@@ -318,12 +331,7 @@ class Harness:
         a = self.args
         prefix = f"bench{os.getpid()}"
         metrics_port, gateway_port = free_port(), free_port()
-        worker = [sys.executable, "-m", "gpu_worker.cli", "start", "--model", MODELS[model]]
-        worker += ["--redis", redis_url, "--prefix", prefix, "--batch-size", str(a.batch_size)]
-        worker += ["--metrics-port", str(metrics_port), "--log-level", "WARNING"]
-        if a.busy_poll_us is not None:  # otherwise the worker's own default
-            worker += ["--busy-poll-us", str(a.busy_poll_us)]
-        worker += worker_placement(a.cuda, a.workers)
+        worker = self.worker_command(model, redis_url, prefix, metrics_port)
         probe = BatchProbe(f"metrics:http://127.0.0.1:{metrics_port}/metrics")
         with ExitStack() as stack:
             worker_proc = stack.enter_context(self.process(worker, f"worker-{model}"))
@@ -355,9 +363,7 @@ class Harness:
             if shutil.which("wrk") is None:
                 log("wrk is not on PATH (apt-get install wrk): skipping the HTTP scenarios")
                 return
-            gateway = [sys.executable, "-m", "web_gateway.cli", "start", "--model", MODELS[model]]
-            gateway += ["--redis", redis_url, "--prefix", prefix, "--port", str(gateway_port)]
-            gateway += ["--workers", str(a.gateway_workers), "--log-level", "warning"]
+            gateway = self.gateway_command(model, redis_url, prefix, gateway_port)
             gateway_proc = stack.enter_context(self.process(gateway, f"gateway-{model}"))
             url = f"http://127.0.0.1:{gateway_port}/v1/models/{model}/predict"
             self.wait_http(url, gateway_proc)
@@ -368,6 +374,136 @@ class Harness:
                 self.record(model, OURS[5], c, self.wrk(url, c, probe, meter))
             self.memory[model]["gateway_rss_mb"] = tree_rss_mb(gateway_proc.pid)
             self.memory[model]["gateway_processes"] = 1 + a.gateway_workers
+
+    def worker_command(
+        self, model: str, redis_url: str, prefix: str, metrics_port: int
+    ) -> list[str]:
+        """`worker start` at its defaults but for the run's batch size, placement and (when
+        given) busy polling."""
+        a = self.args
+        worker = [sys.executable, "-m", "gpu_worker.cli", "start", "--model", MODELS[model]]
+        worker += ["--redis", redis_url, "--prefix", prefix, "--batch-size", str(a.batch_size)]
+        worker += ["--metrics-port", str(metrics_port), "--log-level", "WARNING"]
+        if a.busy_poll_us is not None:  # otherwise the worker's own default
+            worker += ["--busy-poll-us", str(a.busy_poll_us)]
+        return worker + worker_placement(a.cuda, a.workers)
+
+    def gateway_command(self, model: str, redis_url: str, prefix: str, port: int) -> list[str]:
+        """`gateway start` at its defaults but for the number of its processes."""
+        gateway = [sys.executable, "-m", "web_gateway.cli", "start", "--model", MODELS[model]]
+        gateway += ["--redis", redis_url, "--prefix", prefix, "--port", str(port)]
+        return [*gateway, "--workers", str(self.args.gateway_workers), "--log-level", "warning"]
+
+    @contextmanager
+    def our_http(
+        self, model: str, redis_url: str, tuned: list[str] | None = None
+    ) -> Iterator[tuple[str, CpuMeter, BatchProbe]]:
+        """A fresh `worker start` (with the ``tuned`` options, if any) and `gateway start` for
+        the model, ready: (URL, a CPU meter of the worker, the gateway and Redis, the worker's
+        batch probe)."""
+        prefix = f"open{os.getpid()}{'t' if tuned else ''}"
+        metrics_port, port = free_port(), free_port()
+        worker = self.worker_command(model, redis_url, prefix, metrics_port) + (tuned or [])
+        gateway = self.gateway_command(model, redis_url, prefix, port)
+        with ExitStack() as stack:
+            worker_proc = stack.enter_context(self.process(worker, f"open-worker-{model}"))
+            self.wait_worker(redis_url, model, prefix, worker_proc, self.args.workers)
+            gateway_proc = stack.enter_context(self.process(gateway, f"open-gateway-{model}"))
+            url = f"http://127.0.0.1:{port}/v1/models/{model}/predict"
+            self.wait_http(url, gateway_proc)
+            roots = {"gateway": gateway_proc.pid, "worker": worker_proc.pid}
+            meter = CpuMeter({**roots, "redis": self.redis_pid})
+            yield url, meter, BatchProbe(f"metrics:http://127.0.0.1:{metrics_port}/metrics")
+
+    @contextmanager
+    def mosec(self, model: str, scenario: str) -> Iterator[tuple[str, CpuMeter, BatchProbe]]:
+        """mosec serving the model with the scenario's max wait, ready: (URL, a CPU meter of its
+        whole process tree, its batch log's probe)."""
+        index = ALTERNATIVES.index(scenario)
+        batch_log = self.tmp / f"batches-{model}-{index}-{time.monotonic_ns()}.log"
+        env = {"BENCH_MODEL": MODELS[model], "BENCH_BATCH_LOG": str(batch_log)}
+        env["BENCH_MAX_WAIT_MS"] = f"{MOSEC_WAIT_MS[scenario]:g}"
+        python, port = venvs.ensure("mosec"), free_port()
+        command = [str(python), "-m", "bench.alternatives.mosec_server", "--port", str(port)]
+        command += ["--timeout", "60000", "--log-level", "warning"]
+        url = f"http://127.0.0.1:{port}/inference"
+        name = f"alt-{model}-{index}"
+        with self.process(command, name, env) as proc:
+            try:
+                self.wait_http(url, proc)
+            except Exception as exc:
+                raise RuntimeError(f"{exc}: {self.tail(name)}") from exc
+            yield url, CpuMeter({"server": proc.pid}), BatchProbe(f"file:{batch_log}")
+
+    def open_loop(self, model: str, redis_url: str) -> None:
+        """Latency against offered load (bench.sla) for our gateway and for mosec at each of
+        its settings, each arm's generator a process of its own; into ``self.open_loops``."""
+        arms: list[tuple[str, Callable[[], Any]]] = [
+            (OURS[5], partial(self.our_http, model, redis_url))
+        ]
+        if self.args.open_loop_tuned:
+            tuned = shlex.split(self.args.open_loop_tuned)
+            label = f"{OURS[5]}, tuned: worker {self.args.open_loop_tuned}"
+            arms.append((label, partial(self.our_http, model, redis_url, tuned)))
+        arms += [(s, partial(self.mosec, model, s)) for s in MOSEC_WAIT_MS]
+        results = self.open_loops.setdefault(model, {})
+        for scenario, stack in arms:
+            try:
+                with stack() as (url, meter, probe):
+                    results[scenario] = self.sla_curve(model, scenario, url, meter, probe)
+            except Exception as exc:
+                self.failed(model, f"{OPEN_LOOP}: {scenario}", 0, repr(exc)[-3000:])
+                results[scenario] = {"error": repr(exc)[-3000:]}
+
+    def sla_curve(
+        self, model: str, scenario: str, url: str, meter: CpuMeter, probe: BatchProbe
+    ) -> dict[str, Any]:
+        from bench.openloop import RunResult
+        from bench.sla import sla_curve
+        from bench.tune import Generator
+
+        a = self.args
+        slug = re.sub(r"\W+", "-", scenario)
+        target = {"kind": "http", "url": url, "body": self.body}
+        generator = Generator(target, self.tmp / f"openloop-{model}-{slug}.log", self.env)
+        try:
+            closed = {"closed": {"concurrency": 64, "duration": a.duration}}
+            capacity = float(generator.ask(closed, timeout=60 + a.duration)["rps"])
+
+            def window(rate: float) -> tuple[RunResult, dict[str, float] | None]:
+                spec = {"rate": rate, "duration": a.duration, "warmup": a.warmup, "lanes": 256}
+                spec.update(drain_s=5.0, sla_p99_ms=a.sla_p99_ms, min_success=a.min_success)
+                before, batches, wall = meter.sample(), probe.totals(), time.monotonic()
+                answer = generator.ask({"open": spec}, timeout=60 + a.warmup + a.duration)
+                result = RunResult.from_dict(answer)
+                seconds = time.monotonic() - wall
+                after = meter.sample()
+                # the servers' CPU over the whole run (warm-up and drain included), in cores
+                cores = {k: (after[k] - before[k]) / seconds for k in before}
+                cores["total"] = sum(cores.values())
+                result.extra["mean_batch"] = probe.mean(batches, probe.totals(), result.ok)
+                log(
+                    f"{model:8} open loop {scenario:32} {result.line()} "
+                    f"servers {cores['total']:.2f} cores"
+                )
+                if not result.ok_fraction or result.aborted:
+                    time.sleep(1.0)  # let a backlog drain before the next window
+                return result, cores
+
+            curve = sla_curve(
+                window,
+                capacity,
+                repeats=a.repeats,
+                sla_p99_ms=a.sla_p99_ms,
+                min_success=a.min_success,
+            )
+        finally:
+            generator.close()
+        log(
+            f"{model:8} open loop {scenario:32} highest rate within p99 {a.sla_p99_ms:g} ms: "
+            f"{curve.max_rate:,.0f}/s (closed-loop capacity {capacity:,.0f}/s; {curve.stopped})"
+        )
+        return curve.to_dict()
 
     def wait_worker(
         self, redis_url: str, model: str, prefix: str, proc: subprocess.Popen[bytes], count: int
@@ -425,10 +561,10 @@ class Harness:
             command = [str(python), "-m", "bench.alternatives.litserve_server", str(port)]
             url = f"http://127.0.0.1:{port}/predict"
         else:
-            python = venvs.ensure("mosec")
-            command = [str(python), "-m", "bench.alternatives.mosec_server", "--port", str(port)]
-            command += ["--timeout", "60000", "--log-level", "warning"]
-            url = f"http://127.0.0.1:{port}/inference"
+            with self.mosec(model, scenario) as (url, meter, probe):
+                for c in a.concurrency:
+                    self.record(model, scenario, c, self.wrk(url, c, probe, meter))
+            return
         with self.process(command, name, env) as proc:
             try:
                 self.wait_http(url, proc)
@@ -477,13 +613,15 @@ class Harness:
                         self.alternative(model, scenario, server.port)
                     except Exception as exc:
                         self.failed(model, scenario, 0, repr(exc)[-3000:])
+                if OPEN_LOOP in self.args.scenarios and model in self.args.open_loop_models:
+                    self.open_loop(model, server.url)
         for name in ("service_streamer", "fastapi", "litserve", "mosec"):
             if venvs.python_of(name).exists() and alternatives:
                 with suppress(Exception):
                     versions[name] = venvs.versions(name)
         shutil.rmtree(self.tmp, ignore_errors=True)
         return {
-            "command": " ".join(["python -m bench", *sys.argv[1:]]),
+            "command": "python -m bench " + shlex.join(sys.argv[1:]),
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
             "elapsed_s": round(time.time() - started, 1),
             "machine": machine(),
@@ -506,10 +644,15 @@ class Harness:
                 "device": self.device,
                 "workers": self.args.workers,
                 "busy_poll_us": self.args.busy_poll_us,
+                "mosec_max_wait_ms": list(MOSEC_WAIT_MS.values()),
+                "sla_p99_ms": self.args.sla_p99_ms,
+                "open_loop_tuned": self.args.open_loop_tuned,
+                "min_success": self.args.min_success,
             },
             "memory_mb": self.memory,
             "brackets": self.brackets,
             "results": self.rows,
+            "open_loop": self.open_loops,
         }
 
 
@@ -691,6 +834,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "so the worker runs at its defaults, as a new user's does; 1000: a worker with nothing "
         "to do polls 1 ms before it sleeps)",
     )
+    parser.add_argument(
+        "--open-loop-models",
+        default="mlp",
+        help="comma-separated: the models the open-loop scenario runs for (default mlp)",
+    )
+    parser.add_argument(
+        "--open-loop-tuned",
+        metavar="WORKER-OPTIONS",
+        help="open loop: also an arm of our gateway whose worker runs with these `worker start` "
+        "options, labelled as tuned (e.g. '--max-latency 0.005'); the targets judge the "
+        "defaults' arm",
+    )
+    parser.add_argument("--sla-p99-ms", type=float, default=50.0, help="open loop: p99 SLA")
+    parser.add_argument(
+        "--min-success", type=float, default=0.999, help="open loop: least fraction answered 200"
+    )
     parser.add_argument("--output-dir", type=Path, default=RESULTS)
     parser.add_argument("--no-report", action="store_true", help="skip docs/benchmarks.md")
     args = parser.parse_args(argv)
@@ -702,11 +861,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.duration = args.duration or (0.5 if quick else 3.0)
     args.warmup = args.warmup or (0.3 if quick else 1.0)
     args.repeats = args.repeats or (1 if quick else 3)
-    every = OURS + ([] if (quick or args.no_alternatives) else ALTERNATIVES)
+    every = OURS + ([] if (quick or args.no_alternatives) else [*ALTERNATIVES, OPEN_LOOP])
     if args.scenarios:
         wanted = [w.strip() for w in args.scenarios.split(",")]
         every = [s for s in every if any(w in s for w in wanted)]
     args.scenarios = every
+    args.open_loop_models = args.open_loop_models.split(",")
     if args.cuda is not None and not args.cuda.isdigit():
         parser.error(f"--cuda takes one device index, not {args.cuda!r}")
     if args.workers < 1:
@@ -721,6 +881,8 @@ def not_run(report: dict[str, Any], args: argparse.Namespace) -> list[str]:
     """Requested (model, scenario) pairs that produced no row at all (HTTP arms without wrk
     excepted: they are skipped, and said so, on purpose)."""
     ran = {(r["model"], r["scenario"]) for r in report["results"]}
+    ran |= {(model, OPEN_LOOP) for model in report.get("open_loop", {})}
+    ran |= {(m, OPEN_LOOP) for m in args.models if m not in args.open_loop_models}
     skipped = {OURS[5]} if shutil.which("wrk") is None else set()
     return [
         f"{model}: {scenario}"
@@ -739,12 +901,13 @@ def main(argv: list[str] | None = None) -> None:
     path = args.output_dir / name
     path.write_text(json.dumps(report, indent=2))
     log(f"wrote {path}")
+    from bench import report as report_module
+
+    print(report_module.verdicts(report))
     missing = not_run(report, args)
     if missing:
         raise SystemExit("requested but not run: " + "; ".join(missing))
     if not args.no_report and not args.quick:
-        from bench import report as report_module
-
         report_module.main(path)
 
 

@@ -1,13 +1,16 @@
 """Virtualenvs for the alternatives, built once under .cache/bench-venvs/NAME and then reused.
 
 Each is ``python -m venv`` + ``pip install torch==2.13.0`` (the CPU wheel; from local disk where
-pip's find-links has it) + the alternative's own packages from PyPI, plus numpy and msgpack so
-that the servers import this repository's models (``bench.models``, ``examples.mlp``) through
-PYTHONPATH: every arm runs the very same model code and weights.
+pip's find-links has it) + the alternative's own packages from PyPI, plus numpy, msgpack and
+redis so that the servers import this repository's models (``bench.models``, ``examples.mlp``,
+loaded through ``gpu_worker.load_model_class``, whose package imports the broker's client)
+through PYTHONPATH: every arm runs the very same model code and weights. A virtualenv that
+exists but lacks a package (built before that package was needed) gets it installed in place.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / ".cache" / "bench-venvs"
 TORCH = "torch==2.13.0"
-COMMON = ["numpy", "msgpack"]
+COMMON = ["numpy", "msgpack", "redis"]
 
 # name -> (packages, module imported to check the venv)
 ALTERNATIVES: dict[str, list[str]] = {
@@ -48,8 +51,10 @@ def _ok(name: str) -> bool:
     python = python_of(name)
     if not python.exists():
         return False
-    check = f"import torch, numpy, msgpack, {CHECK[name]}"
-    return subprocess.run([str(python), "-c", check], capture_output=True).returncode == 0
+    check = f"import torch, numpy, msgpack, redis, {CHECK[name]}; import gpu_worker"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([str(python), "-c", check], capture_output=True, cwd=ROOT, env=env)
+    return out.returncode == 0
 
 
 def ensure(name: str) -> Path:
@@ -57,12 +62,16 @@ def ensure(name: str) -> Path:
     python = python_of(name)
     if _ok(name):
         return python
-    print(f"[bench] building virtualenv {CACHE / name}", file=sys.stderr, flush=True)
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(CACHE / name)], check=True)
     pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    # torch alone first (the CPU wheel from local disk if there), so pip never picks a CUDA build
-    if subprocess.run([*pip, "--no-index", "--no-deps", TORCH]).returncode != 0:
-        subprocess.run([*pip, "--no-deps", TORCH], check=True)
+    if not python.exists():
+        print(f"[bench] building virtualenv {CACHE / name}", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(CACHE / name)], check=True)
+        # torch alone first (the CPU wheel from local disk if there), so pip never picks a
+        # CUDA build
+        if subprocess.run([*pip, "--no-index", "--no-deps", TORCH]).returncode != 0:
+            subprocess.run([*pip, "--no-deps", TORCH], check=True)
+    else:
+        print(f"[bench] completing virtualenv {CACHE / name}", file=sys.stderr, flush=True)
     subprocess.run([*pip, TORCH, *COMMON, *ALTERNATIVES[name]], check=True)
     if not _ok(name):
         raise RuntimeError(f"virtualenv {name} does not import {CHECK[name]}")
