@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
+import yaml
 from starlette.testclient import TestClient
 
 from broker import Streamer, codec, functions, partitions
@@ -252,3 +255,34 @@ def test_a_foreign_client_queues_at_either_level_with_plain_xadd_and_the_functio
                 replies[reply.request_id] = reply.result["item"]
             assert replies == {"a": f"plain-{level}", "b": f"fcall-{level}"}
             assert added(client, stream) == 2
+
+
+def test_the_priorities_overlay_gives_keda_the_base_triggers_for_the_high_stream(
+    tmp_path: Path,
+) -> None:
+    from gpu_worker import load_model_class
+    from tests.e2e.test_deploy import BIN, DEPLOY, config_map_literals, json_patch, k8s_find
+
+    overlay = yaml.safe_load((DEPLOY / "k8s/overlays/priorities/kustomization.yaml").read_text())
+    assert overlay["resources"] == ["../../base"]
+    scaled = k8s_find("ScaledObject")
+    base = scaled["spec"]["triggers"]
+    (patch,) = overlay["patches"]
+    patched = json_patch(scaled, yaml.safe_load(patch["patch"]))
+    literals = config_map_literals()
+    name = load_model_class(literals["MICROBATCH_WORKER_MODEL"]).name
+    keys = ModelKeys(name, literals["MICROBATCH_WORKER_PREFIX"])
+    triggers = patched["spec"]["triggers"]
+    assert triggers[: len(base)] == base
+    high = triggers[len(base) :]
+    assert len(high) == len(base) and len({t["name"] for t in triggers}) == len(triggers)
+    for before, after in zip(base, high, strict=True):
+        assert after["metadata"]["stream"] == keys.at(HIGH).stream
+        assert {**after["metadata"], "stream": keys.stream} == before["metadata"]
+        assert after["type"] == before["type"]
+    written = tmp_path / "scaledobject.yaml"
+    written.write_text(yaml.safe_dump(patched))
+    schema = DEPLOY / "k8s" / "schemas" / "scaledobject.json"
+    checker = [str(BIN / "check-jsonschema"), "--schemafile", str(schema), str(written)]
+    done = subprocess.run(checker, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
