@@ -43,9 +43,9 @@ def queue_early(url: str, prefix: str, calls: list[tuple[Any, str]]) -> tuple[St
     """Queue one-item calls (item, priority) in order, before any worker runs."""
     streamer = Streamer("toy", redis_url=url, prefix=prefix, wait_for_workers=True, timeout=60)
     futures = [streamer.submit([item], priority=priority) for item, priority in calls]
-    keys = ModelKeys("toy", prefix)
+    keys = ModelKeys("toy", prefix, partitions=2)
     client = redis.Redis.from_url(url)
-    queued = lambda: sum(client.xlen(keys.at(level).stream) for level in (NORMAL, HIGH))  # noqa: E731
+    queued = lambda: sum(client.xlen(part.stream) for part in keys.lanes())  # noqa: E731
     wait_until(lambda: queued() == len(calls), 30, "the calls to be queued")
     return streamer, futures
 
@@ -286,3 +286,24 @@ def test_the_priorities_overlay_gives_keda_the_base_triggers_for_the_high_stream
     checker = [str(BIN / "check-jsonschema"), "--schemafile", str(schema), str(written)]
     done = subprocess.run(checker, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_priorities_work_over_a_partitioned_queue(redis_server: RedisServer, prefix: str) -> None:
+    url = redis_server.url
+    keys = ModelKeys("toy", prefix, partitions=2)
+    client = redis_server.client()
+    client.set(keys.partitions_key, 2)  # as the workers will store it: callers spread now
+    calls = [(f"n{i}", "normal") for i in range(8)] + [(f"h{i}", "high") for i in range(8)]
+    streamer, futures = queue_early(url, prefix, calls)
+    for part in keys.each():  # each partition got calls of both levels, on its own streams
+        assert client.xlen(part.stream) > 0 and client.xlen(part.at(HIGH).stream) > 0
+    with worker_process(url, TOY, prefix, "--batch-size", "2", "--partitions", "2"):
+        answers = results(futures)
+    streamer.close()
+    assert sorted(a["item"] for a in answers) == sorted(item for item, _ in calls)
+    high = [a["batch_no"] for a in answers if a["item"][0] == "h"]
+    normal = [a["batch_no"] for a in answers if a["item"][0] == "n"]
+    assert 0 in high and 0 not in normal  # the first batch is of high items
+    assert sum(high) / len(high) < sum(normal) / len(normal)
+    for part in keys.lanes():
+        assert client.xlen(part.stream) == 0
