@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import redis
 import yaml
 from starlette.testclient import TestClient
 
-from broker import Streamer, codec, functions, partitions
+from broker import Streamer, admin, codec, functions, partitions
 from broker.devserver import RedisServer
 from broker.functions import ENQUEUE, VERSION
 from broker.keys import HIGH, MAX_PARTITIONS, NORMAL, ModelKeys
@@ -307,3 +308,36 @@ def test_priorities_work_over_a_partitioned_queue(redis_server: RedisServer, pre
     assert sum(high) / len(high) < sum(normal) / len(normal)
     for part in keys.lanes():
         assert client.xlen(part.stream) == 0
+
+
+def test_status_and_dead_letters_cover_the_high_level(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    url = redis_server.url
+    keys = ModelKeys("toy", prefix)
+    high = keys.at(HIGH)
+    client = redis_server.client()
+    calls = [(f"n{i}", "normal") for i in range(3)] + [(f"h{i}", "high") for i in range(2)]
+    streamer, futures = queue_early(url, prefix, calls)
+    [model] = admin.status(client, prefix)
+    assert (model.stream_length, model.high_stream_length) == (5, 2)
+    assert [p.priority for p in model.high] == ["high"]
+    shown = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "status", "--redis", url, "--prefix", prefix],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert shown.returncode == 0 and "high" in shown.stdout
+    # an entry whose reply key is outside the model's inboxes is dead-lettered, on its level
+    data = codec.encode("stray")
+    fields = {"v": "1", "id": "stray", "reply": "elsewhere", "timeout": "30000", "data": data}
+    client.xadd(high.stream, fields)  # type: ignore[arg-type]
+    with worker_process(url, TOY, prefix):
+        results(futures)
+        wait_until(lambda: client.xlen(high.dead_letters) == 1, 30, "the dead letter")
+    streamer.close()
+    [letter] = admin.dead_letters(client, keys)
+    assert letter.priority == "high" and letter.dead_id.endswith("@0h")
+    assert letter.request_id == "stray"
+    assert admin.replay_dead_letters(client, keys, [letter.dead_id]) == 1
+    assert client.xlen(high.dead_letters) == 0 and client.xlen(high.stream) == 1
+    assert admin.purge_dead_letters(client, keys) == 0
