@@ -68,7 +68,8 @@ class ConsumerStatus:
 
 @dataclass
 class PartitionStatus:
-    """One partition of a model's queue (its own stream, in its own hash slot)."""
+    """One lane of a model's queue: one priority level of one partition (its own stream; a
+    partition's levels share its hash slot)."""
 
     partition: int
     stream: str
@@ -76,8 +77,9 @@ class PartitionStatus:
     pending: int
     queued_bytes: int
     dead_letters: int
-    queue_bound_items: int = 0  # this partition's item bound now (0: none)
+    queue_bound_items: int = 0  # this partition's item bound now (0: none), for each level
     queue_bound_bytes: int = 0
+    priority: str = "normal"  # the level (broker.keys.LEVELS)
 
 
 @dataclass
@@ -90,8 +92,10 @@ class ModelStatus:
     dead_letters: int
     consumers: list[ConsumerStatus] = field(default_factory=list)
     queue_bound_items: int = 0  # the model's item bound now: per live worker x live (0: none)
-    queue_bound_bytes: int = 0  # its byte bound (0: none)
-    partitions: list[PartitionStatus] = field(default_factory=list)
+    queue_bound_bytes: int = 0  # its byte bound (0: none), each level's
+    partitions: list[PartitionStatus] = field(default_factory=list)  # the normal level's
+    high: list[PartitionStatus] = field(default_factory=list)  # each partition's high level
+    high_stream_length: int = 0  # of the counts above, the high level's entries queued
 
     @property
     def live_consumers(self) -> int:
@@ -124,6 +128,7 @@ def _partition_status(client: redis.Redis, keys: ModelKeys) -> tuple[PartitionSt
         dead_letters=int(dead),
         queue_bound_items=_count(bound[0]),
         queue_bound_bytes=_count(bound[1]),
+        priority=keys.priority,
     )
     return status, infos
 
@@ -136,7 +141,7 @@ def model_status(client: redis.Redis, keys: ModelKeys) -> ModelStatus:
     expiries = {_text(name): int(score) for name, score in vouched}
     parts: list[PartitionStatus] = []
     held: dict[str, dict[str, int]] = {}  # consumer -> pending (summed) and idle (least)
-    for part in keys.each():
+    for part in keys.lanes():
         status, infos = _partition_status(client, part)
         parts.append(status)
         for info in infos:
@@ -165,9 +170,11 @@ def model_status(client: redis.Redis, keys: ModelKeys) -> ModelStatus:
     live = max(sum(consumer.alive for consumer in consumers), 1)
     for share in parts:
         share.queue_bound_items *= live
+    normal = [p for p in parts if p.priority == "normal"]  # each level has the bound
+    high = [p for p in parts if p.priority != "normal"]
     return ModelStatus(
-        queue_bound_items=sum(p.queue_bound_items for p in parts),
-        queue_bound_bytes=sum(p.queue_bound_bytes for p in parts),
+        queue_bound_items=sum(p.queue_bound_items for p in normal),
+        queue_bound_bytes=sum(p.queue_bound_bytes for p in normal),
         prefix=keys.prefix,
         model=keys.model,
         stream_length=sum(p.stream_length for p in parts),
@@ -175,7 +182,9 @@ def model_status(client: redis.Redis, keys: ModelKeys) -> ModelStatus:
         queued_bytes=sum(p.queued_bytes for p in parts),
         dead_letters=sum(p.dead_letters for p in parts),
         consumers=consumers,
-        partitions=parts,
+        partitions=normal,
+        high=high,
+        high_stream_length=sum(p.stream_length for p in high),
     )
 
 
@@ -206,8 +215,9 @@ def status(client: redis.Redis, prefix: str | None = None) -> list[ModelStatus]:
 class DeadLetter:
     """One dead-lettered request; its payload is not shown, only its size.
 
-    Each partition of a model has its own dead-letter stream: the ids of partition k's dead
-    letters (and of their entries) end in ``@k`` (:mod:`broker.partitions`)."""
+    Each partition of a model has its own dead-letter stream per priority level: the ids of
+    partition k's dead letters (and of their entries) end in ``@k``, those of its high level
+    in ``@kh`` (:mod:`broker.partitions`)."""
 
     dead_id: str
     entry_id: str
@@ -216,25 +226,27 @@ class DeadLetter:
     data_bytes: int
     age_s: float
     partition: int = 0
+    priority: str = "normal"
 
 
 def dead_letters(client: redis.Redis, keys: ModelKeys, count: int = 100) -> list[DeadLetter]:
     """The oldest ``count`` dead letters of a model (of each of its partitions)."""
     out = []
-    for part in keys.each():
+    for part in keys.lanes():
         now_ms = _now_ms(client, part)  # the clock that stamped this partition's ids
         entries: Any = client.xrange(part.dead_letters, count=count)
         for dead_id, fields in entries:
             dead = _text(dead_id)
             out.append(
                 DeadLetter(
-                    dead_id=tag(dead, part.partition),
-                    entry_id=tag(_text(fields.get(b"dead_entry", b"")), part.partition),
+                    dead_id=tag(dead, part.lane),
+                    entry_id=tag(_text(fields.get(b"dead_entry", b"")), part.lane),
                     request_id=_text(fields.get(F_ID, b"")),
                     reason=_text(fields.get(b"dead_reason", b"")),
                     data_bytes=len(fields.get(F_DATA, b"")),
                     age_s=max(0.0, (now_ms - int(dead.split("-")[0])) / 1000),
                     partition=part.partition,
+                    priority=part.priority,
                 )
             )
     out.sort(key=lambda letter: -letter.age_s)
@@ -250,11 +262,11 @@ def replay_dead_letters(client: redis.Redis, keys: ModelKeys, ids: list[str] | N
     """
     replayed = 0
     wanted = None if ids is None else {untag(i) for i in ids}
-    for part in keys.each():
+    for part in keys.lanes():
         entries: Any = client.xrange(part.dead_letters)
         for dead_id, fields in entries:
             dead = _text(dead_id)
-            if wanted is not None and (dead, part.partition) not in wanted:
+            if wanted is not None and (dead, part.lane) not in wanted:
                 continue
             original = {k: v for k, v in fields.items() if k not in REPLAY_DROPS}
             pipe = client.pipeline(transaction=True)
@@ -269,9 +281,9 @@ def replay_dead_letters(client: redis.Redis, keys: ModelKeys, ids: list[str] | N
 def purge_dead_letters(client: redis.Redis, keys: ModelKeys, ids: list[str] | None = None) -> int:
     """Delete dead letters (all, or those with ``ids``); return how many."""
     purged = 0
-    for part in keys.each():
+    for part in keys.lanes():
         if ids is not None:
-            mine = [i for i, k in map(untag, ids) if k == part.partition]
+            mine = [i for i, k in map(untag, ids) if k == part.lane]
             purged += int(client.xdel(part.dead_letters, *mine)) if mine else 0
             continue
         purged += int(client.xlen(part.dead_letters))

@@ -99,13 +99,23 @@ def _table(title: str, columns: list[str], right: tuple[str, ...] = ()) -> Table
     return table
 
 
+def _shown_lanes(model: admin.ModelStatus) -> list[admin.PartitionStatus]:
+    """The queues of a model worth a line each: its partitions (if several), and the high
+    level of those whose high level holds anything."""
+    high = [p for p in model.high if p.stream_length or p.pending or p.dead_letters]
+    if len(model.partitions) > 1 or high:
+        return [*model.partitions, *high]
+    return []
+
+
 def _status_tables(models: list[admin.ModelStatus]) -> Group:
     counts = ("queued", "pending", "queued bytes", "live workers", "dead letters")
     summary = _table("microbatch models", ["prefix", "model", *counts], right=counts)
     columns = ["prefix", "model", "consumer", "alive", "pending", "idle s", "heartbeat s"]
     workers = _table("workers", [*columns, "batch", "batch s"])
     shares = ("queued", "pending", "queued bytes", "dead letters", "bound items", "bound bytes")
-    partitions = _table("partitions", ["prefix", "model", "partition", *shares], right=shares)
+    lanes = ["prefix", "model", "partition", "priority", *shares]
+    partitions = _table("partitions", lanes, right=shares)
     for model in models:
         summary.add_row(
             model.prefix,
@@ -116,11 +126,12 @@ def _status_tables(models: list[admin.ModelStatus]) -> Group:
             str(model.live_consumers),
             str(model.dead_letters),
         )
-        for part in model.partitions if len(model.partitions) > 1 else ():
+        for part in _shown_lanes(model):
             partitions.add_row(
                 model.prefix,
                 model.model,
                 str(part.partition),
+                part.priority,
                 str(part.stream_length),
                 str(part.pending),
                 str(part.queued_bytes),
@@ -141,7 +152,7 @@ def _status_tables(models: list[admin.ModelStatus]) -> Group:
                 str(consumer.current_batch) if consumer.current_batch else "-",
                 f"{consumer.current_batch_ms / 1000:.1f}" if consumer.current_batch else "-",
             )
-    if partitions.rows:  # only models spread over several partitions
+    if partitions.rows:  # only models spread over partitions or with high-priority entries
         return Group(summary, partitions, workers)
     return Group(summary, workers)
 

@@ -35,10 +35,11 @@ from .errors import (
     error_from_wire,
 )
 from .handoff import CallFuture, Mailbox, Relay, Waiter
-from .keys import ModelKeys
+from .keys import NORMAL, ModelKeys
 from .logs import Every, ThrottledWarning
 from .loop_thread import LoopThread
 from .partitions import split_bound
+from .priorities import parse_priority
 from .protocol import CallRequests, Reply, decode_reply
 from .transport import UNBOUNDED, QueueBound, Transport
 from .worker_watch import CHECK_EVERY_S, WorkerWatch
@@ -76,8 +77,8 @@ class _Call:
     """One predict/submit call: N items, one future."""
 
     __slots__ = (
-        "abandoned", "accepted_at", "deadline", "entries", "errors", "future", "ids", "post",
-        "queue", "remaining", "requests", "results", "timeout_s",
+        "abandoned", "accepted_at", "deadline", "entries", "errors", "future", "ids", "level",
+        "post", "queue", "remaining", "requests", "results", "timeout_s",
     )  # fmt: skip
 
     def __init__(
@@ -86,8 +87,10 @@ class _Call:
         future: Outcome,
         timeout_s: float,
         post: Callable[[list[Any]], list[Any]] | None = None,
+        level: int = NORMAL,
     ) -> None:
         self.requests = requests
+        self.level = level  # its priority level (broker.keys.LEVELS)
         self.ids = ids = requests.request_ids
         self.future = future
         self.timeout_s = timeout_s
@@ -156,14 +159,19 @@ class ClientCore:
         timeout_s: float,
         trace: str | None,
         post: Callable[[list[Any]], list[Any]] | None = None,
+        level: int = NORMAL,
     ) -> _Call:
         ids = [f"{self.client_id}.{next(self._ids)}" for _ in payloads]
         timeout_ms = max(1, int(timeout_s * 1000))
         requests = CallRequests(self.inbox, timeout_ms, ids, payloads, trace)
-        return _Call(requests, future, timeout_s, post)
+        return _Call(requests, future, timeout_s, post, level)
 
     async def call(
-        self, payloads: Sequence[bytes], timeout_s: float, trace: str | None = None
+        self,
+        payloads: Sequence[bytes],
+        timeout_s: float,
+        trace: str | None = None,
+        level: int = NORMAL,
     ) -> list[Any]:
         """Run a call on this core's loop and return its raw results.
 
@@ -172,7 +180,7 @@ class ClientCore:
         if not payloads:
             return []
         future: asyncio.Future[list[Any]] = self.loop.create_future()
-        call = self._new_call(payloads, future, timeout_s, trace)
+        call = self._new_call(payloads, future, timeout_s, trace, level=level)
         self._accept(call)
         try:
             return await future
@@ -195,7 +203,11 @@ class ClientCore:
         return future
 
     def call_blocking(
-        self, payloads: Sequence[bytes], timeout_s: float, trace: str | None = None
+        self,
+        payloads: Sequence[bytes],
+        timeout_s: float,
+        trace: str | None = None,
+        level: int = NORMAL,
     ) -> list[Any]:
         """Run a call from any thread but the loop's and wait for its raw results.
 
@@ -204,7 +216,7 @@ class ClientCore:
         if not payloads:
             return []
         waiter = Waiter(self._relay)
-        call = self._new_call(payloads, waiter, timeout_s, trace)
+        call = self._new_call(payloads, waiter, timeout_s, trace, level=level)
         try:
             self._incoming.post(call)
             results: list[Any] = waiter.wait(timeout_s + STUCK_S)
@@ -228,6 +240,7 @@ class ClientCore:
         timeout_s: float,
         trace: str | None = None,
         post: Callable[[list[Any]], list[Any]] | None = None,
+        level: int = NORMAL,
     ) -> Future[list[Any]]:
         """Queue encoded items from any thread; the future gets the raw results, or what
         ``post`` (run on the loop thread) makes of them. Cancelling it withdraws the call."""
@@ -235,7 +248,7 @@ class ClientCore:
         if not payloads:
             future.set_result([])
             return future
-        call = self._new_call(payloads, future, timeout_s, trace, post)
+        call = self._new_call(payloads, future, timeout_s, trace, post, level)
         future.on_cancel = lambda: self._on_cancelled(call)
         self._incoming.post(call)
         return future
@@ -279,21 +292,23 @@ class ClientCore:
         elif due <= self.loop.time() and self._partitions_task is None:
             self._partitions_task = self.loop.create_task(self._read_partitions())
         count = self._partitions
-        if count == 1:
+        if count == 1 and all(call.level == NORMAL for call in calls):
             await self._send_to(self.keys, calls, self.bound)
             return
         # Each call goes whole to one partition (so it is still queued whole or not at all),
-        # the calls in turn; each partition's bound is its share of the model's.
-        by_partition: dict[int, list[_Call]] = {}
+        # the calls in turn, to the stream of its level there; each partition's bound is its
+        # share of the model's (each level has it).
+        by_lane: dict[int, list[_Call]] = {}
+        queue = self.keys.spread(count)
         for call in calls:
             self._turn += 1
-            by_partition.setdefault(self._turn % count, []).append(call)
+            lane = queue.of(self._turn % count).at(call.level).lane
+            by_lane.setdefault(lane, []).append(call)
         bound = QueueBound(
             split_bound(self.bound.max_items, count), split_bound(self.bound.max_bytes, count)
         )
-        queue = self.keys.spread(count)
         await asyncio.gather(
-            *(self._send_to(queue.of(k), part, bound) for k, part in by_partition.items())
+            *(self._send_to(queue.of(lane), part, bound) for lane, part in by_lane.items())
         )
 
     async def _read_partitions(self) -> None:
@@ -560,6 +575,10 @@ class Streamer:
     instead (e.g. while workers scale up from zero). Safe to share between threads, and across
     fork: each process makes its own connections on first use.
 
+    ``priority`` (``"normal"``, the default, or ``"high"``; also 0 or 1) is the calls' default
+    priority; each call may name its own. Under load, workers batch high items first
+    (docs/protocol.md, "Priorities"). An invalid priority raises ValueError.
+
     Every keyword argument but ``model`` is a field of :class:`broker.client_settings.
     ClientSettings` (``client_settings``): each one given wins over ``settings=``, which
     defaults to the environment (``MICROBATCH_CLIENT_<FIELD>``; ``REDIS_URL`` too) and the
@@ -582,6 +601,7 @@ class Streamer:
         max_queue_bytes: int | None = None,
         wait_for_workers: bool | None = None,
         workers_grace: float | None = None,
+        priority: str | int | None = None,
         settings: ClientSettings | None = None,
     ) -> None:
         from .client_settings import ClientSettings
@@ -597,8 +617,10 @@ class Streamer:
             max_queue_bytes=max_queue_bytes,
             wait_for_workers=wait_for_workers,
             workers_grace=workers_grace,
+            priority=priority,
         )
         self.keys = ModelKeys(name, config.prefix)
+        self.level = parse_priority(config.priority)  # the calls' default priority level
         self.bound = QueueBound(config.max_queue_items, config.max_queue_bytes)
         self.wait_for_workers = config.wait_for_workers
         self.workers_grace = config.workers_grace
@@ -695,40 +717,64 @@ class Streamer:
             return outputs
         return [self.model.postprocess(output) for output in outputs]
 
+    def _level(self, priority: str | int | None) -> int:
+        return self.level if priority is None else parse_priority(priority)
+
     def submit(
-        self, batch: Sequence[Any], timeout: float | None = None, *, traceparent: str | None = None
+        self,
+        batch: Sequence[Any],
+        timeout: float | None = None,
+        *,
+        traceparent: str | None = None,
+        priority: str | int | None = None,
     ) -> Future[list[Any]]:
         """Submit a list of items; the future's result is their outputs, in order."""
         timeout_s = self.timeout if timeout is None else _check_timeout(timeout)
+        level = self._level(priority)
         post = None if self.model is None else self._postprocess
         return self._get_thread_core().start_call_threadsafe(
-            self._encode(batch), timeout_s, traceparent, post
+            self._encode(batch), timeout_s, traceparent, post, level
         )
 
     def predict(
-        self, batch: Sequence[Any], timeout: float | None = None, *, traceparent: str | None = None
+        self,
+        batch: Sequence[Any],
+        timeout: float | None = None,
+        *,
+        traceparent: str | None = None,
+        priority: str | int | None = None,
     ) -> list[Any]:
         """Run the model on a list of items and return one output per item, in order.
 
         Raises the typed error (ModelError, DeadlineExceeded, ...) of the first failing item.
         ``traceparent`` (W3C) travels with the items and appears in the worker's log line for
-        their batch.
+        their batch. ``priority`` (``"high"`` or ``"normal"``) overrides the Streamer's.
         """
         timeout_s = self.timeout if timeout is None else _check_timeout(timeout)
+        level = self._level(priority)
         core = self._get_thread_core()
-        return self._postprocess(core.call_blocking(self._encode(batch), timeout_s, traceparent))
+        outputs = core.call_blocking(self._encode(batch), timeout_s, traceparent, level)
+        return self._postprocess(outputs)
 
     async def apredict(
-        self, batch: Sequence[Any], timeout: float | None = None, *, traceparent: str | None = None
+        self,
+        batch: Sequence[Any],
+        timeout: float | None = None,
+        *,
+        traceparent: str | None = None,
+        priority: str | int | None = None,
     ) -> list[Any]:
         """``predict`` for asyncio callers; cancelling the task withdraws the call's items."""
         timeout_s = self.timeout if timeout is None else _check_timeout(timeout)
+        level = self._level(priority)
         payloads = self._encode(batch)
         if self.native_async:
-            outputs = await self._get_loop_core().call(payloads, timeout_s, traceparent)
+            outputs = await self._get_loop_core().call(payloads, timeout_s, traceparent, level)
         else:
             thread_core = self._get_thread_core()
-            future = thread_core.start_call_threadsafe(payloads, timeout_s, traceparent)
+            future = thread_core.start_call_threadsafe(
+                payloads, timeout_s, traceparent, level=level
+            )
             outputs = await asyncio.wrap_future(future)
         return self._postprocess(outputs)
 

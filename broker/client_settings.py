@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .client import DEFAULT_REDIS_URL, DEFAULT_TIMEOUT_S
 from .keys import DEFAULT_PREFIX, check_prefix
+from .priorities import parse_priority
 from .redis_url import parse as parse_redis_url
 from .worker_watch import DEFAULT_GRACE_S
 
@@ -61,6 +62,18 @@ class ClientSettings(BaseSettings):
         description="Seconds the model may have no live worker before its calls fail with "
         "NoWorkers (at least twice the workers' --heartbeat-ttl).",
     )
+
+    priority: str | int = Field(
+        default="normal",
+        description="The calls' default priority: normal or high (also 0 or 1); each call may "
+        "name its own.",
+    )
+
+    @field_validator("priority")
+    @classmethod
+    def _check_priority(cls, value: str | int) -> str | int:
+        parse_priority(value)  # ValueError naming what is accepted
+        return value
 
     @field_validator("redis_url")
     @classmethod

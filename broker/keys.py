@@ -24,6 +24,13 @@ consumes the pipeline's own keys (so callers queue to it exactly as to a model),
 stage has keys of its own under the name ``<pipeline>.<stage>`` (``STAGE_TEMPLATE``; ``.`` is in
 no model name, so no stage's keys are a model's), in a slot of its own. Every stage replies only
 to the pipeline's inboxes, ``INBOX_TEMPLATE`` with the pipeline's name.
+
+Each partition has two priority levels (``LEVELS``): ``normal`` (level 0, the keys above) and
+``high`` (level 1). The high level of a partition has its own stream, dead letters, cancelled
+set and queued-bytes counter: the normal level's keys with ``LEVEL_SUFFIX`` appended, in the
+same hash slot (so every function still takes keys of one slot); it shares the partition's
+queue bound, consumers and heartbeats. A stream of the queue (one level of one partition) is a
+*lane*, numbered ``partition + level * MAX_PARTITIONS``.
 """
 
 from __future__ import annotations
@@ -55,6 +62,12 @@ TAG_TEMPLATE = "{prefix}:{model}:p{partition}"
 
 # The name whose keys stage ``stage`` (not the first) of pipeline ``pipeline`` consumes.
 STAGE_TEMPLATE = "{pipeline}.{stage}"
+# The priority levels, lowest first: a level's number is its index. Every worker reads both.
+LEVELS = ("normal", "high")
+NORMAL, HIGH = 0, 1
+# Appended to a partition's stream, dead-letter, cancelled and queued-bytes keys for its high
+# level (the normal level's keys have none).
+LEVEL_SUFFIX = ":high"
 
 NAME_PATTERN = re.compile(r"^[a-z0-9_-]+$")
 PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -116,6 +129,7 @@ class ModelKeys:
     prefix: str = DEFAULT_PREFIX
     partition: int = 0
     partitions: int = 1
+    level: int = NORMAL
 
     def __post_init__(self) -> None:
         check_keys_name(self.model)
@@ -123,10 +137,27 @@ class ModelKeys:
         check_partitions(self.partitions)
         if not 0 <= self.partition < self.partitions:
             raise ValueError(f"partition {self.partition} of {self.partitions} does not exist")
+        if not 0 <= self.level < len(LEVELS):
+            raise ValueError(f"priority level {self.level} does not exist")
 
     def _format(self, template: str, **more: str) -> str:
         model = self.model if self.partition == 0 else f"{self.model}:p{self.partition}"
         return template.format(prefix=self.prefix, model=model, **more)
+
+    def _leveled(self, template: str) -> str:
+        """A key of this level: the partition's, with the high level's suffix."""
+        key = self._format(template)
+        return key + LEVEL_SUFFIX if self.level == HIGH else key
+
+    @property
+    def lane(self) -> int:
+        """The number of this stream of the queue: ``partition + level * MAX_PARTITIONS``."""
+        return self.partition + self.level * MAX_PARTITIONS
+
+    @property
+    def priority(self) -> str:
+        """This level's name (``LEVELS``)."""
+        return LEVELS[self.level]
 
     @property
     def tag(self) -> str:
@@ -135,24 +166,39 @@ class ModelKeys:
             return f"{self.prefix}:{self.model}"
         return TAG_TEMPLATE.format(prefix=self.prefix, model=self.model, partition=self.partition)
 
-    def of(self, partition: int) -> ModelKeys:
-        """The keys of another partition of the same queue."""
-        if partition == self.partition:
+    def of(self, lane: int) -> ModelKeys:
+        """The keys of another lane of the same queue (a partition's number is its normal
+        level's lane)."""
+        if lane == self.lane:
             return self
-        return ModelKeys(self.model, self.prefix, partition, self.partitions)
+        partition, level = lane % MAX_PARTITIONS, lane // MAX_PARTITIONS
+        return ModelKeys(self.model, self.prefix, partition, self.partitions, level)
+
+    def at(self, level: int) -> ModelKeys:
+        """The keys of this partition at another priority level."""
+        return self.of(self.partition + level * MAX_PARTITIONS)
 
     def spread(self, partitions: int) -> ModelKeys:
-        """Partition 0's keys of this model's queue spread over ``partitions``."""
+        """Partition 0's keys (normal level) of this model's queue spread over ``partitions``."""
         return ModelKeys(self.model, self.prefix, 0, partitions)
 
     def each(self) -> list[ModelKeys]:
-        """The keys of every partition, 0 first."""
+        """The keys of every partition (their normal level), 0 first."""
         return [self.of(k) for k in range(self.partitions)]
+
+    def lanes(self) -> list[ModelKeys]:
+        """The keys of every lane (each level of each partition): the normal level's
+        partitions first, 0 first, then the high level's."""
+        return [
+            self.of(k + level * MAX_PARTITIONS)
+            for level in range(len(LEVELS))
+            for k in range(self.partitions)
+        ]
 
     @property
     def stream(self) -> str:
         """The request stream: one entry per item."""
-        return self._format(STREAM_TEMPLATE)
+        return self._leveled(STREAM_TEMPLATE)
 
     @property
     def group(self) -> str:
@@ -162,7 +208,7 @@ class ModelKeys:
     @property
     def dead_letters(self) -> str:
         """The stream of entries that could not be answered normally."""
-        return self._format(DEAD_LETTER_TEMPLATE)
+        return self._leveled(DEAD_LETTER_TEMPLATE)
 
     @property
     def consumers(self) -> str:
@@ -172,12 +218,12 @@ class ModelKeys:
     @property
     def cancelled(self) -> str:
         """Sorted set of request ids whose callers gave up, scored by expiry (ms)."""
-        return self._format(CANCELLED_TEMPLATE)
+        return self._leveled(CANCELLED_TEMPLATE)
 
     @property
     def queued_bytes(self) -> str:
         """Counter of the data bytes queued in the stream (for the byte bound)."""
-        return self._format(QUEUED_BYTES_TEMPLATE)
+        return self._leveled(QUEUED_BYTES_TEMPLATE)
 
     @property
     def queue_bound(self) -> str:

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from . import partitions
 from .busy_poll import busy_poll
 from .errors import MicrobatchError, QueueFull
-from .keys import ModelKeys
+from .keys import NORMAL, ModelKeys
+from .priorities import LevelTurns
 from .protocol import CallRequests, Fields
 from .transport import Entry, QueueBound, Redelivery, entry_data_size
 
@@ -49,6 +50,7 @@ class InMemoryTransport:
         self.dead: dict[str, list[tuple[Entry, str]]] = {}
         self.partition_counts: dict[str, int] = {}  # by ModelKeys.partitions_key
         self.cancellations_pending = True
+        self._turns: dict[tuple[str, str], LevelTurns] = {}
 
     def _stream(self, key: str) -> _Stream:
         stream = self._streams.get(key)
@@ -133,7 +135,7 @@ class InMemoryTransport:
         return out
 
     async def ensure_group(self, keys: ModelKeys) -> None:
-        for part in keys.each():
+        for part in keys.lanes():
             self._stream(part.stream)
 
     async def check_functions(self) -> None:
@@ -142,25 +144,37 @@ class InMemoryTransport:
     async def read_batch(
         self, keys: ModelKeys, consumer: str, count: int, block_ms: int, busy_poll_s: float = 0.0
     ) -> list[Entry]:
-        sources = [self._stream(part.stream) for part in keys.each()]
+        lanes = keys.lanes()
+        sources = [self._stream(part.stream) for part in lanes]
         if not any(source.new for source in sources) and busy_poll_s > 0:
             await busy_poll(lambda: any(source.new for source in sources), busy_poll_s)
         if not any(source.new for source in sources):
-            waited = sources[0]  # enqueues to any partition wake it
+            waited = sources[0]  # enqueues to any lane wake it
             async with waited.changed:
                 try:
                     await asyncio.wait_for(waited.changed.wait(), max(1, block_ms) / 1000)
                 except asyncio.TimeoutError:
                     return []
+        turns = self._turns.setdefault((keys.stream, consumer), LevelTurns())
         batch: list[Entry] = []
-        while len(batch) < count:  # oldest first, over every partition
-            heads = [(self._age(s.new[0][0]), k) for k, s in enumerate(sources) if s.new]
-            if not heads:
-                break
-            partition = min(heads)[1]
-            entry_id, fields = sources[partition].new.popleft()
-            sources[partition].pending[entry_id] = fields
-            batch.append((partitions.tag(entry_id, partition), fields))
+        normal_taken = 0
+        for level in turns.order():  # each level's lanes oldest first, over every partition
+            while len(batch) < count:
+                heads = [
+                    (self._age(s.new[0][0]), k)
+                    for k, s in enumerate(sources)
+                    if s.new and lanes[k].level == level
+                ]
+                if not heads:
+                    break
+                k = min(heads)[1]
+                entry_id, fields = sources[k].new.popleft()
+                sources[k].pending[entry_id] = fields
+                batch.append((partitions.tag(entry_id, lanes[k].lane), fields))
+                normal_taken += level == NORMAL
+        waiting = any(s.new for k, s in enumerate(sources) if lanes[k].level == NORMAL)
+        if batch:
+            turns.took(normal_taken, waiting)
         return batch
 
     @staticmethod
@@ -194,7 +208,7 @@ class InMemoryTransport:
             for _ in range(3):
                 await asyncio.sleep(0)
         self.cancellations_pending = any(
-            self._stream(part.stream).withdrawn for part in keys.each()
+            self._stream(part.stream).withdrawn for part in keys.lanes()
         )
         return self._withdrawn(keys, check)
 

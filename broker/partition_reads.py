@@ -6,7 +6,9 @@ pending for this consumer). So each partition has at most one read in flight, on
 of its own, and what any read brings is kept here, oldest first (by the time in its entry id),
 until the batch loop takes it: a batch never exceeds what it asked for, and nothing a read
 delivered is dropped. New reads start only when less than a batch is kept, so a worker holds
-at most about one batch per partition that it has not started on.
+at most about one batch per partition that it has not started on. What is kept is taken high
+priority first (each partition's read already orders its levels, :mod:`broker.priorities`),
+then oldest first.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ import contextlib
 import heapq
 from collections.abc import Awaitable, Callable
 
-from .partitions import tag
+from .partitions import is_high
 from .protocol import entry_time_ms
 from .transport import Entry
 
 ReadOne = Callable[[int, int, int, float], Awaitable[list[Entry]]]
-"""Read one partition: (partition, count, block ms, busy-poll s) -> its entries (ids as in
-their stream)."""
+"""Read one partition: (partition, count, block ms, busy-poll s) -> its entries (ids tagged
+with their lane, :mod:`broker.partitions`)."""
 
 
 class PartitionReads:
@@ -32,7 +34,8 @@ class PartitionReads:
         self.partitions = partitions
         self._read = read
         self._inflight: dict[int, asyncio.Task[None]] = {}
-        self._kept: list[tuple[int, int, Entry]] = []  # a heap: (entry time, order, entry)
+        # a heap: (normal level?, entry time, order, entry)
+        self._kept: list[tuple[bool, int, int, Entry]] = []
         self._order = 0
         self._arrived = asyncio.Event()
         self._error: BaseException | None = None
@@ -57,7 +60,7 @@ class PartitionReads:
             raise error
         taken: list[Entry] = []
         while self._kept and len(taken) < count:
-            taken.append(heapq.heappop(self._kept)[2])
+            taken.append(heapq.heappop(self._kept)[3])
         return taken
 
     async def rest(self, count: int) -> list[Entry]:
@@ -70,7 +73,7 @@ class PartitionReads:
         self._error = None  # what failed delivered nothing
         taken: list[Entry] = []
         while self._kept and len(taken) < count:
-            taken.append(heapq.heappop(self._kept)[2])
+            taken.append(heapq.heappop(self._kept)[3])
         return taken
 
     def _start(self, partition: int, count: int, block_ms: int, busy_poll_s: float) -> None:
@@ -89,18 +92,18 @@ class PartitionReads:
             entries = []
         finally:
             self._inflight.pop(partition, None)
-        for entry_id, fields in entries:
+        for entry in entries:
             self._order += 1
+            entry_id = entry[0]
             heapq.heappush(
-                self._kept,
-                (entry_time_ms(entry_id), self._order, (tag(entry_id, partition), fields)),
+                self._kept, (not is_high(entry_id), entry_time_ms(entry_id), self._order, entry)
             )
         if entries or self._error is not None:
             self._arrived.set()
 
     def held(self) -> list[str]:
         """The ids of the entries kept (read, not yet taken)."""
-        return [entry[0] for _, _, entry in self._kept]
+        return [entry[0] for *_, entry in self._kept]
 
     async def close(self) -> None:
         """Cancel the reads in flight (what Redis delivers to them stays pending for this

@@ -30,9 +30,10 @@ from . import connections, functions, partitions
 from .cluster_lane import ClusterLanes, ClusterMap, SlotLane, _unwrap
 from .errors import BrokerUnavailable, InvalidInput, MicrobatchError, QueueFull
 from .functions import ENQUEUE, MAX_CALL_BYTES, MAX_CALL_ENTRIES, REPLY, RETIRE, WITHDRAW
-from .keys import ModelKeys, parse_partitions
+from .keys import HIGH, NORMAL, ModelKeys, parse_partitions
 from .liveness import lapsed_s, redis_time_ms
 from .partition_reads import PartitionReads
+from .priorities import LevelKeep
 from .protocol import CallRequests
 from .redis_url import parse as parse_url
 from .resp_lane import CONNECT_TIMEOUT_S, RespLane, bulk_strings
@@ -77,6 +78,8 @@ class RedisTransport:
         # the first (on a cluster, to the node serving that partition's slot)
         self._partition_lanes: dict[int, RespLane | ClusterLanes] = {}
         self._partition_reads: dict[tuple[str, str], PartitionReads] = {}
+        # per (partition's stream, consumer): what reads of its levels brought, not handed out
+        self._kept: dict[tuple[str, str], LevelKeep] = {}
         self._reclaim_turn = 0  # the partition the last reclaim started from
         self.cancellations_pending = True  # as of the last finish(); True until known
         self._enqueues = EnqueuePacker()
@@ -264,7 +267,7 @@ class RedisTransport:
     # -- worker side ----------------------------------------------------------------------
     async def ensure_group(self, keys: ModelKeys) -> None:
         self._home = keys.stream
-        for part in keys.each():
+        for part in keys.lanes():
             await self._create_group(part)
 
     async def _create_group(self, keys: ModelKeys) -> None:
@@ -297,7 +300,12 @@ class RedisTransport:
 
     async def read_rest(self, keys: ModelKeys, consumer: str, count: int) -> list[Entry]:
         reads = self._partition_reads.get((keys.stream, consumer))
-        return [] if reads is None else await reads.rest(count)
+        rest = [] if reads is None else await reads.rest(count)
+        for part in keys.each():
+            keep = self._kept.get((part.stream, consumer))
+            if keep is not None and len(rest) < count:
+                rest += _tagged(part, keep.take(count - len(rest)))
+        return rest
 
     def _reads_lane(self, partition: int) -> RespLane | ClusterLanes:
         """The blocking lane(s) of a partition's reads: one blocked XREADGROUP holds its
@@ -314,14 +322,14 @@ class RedisTransport:
     async def _read_partition(
         self, keys: ModelKeys, consumer: str, count: int, block_ms: int, busy_poll_s: float
     ) -> list[Entry]:
-        """One XREADGROUP of one partition's stream (ids as in the stream)."""
-        block_ms = max(1, block_ms)
+        """Up to ``count`` entries of one partition's levels, ids tagged with their lane,
+        in the order its :class:`LevelKeep` gives (high first, but for its starvation turn)."""
+        keep = self._kept.get((keys.stream, consumer))
+        if keep is None:
+            keep = self._kept[keys.stream, consumer] = LevelKeep()
+        streams = {level: keys.at(level).stream for level in (HIGH, NORMAL)}
         try:
-            got: Any = await self._reads_lane(keys.partition).at(keys.stream).execute_blocking(
-                block_ms / 1000, "XREADGROUP", "GROUP", keys.group, consumer,
-                "COUNT", count, "BLOCK", block_ms, "STREAMS", keys.stream, ">",
-                busy_poll_s=busy_poll_s,
-            )  # fmt: skip
+            replies = await self._read_levels(keys, consumer, keep, count, block_ms, busy_poll_s)
         except ResponseError as exc:
             if str(exc).startswith("MOVED"):
                 raise _cluster_node(str(exc)) from exc
@@ -331,13 +339,50 @@ class RedisTransport:
             log.warning(
                 "consumer group %s vanished from %s; recreating it", keys.group, keys.stream
             )
-            await self._create_group(keys)
+            for level in (HIGH, NORMAL):
+                await self._create_group(keys.at(level))
             return []
         except UNAVAILABLE as exc:
+            keep.clear()  # pending for this consumer: taken back as its own
             raise _unavailable(exc) from exc
-        if not got:
-            return []
-        return [(entry_id.decode(), _pairs(fields)) for entry_id, fields in got[0][1]]
+        levels = {name.encode(): level for level, name in streams.items()}
+        for reply in replies:
+            for stream, entries in reply or ():
+                keep.add(levels[stream], [(i.decode(), _pairs(f)) for i, f in entries])
+        return _tagged(keys, keep.take(count))
+
+    async def _read_levels(
+        self,
+        keys: ModelKeys,
+        consumer: str,
+        keep: LevelKeep,
+        count: int,
+        block_ms: int,
+        busy_poll_s: float,
+    ) -> list[Any]:
+        """XREADGROUP replies of one partition's levels: with nothing kept, one XREADGROUP of
+        both streams (blocking while both are empty; it may bring ``count`` of each); else a
+        pipeline of non-blocking XREADGROUPs of the levels that keep less than ``count``, so
+        that high entries never wait behind kept normal ones."""
+        lane = self._reads_lane(keys.partition).at(keys.stream)
+        high, normal = keys.at(HIGH).stream, keys.at(NORMAL).stream
+        group = ("XREADGROUP", "GROUP", keys.group, consumer)
+        if keep.empty():
+            block_ms = max(1, block_ms)
+            got: Any = await lane.execute_blocking(
+                block_ms / 1000, *group, "COUNT", count, "BLOCK", block_ms,
+                "STREAMS", high, normal, ">", ">", busy_poll_s=busy_poll_s,
+            )  # fmt: skip
+            return [got]
+        streams = {HIGH: high, NORMAL: normal}
+        commands = [
+            (*group, "COUNT", n, "STREAMS", streams[level], ">") for level, n in keep.wanted(count)
+        ]
+        replies: list[Any] = await lane.pipeline(commands)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
 
     async def finish(
         self,
@@ -348,15 +393,15 @@ class RedisTransport:
         check: Sequence[str] = (),
     ) -> set[str]:
         reply = _reply_call(replies, reply_ttl_s) if replies else None
-        # Per partition (one, unless the queue is partitioned), all of its slot: its acks,
+        # Per lane (each level of each partition), all of its slot: its acks,
         # deletes and byte release, its withdrawal checks, the count of its withdrawals standing.
         held = partitions.group(entries)
         checks = partitions.group_ids(check)
         batches: list[tuple[ModelKeys, list[tuple[Any, ...]]]] = []
-        for part in keys.each():
-            commands = _removal(part, held.get(part.partition, []))
-            if part.partition in checks:
-                commands.append(("ZMSCORE", part.cancelled, *checks[part.partition]))
+        for part in keys.lanes():
+            commands = _removal(part, held.get(part.lane, []))
+            if part.lane in checks:
+                commands.append(("ZMSCORE", part.cancelled, *checks[part.lane]))
             commands.append(("ZCARD", part.cancelled))
             batches.append((part, commands))
         results = await self._reply_and_run(
@@ -366,8 +411,8 @@ class RedisTransport:
         standing: list[Any] = []
         for (part, commands), got in zip(batches, results, strict=True):
             standing.append(got.pop())
-            if part.partition in checks:
-                withdrawn |= _withdrawn(part.partition, checks[part.partition], got.pop())
+            if part.lane in checks:
+                withdrawn |= _withdrawn(part.lane, checks[part.lane], got.pop())
             await self._acknowledged(part, commands[: len(got)], got)
         self.cancellations_pending = any(not isinstance(n, int) or n > 0 for n in standing)
         return withdrawn
@@ -492,15 +537,19 @@ class RedisTransport:
         self, keys: ModelKeys, consumer: str, min_idle_ms: int, count: int, own: bool = False
     ) -> list[Redelivery]:
         taken: list[Redelivery] = []
-        # Every partition, each holding its own pending entries; each call starts from the
-        # next one, so that a partition with many to take over does not starve the others.
-        parts = keys.each()
+        if own:  # what reads delivered and this consumer kept is among what it takes back
+            for part in keys.each():
+                self._kept.pop((part.stream, consumer), None)
+        # Every lane (each level of each partition), each holding its own pending entries;
+        # each call starts from the next one, so that one with many to take over does not
+        # starve the others.
+        parts = keys.lanes()
         self._reclaim_turn = turn = (self._reclaim_turn + 1) % len(parts)
         for part in parts[turn:] + parts[:turn]:
             found = await self._reclaim_partition(
                 part, consumer, min_idle_ms, count - len(taken), own
             )
-            taken += [((partitions.tag(i, part.partition), f), n) for (i, f), n in found]
+            taken += [((partitions.tag(i, part.lane), f), n) for (i, f), n in found]
         return taken
 
     async def _reclaim_partition(
@@ -770,6 +819,13 @@ class EnqueuePacker:
         return b"".join(parts)
 
 
+def _tagged(keys: ModelKeys, taken: Sequence[tuple[int, Entry]]) -> list[Entry]:
+    """(level, entry) pairs of one partition's levels as the batch loop knows them: ids
+    tagged with their lane."""
+    lanes = {level: keys.at(level).lane for level in (NORMAL, HIGH)}
+    return [(partitions.tag(entry_id, lanes[level]), fields) for level, (entry_id, fields) in taken]
+
+
 def _reply_call(replies: Sequence[tuple[str, bytes]], ttl_s: int) -> tuple[list[str], list[Any]]:
     """The keys and arguments (after the version) of one mb_reply of (reply key, reply)
     pairs, grouped by key in order."""
@@ -780,15 +836,13 @@ def _reply_call(replies: Sequence[tuple[str, bytes]], ttl_s: int) -> tuple[list[
     return list(by_key), [ttl_s, *counts, *chain.from_iterable(by_key.values())]
 
 
-def _withdrawn(partition: int, ids: Sequence[str], scores: Any) -> set[str]:
-    """The ids (tagged with their partition) that ZMSCORE found withdrawn."""
+def _withdrawn(lane: int, ids: Sequence[str], scores: Any) -> set[str]:
+    """The ids (tagged with their lane) that ZMSCORE found withdrawn."""
     if isinstance(scores, Exception):
         log.warning("could not check for withdrawn requests: %s", scores)
         return set()
     return {
-        partitions.tag(entry_id, partition)
-        for entry_id, score in zip(ids, scores, strict=True)
-        if score
+        partitions.tag(entry_id, lane) for entry_id, score in zip(ids, scores, strict=True) if score
     }
 
 

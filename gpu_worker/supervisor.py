@@ -417,7 +417,7 @@ class SupervisorMetrics:
         labels = (self.keys.model, self.keys.prefix)
         try:
             depth = pending = 0
-            for part in self.keys.each():  # the model's queue: all its partitions
+            for part in self.keys.lanes():  # the model's queue: every partition and level
                 depth += self.client.xlen(part.stream)
                 try:
                     summary: Any = self.client.xpending(part.stream, part.group)

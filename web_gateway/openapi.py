@@ -24,6 +24,15 @@ TIMEOUT_PARAMETER = {
     "schema": {"type": "number", "exclusiveMinimum": 0},
 }
 
+PRIORITY_PARAMETER = {
+    "name": "X-Priority",
+    "in": "header",
+    "required": False,
+    "description": "The request's priority: high or normal (the default); also 1 or 0. "
+    "On v2, a 'priority' entry of the body's parameters wins over the header.",
+    "schema": {"type": "string", "enum": ["high", "normal", "1", "0"]},
+}
+
 ERROR_CODES = (
     (400, "Malformed request"),
     (401, "Missing or wrong bearer token"),
@@ -76,7 +85,7 @@ V1_FILE = {
     "description": "One item per file field (models that take bytes).",
 }
 V1_PREDICT: dict[str, Any] = {
-    "parameters": [TIMEOUT_PARAMETER],
+    "parameters": [TIMEOUT_PARAMETER, PRIORITY_PARAMETER],
     "requestBody": {
         "required": True,
         "content": {
@@ -105,7 +114,7 @@ TENSOR = _object(
 )
 REQUESTED_OUTPUT = _object(["name"], {"name": {"type": "string"}, "parameters": {"type": "object"}})
 V2_INFER: dict[str, Any] = {
-    "parameters": [TIMEOUT_PARAMETER],
+    "parameters": [TIMEOUT_PARAMETER, PRIORITY_PARAMETER],
     "requestBody": {
         "required": True,
         "content": {

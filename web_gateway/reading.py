@@ -1,4 +1,4 @@
-"""Reading one HTTP request: its bearer token, its timeout, its body and its files.
+"""Reading one HTTP request: its bearer token, its timeout, its priority, its body and its files.
 
 Each function raises :class:`web_gateway.errors.HTTPError` for what it refuses (400, 401, 413,
 415), or :class:`web_gateway.errors.ClientGone` when the client leaves mid-body.
@@ -10,10 +10,14 @@ import hmac
 import math
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
+
+from broker.priorities import HEADER as PRIORITY_HEADER
+from broker.priorities import parse_priority
 
 from .errors import ClientGone, HTTPError, bad_request, too_large
 
@@ -53,6 +57,19 @@ def timeout(request: Request, fallback: float, cap: float) -> float:
     if not (value > 0 and math.isfinite(value)):
         raise bad_request("X-Request-Timeout must be a positive number of seconds")
     return min(value, cap)
+
+
+def priority(request: Request, parameter: Any = None) -> int:
+    """The request's priority level: ``parameter`` (a v2 ``priority`` parameter) if given,
+    else the X-Priority header, else normal; 400 if the one given is not a priority."""
+    if parameter is not None:
+        where, value = "the 'priority' parameter", parameter
+    else:
+        where, value = PRIORITY_HEADER, request.headers.get(PRIORITY_HEADER)
+    try:
+        return parse_priority(value)
+    except ValueError as exc:
+        raise bad_request(f"{where}: {exc}") from None
 
 
 def check_items(count: int, max_items: int) -> None:

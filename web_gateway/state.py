@@ -15,6 +15,7 @@ from starlette.responses import Response
 
 from broker.connections import async_client
 from broker.errors import MicrobatchError
+from broker.keys import NORMAL
 from broker.protocol import valid_traceparent
 from broker.redis_transport import eviction_warning
 
@@ -120,13 +121,21 @@ class Gateway:
         reading.check_items(count, self.settings.max_items)
 
     async def predict(
-        self, request: Request, served: ServedModel, items: list[Any], timeout: float
+        self,
+        request: Request,
+        served: ServedModel,
+        items: list[Any],
+        timeout: float,
+        priority: int = NORMAL,
     ) -> list[Any]:
-        """Submit ``items`` and wait; abandon them (withdrawn from the queue) if the client goes."""
+        """Submit ``items`` (at ``priority``'s level) and wait; abandon them (withdrawn from
+        the queue) if the client goes."""
         served.metrics.items.inc(len(items))
         trace = valid_traceparent(request.headers.get("traceparent"))
         loop = asyncio.get_running_loop()
-        call = loop.create_task(served.streamer.apredict(items, timeout=timeout, traceparent=trace))
+        call = loop.create_task(
+            served.streamer.apredict(items, timeout=timeout, traceparent=trace, priority=priority)
+        )
         gone = loop.create_task(reading.disconnected(request))
         # The client left: cancelling the call withdraws its items from the queue.
         gone.add_done_callback(lambda _: call.cancel())

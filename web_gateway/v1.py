@@ -54,6 +54,7 @@ async def handle_predict(gateway: Gateway, request: Request, name: str) -> Respo
 
     async def handle() -> Response:
         timeout = gateway.timeout(request)
+        priority = reading.priority(request)
         body = await gateway.body(request)
         content_type = request.headers.get("content-type", "").lower()
         if content_type.startswith("multipart/form-data"):
@@ -63,7 +64,7 @@ async def handle_predict(gateway: Gateway, request: Request, name: str) -> Respo
         else:
             max_items = gateway.settings.max_items
             items = await gateway.cpu(served, len(body), parse_and_prepare, served, body, max_items)
-        outputs = await gateway.predict(request, served, items, timeout)
+        outputs = await gateway.predict(request, served, items, timeout, priority)
         if served.has_postprocess:
             outputs = await gateway.in_pool(served.finish, outputs)
         return json_response({"outputs": outputs})

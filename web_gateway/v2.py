@@ -130,7 +130,8 @@ async def handle_infer(
             served, len(body), parse_and_prepare, served, body, header_length, max_items
         )
         timeout = gateway.timeout(request, _timeout_parameter(parsed))
-        outputs = await gateway.predict(request, served, items, timeout)
+        priority = reading.priority(request, parsed.parameters.get("priority"))
+        outputs = await gateway.predict(request, served, items, timeout, priority)
         if served.has_postprocess or len(body) > INLINE_BYTES:
             content, headers = await gateway.in_pool(finish, served, parsed, outputs)
         else:

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from broker import Streamer, connections, functions
 from broker.cli import app
 from broker.cluster_lane import ClusterLanes, key_slot
-from broker.keys import ModelKeys
+from broker.keys import HIGH, NORMAL, ModelKeys
 from broker.liveness import server_times_ms
 from broker.redis_transport import RedisTransport
 from gpu_worker.batching import BatchLoop, BatchSettings
@@ -450,3 +450,29 @@ def test_a_partitioned_model_s_clocks_are_read_on_each_partition_s_node(
     after = times_asked()
     assert len(clocks) == 6 and clocks[:3] == clocks[3:]
     assert {port: after[port] - before[port] for port in after} == dict.fromkeys(after, 1)
+
+
+def test_both_priority_levels_of_a_partitioned_queue_on_a_cluster(
+    cluster: LocalCluster, prefix: str
+) -> None:
+    """Each partition's high stream shares its slot (and node); a worker serves both levels of
+    every partition, and every call of either level is answered."""
+    spread = prefix_spreading_partitions(cluster, prefix, 3)
+    keys = ModelKeys("toy", spread, partitions=3)
+    for part in keys.each():
+        assert key_slot(part.at(HIGH).stream) == key_slot(part.stream)
+    url = cluster.url()
+    with worker_process(url, "tests.models:Toy", spread, "--partitions", "3"):
+        with Streamer("toy", redis_url=url, prefix=spread) as streamer:
+            futures = [
+                streamer.submit([f"a{i}"], priority="high" if i % 2 else "normal")
+                for i in range(30)
+            ]
+            for i, future in enumerate(futures):
+                assert future.result(timeout=30)[0]["item"] == f"a{i}"
+        added = {NORMAL: 0, HIGH: 0}
+        for part in keys.lanes():
+            with cluster.client(cluster.owner(part.stream)) as client:
+                added[part.level] += int(client.xinfo_stream(part.stream)["entries-added"])
+                assert client.xlen(part.stream) == 0
+        assert added == {NORMAL: 15, HIGH: 15}

@@ -97,7 +97,8 @@ def test_in_memory_partitions_are_read_oldest_first_acked_and_withdrawn_per_part
 
 def test_partition_reads_keep_what_came_and_never_hand_out_more_than_asked() -> None:
     async def scenario() -> None:
-        queued = {0: [("5-0", {}), ("9-0", {})], 1: [("7-0", {})], 2: []}
+        # ids as the reads hand them: tagged with their lane
+        queued = {0: [("5-0", {}), ("9-0", {})], 1: [("7-0@1", {})], 2: []}
         failing = asyncio.Event()
 
         async def read(partition: int, count: int, block_ms: int, poll_s: float) -> list[Any]:
