@@ -33,7 +33,8 @@ import msgpack
 
 from broker import codec
 from broker.errors import BrokerUnavailable, DeadlineExceeded, InvalidOutput
-from broker.keys import ModelKeys
+from broker.keys import HIGH, ModelKeys
+from broker.partitions import is_high
 from broker.protocol import (
     F_DATA,
     F_DEADLINE,
@@ -243,7 +244,10 @@ class StageTransport:
         fields this worker does not know), with its output as ``data``, the deadline it carries
         and the time left until then as ``timeout``."""
         commands: list[tuple[Any, ...]] = []
+        queued: dict[str, int] = {}  # data bytes added, by queued-bytes key (one per level)
         for request, data in items:
+            # An item keeps its priority level from stage to stage (same slot, either level).
+            target = keys.at(HIGH) if is_high(request.entry_id) else keys
             fields = dict(entries.get(request.entry_id) or {})
             for name in (F_DATA, F_TIMEOUT, F_DEADLINE):
                 fields.pop(name, None)
@@ -252,8 +256,9 @@ class StageTransport:
             fields[F_TIMEOUT] = b"%d" % max(1, int(request.deadline_ms - now_ms))
             fields[F_DEADLINE] = b"%d" % request.deadline_ms
             fields[F_DATA] = data
-            commands.append(("XADD", keys.stream, "*", *chain.from_iterable(fields.items())))
-        commands.append(("INCRBY", keys.queued_bytes, sum(len(data) for _, data in items)))
+            commands.append(("XADD", target.stream, "*", *chain.from_iterable(fields.items())))
+            queued[target.queued_bytes] = queued.get(target.queued_bytes, 0) + len(data)
+        commands += [("INCRBY", key, size) for key, size in queued.items()]
         results = await self.inner.run_in_slot(keys.stream, commands)
         for result in results:
             if isinstance(result, Exception):

@@ -23,7 +23,7 @@ import redis
 
 from broker import DeadlineExceeded, ModelError, Streamer, acl, admin, functions
 from broker.devserver import RedisServer
-from broker.keys import ModelKeys
+from broker.keys import HIGH, ModelKeys
 from broker.protocol import decode_reply, entry_time_ms, request_fields
 from broker.redis_transport import RedisTransport
 from tests.cluster_local import LocalCluster
@@ -130,6 +130,25 @@ def test_a_fan_out_joins_both_heads_into_one_answer(redis_server: RedisServer, s
     )
     client = redis_server.client()
     assert not list(client.scan_iter(f"mb:{{{served}:fan}}:join:*"))  # answered joins deleted
+
+
+def test_an_item_keeps_its_priority_from_stage_to_stage(
+    redis_server: RedisServer, served: str
+) -> None:
+    later = ModelKeys("half.topic", served)  # no worker: what the embedder forwards stays
+    client = redis_server.client()
+    with Streamer("half", redis_url=redis_server.url, prefix=served) as streamer:
+        normal = streamer.submit(inputs(2), timeout=30)
+        high = streamer.submit(inputs(3), timeout=30, priority="high")
+        wait_until(
+            lambda: (client.xlen(later.stream), client.xlen(later.at(HIGH).stream)) == (2, 3),
+            20,
+            "each item on its own level of the next stage",
+        )
+        assert int(client.get(later.queued_bytes)) > 0
+        assert int(client.get(later.at(HIGH).queued_bytes)) > 0
+        normal.cancel()
+        high.cancel()
 
 
 def test_an_error_in_stage_two_names_stage_two(redis_server: RedisServer, served: str) -> None:
