@@ -356,6 +356,7 @@ def test_compose_cluster_variant(tmp_path: Path) -> None:
         assert url.username == user
 
 
+@pytest.mark.slow  # a six-node cluster formed by the deploy scripts: ~9 s
 def test_cluster_scripts_form_a_cluster_that_serves_acl_users(tmp_path: Path) -> None:
     """deploy/redis-start.sh for three cluster nodes with the cluster rules, as the compose
     Cluster variant runs them (on loopback ports), deploy/cluster-create.sh forming them as

@@ -546,6 +546,7 @@ def test_gateway_start_help_names_every_option() -> None:
     assert bad.returncode == 2 and "nope" in bad.stderr
 
 
+@pytest.mark.slow  # schemathesis over every route: ~7 s
 def test_fuzzing_the_openapi_schema_finds_no_server_error(stack: Any) -> None:
     import schemathesis
     from hypothesis import HealthCheck, given, settings
