@@ -9,6 +9,7 @@ So a normal entry at the head of its level waits at most ``STARVE_AFTER`` batche
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
 
 from .keys import HIGH, LEVELS, NORMAL
@@ -19,10 +20,25 @@ STARVE_AFTER = 4
 HEADER = "X-Priority"
 """The HTTP header (v1 and v2 routes) that names a request's priority."""
 
+# How a refused value is shown in the error: shortened, so that a huge header or v2 parameter
+# is not echoed whole (nor its repr built whole).
+_shown = reprlib.Repr()
+_shown.maxstring = _shown.maxother = _shown.maxlong = 40
+_shown.maxlist = _shown.maxtuple = _shown.maxdict = _shown.maxset = 4
+_shown.maxlevel = 2
+
+
+def _show(value: Any) -> str:
+    try:
+        return _shown.repr(value)
+    except ValueError:  # an int too long for Python to print
+        return "(a value too long to show)"
+
 
 def parse_priority(value: Any) -> int:
-    """The level of a priority as callers name it: ``"high"`` or ``"normal"`` (any case), the
-    level's number (1 or 0), or None (normal). Raises ValueError naming what is accepted."""
+    """The level of a priority as callers name it: ``"high"`` or ``"normal"`` (any case,
+    surrounding whitespace ignored), the level's number (1 or 0, an int or that one digit), or
+    None (normal). Raises ValueError naming what is accepted (and the value, shortened)."""
     if value is None:
         return NORMAL
     if isinstance(value, str):
@@ -33,7 +49,9 @@ def parse_priority(value: Any) -> int:
             return int(name)
     elif isinstance(value, int) and not isinstance(value, bool) and value in (NORMAL, HIGH):
         return value
-    raise ValueError(f"invalid priority {value!r}: use 'high' or 'normal' (the default), or 1 or 0")
+    raise ValueError(
+        f"invalid priority {_show(value)}: use 'high' or 'normal' (the default), or 1 or 0"
+    )
 
 
 class LevelTurns:

@@ -58,9 +58,15 @@ def results(futures: list[Future[list[Any]]]) -> list[dict[str, Any]]:
 def test_priority_names_levels_and_their_keys() -> None:
     assert parse_priority(None) == parse_priority("normal") == parse_priority(0) == NORMAL
     assert parse_priority("HIGH") == parse_priority("1") == parse_priority(1) == HIGH
-    for bad in ("urgent", 2, -1, True, 1.0, ""):
+    assert parse_priority(" High\t") == HIGH  # surrounding whitespace is ignored
+    for bad in ("urgent", 2, -1, True, 1.0, "", "01", "+1", "\u0661", [1], {"priority": 1}):
         with pytest.raises(ValueError, match="use 'high' or 'normal'"):
             parse_priority(bad)
+    # a huge value is shown shortened in the error, never echoed whole
+    for huge in ("h" * 1_000_000, [1] * 1_000_000, 10**5000, [10**5000]):
+        with pytest.raises(ValueError, match="use 'high' or 'normal'") as refused:
+            parse_priority(huge)
+        assert len(str(refused.value)) < 150
     keys = ModelKeys("toy", "demo", partitions=2)
     high = keys.at(HIGH)
     # the high level has its own stream, dead letters, cancelled set and byte counter, in the
@@ -117,6 +123,14 @@ def test_a_bad_priority_is_refused_by_the_client_and_over_http(
         answer = http.post("/v2/models/doubler/infer", json=v2)
         assert answer.status_code == 400
         assert "the 'priority' parameter: invalid priority 'urgent'" in answer.json()["error"]
+        # a huge header or parameter is refused without being echoed back whole
+        answer = http.post(
+            "/v1/models/doubler/predict", json=body, headers={"X-Priority": "h" * 60_000}
+        )
+        assert answer.status_code == 400 and len(answer.content) < 300
+        v2["parameters"] = {"priority": ["high"] * 100_000}
+        answer = http.post("/v2/models/doubler/infer", json=v2)
+        assert answer.status_code == 400 and len(answer.content) < 300
     assert redis_server.client().exists(ModelKeys("doubler", prefix).stream) == 0  # none queued
 
 
