@@ -61,6 +61,9 @@ from .pipeline import Pipeline, Transform, load_pipeline
 log = logging.getLogger("microbatch.worker")
 
 JOIN_GRACE_MS = 60_000  # a join hash outlives its request's deadline by this much
+# The latest PEXPIREAT Redis takes: a deadline past it (a caller's timeout of 19 digits or
+# more) must still give a join hash a TTL, not an error that leaves it without one.
+MAX_EXPIRE_AT_MS = 2**63 - 1
 
 
 class StageRoute:
@@ -278,7 +281,7 @@ class StageTransport:
             hashes.append(join)
             commands += [
                 ("HSET", join, route.stage, data),
-                ("PEXPIREAT", join, request.deadline_ms + JOIN_GRACE_MS),
+                ("PEXPIREAT", join, min(request.deadline_ms + JOIN_GRACE_MS, MAX_EXPIRE_AT_MS)),
                 ("HGETALL", join),
             ]
         results = await self.inner.run_in_slot(hashes[0], commands)

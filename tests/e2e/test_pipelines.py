@@ -396,6 +396,41 @@ def test_a_pipeline_runs_with_the_tenants_acl_users_and_nothing_is_refused(
         worker.xadd("mb:{other:fan.polarity}:requests", {"v": "1"})
 
 
+def test_foreign_entries_on_a_later_stage_end_answered_or_dead_lettered(
+    redis_server: RedisServer, served: str
+) -> None:
+    """What a foreign client may XADD to a later stage's streams: a reply key outside the
+    pipeline's inboxes, bogus carried deadlines, a deadline past what Redis can expire."""
+    client = redis_server.client()
+    chain, later = ModelKeys("chain", served), ModelKeys("chain.polarity", served)
+    embedding = msgpack.packb([0.5] * 4)
+    inbox = chain.inbox(f"foreign-{uuid.uuid4().hex[:8]}")
+    stage_own = f"mb:{{{served}:chain.polarity}}:inbox:x"  # the stage's name, not the pipeline's
+    for reply in (ModelKeys("fan", served).inbox("x"), stage_own, chain.stream):
+        fields = request_fields("outside", reply, 5000, embedding)
+        client.xadd(later.at(HIGH).stream, fields)  # type: ignore[arg-type]
+    wait_until(lambda: client.xlen(later.at(HIGH).dead_letters) == 3, 20, "3 dead letters")
+    assert client.type(chain.stream) == b"stream" and client.xlen(chain.stream) == 0
+    # A carried deadline that is not ASCII digits is ignored; "0" is already past.
+    bogus = ["abc", "-5", "", "1e3", "\u0663", " 1", "9" * 40, "0"]
+    for n, deadline in enumerate(bogus):
+        fields = {**request_fields(f"d{n}", inbox, 5000, embedding), "deadline": deadline}
+        client.xadd(later.stream, fields)  # type: ignore[arg-type]
+    replies = [decode_reply(client.blpop([inbox], 20)[1]) for _ in bogus]  # type: ignore[index]
+    assert sorted(r.request_id for r in replies if r.ok) == [f"d{n}" for n in range(7)]
+    [late] = [r for r in replies if not r.ok]
+    assert (late.request_id, late.error_type) == ("d7", DeadlineExceeded.__name__)
+    # A fan-out leaf's part whose deadline is past what PEXPIREAT takes still gets a TTL.
+    fan, leaf = ModelKeys("fan", served), ModelKeys("fan.polarity", served)
+    for n, timeout in enumerate(("9223372036854775807", "9" * 30)):
+        fields = {**request_fields(f"t{n}", fan.inbox("f"), 5000, embedding), "timeout": timeout}
+        client.xadd(leaf.stream, fields)  # type: ignore[arg-type]
+        join = fan.join("f", f"t{n}")
+        wait_until(lambda join=join: client.exists(join) == 1, 20, "the leaf's part")
+        assert client.pttl(join) > 0  # type: ignore[operator]
+        client.delete(join)
+
+
 def test_a_stages_dead_letter_is_replayed_with_a_fresh_deadline(
     redis_server: RedisServer, prefix: str
 ) -> None:
