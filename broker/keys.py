@@ -54,7 +54,7 @@ QUEUE_BOUND_TEMPLATE = "mb:{{{prefix}:{model}}}:queue-bound"
 PARTITIONS_TEMPLATE = "mb:{{{prefix}:{model}}}:partitions"
 # Of a pipeline (under its own name): request ids its callers withdrew, and fan-out joins.
 WITHDRAWN_TEMPLATE = "mb:{{{prefix}:{model}}}:withdrawn"
-JOIN_TEMPLATE = "mb:{{{prefix}:{model}}}:join:{client}:{request}"
+JOIN_TEMPLATE = "mb:{{{prefix}:{model}}}:join:{length}:{client}:{request}"
 
 # Partition k >= 1 of a model: every template above but INBOX_TEMPLATE and PARTITIONS_TEMPLATE,
 # with this in place of "{prefix}:{model}" (partition 0 is the model's own keys).
@@ -250,9 +250,15 @@ class ModelKeys:
 
     def join(self, client: str, request_id: str) -> str:
         """The hash in which a fan-out pipeline's branches leave their outputs for one request
-        (``client``: its reply key's part after the inbox namespace)."""
+        (``client``: its reply key's part after the inbox namespace). The client part's length
+        comes first, so that no two (client, request id) pairs share a hash, whatever ``:``
+        either holds."""
         return JOIN_TEMPLATE.format(
-            prefix=self.prefix, model=self.pipeline, client=client, request=request_id
+            prefix=self.prefix,
+            model=self.pipeline,
+            length=len(client),
+            client=client,
+            request=request_id,
         )
 
     def inbox(self, client: str) -> str:

@@ -45,10 +45,17 @@ def test_stage_keys_are_the_pipelines_own_then_their_own_with_the_pipelines_inbo
     assert not later.may_reply_to("mb:{p:chain.polarity}:inbox:c1")
     assert not later.may_reply_to("mb:{p:chainx}:inbox:c1")
     assert later.withdrawn == first.withdrawn == "mb:{p:chain}:withdrawn"
-    assert later.join("c1", "r1") == "mb:{p:chain}:join:c1:r1"
+    assert later.join("c1", "r1") == "mb:{p:chain}:join:2:c1:r1"
     for bad in ("a.b.c", ".b", "a.", "A.b"):
         with pytest.raises(ValueError):
             ModelKeys(bad, "p")
+
+
+def test_no_two_requests_share_a_join_hash_whatever_colons_they_hold() -> None:
+    keys = ModelKeys("fan.topic", "p")
+    assert keys.join("a", "b:r") == "mb:{p:fan}:join:1:a:b:r"
+    pairs = [("a", "b:r"), ("a:b", "r"), ("a:", "b:r"), ("a", ":b:r"), ("", "a:b:r")]
+    assert len({keys.join(client, request) for client, request in pairs}) == len(pairs)
 
 
 def test_a_malformed_declaration_is_refused_when_the_class_is_defined() -> None:
