@@ -317,6 +317,7 @@ def test_an_entry_dead_lettered_in_partition_k_is_listed_and_replayed_there(
     assert client.xlen(keys.of(1).dead_letters) == 0
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_batch_with_partitions_loses_nothing(
     redis_server: Any, prefix: str, tmp_path: Path
 ) -> None:

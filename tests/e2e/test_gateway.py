@@ -337,6 +337,7 @@ def test_a_disconnected_clients_queued_item_never_reaches_predict(stack: Any) ->
     r.close()
 
 
+@pytest.mark.slow
 def test_queue_bound_holds_with_two_gateways_pushing_at_once(redis_server: RedisServer) -> None:
     prefix = f"q{uuid.uuid4().hex[:10]}"  # no worker consumes it: the queue only fills
     bound, total = 10, 48

@@ -80,6 +80,7 @@ def test_a_worker_that_dies_is_noticed_after_the_grace_period(
         wait_for_length(client, keys.stream, 0)
 
 
+@pytest.mark.slow
 def test_waiting_for_workers_queues_until_one_comes(
     redis_server: RedisServer, prefix: str, client: redis.Redis
 ) -> None:
@@ -107,6 +108,7 @@ def test_asyncio_callers_get_no_workers_too(redis_server: RedisServer, prefix: s
     asyncio.run(call())
 
 
+@pytest.mark.slow
 def test_the_gateway_answers_503_with_retry_after(
     redis_server: RedisServer, prefix: str, client: redis.Redis
 ) -> None:

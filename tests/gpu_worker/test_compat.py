@@ -247,6 +247,7 @@ def test_flask_app_with_threaded_streamer(variants: dict[str, Any]) -> None:
     assert answers["real"] == [[expected(s) for s in sentences] for sentences in requests]
 
 
+@pytest.mark.slow
 def test_redis_streamers_on_two_prefixes(variants: dict[str, Any], redis_server: Any) -> None:
     broker = f"127.0.0.1:{redis_server.port}"
 

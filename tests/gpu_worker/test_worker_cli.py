@@ -166,6 +166,7 @@ def test_waiting_for_redis_says_so_every_10_s(monkeypatch: pytest.MonkeyPatch, c
     assert "giving up in 2 s" in waiting[1] or "giving up in 1 s" in waiting[1]
 
 
+@pytest.mark.slow
 def test_a_worker_waits_for_redis_then_rides_out_its_outages(tmp_path: Path, prefix: str) -> None:
     server = RedisServer()
     log_path = tmp_path / "worker.log"

@@ -118,6 +118,7 @@ def wait_until_closed(connections: list[Stalled], within: float) -> None:
     selector.close()
 
 
+@pytest.mark.slow
 def test_500_stalled_clients_are_cut_off_while_others_are_served(
     limited: tuple[str, int],
 ) -> None:
