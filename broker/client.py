@@ -729,7 +729,7 @@ class Streamer:
         priority: str | int | None = None,
     ) -> Future[list[Any]]:
         """Submit a list of items; the future's result is their outputs, in order."""
-        timeout_s = self.timeout if timeout is None else _check_timeout(timeout)
+        timeout_s = self.timeout if timeout is None else check_timeout(timeout)
         level = self._level(priority)
         post = None if self.model is None else self._postprocess
         return self._get_thread_core().start_call_threadsafe(
@@ -750,7 +750,7 @@ class Streamer:
         ``traceparent`` (W3C) travels with the items and appears in the worker's log line for
         their batch. ``priority`` (``"high"`` or ``"normal"``) overrides the Streamer's.
         """
-        timeout_s = self.timeout if timeout is None else _check_timeout(timeout)
+        timeout_s = self.timeout if timeout is None else check_timeout(timeout)
         level = self._level(priority)
         core = self._get_thread_core()
         outputs = core.call_blocking(self._encode(batch), timeout_s, traceparent, level)
@@ -765,7 +765,7 @@ class Streamer:
         priority: str | int | None = None,
     ) -> list[Any]:
         """``predict`` for asyncio callers; cancelling the task withdraws the call's items."""
-        timeout_s = self.timeout if timeout is None else _check_timeout(timeout)
+        timeout_s = self.timeout if timeout is None else check_timeout(timeout)
         level = self._level(priority)
         payloads = self._encode(batch)
         if self.native_async:
@@ -832,7 +832,8 @@ class Streamer:
         await self.aclose()
 
 
-def _check_timeout(timeout: float) -> float:
+def check_timeout(timeout: float) -> float:
+    """``timeout`` as seconds (float); ValueError unless it is positive."""
     if not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
     return float(timeout)

@@ -15,11 +15,11 @@ from typing import Any
 from pydantic import AliasChoices, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from .client import DEFAULT_REDIS_URL, DEFAULT_TIMEOUT_S
+from .client import DEFAULT_REDIS_URL, DEFAULT_TIMEOUT_S, check_timeout
 from .keys import DEFAULT_PREFIX, check_prefix
 from .priorities import parse_priority
 from .redis_url import parse as parse_redis_url
-from .worker_watch import DEFAULT_GRACE_S
+from .worker_watch import DEFAULT_GRACE_S, WorkerWatch
 
 ENV_PREFIX = "MICROBATCH_CLIENT_"
 
@@ -89,16 +89,12 @@ class ClientSettings(BaseSettings):
     @field_validator("timeout")
     @classmethod
     def _check_timeout(cls, value: float) -> float:
-        if not value > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, not {value!r}")
-        return value
+        return check_timeout(value)
 
     @field_validator("workers_grace")
     @classmethod
     def _check_grace(cls, value: float) -> float:
-        if not value > 0:
-            raise ValueError(f"the workers' grace period must be positive, not {value!r}")
-        return value
+        return WorkerWatch(value).grace_s
 
     @classmethod
     def from_values(cls, **values: Any) -> ClientSettings:
