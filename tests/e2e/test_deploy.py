@@ -709,6 +709,90 @@ def _sha256(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+class LocalStack:
+    """Compose services run as local processes in ``tmp_path``: each service's command (its
+    image's entrypoint + the compose options, container paths mapped to this checkout), as the
+    ACL user its compose environment names, its output logged to a file."""
+
+    def __init__(self, tmp_path: Path, services: dict[str, Any]) -> None:
+        self.tmp_path = tmp_path
+        self.services = services
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.logs: dict[str, Path] = {}
+
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        self.logs[name] = self.tmp_path / f"{name}.log"
+        with open(self.logs[name], "wb") as log:
+            process = subprocess.Popen(
+                argv, cwd=self.tmp_path, env={**base_env(), **env}, stdout=log, stderr=log
+            )
+        self.processes.append(process)
+        return process
+
+    def start_redis(self, passwords: dict[str, str]) -> tuple[int, redis.Redis]:
+        """redis: the compose entrypoint and command; its port, and an operator connection."""
+        redis_service = self.services["redis"]
+        paths = mounts(redis_service)
+        argv = []
+        for arg in [*redis_service["entrypoint"], *redis_service["command"]]:
+            for target, source in paths.items():
+                if arg.startswith(target):
+                    arg = source + arg[len(target) :]
+            argv.append(arg)
+        port = free_port()
+        data = self.tmp_path / "data"
+        data.mkdir()
+        redis_env = {str(k): str(v) for k, v in redis_service["environment"].items()}
+        redis_env["MICROBATCH_REDIS_ACLFILE"] = str(self.tmp_path / "users.acl")
+        redis_env["REDIS_SERVER"] = find_redis_server()
+        argv += ["--port", str(port), "--bind", "127.0.0.1", "--dir", str(data)]
+        self.start("redis", argv, redis_env)
+        admin = redis.Redis(
+            port=port,
+            username="operator",
+            password=passwords["MICROBATCH_REDIS_OPERATOR_PASSWORD"],
+            socket_timeout=5,
+        )
+        return port, admin
+
+    def load_functions(self, redis_port: int) -> subprocess.CompletedProcess[str]:
+        """The functions, loaded by the compose init service's command, as in Docker."""
+        functions = self.services["functions"]
+        return subprocess.run(
+            [*functions["entrypoint"], *(functions.get("command") or [])],
+            env={**base_env(), **service_env(functions, redis_port)},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+
+    def start_gateway(self, redis_port: int) -> tuple[str, list[str]]:
+        """The gateway (Dockerfile ENTRYPOINT + compose command) on a free loopback port: its
+        base URL and its command line."""
+        gateway = self.services["gateway"]
+        http_port = free_port()
+        argv = [*dockerfile_entrypoint("Dockerfile.gateway"), *gateway["command"]]
+        argv = with_option(with_option(argv, "--host", "127.0.0.1"), "--port", str(http_port))
+        self.start("gateway", argv, service_env(gateway, redis_port))
+        return f"http://127.0.0.1:{http_port}", argv
+
+    def dump_logs(self) -> None:
+        for name, path in self.logs.items():
+            sys.stderr.write(f"--- {name} log ---\n{path.read_text(errors='replace')[-3000:]}\n")
+
+    def stop(self, wait_s: float) -> None:
+        """Last started first (the gateway, then the workers, then Redis): each drains while
+        what it talks to is still there."""
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(wait_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """redis, a CPU worker and a gateway, run from the commands of the compose files."""
@@ -716,52 +800,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     passwords = {name: uuid.uuid4().hex for name in PASSWORD_VARS}
     config = compose_config(CPU_FILES, {**passwords, "MICROBATCH_GATEWAY_WORKERS": "1"}, tmp_path)
     services = config["services"]
-    processes: list[subprocess.Popen[bytes]] = []
-    logs = {}
-
-    def start(name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        logs[name] = tmp_path / f"{name}.log"
-        with open(logs[name], "wb") as log:
-            process = subprocess.Popen(
-                argv, cwd=tmp_path, env={**base_env(), **env}, stdout=log, stderr=log
-            )
-        processes.append(process)
-        return process
-
-    # redis: the compose entrypoint and command, its container paths mapped to this checkout.
-    redis_service = services["redis"]
-    paths = mounts(redis_service)
-    argv = []
-    for arg in [*redis_service["entrypoint"], *redis_service["command"]]:
-        for target, source in paths.items():
-            if arg.startswith(target):
-                arg = source + arg[len(target) :]
-        argv.append(arg)
-    redis_port = free_port()
-    (tmp_path / "data").mkdir()
-    redis_env = {str(k): str(v) for k, v in redis_service["environment"].items()}
-    redis_env["MICROBATCH_REDIS_ACLFILE"] = str(tmp_path / "users.acl")
-    redis_env["REDIS_SERVER"] = find_redis_server()
-    argv += ["--port", str(redis_port), "--bind", "127.0.0.1", "--dir", str(tmp_path / "data")]
-    redis_process = start("redis", argv, redis_env)
-    admin = redis.Redis(
-        port=redis_port,
-        username="operator",
-        password=passwords["MICROBATCH_REDIS_OPERATOR_PASSWORD"],
-        socket_timeout=5,
-    )
+    local = LocalStack(tmp_path, services)
+    processes = local.processes
+    redis_port, admin = local.start_redis(passwords)
+    redis_process = processes[0]
     try:
         wait_until(admin.ping, "redis-server", processes, 10)
 
-        # the functions: loaded by the compose init service's command, as in Docker
-        functions = services["functions"]
-        done = subprocess.run(
-            [*functions["entrypoint"], *(functions.get("command") or [])],
-            env={**base_env(), **service_env(functions, redis_port)},
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        done = local.load_functions(redis_port)
         assert done.returncode == 0, done.stderr
         assert "loaded the microbatch library" in done.stdout
 
@@ -771,16 +817,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         metrics_port = free_port()
         worker_env["MICROBATCH_WORKER_METRICS_PORT"] = str(metrics_port)
         worker_argv = [*dockerfile_entrypoint("Dockerfile.worker"), *worker["command"]]
-        start("worker", worker_argv, worker_env)
+        local.start("worker", worker_argv, worker_env)
 
-        gateway = services["gateway"]
-        http_port = free_port()
-        gateway_argv = [*dockerfile_entrypoint("Dockerfile.gateway"), *gateway["command"]]
-        gateway_argv = with_option(
-            with_option(gateway_argv, "--host", "127.0.0.1"), "--port", str(http_port)
-        )
-        start("gateway", gateway_argv, service_env(gateway, redis_port))
-        base = f"http://127.0.0.1:{http_port}"
+        base, gateway_argv = local.start_gateway(redis_port)
         try:
             wait_until(
                 lambda: http(f"{base}/v2/models/mlp/ready", timeout=2)[0] == 200,
@@ -801,19 +840,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
             "gateway_argv": gateway_argv,
         }
     except BaseException:
-        for name, path in logs.items():
-            sys.stderr.write(f"--- {name} log ---\n{path.read_text(errors='replace')[-3000:]}\n")
+        local.dump_logs()
         raise
     finally:
-        # Gateway, then worker, then Redis: each drains while Redis is still there.
-        for process in reversed(processes):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(20)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        local.stop(20)
         admin.close()
         assert redis_process.returncode is not None
 

@@ -7,9 +7,7 @@ worker per stage, the gateway) and serve a real request through the pipeline."""
 from __future__ import annotations
 
 import importlib.util
-import signal
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,9 +15,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-import redis
 
-from broker.devserver import find_redis_server, free_port
+from broker.devserver import free_port
 from examples.pipeline_demo import in_process
 from examples.pipelines import Sentiment
 from gpu_worker.pipeline import load_pipeline
@@ -28,17 +25,15 @@ from tests.e2e.test_deploy import (
     CPU_FILES,
     PASSWORD_VARS,
     ROOT,
+    LocalStack,
     acl_refusals,
-    base_env,
     compose,
     compose_config,
     dockerfile_entrypoint,
     http,
-    mounts,
     seconds,
     service_env,
     wait_until,
-    with_option,
 )
 
 PIPELINE_FILES = ["docker-compose.yml", "docker-compose.pipeline.yml"]
@@ -126,55 +121,19 @@ def pipeline_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
     passwords = {name: uuid.uuid4().hex for name in PASSWORD_VARS}
     env = {**passwords, "MICROBATCH_GATEWAY_WORKERS": "1"}
     services = compose_config(PIPELINE_CPU_FILES, env, tmp_path)["services"]
-    processes: list[subprocess.Popen[bytes]] = []
-    logs: dict[str, Path] = {}
-
-    def start(name: str, argv: list[str], env: dict[str, str]) -> None:
-        logs[name] = tmp_path / f"{name}.log"
-        with open(logs[name], "wb") as log:
-            processes.append(subprocess.Popen(
-                argv, cwd=tmp_path, env={**base_env(), **env}, stdout=log, stderr=log
-            ))  # fmt: skip
-
-    redis_service = services["redis"]
-    paths = mounts(redis_service)
-    argv = []
-    for arg in [*redis_service["entrypoint"], *redis_service["command"]]:
-        for target, source in paths.items():
-            if arg.startswith(target):
-                arg = source + arg[len(target) :]
-        argv.append(arg)
-    redis_port = free_port()
-    (tmp_path / "data").mkdir()
-    redis_env = {str(k): str(v) for k, v in redis_service["environment"].items()}
-    redis_env["MICROBATCH_REDIS_ACLFILE"] = str(tmp_path / "users.acl")
-    redis_env["REDIS_SERVER"] = find_redis_server()
-    argv += ["--port", str(redis_port), "--bind", "127.0.0.1", "--dir", str(tmp_path / "data")]
-    start("redis", argv, redis_env)
-    admin = redis.Redis(port=redis_port, username="operator", socket_timeout=5,
-                        password=passwords["MICROBATCH_REDIS_OPERATOR_PASSWORD"])  # fmt: skip
+    local = LocalStack(tmp_path, services)
+    processes = local.processes
+    redis_port, admin = local.start_redis(passwords)
     try:
         wait_until(admin.ping, "redis-server", processes, 10)
-        functions = services["functions"]
-        done = subprocess.run(
-            [*functions["entrypoint"], *(functions.get("command") or [])],
-            env={**base_env(), **service_env(functions, redis_port)},
-            capture_output=True, text=True, timeout=30,
-        )  # fmt: skip
+        done = local.load_functions(redis_port)
         assert done.returncode == 0, done.stderr
         for name, service in stage_services(services).items():
             worker_env = service_env(service, redis_port)
             worker_env["MICROBATCH_WORKER_METRICS_PORT"] = str(free_port())
-            start(name, [*dockerfile_entrypoint("Dockerfile.worker"), *service["command"]],
-                  worker_env)  # fmt: skip
-        gateway = services["gateway"]
-        http_port = free_port()
-        gateway_argv = [*dockerfile_entrypoint("Dockerfile.gateway"), *gateway["command"]]
-        gateway_argv = with_option(
-            with_option(gateway_argv, "--host", "127.0.0.1"), "--port", str(http_port)
-        )
-        start("gateway", gateway_argv, service_env(gateway, redis_port))
-        base = f"http://127.0.0.1:{http_port}"
+            local.start(name, [*dockerfile_entrypoint("Dockerfile.worker"), *service["command"]],
+                        worker_env)  # fmt: skip
+        base, _ = local.start_gateway(redis_port)
         for stage in ("embedder", "classifier"):
             keys = Sentiment.keys(stage, "default")
             wait_until(lambda keys=keys: admin.exists(keys.consumers) == 1,
@@ -183,18 +142,10 @@ def pipeline_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[st
                    "the gateway to see the pipeline's workers", processes, 60)  # fmt: skip
         yield {"base": base, "admin": admin}
     except BaseException:
-        for name, path in logs.items():
-            sys.stderr.write(f"--- {name} log ---\n{path.read_text(errors='replace')[-3000:]}\n")
+        local.dump_logs()
         raise
     finally:
-        for process in reversed(processes):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        local.stop(30)
         admin.close()
 
 
