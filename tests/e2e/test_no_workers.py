@@ -66,6 +66,7 @@ def test_a_worker_that_starts_within_the_grace_period_serves_the_call(
             assert future.result(timeout=60)[0]["item"] == "early"
 
 
+@pytest.mark.slow  # waits out the grace period
 def test_a_worker_that_dies_is_noticed_after_the_grace_period(
     redis_server: RedisServer, prefix: str, client: redis.Redis
 ) -> None:

@@ -207,6 +207,7 @@ def test_the_normal_level_waits_at_most_starve_after_batches_while_high_ones_kee
     assert sum(1 for no, levels in batches.items() if no > last_normal and levels == {"h"}) > 5
 
 
+@pytest.mark.slow  # kill -9 and the heartbeat lapse: ~12 s
 def test_a_killed_worker_s_entries_of_both_levels_are_taken_over(
     redis_server: RedisServer, prefix: str
 ) -> None:
