@@ -446,12 +446,13 @@ def run_config(
             rates = [f * cap for f in ladder_fractions(runs)]
             sweep = ladder(measure, rates, args.sla_p99_ms, args.min_success, search_budget)
         left = budget_s - (time.monotonic() - runs_from)
+        # up to two confirming runs, within the plan's (and so --max-steps') runs
         sweep = confirm(
             measure,
             sweep,
             args.sla_p99_ms,
             args.min_success,
-            runs=2,
+            runs=min(2, max(1, plan.steps - len(sweep.steps))),
             budget_s=max(left, step_s(args)),
         )
         startup = stack.startup_s
