@@ -76,7 +76,9 @@ def served(model: str, args: argparse.Namespace) -> dict[str, Any]:
             }
 
         async def main() -> dict[str, Any]:
-            streamer = Streamer(name, redis_url=server.url, prefix="share")
+            streamer = Streamer(
+                name, redis_url=server.url, prefix="share", entry_items=args.entry_items
+            )
             await closed_loop(streamer, args.concurrency, args.warmup)
             before, started = worker_totals(port), time.perf_counter()
             cpu_before = cpu_seconds()
@@ -114,6 +116,13 @@ def main() -> None:
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--model-thread", default="auto", choices=MODEL_THREAD_MODES)
     parser.add_argument("--cuda", help="a CUDA device index for the model (default: the CPU)")
+    parser.add_argument(
+        "--entry-items",
+        type=int,
+        default=None,
+        help="items per stream entry the client packs (default: the client's default, 32; "
+        "1: one v1 entry per item)",
+    )
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.torch_threads)
     device = "cpu" if args.cuda is None else f"cuda:{args.cuda}"

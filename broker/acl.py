@@ -20,7 +20,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from .keys import check_prefix
+from .keys import LEVEL_SUFFIX, check_prefix
 
 PLACEHOLDER = "%PREFIX%"
 DEFAULT_PASSWORD_ENV = "MICROBATCH_REDIS_{ROLE}_PASSWORD"
@@ -44,6 +44,20 @@ def _keys(kind: str) -> str:
 
 
 TENANT_KEYS = f"~mb:{{{PLACEHOLDER}:*"  # every key of the prefix
+
+# Kinds of key that each priority level has its own of: the high level's end in LEVEL_SUFFIX.
+LEVELED = ("requests", "dead", "cancelled", "queued-bytes", "packed-items")
+
+
+def _leveled(kind: str) -> list[str]:
+    """The key patterns of one kind: of both priority levels, where each level has its own."""
+    pattern = _keys(kind)
+    return [pattern, pattern + LEVEL_SUFFIX] if kind in LEVELED else [pattern]
+
+
+def _any(*kinds: str) -> str:
+    """A selector's key patterns (``~pattern ...``) for these kinds, of both levels."""
+    return " ".join(f"~{pattern}" for kind in kinds for pattern in _leveled(kind))
 
 
 @dataclass(frozen=True)
@@ -114,26 +128,31 @@ TENANT_USERS = (
         f"{PLACEHOLDER}-gateway",
         "GATEWAY",
         " ".join(
-            f"%RW~{_keys(kind)}"
+            f"%RW~{pattern}"
             for kind in (
                 "requests",
                 "queued-bytes",
+                "packed-items",
                 "queue-bound",
                 "consumers",
                 "cancelled",
                 "withdrawn",
             )
+            for pattern in _leveled(kind)
         )
         + f" %RW~{_keys('inbox:*')} %R~{_keys('partitions')} resetchannels -@all {CONNECT} "
         "+time +info +fcall +blmpop "
         "+zrangebyscore +zcount +hmget +xlen +get +xpending +xrange "
-        f"(~{_keys('requests')} +xadd +xdel) (~{_keys('queued-bytes')} +incrby +decrby) "
-        f"(~{_keys('cancelled')} ~{_keys('withdrawn')} +zadd +zremrangebyscore)",
+        f"({_any('requests')} +xadd +xdel) "
+        f"({_any('queued-bytes', 'packed-items')} +incrby +decrby) "
+        f"({_any('cancelled', 'withdrawn')} +zadd +zremrangebyscore) "
+        f"({_any('cancelled')} +zscore +zrem)",
         """The HTTP gateways (web_gateway) and Python callers (broker.Streamer) of the prefix:
-  enqueue: FCALL mb_enqueue -> HMGET, XLEN, INCRBY, XADD; TIME and ZCOUNT (the live workers)
-    once the queue outgrows one worker's share, DECRBY when it refuses a call
+  enqueue: FCALL mb_enqueue -> HMGET, XLEN, GET, INCRBY, XADD; TIME and ZCOUNT (the live
+    workers) once the queue outgrows one worker's share, DECRBY when it refuses a call
   withdraw a cancelled call: FCALL mb_withdraw -> TIME, XPENDING, ZADD, XRANGE, XDEL, DECRBY,
-    ZREMRANGEBYSCORE; and ZADD, ZREMRANGEBYSCORE of its request ids on the withdrawn set (for
+    ZREMRANGEBYSCORE (and, for items of multi-item entries, ZSCORE and ZREM); and ZADD,
+    ZREMRANGEBYSCORE of its request ids on the withdrawn set (for
     a pipeline's later stages)
   replies: BLMPOP on its inboxes
   the model's partition count: GET (read only)
@@ -141,9 +160,9 @@ TENANT_USERS = (
   the eviction-policy check at start: INFO (its memory section names maxmemory_policy)
 FCALL needs read and write access to the keys it is given; the writes themselves are allowed
 only where they belong (the selectors): XADD and XDEL on request streams, INCRBY and DECRBY
-on the byte counters, ZADD and ZREMRANGEBYSCORE on the cancelled and withdrawn sets. So it
-cannot forge a
-consumer, change a bound, delete or expire anything, nor touch workers' keys.""",
+on the byte and packed-item counters, ZADD and ZREMRANGEBYSCORE on the cancelled and
+withdrawn sets, ZREM on the cancelled set. So it cannot forge a consumer, change a bound,
+delete or expire anything, nor touch workers' keys.""",
     ),
     User(
         f"{PLACEHOLDER}-worker",
@@ -152,6 +171,7 @@ consumer, change a bound, delete or expire anything, nor touch workers' keys."""
         "+xgroup|delconsumer +xreadgroup +xack +xdel +xclaim +xpending +xinfo|consumers +xadd "
         "+xlen +decrby +incrby +zmscore +zcard +zadd +zrem +zrangebyscore +zremrangebyscore "
         f"+hset (~{_keys('heartbeat:*')} +set +del +exists) (~{_keys('partitions')} +set) "
+        f"({_any('packed-items')} +get) "
         f"(~{_keys('inbox:*')} +type +pttl +rpush +expire) "
         f"(~{_keys('join:*')} +hgetall +pexpireat +del) +multi +exec",
         """The GPU/CPU workers of the prefix (worker start: supervisor and children):
@@ -167,7 +187,8 @@ consumer, change a bound, delete or expire anything, nor touch workers' keys."""
     HSET, PEXPIREAT, HGETALL, EXEC, then DEL, on join hashes only (a selector)
   heartbeats: TIME, ZADD, ZREMRANGEBYSCORE, ZREM; SET, DEL, EXISTS on heartbeat keys only
   the queue bound: HSET; the partition count: SET on its key only
-  metrics (--metrics-port): XLEN, XPENDING, TIME, ZRANGEBYSCORE
+  metrics (--metrics-port): XLEN, XPENDING, TIME, ZRANGEBYSCORE; GET of the packed-items
+    counters (queued items)
   liveness of the connection: PING; the eviction-policy check at start: INFO""",
     ),
     User(

@@ -80,6 +80,7 @@ class PartitionStatus:
     queue_bound_items: int = 0  # this partition's item bound now (0: none), for each level
     queue_bound_bytes: int = 0
     priority: str = "normal"  # the level (broker.keys.LEVELS)
+    queued_items: int = 0  # items in the stream: its entries and their packed items
 
 
 @dataclass
@@ -96,6 +97,7 @@ class ModelStatus:
     partitions: list[PartitionStatus] = field(default_factory=list)  # the normal level's
     high: list[PartitionStatus] = field(default_factory=list)  # each partition's high level
     high_stream_length: int = 0  # of the counts above, the high level's entries queued
+    queued_items: int = 0  # items queued: stream_length plus multi-item entries' extra items
 
     @property
     def live_consumers(self) -> int:
@@ -113,7 +115,8 @@ def _partition_status(client: redis.Redis, keys: ModelKeys) -> tuple[PartitionSt
     pipe.get(keys.queued_bytes)
     pipe.xlen(keys.dead_letters)
     pipe.hmget(keys.queue_bound, ["items", "bytes"])
-    length, queued, dead, bound = pipe.execute()
+    pipe.get(keys.packed_items)
+    length, queued, dead, bound, packed = pipe.execute()
     try:
         summary: Any = client.xpending(keys.stream, keys.group)
         infos: Any = client.xinfo_consumers(keys.stream, keys.group)
@@ -129,6 +132,7 @@ def _partition_status(client: redis.Redis, keys: ModelKeys) -> tuple[PartitionSt
         queue_bound_items=_count(bound[0]),
         queue_bound_bytes=_count(bound[1]),
         priority=keys.priority,
+        queued_items=int(length) + _count(packed),
     )
     return status, infos
 
@@ -185,6 +189,7 @@ def model_status(client: redis.Redis, keys: ModelKeys) -> ModelStatus:
         partitions=normal,
         high=high,
         high_stream_length=sum(p.stream_length for p in high),
+        queued_items=sum(p.queued_items for p in parts),
     )
 
 

@@ -120,7 +120,7 @@ def _status_tables(models: list[admin.ModelStatus]) -> Group:
         summary.add_row(
             model.prefix,
             model.model,
-            str(model.stream_length),
+            str(model.queued_items),
             str(model.pending),
             str(model.queued_bytes),
             str(model.live_consumers),
@@ -132,7 +132,7 @@ def _status_tables(models: list[admin.ModelStatus]) -> Group:
                 model.model,
                 str(part.partition),
                 part.priority,
-                str(part.stream_length),
+                str(part.queued_items),
                 str(part.pending),
                 str(part.queued_bytes),
                 str(part.dead_letters),

@@ -579,6 +579,11 @@ class Streamer:
     priority; each call may name its own. Under load, workers batch high items first
     (docs/protocol.md, "Priorities"). An invalid priority raises ValueError.
 
+    ``entry_items`` (default 32) is the most items that calls submitted together (within one
+    enqueue round trip) share one stream entry: one entry, ack and pending record for many
+    items (docs/protocol.md, "Multi-item entries"). 1 sends one entry per item, for workers
+    that read only wire v1.
+
     Every keyword argument but ``model`` is a field of :class:`broker.client_settings.
     ClientSettings` (``client_settings``): each one given wins over ``settings=``, which
     defaults to the environment (``MICROBATCH_CLIENT_<FIELD>``; ``REDIS_URL`` too) and the
@@ -602,6 +607,7 @@ class Streamer:
         wait_for_workers: bool | None = None,
         workers_grace: float | None = None,
         priority: str | int | None = None,
+        entry_items: int | None = None,
         settings: ClientSettings | None = None,
     ) -> None:
         from .client_settings import ClientSettings
@@ -618,6 +624,7 @@ class Streamer:
             wait_for_workers=wait_for_workers,
             workers_grace=workers_grace,
             priority=priority,
+            entry_items=entry_items,
         )
         self.keys = ModelKeys(name, config.prefix)
         self.level = parse_priority(config.priority)  # the calls' default priority level
@@ -643,7 +650,7 @@ class Streamer:
     def _make_transport(self) -> Transport:
         from .redis_transport import RedisTransport
 
-        return RedisTransport(self.redis_url)
+        return RedisTransport(self.redis_url, entry_items=self.client_settings.entry_items)
 
     def _on_core_start(self, core: ClientCore) -> Any:
         """Hook run once on the loop thread when its core starts (used by LocalStreamer)."""

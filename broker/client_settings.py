@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .client import DEFAULT_REDIS_URL, DEFAULT_TIMEOUT_S, check_timeout
 from .keys import DEFAULT_PREFIX, check_prefix
+from .multi_item import DEFAULT_ENTRY_ITEMS, MAX_ENTRY_ITEMS
 from .priorities import parse_priority
 from .redis_url import parse as parse_redis_url
 from .worker_watch import DEFAULT_GRACE_S, WorkerWatch
@@ -63,6 +64,13 @@ class ClientSettings(BaseSettings):
         "NoWorkers (at least twice the workers' --heartbeat-ttl).",
     )
 
+    entry_items: int = Field(
+        default=DEFAULT_ENTRY_ITEMS,
+        ge=1,
+        le=MAX_ENTRY_ITEMS,
+        description="The most items of concurrent calls sent together that one stream entry "
+        "may carry (1: one entry per item, wire v1 only, for workers older than v2 entries).",
+    )
     priority: str | int = Field(
         default="normal",
         description="The calls' default priority: normal or high (also 0 or 1); each call may "

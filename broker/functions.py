@@ -28,8 +28,10 @@ from typing import Any
 
 from redis.cluster import RedisCluster
 
+from .multi_item import MAX_ENTRY_ITEMS
+
 LIBRARY = "microbatch"
-VERSION = 1
+VERSION = 2
 
 ENQUEUE = "mb_enqueue"
 WITHDRAW = "mb_withdraw"
@@ -51,6 +53,7 @@ CODE = (
 -- microbatch's functions: broker/functions.py and docs/protocol.md are their documentation.
 local VERSION = @VERSION@
 local MAX_ENTRIES, MAX_BYTES = @MAX_ENTRIES@, @MAX_BYTES@
+local MAX_ENTRY_ITEMS = @MAX_ENTRY_ITEMS@
 local CANCELLED_TTL_MS, PUSH_CHUNK = @CANCELLED_TTL_MS@, @PUSH_CHUNK@
 
 -- Every call names the library version its caller was written for: a newer one is refused.
@@ -73,20 +76,86 @@ local function tighter(a, b)
   return b
 end
 
--- KEYS: stream, queued-bytes counter, queue bound (hash), consumers (sorted set).
+-- Appends the items of consecutive calls that share a reply key (up to `pack` items) as one
+-- v2 entry (docs/protocol.md, section 5.1), a lone item as a v1 entry. `out` is each call's
+-- result table: it gets each item's handle, an entry id or, in a v2 entry, `<entry id>#<i>`.
+-- Returns how many entries it added.
+local function add_items(stream, items, pack)
+  local at, entries = 1, 0
+  while at <= #items do
+    local last = at
+    while last < #items and last - at + 1 < pack and items[last + 1][1] == items[at][1] do
+      last = last + 1
+    end
+    local reply = items[at][1]
+    if last == at then
+      local it = items[at]
+      local id
+      if it[3] == '' then
+        id = redis.call('XADD', stream, '*', 'v', '1', 'id', it[4], 'reply', reply,
+          'timeout', it[2], 'data', it[5])
+      else
+        id = redis.call('XADD', stream, '*', 'v', '1', 'id', it[4], 'reply', reply,
+          'timeout', it[2], 'data', it[5], 'traceparent', it[3])
+      end
+      it[6][#it[6] + 1] = id
+    else
+      local fields = {stream, '*', 'v', '2', 'reply', reply, 'n', tostring(last - at + 1)}
+      for i = at, last do
+        local it, k = items[i], tostring(i - at)
+        fields[#fields + 1] = 'id.' .. k
+        fields[#fields + 1] = it[4]
+        fields[#fields + 1] = 'timeout.' .. k
+        fields[#fields + 1] = it[2]
+        fields[#fields + 1] = 'data.' .. k
+        fields[#fields + 1] = it[5]
+        if it[3] ~= '' then
+          fields[#fields + 1] = 'traceparent.' .. k
+          fields[#fields + 1] = it[3]
+        end
+      end
+      local id = redis.call('XADD', unpack(fields))
+      for i = at, last do
+        local out = items[i][6]
+        out[#out + 1] = id .. '#' .. tostring(i - at)
+      end
+    end
+    at = last + 1
+    entries = entries + 1
+  end
+  return entries
+end
+
+-- KEYS: stream, queued-bytes counter, queue bound (hash), consumers (sorted set), from
+--   version 2 the packed-items counter (items beyond one per entry: the stream holds
+--   XLEN + that many items).
 -- ARGV: version, the caller's max items, max bytes (0: none; they can only tighten the
---   model's bound), then for each call: n, reply key, timeout (ms), traceparent ('' for none),
---   then n pairs of request id and data.
+--   model's bound), from version 2 the most items per entry (1: v1 entries only), then for
+--   each call: n, reply key, timeout (ms), traceparent ('' for none), then n pairs of request
+--   id and data.
 -- The model's bound (written by its workers) is `items` per live worker (at least one) and
--- `bytes` in all. Returns one result per call: {0, entry id, ...} when queued, {1, bound}
--- when refused by the item bound, {2, bound} when refused by the byte bound, {3, bound} when
--- the call alone has more items than the item bound (it can never be queued whole).
+-- `bytes` in all; the stream's length counts its entries. Returns one result per call:
+-- {0, handle, ...} when queued (one handle per item: its entry id, or `<entry id>#<i>` for
+-- item i of a v2 entry), {1, bound} when refused by the item bound, {2, bound} when refused
+-- by the byte bound, {3, bound} when the call alone has more items than the item bound (it
+-- can never be queued whole).
 local function enqueue(keys, args)
   local err = version_error(args)
   if err then return err end
   local max_items, max_bytes = tonumber(args[2]) or 0, tonumber(args[3]) or 0
+  local pack, at = 1, 4
+  if tonumber(args[1]) >= 2 then
+    pack = tonumber(args[4])
+    if not pack or pack < 1 or pack > MAX_ENTRY_ITEMS or pack % 1 ~= 0 then
+      return redis.error_reply('MBARGS items per entry must be 1 to ' .. MAX_ENTRY_ITEMS)
+    end
+    if pack > 1 and not keys[5] then
+      return redis.error_reply('MBARGS packing items needs the packed-items counter as key 5')
+    end
+    at = 5
+  end
   -- The shape and the caps are checked before anything is written.
-  local calls, entries, bytes, at = {}, 0, 0, 4
+  local calls, entries, bytes = {}, 0, 0
   while at <= #args do
     local n = tonumber(args[at])
     if not n or n < 1 or n % 1 ~= 0 or at + 3 + 2 * n > #args then
@@ -102,7 +171,11 @@ local function enqueue(keys, args)
   end
   local bound = redis.call('HMGET', keys[3], 'items', 'bytes')
   local per_worker = tonumber(bound[1]) or 0
-  local length = (max_items > 0 or per_worker > 0) and redis.call('XLEN', keys[1]) or 0
+  local length = 0
+  if max_items > 0 or per_worker > 0 then
+    length = redis.call('XLEN', keys[1])
+    if keys[5] then length = length + math.max(tonumber(redis.call('GET', keys[5])) or 0, 0) end
+  end
   if per_worker > 0 then
     -- Live workers are counted only when the queue could outgrow one worker's share: the
     -- bound is at least that share, so below it their number changes no outcome.
@@ -118,7 +191,7 @@ local function enqueue(keys, args)
   -- The counter takes every call's bytes at once (one command rather than a read and a
   -- write); the bytes of calls refused below are given back at the end.
   local queued = redis.call('INCRBY', keys[2], bytes) - bytes
-  local results, added = {}, 0
+  local results, added, items = {}, 0, {}
   for c, call in ipairs(calls) do
     local first, n, size = call[1], call[2], call[3]
     if max_items > 0 and n > max_items then
@@ -131,49 +204,113 @@ local function enqueue(keys, args)
       local reply, timeout, trace = args[first + 1], args[first + 2], args[first + 3]
       local out = {0}
       for j = first + 4, first + 2 + 2 * n, 2 do
-        if trace == '' then
-          out[#out + 1] = redis.call('XADD', keys[1], '*', 'v', '1', 'id', args[j],
-            'reply', reply, 'timeout', timeout, 'data', args[j + 1])
-        else
-          out[#out + 1] = redis.call('XADD', keys[1], '*', 'v', '1', 'id', args[j],
-            'reply', reply, 'timeout', timeout, 'data', args[j + 1], 'traceparent', trace)
-        end
+        items[#items + 1] = {reply, timeout, trace, args[j], args[j + 1], out}
       end
+      -- Counted in items, as if each were an entry: the bound is never loosened within a call.
       length, queued, added = length + n, queued + size, added + size
       results[c] = out
     end
   end
+  local packed = #items - add_items(keys[1], items, pack)
+  if packed > 0 and keys[5] then redis.call('INCRBY', keys[5], packed) end
   if added < bytes then redis.call('DECRBY', keys[2], bytes - added) end
   return results
 end
 
--- KEYS: stream, queued-bytes counter, cancelled set. ARGV: version, group, entry id, ...
--- An entry no worker has read is deleted and its data bytes released; one a worker holds is
--- marked in the cancelled set (scored by expiry, ms) for the worker to skip. Returns the
+-- Withdraws items of v2 entries (handles `<entry id>#<i>`, grouped by entry): an entry no
+-- worker has read whose every item is withdrawn (now, or marked before) is deleted (its
+-- bytes and packed items released, the latter only when the packed-items counter is given);
+-- otherwise each handle is marked in the cancelled set for the workers to skip. Returns the
 -- bytes released.
+local function withdraw_items(keys, group, entries, order, now_ms)
+  local released, packed = 0, 0
+  for _, entry in ipairs(order) do
+    local handles, deleted = entries[entry], false
+    local pending = redis.pcall('XPENDING', keys[1], group, entry, entry, 1)
+    local read = type(pending) == 'table' and pending.err == nil and #pending > 0
+    if keys[4] and not read then  -- (no group yet: nobody has read it)
+      local found = redis.pcall('XRANGE', keys[1], entry, entry)
+      if type(found) == 'table' and found.err == nil and #found > 0 then
+        local fields, n, size = found[1][2], nil, 0
+        for f = 1, #fields - 1, 2 do
+          if fields[f] == 'n' then
+            n = tonumber(fields[f + 1])
+          elseif string.sub(fields[f], 1, 5) == 'data.' then
+            size = size + #fields[f + 1]
+          end
+        end
+        local seen, distinct = {}, 0
+        for _, index in ipairs(handles) do
+          if n and index >= 0 and index < n and not seen[index] then
+            seen[index], distinct = true, distinct + 1
+          end
+        end
+        if n and distinct < n then  -- the entry's other items may have been withdrawn before
+          for index = 0, n - 1 do
+            if not seen[index] and redis.call('ZSCORE', keys[3], entry .. '#' .. index) then
+              seen[index], distinct = true, distinct + 1
+            end
+          end
+        end
+        if n and distinct == n then
+          redis.call('XDEL', keys[1], entry)
+          for index = 0, n - 1 do redis.call('ZREM', keys[3], entry .. '#' .. index) end
+          released, packed, deleted = released + size, packed + n - 1, true
+        end
+      end
+    end
+    if not deleted then
+      for _, index in ipairs(handles) do
+        redis.call('ZADD', keys[3], now_ms + CANCELLED_TTL_MS, entry .. '#' .. index)
+      end
+    end
+  end
+  if packed > 0 then redis.call('DECRBY', keys[4], packed) end
+  return released
+end
+
+-- KEYS: stream, queued-bytes counter, cancelled set, from version 2 the packed-items counter.
+-- ARGV: version, group, handle, ...
+-- An entry no worker has read is deleted and its data bytes released; one a worker holds is
+-- marked in the cancelled set (scored by expiry, ms) for the worker to skip. Items of v2
+-- entries (`<entry id>#<i>`): see withdraw_items. Returns the bytes released.
 local function withdraw(keys, args)
   local err = version_error(args)
   if err then return err end
   if #args - 2 > MAX_ENTRIES then return limit_error('mb_withdraw') end
   local time = redis.call('TIME')
   local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-  local released = 0
+  local released, items, order = 0, {}, {}
   for i = 3, #args do
     local id = args[i]
-    local pending = redis.pcall('XPENDING', keys[1], args[2], id, id, 1)
-    if type(pending) == 'table' and pending.err == nil and #pending > 0 then
-      redis.call('ZADD', keys[3], now_ms + CANCELLED_TTL_MS, id)
-    else
-      local found = redis.pcall('XRANGE', keys[1], id, id)
-      if type(found) == 'table' and found.err == nil and #found > 0 then
-        local fields = found[1][2]
-        for f = 1, #fields - 1, 2 do
-          if fields[f] == 'data' then released = released + #fields[f + 1] end
+    local mark = string.find(id, '#', 1, true)
+    local index = mark and tonumber(string.sub(id, mark + 1))
+    if mark then
+      if index and index % 1 == 0 then
+        local entry = string.sub(id, 1, mark - 1)
+        if not items[entry] then
+          items[entry] = {}
+          order[#order + 1] = entry
         end
-        redis.call('XDEL', keys[1], id)
+        table.insert(items[entry], index)
+      end
+    else
+      local pending = redis.pcall('XPENDING', keys[1], args[2], id, id, 1)
+      if type(pending) == 'table' and pending.err == nil and #pending > 0 then
+        redis.call('ZADD', keys[3], now_ms + CANCELLED_TTL_MS, id)
+      else
+        local found = redis.pcall('XRANGE', keys[1], id, id)
+        if type(found) == 'table' and found.err == nil and #found > 0 then
+          local fields = found[1][2]
+          for f = 1, #fields - 1, 2 do
+            if fields[f] == 'data' then released = released + #fields[f + 1] end
+          end
+          redis.call('XDEL', keys[1], id)
+        end
       end
     end
   end
+  released = released + withdraw_items(keys, args[2], items, order, now_ms)
   if released > 0 then redis.call('DECRBY', keys[2], released) end
   redis.call('ZREMRANGEBYSCORE', keys[3], '-inf', now_ms)
   return released
@@ -229,6 +366,7 @@ redis.register_function{function_name='mb_reply', callback=reply, flags={'allow-
 """.replace("@VERSION@", str(VERSION))
     .replace("@MAX_ENTRIES@", str(MAX_CALL_ENTRIES))
     .replace("@MAX_BYTES@", str(MAX_CALL_BYTES))
+    .replace("@MAX_ENTRY_ITEMS@", str(MAX_ENTRY_ITEMS))
     .replace("@CANCELLED_TTL_MS@", str(CANCELLED_TTL_MS))
     .replace("@PUSH_CHUNK@", str(PUSH_CHUNK))
 )

@@ -50,6 +50,7 @@ HEARTBEAT_TEMPLATE = "mb:{{{prefix}:{model}}}:heartbeat:{consumer}"
 CONSUMERS_TEMPLATE = "mb:{{{prefix}:{model}}}:consumers"
 CANCELLED_TEMPLATE = "mb:{{{prefix}:{model}}}:cancelled"
 QUEUED_BYTES_TEMPLATE = "mb:{{{prefix}:{model}}}:queued-bytes"
+PACKED_ITEMS_TEMPLATE = "mb:{{{prefix}:{model}}}:packed-items"
 QUEUE_BOUND_TEMPLATE = "mb:{{{prefix}:{model}}}:queue-bound"
 PARTITIONS_TEMPLATE = "mb:{{{prefix}:{model}}}:partitions"
 # Of a pipeline (under its own name): request ids its callers withdrew, and fan-out joins.
@@ -224,6 +225,12 @@ class ModelKeys:
     def queued_bytes(self) -> str:
         """Counter of the data bytes queued in the stream (for the byte bound)."""
         return self._leveled(QUEUED_BYTES_TEMPLATE)
+
+    @property
+    def packed_items(self) -> str:
+        """Counter of the items the stream holds beyond one per entry (the sum of ``n - 1``
+        over its multi-item entries), for the item bound: items = XLEN + this."""
+        return self._leveled(PACKED_ITEMS_TEMPLATE)
 
     @property
     def queue_bound(self) -> str:

@@ -34,6 +34,9 @@ from . import codec
 from .errors import MicrobatchError, ProtocolError
 
 VERSION = "1"
+# What a worker reads: v1 entries, and v2 (multi-item) entries, which it reads as v1 items
+# (broker.multi_item) before they reach parse_request.
+SPOKEN = "'1' and '2'"
 F_VERSION = b"v"
 F_ID = b"id"
 F_REPLY = b"reply"
@@ -207,11 +210,17 @@ def _parse_carefully(entry_id: str | bytes, fields: Fields) -> Request:
             reply_key=reply_key if request_id else None,
         )
     version = fields.get(F_VERSION)
+    if version == b"2":  # a multi-item entry that broker.multi_item could not split
+        raise MalformedEntry(
+            "multi-item entry (v '2') without a valid 'n' (1 to 512 items)",
+            request_id=request_id,
+            reply_key=reply_key,
+        )
     if version != _VERSION_BYTES:
         message = (
-            f"unsupported protocol version {_shown(version)} (this worker speaks {VERSION!r})"
+            f"unsupported protocol version {_shown(version)} (this worker speaks {SPOKEN})"
             if isinstance(version, bytes)
-            else f"entry has no protocol version field 'v' (this worker speaks {VERSION!r})"
+            else f"entry has no protocol version field 'v' (this worker speaks {SPOKEN})"
         )
         raise MalformedEntry(message, request_id=request_id, reply_key=reply_key)
     timeout = fields.get(F_TIMEOUT)

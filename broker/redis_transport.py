@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 from itertools import chain
@@ -26,12 +27,13 @@ from redis.exceptions import BusyLoadingError, RedisClusterException, ResponseEr
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from . import connections, functions, partitions
+from . import connections, functions, multi_item, partitions
 from .cluster_lane import ClusterLanes, ClusterMap, SlotLane, _unwrap
 from .errors import BrokerUnavailable, InvalidInput, MicrobatchError, QueueFull
 from .functions import ENQUEUE, MAX_CALL_BYTES, MAX_CALL_ENTRIES, REPLY, RETIRE, WITHDRAW
 from .keys import HIGH, NORMAL, ModelKeys, parse_partitions
 from .liveness import lapsed_s, redis_time_ms
+from .multi_item import ItemAcks
 from .partition_reads import PartitionReads
 from .priorities import LevelKeep
 from .protocol import CallRequests
@@ -57,7 +59,9 @@ def _unavailable(exc: BaseException) -> BrokerUnavailable:
 class RedisTransport:
     """:class:`broker.transport.Transport` over a Redis server (7.0 or later)."""
 
-    def __init__(self, url: str, **options: Any) -> None:
+    def __init__(self, url: str, entry_items: int = 1, **options: Any) -> None:
+        """``entry_items``: as a caller, pack up to this many items a round trip carries into
+        one stream entry (1: v1 entries only; docs/protocol.md, section 5.1)."""
         self.url = url
         parsed = parse_url(url)
         self.redis = connections.async_client(parsed, **options)
@@ -80,9 +84,12 @@ class RedisTransport:
         self._partition_reads: dict[tuple[str, str], PartitionReads] = {}
         # per (partition's stream, consumer): what reads of its levels brought, not handed out
         self._kept: dict[tuple[str, str], LevelKeep] = {}
+        # per stream: the v2 entries handed out as items, acknowledged with their last item
+        self._item_acks: dict[str, ItemAcks] = {}
+        self._items_per_entry = 1.0  # of the entries read lately (a moving average)
         self._reclaim_turn = 0  # the partition the last reclaim started from
         self.cancellations_pending = True  # as of the last finish(); True until known
-        self._enqueues = EnqueuePacker()
+        self._enqueues = EnqueuePacker(multi_item.check_entry_items(entry_items))
         self._may_load: bool | None = None  # whether this user may load the library
         self._library_warned = False  # a warning about the library is standing
         self._loading_warned = False  # a warning about Redis loading its data is standing
@@ -226,7 +233,7 @@ class RedisTransport:
         for start in range(0, len(ids), MAX_CALL_ENTRIES):
             await self._fcall(
                 WITHDRAW,
-                (keys.stream, keys.queued_bytes, keys.cancelled),
+                (keys.stream, keys.queued_bytes, keys.cancelled, keys.packed_items),
                 (keys.group, *ids[start : start + MAX_CALL_ENTRIES]),
             )
 
@@ -348,8 +355,26 @@ class RedisTransport:
         levels = {name.encode(): level for level, name in streams.items()}
         for reply in replies:
             for stream, entries in reply or ():
-                keep.add(levels[stream], [(i.decode(), _pairs(f)) for i, f in entries])
+                read = [(i.decode(), _pairs(f)) for i, f in entries]
+                items = multi_item.expand(read, self._acks(streams[levels[stream]]))
+                if read:
+                    self._items_per_entry = 0.8 * self._items_per_entry + 0.2 * (
+                        len(items) / len(read)
+                    )
+                keep.add(levels[stream], items)
         return _tagged(keys, keep.take(count))
+
+    def _acks(self, stream: str) -> ItemAcks:
+        acks = self._item_acks.get(stream)
+        if acks is None:
+            acks = self._item_acks[stream] = ItemAcks()
+        return acks
+
+    def _entries_for(self, items: int) -> int:
+        """How many entries to read for about ``items`` items, as entries held lately
+        (multi-item entries hold several), so a worker does not take far more than a
+        batch from its peers."""
+        return max(1, math.ceil(items / max(1.0, self._items_per_entry)))
 
     async def _read_levels(
         self,
@@ -370,13 +395,14 @@ class RedisTransport:
         if keep.empty():
             block_ms = max(1, block_ms)
             got: Any = await lane.execute_blocking(
-                block_ms / 1000, *group, "COUNT", count, "BLOCK", block_ms,
+                block_ms / 1000, *group, "COUNT", self._entries_for(count), "BLOCK", block_ms,
                 "STREAMS", high, normal, ">", ">", busy_poll_s=busy_poll_s,
             )  # fmt: skip
             return [got]
         streams = {HIGH: high, NORMAL: normal}
         commands = [
-            (*group, "COUNT", n, "STREAMS", streams[level], ">") for level, n in keep.wanted(count)
+            (*group, "COUNT", self._entries_for(n), "STREAMS", streams[level], ">")
+            for level, n in keep.wanted(count)
         ]
         replies: list[Any] = await lane.pipeline(commands)
         for reply in replies:
@@ -399,7 +425,7 @@ class RedisTransport:
         checks = partitions.group_ids(check)
         batches: list[tuple[ModelKeys, list[tuple[Any, ...]]]] = []
         for part in keys.lanes():
-            commands = _removal(part, held.get(part.lane, []))
+            commands = self._removal(part, held.get(part.lane, []))
             if part.lane in checks:
                 commands.append(("ZMSCORE", part.cancelled, *checks[part.lane]))
             commands.append(("ZCARD", part.cancelled))
@@ -424,7 +450,8 @@ class RedisTransport:
         for result in results:
             if isinstance(result, Exception):
                 log.warning("an acknowledgement could not be completed: %s", result)
-        released = results[-1] if commands and commands[-1][0] == "DECRBY" else 0
+        last = commands[-1] if commands else ()
+        released = results[-1] if last[:2] == ("DECRBY", keys.queued_bytes) else 0
         if isinstance(released, int) and released < 0:
             # A caller that XADDed without counting its bytes (see docs/protocol.md) drove
             # the counter below zero: bring it back, so that it never loosens the bound.
@@ -624,7 +651,56 @@ class RedisTransport:
                 "took over %d entr%s from %s consumer %s",
                 len(found), "y" if len(found) == 1 else "ies", "own" if own else "dead", holder,
             )  # fmt: skip
-        return [((entry_id, fields), deliveries[entry_id]) for entry_id, fields in found]
+        taken: list[Redelivery] = []
+        acks = self._acks(keys.stream)
+        for entry_id, fields in found:
+            items = multi_item.item_count(fields)
+            if items is None:
+                taken.append(((entry_id, fields), deliveries[entry_id]))
+            elif items > 1 and not own:
+                # One of its items may be what killed its worker: each goes back to the
+                # stream alone, to be delivered (and, if it kills again, dead-lettered) alone.
+                await self._split(keys, entry_id, fields, items)
+            else:
+                acks.hand_out(entry_id, fields, items)
+                parts = multi_item.split(entry_id, fields, items)
+                taken += [(part, deliveries[entry_id]) for part in parts]
+        return taken
+
+    async def _split(
+        self, keys: ModelKeys, entry_id: str, fields: dict[bytes, Any], count: int
+    ) -> None:
+        """Replace a v2 entry taken over by one v1 entry per item (keeping each item's
+        deadline), withdrawn items left out, in one transaction in its slot."""
+        items = multi_item.split(entry_id, fields, count)
+        scores = await self.run_in_slot(
+            keys.cancelled, [("ZMSCORE", keys.cancelled, *(i for i, _ in items))]
+        )
+        withdrawn = scores[0] if isinstance(scores[0], list) else [None] * count
+        deadline = multi_item.item_deadlines(entry_id, items)
+        commands: list[tuple[Any, ...]] = []
+        for (_, item), gone, item_deadline in zip(items, withdrawn, deadline, strict=True):
+            if gone is None:
+                if item_deadline is not None:
+                    item[b"deadline"] = b"%d" % item_deadline
+                commands.append(("XADD", keys.stream, "*", *_flatten(item)))
+        released = multi_item.data_size(fields, count) - sum(
+            len(item.get(b"data", b"")) for (_, item), gone in zip(items, withdrawn, strict=True)
+            if gone is None
+        )  # fmt: skip
+        commands += [
+            ("XACK", keys.stream, keys.group, entry_id),
+            ("XDEL", keys.stream, entry_id),
+            ("DECRBY", keys.packed_items, count - 1),
+        ]
+        if released:
+            commands.append(("DECRBY", keys.queued_bytes, released))
+        await self.run_in_slot(keys.stream, commands)
+        self._acks(keys.stream).forget([entry_id])
+        log.warning(
+            "split multi-item entry %s of %s, taken over, into %d entries",
+            entry_id, keys.stream, len(commands) - 3 - bool(released),
+        )  # fmt: skip
 
     async def dead_letter(self, keys: ModelKeys, entries: Sequence[Entry], reason: str) -> None:
         # Each partition's entries go to its own dead-letter stream, in its slot.
@@ -640,7 +716,7 @@ class RedisTransport:
             record[b"dead_reason"] = reason
             record[b"dead_entry"] = entry_id
             commands.append(("XADD", keys.dead_letters, "*", *_flatten(record)))
-        commands += _removal(keys, entries)
+        commands += self._removal(keys, entries)
         try:
             results = await self._lane.at(keys.stream).pipeline(commands)
             _raise_unavailable(results)
@@ -649,8 +725,34 @@ class RedisTransport:
         for result in results:
             if isinstance(result, ResponseError):
                 raise result
-        if isinstance(results[-1], int) and results[-1] < 0:  # the DECRBY: floored as in finish
+        released = results[-1] if commands[-1][:2] == ("DECRBY", keys.queued_bytes) else 0
+        if isinstance(released, int) and released < 0:  # floored as in finish
             await self._floor_queued_bytes(keys, results[-1])
+
+    def _removal(self, keys: ModelKeys, entries: Sequence[Entry]) -> list[tuple[Any, ...]]:
+        """The ack, delete and byte release of entries this worker holds: an item of a v2
+        entry only with the entry's last (multi_item.ItemAcks)."""
+        if not entries:
+            return []
+        settled = self._acks(keys.stream).settle(entry_id for entry_id, _ in entries)
+        ids, size = settled.plain, settled.released
+        if len(ids) == len(entries):  # no items of v2 entries (the usual case)
+            size += sum(entry_data_size(fields) for _, fields in entries)
+        else:
+            plain = set(ids)
+            size += sum(entry_data_size(f) for entry_id, f in entries if entry_id in plain)
+        ids += settled.done
+        if not ids:
+            return []
+        commands: list[tuple[Any, ...]] = [
+            ("XACK", keys.stream, keys.group, *ids),
+            ("XDEL", keys.stream, *ids),
+        ]
+        if settled.packed:
+            commands.append(("DECRBY", keys.packed_items, settled.packed))
+        if size:  # last: finish reads the counter's new value from its reply
+            commands.append(("DECRBY", keys.queued_bytes, size))
+        return commands
 
     async def eviction_warning(self) -> str | None:
         """A warning if Redis may evict keys (streams would lose requests), else None."""
@@ -789,14 +891,17 @@ class EnqueuePacker:
 
     MAX_TEMPLATES = 64
 
-    def __init__(self) -> None:
+    def __init__(self, entry_items: int = 1) -> None:
         self._templates: dict[tuple[str, int, str], bytes] = {}
+        self.entry_items = entry_items
 
     def pack(self, keys: ModelKeys, calls: Sequence[CallRequests], bound: QueueBound) -> bytes:
         """One FCALL mb_enqueue of ``calls`` (section 6 of docs/protocol.md)."""
         head = [
-            "FCALL", ENQUEUE, 4, keys.stream, keys.queued_bytes, keys.queue_bound,
-            keys.consumers, functions.VERSION, bound.max_items, bound.max_bytes,
+            "FCALL", ENQUEUE, 5, keys.stream, keys.queued_bytes, keys.queue_bound,
+            keys.consumers, keys.packed_items, functions.VERSION, bound.max_items,
+            bound.max_bytes,
+            self.entry_items,
         ]  # fmt: skip
         count = len(head) + sum(4 + 2 * len(call.request_ids) for call in calls)
         parts = [b"*%d\r\n" % count, bulk_strings(head)]
@@ -863,21 +968,6 @@ def _raise_unavailable(results: Sequence[Any]) -> None:
     for result in results:
         if isinstance(result, RedisConnectionError):
             raise result
-
-
-def _removal(keys: ModelKeys, entries: Sequence[Entry]) -> list[tuple[Any, ...]]:
-    """The ack, delete and byte release of entries this worker holds."""
-    if not entries:
-        return []
-    ids = [entry_id for entry_id, _ in entries]
-    commands: list[tuple[Any, ...]] = [
-        ("XACK", keys.stream, keys.group, *ids),
-        ("XDEL", keys.stream, *ids),
-    ]
-    size = sum(entry_data_size(fields) for _, fields in entries)
-    if size:
-        commands.append(("DECRBY", keys.queued_bytes, size))
-    return commands
 
 
 def _pairs(flat: list[bytes] | None) -> dict[bytes, bytes]:

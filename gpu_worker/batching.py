@@ -16,6 +16,7 @@ from typing import Any
 from broker.errors import BrokerUnavailable, PoisonRequest
 from broker.keys import ModelKeys
 from broker.logs import Every
+from broker.multi_item import ITEM_MARK
 from broker.protocol import Request, encode_error, entry_time_ms, parse_request
 from broker.transport import Entry, Transport
 
@@ -24,7 +25,7 @@ from .model import ItemCheck
 from .observer import BatchObserver
 from .outcomes import PredictFn, encode_outcome
 from .polling import AutoBusyPoll
-from .preparing import PreparedBatch, Preparer
+from .preparing import PreparedBatch, Preparer, in_chunks
 from .read_ahead import ReadAhead
 from .runners import THREAD_FROM_S, make_runner
 from .windows import WINDOW_BATCHES, CostFn, CostWindows
@@ -219,6 +220,12 @@ class BatchLoop:
         if self.settings.max_latency > 0:
             # The batch formed over a wait: callers may have withdrawn items meanwhile.
             skip |= await self.transport.withdrawn(self.keys, [e[0] for e in entries])
+        elif self.transport.cancellations_pending:
+            # A withdrawn entry is deleted unless read, but an item of a multi-item entry is
+            # only marked (its entry holds others): check the items of a fresh read.
+            items = [entry_id for entry_id, _ in entries if ITEM_MARK in entry_id]
+            if items:
+                skip |= await self.transport.withdrawn(self.keys, items)
         await self._run_new(entries, skip)
         return True
 
@@ -341,7 +348,8 @@ class BatchLoop:
         """
         batch = self.prepare(entries, skip)
         if self.windows is None:
-            await self.runner.process(batch)
+            for part in in_chunks(batch, self.settings.batch_size):
+                await self.runner.process(part)
             return
         for part in self.windows.cut(batch, self._batch_s):
             await self.runner.process(part)

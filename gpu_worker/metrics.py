@@ -62,6 +62,13 @@ QUEUE_DEPTH = Gauge(
     ["model", "prefix"],
     multiprocess_mode="mostrecent",
 )
+QUEUE_ITEMS = Gauge(
+    "microbatch_queue_items",
+    "Items in the model's stream (waiting or being computed): its entries plus the items its "
+    "multi-item entries hold beyond their first.",
+    ["model", "prefix"],
+    multiprocess_mode="mostrecent",
+)
 QUEUE_PENDING = Gauge(
     "microbatch_queue_pending",
     "Entries delivered to a worker and not yet answered.",

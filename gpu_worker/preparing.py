@@ -179,3 +179,31 @@ class Preparer:
                 batch.replies.append(self.expired(request))
         batch.live, batch.items, batch.costs = live, items, kept_costs
         return True
+
+
+def in_chunks(batch: PreparedBatch, size: int) -> list[PreparedBatch]:
+    """A prepared batch cut into batches of at most ``size`` items, in order (items taken
+    back after an outage can be more than a batch: multi-item entries hold several). The
+    first carries the answers already known and the entries computed by none."""
+    if len(batch.items) <= size:
+        return [batch]
+    by_id = {entry[0]: entry for entry in batch.entries}
+    parts = []
+    for start in range(0, len(batch.items), size):
+        live = batch.live[start : start + size]
+        parts.append(
+            PreparedBatch(
+                [by_id[request.entry_id] for request in live],
+                batch.now_ms,
+                [],
+                [],
+                live,
+                batch.items[start : start + size],
+                batch.costs[start : start + size],
+            )
+        )
+    computed = {request.entry_id for request in batch.live}
+    first = parts[0]
+    first.entries += [entry for entry in batch.entries if entry[0] not in computed]
+    first.replies, first.dead = batch.replies, batch.dead
+    return parts

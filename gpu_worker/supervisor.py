@@ -416,9 +416,11 @@ class SupervisorMetrics:
 
         labels = (self.keys.model, self.keys.prefix)
         try:
-            depth = pending = 0
+            depth = pending = items = 0
             for part in self.keys.lanes():  # the model's queue: every partition and level
-                depth += self.client.xlen(part.stream)
+                length = self.client.xlen(part.stream)
+                depth += length
+                items += length + max(0, int(self.client.get(part.packed_items) or 0))
                 try:
                     summary: Any = self.client.xpending(part.stream, part.group)
                 except redis.ResponseError:
@@ -429,6 +431,7 @@ class SupervisorMetrics:
             log.debug("cannot sample the queue: %s", exc)
             return
         self._metrics.QUEUE_DEPTH.labels(*labels).set(depth)
+        self._metrics.QUEUE_ITEMS.labels(*labels).set(items)
         self._metrics.QUEUE_PENDING.labels(*labels).set(pending)
         self._metrics.LIVE_WORKERS.labels(*labels).set(live)
 

@@ -65,6 +65,7 @@ class ServedModel:
             max_queue_bytes=settings.max_queue_bytes,
             wait_for_workers=settings.wait_for_workers,
             workers_grace=settings.workers_grace,
+            entry_items=settings.entry_items,
         )
         # whose workers model readiness counts: the model's; a pipeline's, every stage's
         self.stage_keys = _stage_keys(cls, self.streamer.keys)

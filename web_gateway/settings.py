@@ -20,6 +20,7 @@ from broker.cli_common import PREFIX_HELP, REDIS_HELP
 from broker.client import DEFAULT_REDIS_URL
 from broker.keys import DEFAULT_PREFIX, check_prefix
 from broker.logs import parse_format, parse_level
+from broker.multi_item import DEFAULT_ENTRY_ITEMS, MAX_ENTRY_ITEMS
 from broker.redis_url import parse as parse_redis_url
 from broker.worker_watch import DEFAULT_GRACE_S
 
@@ -107,6 +108,13 @@ class GatewaySettings(BaseSettings):
         gt=0,
         description="Seconds a model may have no live worker before its requests get 503 "
         "NoWorkers (at least twice the workers' --heartbeat-ttl).",
+    )
+    entry_items: int = Field(
+        default=DEFAULT_ENTRY_ITEMS,
+        ge=1,
+        le=MAX_ENTRY_ITEMS,
+        description="The most items of requests queued in one round trip that one stream entry "
+        "carries (1: one entry per item, wire v1, for workers older than multi-item entries).",
     )
     retry_after: int = Field(default=1, ge=0, description="Retry-After seconds sent with a 503.")
     preprocess_threads: int = Field(

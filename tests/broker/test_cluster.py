@@ -403,7 +403,8 @@ def test_a_partitioned_queue_spread_over_the_primaries(cluster: LocalCluster, pr
     keys = ModelKeys("toy", spread, partitions=3)
     url = cluster.url()
     with worker_process(url, "tests.models:Toy", spread, "--partitions", "3"):
-        with Streamer("toy", redis_url=url, prefix=spread) as streamer:
+        # one entry per item, so that the entries added show how the calls were spread
+        with Streamer("toy", redis_url=url, prefix=spread, entry_items=1) as streamer:
             futures = [streamer.submit([f"a{i}", f"b{i}"]) for i in range(30)]
             for i, future in enumerate(futures):
                 assert [out["item"] for out in future.result(timeout=30)] == [f"a{i}", f"b{i}"]
@@ -463,7 +464,7 @@ def test_both_priority_levels_of_a_partitioned_queue_on_a_cluster(
         assert key_slot(part.at(HIGH).stream) == key_slot(part.stream)
     url = cluster.url()
     with worker_process(url, "tests.models:Toy", spread, "--partitions", "3"):
-        with Streamer("toy", redis_url=url, prefix=spread) as streamer:
+        with Streamer("toy", redis_url=url, prefix=spread, entry_items=1) as streamer:
             futures = [
                 streamer.submit([f"a{i}"], priority="high" if i % 2 else "normal")
                 for i in range(30)

@@ -129,6 +129,12 @@ def entries_added(client: redis.Redis, keys: ModelKeys) -> list[int]:
     return [int(client.xinfo_stream(part.stream)["entries-added"]) for part in keys.each()]
 
 
+def queued_items(client: redis.Redis, keys: ModelKeys) -> int:
+    """Items in one partition's stream: its entries and the items multi-item entries hold
+    beyond their first (docs/protocol.md, section 5.1)."""
+    return int(client.xlen(keys.stream)) + int(client.get(keys.packed_items) or 0)
+
+
 def test_items_are_spread_over_the_partitions_and_every_one_is_answered(
     redis_server: Any, prefix: str
 ) -> None:
@@ -136,7 +142,8 @@ def test_items_are_spread_over_the_partitions_and_every_one_is_answered(
     client = redis.Redis.from_url(redis_server.url)
     with worker_process(redis_server.url, "tests.models:Toy", prefix, "--partitions", "3"):
         assert client.get(keys.partitions_key) == b"3"
-        with Streamer("toy", redis_url=redis_server.url, prefix=prefix) as streamer:
+        # one entry per item, so that the entries added show how the calls were spread
+        with Streamer("toy", redis_url=redis_server.url, prefix=prefix, entry_items=1) as streamer:
             futures = [streamer.submit([f"a{i}", f"b{i}"]) for i in range(30)]
             for i, future in enumerate(futures):
                 assert [out["item"] for out in future.result(timeout=30)] == [f"a{i}", f"b{i}"]
@@ -177,7 +184,7 @@ def test_a_batch_merges_what_several_partitions_hold_up_to_batch_size(
             assert time.monotonic() < deadline
             time.sleep(0.01)
         futures = [streamer.submit([i]) for i in range(12)]  # 4 on each partition
-        while sum(client.xlen(part.stream) for part in keys.each()) < 13:
+        while sum(queued_items(client, part) for part in keys.each()) < 13:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         release.touch()
@@ -235,7 +242,7 @@ def test_the_queue_bound_holds_per_partition(redis_server: Any, prefix: str) -> 
         outcomes = [_outcome(future) for future in futures]
         assert outcomes.count("QueueFull") == 2 and outcomes.count("DeadlineExceeded") == 8
         assert _outcome(too_big) == "QueueFull"
-    assert [client.xlen(part.stream) for part in keys.each()] == [4, 4]
+    assert [queued_items(client, part) for part in keys.each()] == [4, 4]
 
 
 def _outcome(future: Future[Any]) -> str:
@@ -256,16 +263,18 @@ def test_cancelled_calls_are_withdrawn_from_their_own_partitions(
     with streamer:
         futures = [streamer.submit([i, i], timeout=30) for i in range(6)]
         deadline = time.monotonic() + 30
-        while sum(client.xlen(part.stream) for part in keys.each()) < 12:
+        while sum(queued_items(client, part) for part in keys.each()) < 12:
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        assert [client.xlen(part.stream) for part in keys.each()] == [4, 4, 4]
+        assert [queued_items(client, part) for part in keys.each()] == [4, 4, 4]
         for future in futures:
             future.cancel()
         while sum(client.xlen(part.stream) for part in keys.each()) > 0:
             assert time.monotonic() < deadline
             time.sleep(0.01)
     assert [int(client.get(part.queued_bytes) or 0) for part in keys.each()] == [0, 0, 0]
+    assert [int(client.get(part.packed_items) or 0) for part in keys.each()] == [0, 0, 0]
+    assert [client.zcard(part.cancelled) for part in keys.each()] == [0, 0, 0]
 
 
 def test_a_foreign_client_enqueues_to_partition_k_and_gets_its_reply(

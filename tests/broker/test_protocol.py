@@ -48,7 +48,7 @@ def test_request_round_trip_and_deadline_from_entry_time() -> None:
 def test_malformed_entries_say_where_to_answer_when_they_can() -> None:
     good = as_stream_fields(request_fields("r1", "inbox", 250, b"\x90"))
     with pytest.raises(MalformedEntry) as caught:
-        parse_request("1-0", {**good, b"v": b"2"})
+        parse_request("1-0", {**good, b"v": b"3"})
     assert caught.value.reply_key == "inbox" and "version" in str(caught.value)
     assert caught.value.type == "ProtocolError"
     with pytest.raises(MalformedEntry) as caught:

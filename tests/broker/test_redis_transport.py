@@ -58,14 +58,14 @@ def test_enqueue_commands_are_packed_as_hiredis_would() -> None:
         CallRequests(keys.inbox("b"), 5, ["b.1"], [b"\r\n$3\r\n"]),  # RESP-like bytes
         CallRequests(keys.inbox("\u00e9"), 1, ["\u00e9.1"], [b"\x00"]),  # non-ASCII
     ]
-    packer = EnqueuePacker()
+    packer = EnqueuePacker(entry_items=16)
     for bound in (UNBOUNDED, QueueBound(7, 9)):
         for group in (calls, calls[:1], calls[1:3]):  # twice: templates made, then reused
             for _ in range(2):
                 args: list[object] = [
-                    "FCALL", functions.ENQUEUE, 4, keys.stream, keys.queued_bytes,
-                    keys.queue_bound, keys.consumers, functions.VERSION, bound.max_items,
-                    bound.max_bytes,
+                    "FCALL", functions.ENQUEUE, 5, keys.stream, keys.queued_bytes,
+                    keys.queue_bound, keys.consumers, keys.packed_items, functions.VERSION,
+                    bound.max_items, bound.max_bytes, 16,
                 ]  # fmt: skip
                 for call in group:
                     args += [len(call.request_ids), call.reply_key, call.timeout_ms]
@@ -223,8 +223,12 @@ def test_missing_functions_are_loaded_by_a_user_who_may(redis_server: RedisServe
     run(main())
     assert functions.loaded_version(admin) == functions.VERSION
     # An older library (its version below this code's) is detected and replaced the same way.
-    admin.function_load(functions.CODE.replace("local VERSION = 1", "local VERSION = 0"), True)
-    assert functions.loaded_version(admin) == 0
+    older = functions.VERSION - 1
+    admin.function_load(
+        functions.CODE.replace(f"local VERSION = {functions.VERSION}", f"local VERSION = {older}"),
+        True,
+    )
+    assert functions.loaded_version(admin) == older
     run(main())
     assert functions.loaded_version(admin) == functions.VERSION
     assert admin.xlen(keys.stream) == 2

@@ -71,6 +71,7 @@ METRICS = {
     "microbatch_worker_dead_letters_total",
     "microbatch_worker_restarts_total",
     "microbatch_queue_depth",
+    "microbatch_queue_items",
     "microbatch_queue_pending",
     "microbatch_live_workers",
 }

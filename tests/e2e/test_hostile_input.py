@@ -304,10 +304,14 @@ def test_parse_request_raises_malformed_entry_and_nothing_else(fields: dict[byte
         if request_id and reply_key:  # whoever can be told is told
             assert (exc.request_id, exc.reply_key) == (request_id, reply_key)
             if b"v" not in fields:
-                assert message == "entry has no protocol version field 'v' (this worker speaks '1')"
+                assert message == (
+                    "entry has no protocol version field 'v' (this worker speaks '1' and '2')"
+                )
+            elif fields[b"v"] == b"2":  # a multi-item entry that could not be split
+                assert message.startswith("multi-item entry (v '2') without a valid 'n'")
             elif fields[b"v"] != b"1":
                 assert message.startswith("unsupported protocol version '")
-                assert message.endswith("' (this worker speaks '1')")
+                assert message.endswith("' (this worker speaks '1' and '2')")
         else:
             assert not (exc.reply_key and exc.request_id)  # so it is dead-lettered
         return
@@ -491,6 +495,7 @@ def test_the_documented_cases_get_the_documented_answers() -> None:
     cases = {
         "no-v": ({k: v for k, v in good.items() if k != b"v"}, "ProtocolError"),
         "v2": ({**good, b"v": b"2"}, "ProtocolError"),
+        "v3": ({**good, b"v": b"3"}, "ProtocolError"),
         "bad-utf8-v": ({**good, b"v": b"\xff" * 100}, "ProtocolError"),
         "negative": ({**good, b"timeout": b"-5"}, "ProtocolError"),
         "huge": ({**good, b"timeout": b"1" + b"0" * 30}, "ok"),
@@ -511,13 +516,18 @@ def test_the_documented_cases_get_the_documented_answers() -> None:
         reply = replies[name]
         assert (reply.ok and expected == "ok") or reply.error_type == expected, (name, reply)
     assert replies["no-v"].error_message == (
-        "entry has no protocol version field 'v' (this worker speaks '1')"
+        "entry has no protocol version field 'v' (this worker speaks '1' and '2')"
     )
     assert (
-        replies["v2"].error_message == "unsupported protocol version '2' (this worker speaks '1')"
+        replies["v2"].error_message
+        == "multi-item entry (v '2') without a valid 'n' (1 to 512 items)"
+    )
+    assert (
+        replies["v3"].error_message
+        == "unsupported protocol version '3' (this worker speaks '1' and '2')"
     )
     assert replies["bad-utf8-v"].error_message == (
-        "unsupported protocol version '" + "\ufffd" * 32 + "...' (this worker speaks '1')"
+        "unsupported protocol version '" + "\ufffd" * 32 + "...' (this worker speaks '1' and '2')"
     )
     assert len(transport.dead[MODEL.dead_letters]) == 2
     assert transport.replies("documented") == []

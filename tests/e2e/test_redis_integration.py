@@ -225,7 +225,8 @@ def test_concurrent_submits_are_coalesced_into_few_round_trips(
         # every call settled is forgotten: no request id or deadline left behind
         assert not core._pending and len(core._deadlines) == 0
         streamer.close()
-    assert xadds == n
+    # the items of each round trip share multi-item entries: far fewer entries than items
+    assert xadds <= n // 4
     # one inbox per process: replies are read in bulk, not one blocking call per request
     assert reply_reads <= n // 4
     # n concurrent submits went over a handful of connections: pipelined, not one each

@@ -9,6 +9,7 @@ must not be blockable, and both tenants keep serving with nothing refused to the
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -130,16 +131,28 @@ def test_tenants_serve_side_by_side_and_one_cannot_touch_the_other(
     def client(tenant: str, role: str) -> redis.Redis:
         return redis.Redis.from_url(url(tenant, role), socket_timeout=5, retry=NO_RETRY)
 
-    def predict(tenant: str, items: list[str]) -> list[Any]:
+    def predict(tenant: str, items: list[str], priority: str = "normal") -> list[Any]:
         streamer = Streamer("toy", redis_url=url(tenant, "GATEWAY"), prefix=tenant, timeout=20)
         try:
-            return [output["item"] for output in streamer.predict(items)]
+            return [output["item"] for output in streamer.predict(items, priority=priority)]
         finally:
             streamer.close()
 
+    async def burst(tenant: str, count: int) -> list[Any]:
+        """Concurrent calls, which share multi-item entries (and their counters)."""
+        streamer = Streamer("toy", redis_url=url(tenant, "GATEWAY"), prefix=tenant, timeout=20)
+        try:
+            calls = [streamer.apredict([f"{tenant}{i}"]) for i in range(count)]
+            return [outputs[0]["item"] for outputs in await asyncio.gather(*calls)]
+        finally:
+            await streamer.aclose()
+
     def scenario() -> None:
-        # 1. legitimate traffic of both tenants: served, and Redis refused nothing
+        # 1. legitimate traffic of both tenants, at both priority levels and in multi-item
+        # entries: served, and Redis refused nothing
         assert predict("ta", ["a1", "a2"]) == ["a1", "a2"]
+        assert predict("ta", ["a3"], priority="high") == ["a3"]
+        assert asyncio.run(burst("ta", 20)) == [f"ta{i}" for i in range(20)]
         assert predict("tb", ["b1"]) == ["b1"]
         assert refusals(operator) == []
 
@@ -261,7 +274,7 @@ def _keys_of(keys: ModelKeys) -> list[str]:
 def _fcall_enqueue(client: redis.Redis, keys: ModelKeys) -> Any:
     return client.fcall(
         functions.ENQUEUE, 4, keys.stream, keys.queued_bytes, keys.queue_bound, keys.consumers,
-        functions.VERSION, 0, 0, 1, keys.inbox("x"), 1000, "", "forged", b"x",
+        1, 0, 0, 1, keys.inbox("x"), 1000, "", "forged", b"x",  # a version 1 call
     )  # fmt: skip
 
 

@@ -327,9 +327,21 @@ def pending(client: redis.Redis, keys: ModelKeys) -> int:
         return 0
 
 
-def test_sigterm_answers_the_batches_held_back(redis_server: RedisServer, prefix: str) -> None:
-    streamer = Streamer("costed", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True)
+@pytest.mark.parametrize("entry_items", [1, 32])
+def test_sigterm_answers_the_batches_held_back(
+    redis_server: RedisServer, prefix: str, entry_items: int
+) -> None:
+    """Also when the window's items come in one multi-item entry: it is acknowledged with
+    the last of its batches."""
+    streamer = Streamer(
+        "costed",
+        redis_url=redis_server.url,
+        prefix=prefix,
+        wait_for_workers=True,
+        entry_items=entry_items,
+    )
     texts = ["x" * 20] * 12  # one per batch: the first window read is 12 batches
+    entries = len(texts) if entry_items == 1 else 1
     future = streamer.submit(texts)
     time.sleep(0.2)
     env = {"MICROBATCH_TEST_BATCH_DELAY": "0.2"}
@@ -337,11 +349,12 @@ def test_sigterm_answers_the_batches_held_back(redis_server: RedisServer, prefix
     client = redis.Redis.from_url(redis_server.url)
     with worker_process(redis_server.url, "tests.models:Costed", prefix, env=env) as proc:
         deadline = time.monotonic() + 60
-        while pending(client, keys) < len(texts):
+        while pending(client, keys) < entries:
             assert time.monotonic() < deadline, "the worker read nothing"
             time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)  # the window is read: most of it held
         assert proc.wait(30) == 0
+    assert pending(client, keys) == 0 and client.xlen(keys.stream) == 0
     client.close()
     # answered before it exited: no other worker could have taken them over
     outputs = future.result(timeout=10)

@@ -1,0 +1,178 @@
+"""Multi-item stream entries (wire version 2): several items of one caller in one entry.
+
+``mb_enqueue`` packs the items of the calls one round trip carries (same reply key) into
+entries of up to ``entry_items`` items each: one XADD, one pending-list entry, one ack for
+all of them, instead of one each (docs/protocol.md, section 5.1). A lone item stays a v1
+entry. The fields of a v2 entry::
+
+    v 2   reply <key>   n <items>   id.<i> <request id>   timeout.<i> <ms>   data.<i> <bytes>
+    [traceparent.<i> <W3C trace context>]   [deadline <ms>]     (i = 0 .. n-1)
+
+A worker reads a v2 entry as ``n`` *item entries*: v1-shaped entries whose id is
+``<entry id>#<i>`` (the entry's time stays first, so deadlines read as before). Everything
+downstream (batching, deadlines, withdrawal checks, replies, dead letters) works on item
+entries; :class:`ItemAcks` acknowledges the stream entry once all its items are answered. A
+caller withdraws one item of a v2 entry by its item id (``mb_withdraw`` marks it in the
+cancelled set, which workers check by item id).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
+
+from .protocol import carried_deadline, entry_time_ms
+from .transport import Entry
+
+VERSION = b"2"
+ITEM_MARK = "#"
+# The most items one v2 entry may hold (a worker refuses to read more from one entry): the
+# function writing one passes XADD its 3 to 4 field pairs per item as one Lua unpack, which
+# Redis caps at 8000 values. The Python client's default packs up to DEFAULT_ENTRY_ITEMS.
+MAX_ENTRY_ITEMS = 512
+DEFAULT_ENTRY_ITEMS = 32
+
+_V1 = b"1"
+_ITEM_FIELDS = (b"id", b"timeout", b"data", b"traceparent")
+
+
+def check_entry_items(count: int) -> int:
+    """Return ``count`` if it is a valid number of items per entry (1: v1 entries only)."""
+    if not 1 <= count <= MAX_ENTRY_ITEMS:
+        raise ValueError(f"items per entry must be 1 to {MAX_ENTRY_ITEMS}, not {count}")
+    return count
+
+
+def item_id(entry_id: str, index: int) -> str:
+    """The id of item ``index`` of a v2 entry (``entry_id`` as its stream names it)."""
+    return f"{entry_id}{ITEM_MARK}{index}"
+
+
+def item_count(fields: Any) -> int | None:
+    """How many items a v2 entry holds; None for any other entry (v1, or a v2 entry whose
+    ``n`` is not 1 to MAX_ENTRY_ITEMS: left to the parser to refuse)."""
+    if not isinstance(fields, dict) or fields.get(b"v") != VERSION:
+        return None
+    n = fields.get(b"n")
+    if not isinstance(n, bytes) or not n.isdigit() or len(n) > 4:
+        return None
+    count = int(n)
+    return count if 1 <= count <= MAX_ENTRY_ITEMS else None
+
+
+def split(entry_id: str, fields: dict[bytes, Any], count: int) -> list[Entry]:
+    """The item entries of a v2 entry of ``count`` items: each a v1 entry's fields (a field
+    the entry lacks is absent from its item, whose parse then fails alone)."""
+    shared: dict[bytes, Any] = {b"v": _V1}
+    for name in (b"reply", b"deadline"):
+        if name in fields:
+            shared[name] = fields[name]
+    items: list[Entry] = []
+    for index in range(count):
+        suffix = b".%d" % index
+        item = dict(shared)
+        for name in _ITEM_FIELDS:
+            value = fields.get(name + suffix)
+            if value is not None:
+                item[name] = value
+        items.append((item_id(entry_id, index), item))
+    return items
+
+
+def data_size(fields: dict[bytes, Any], count: int) -> int:
+    """The data bytes of a v2 entry's items (what ``mb_enqueue`` counted for the byte bound)."""
+    total = 0
+    for index in range(count):
+        value = fields.get(b"data.%d" % index)
+        if isinstance(value, bytes):
+            total += len(value)
+    return total
+
+
+class Settled(NamedTuple):
+    """What answering some entries of one stream completes: the plain entries and the v2
+    entries whose last item was answered (to acknowledge now), with the data bytes and the
+    packed items (beyond one per entry) of those v2 entries, to release from the counters."""
+
+    plain: list[str]
+    done: list[str]
+    released: int
+    packed: int
+
+
+class ItemAcks:
+    """Which items of the v2 entries a worker holds (of one stream) are still unanswered.
+
+    Item entries are acknowledged one by one as their batches finish; the stream entry is
+    acknowledged (with its bytes released) only with its last item. Ids here are as the
+    stream names them (untagged).
+    """
+
+    def __init__(self) -> None:
+        # entry id -> (items left, data bytes, items)
+        self._open: dict[str, tuple[set[int], int, int]] = {}
+
+    def hand_out(self, entry_id: str, fields: dict[bytes, Any], count: int) -> None:
+        """Note that all items of the v2 entry ``entry_id`` (a stream id) are handed out
+        (again, after a takeover: whatever was answered before is answered again)."""
+        self._open[entry_id] = (set(range(count)), data_size(fields, count), count)
+
+    def settle(self, ids: Iterable[str]) -> Settled:
+        """Of stream ids (untagged), some of them item ids, just answered: what that
+        completes."""
+        settled = Settled([], [], 0, 0)
+        done = settled.done
+        released = packed = 0
+        for entry_id in ids:
+            stream_id, mark, index = entry_id.partition(ITEM_MARK)
+            if not mark:
+                settled.plain.append(entry_id)
+                continue
+            held = self._open.get(stream_id)
+            if held is None or not index.isdigit():
+                continue  # answered already (a duplicate), or handed out before a takeover
+            left, size, count = held
+            left.discard(int(index))
+            if not left:
+                del self._open[stream_id]
+                done.append(stream_id)
+                released += size
+                packed += count - 1
+        return settled._replace(released=released, packed=packed)
+
+    def forget(self, entry_ids: Iterable[str]) -> None:
+        """Forget v2 entries (stream ids) no longer held (acknowledged, or split)."""
+        for entry_id in entry_ids:
+            self._open.pop(entry_id, None)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+
+def expand(entries: Sequence[Entry], acks: ItemAcks) -> list[Entry]:
+    """Entries as read from a stream, each v2 entry replaced by its item entries (noted in
+    ``acks``); ids as the stream names them."""
+    out: list[Entry] = []
+    for entry_id, fields in entries:
+        count = item_count(fields)
+        if count is None:
+            out.append((entry_id, fields))
+            continue
+        acks.hand_out(entry_id, fields, count)
+        out += split(entry_id, fields, count)
+    return out
+
+
+def item_deadlines(entry_id: str, items: Sequence[Entry]) -> list[int | None]:
+    """Each item entry's absolute deadline (ms, Redis' clock): the v2 entry's time plus the
+    item's timeout, or the entry's ``deadline`` if earlier; None where the timeout is not
+    valid (that item's parse fails wherever it goes)."""
+    arrival_ms = entry_time_ms(entry_id)
+    out: list[int | None] = []
+    for _, fields in items:
+        timeout = fields.get(b"timeout")
+        if isinstance(timeout, bytes) and timeout.isdigit() and len(timeout) <= 15:
+            out.append(carried_deadline(fields, arrival_ms + int(timeout)))
+        else:
+            out.append(None)
+    return out

@@ -1,0 +1,303 @@
+"""Multi-item stream entries (wire v2): packing in mb_enqueue, items read, answered, withdrawn,
+bounded and acknowledged one by one, on a real Redis with real workers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from broker import Streamer, codec
+from broker.devserver import RedisServer
+from broker.errors import QueueFull
+from broker.keys import ModelKeys
+from broker.multi_item import ItemAcks, check_entry_items, item_count, split
+from broker.protocol import CallRequests, decode_reply, parse_request
+from broker.redis_transport import RedisTransport
+from broker.transport import UNBOUNDED, QueueBound
+from tests.conftest import wait_until, worker_process
+
+
+def run(coroutine):  # type: ignore[no-untyped-def]
+    return asyncio.run(coroutine)
+
+
+def calls_of(keys: ModelKeys, client: str, items: list[object], timeout_ms: int = 30_000):  # type: ignore[no-untyped-def]
+    """One call per item, as concurrent single-item calls of one client."""
+    return [
+        CallRequests(keys.inbox(client), timeout_ms, [f"{client}.{i}"], [codec.encode(item)])
+        for i, item in enumerate(items)
+    ]
+
+
+async def enqueue(url: str, keys: ModelKeys, calls, entry_items: int = 32, bound=UNBOUNDED):  # type: ignore[no-untyped-def]
+    transport = RedisTransport(url, entry_items=entry_items)
+    try:
+        return await transport.enqueue(keys, calls, bound)
+    finally:
+        await transport.close()
+
+
+def replies(client, inbox: str, count: int, timeout: float = 30.0) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    """The next ``count`` replies on an inbox, by request id (results, or error type names)."""
+    got: dict[str, object] = {}
+    deadline = time.monotonic() + timeout
+    while len(got) < count and time.monotonic() < deadline:
+        popped = client.blpop([inbox], timeout=1)
+        if popped:
+            reply = decode_reply(popped[1])
+            got[reply.request_id] = reply.result if reply.ok else reply.error_type
+    return got
+
+
+def pending(client, keys: ModelKeys) -> int:  # type: ignore[no-untyped-def]
+    """Entries read and not acknowledged (0 until the workers made their group)."""
+    try:
+        return int(client.xpending(keys.stream, keys.group)["pending"])
+    except redis.ResponseError:  # NOGROUP: the worker has not made it yet
+        return 0
+
+
+# -- reading an entry as its items ------------------------------------------------------------
+def test_a_v2_entry_reads_as_v1_items_each_with_its_own_fields() -> None:
+    fields = {
+        b"v": b"2", b"reply": b"mb:{p:m}:inbox:c", b"n": b"2", b"deadline": b"99",
+        b"id.0": b"c.1", b"timeout.0": b"100", b"data.0": b"\x01",
+        b"id.1": b"c.2", b"timeout.1": b"5", b"data.1": b"\x02\x03",
+        b"traceparent.1": b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    }  # fmt: skip
+    assert item_count(fields) == 2
+    items = split("1000-0", fields, 2)
+    assert [entry_id for entry_id, _ in items] == ["1000-0#0", "1000-0#1"]
+    first, second = (parse_request(*item) for item in items)
+    assert (first.request_id, first.data, first.deadline_ms) == ("c.1", b"\x01", 99)
+    assert (second.request_id, second.data, second.deadline_ms) == ("c.2", b"\x02\x03", 99)
+    assert second.traceparent and first.traceparent is None
+    assert first.arrival_ms == 1000 and first.reply_key == "mb:{p:m}:inbox:c"
+
+
+@pytest.mark.parametrize("n", [b"0", b"513", b"-1", b"x", b"", b"99999"])
+def test_a_v2_entry_without_a_valid_count_is_not_split(n: bytes) -> None:
+    assert item_count({b"v": b"2", b"n": n}) is None
+    assert item_count({b"v": b"1", b"n": b"2"}) is None
+
+
+def test_entry_items_is_checked() -> None:
+    assert check_entry_items(1) == 1
+    for bad in (0, 513):
+        with pytest.raises(ValueError, match="items per entry"):
+            check_entry_items(bad)
+        with pytest.raises(ValueError):
+            RedisTransport("redis://127.0.0.1:1/0", entry_items=bad)
+
+
+def test_an_entry_is_acknowledged_with_its_last_item_only() -> None:
+    acks = ItemAcks()
+    fields = {b"data.0": b"ab", b"data.1": b"c", b"data.2": b""}
+    acks.hand_out("5-0", fields, 3)  # type: ignore[arg-type]
+    assert acks.settle(["5-0#0", "1-1"]) == (["1-1"], [], 0, 0)
+    assert acks.settle(["5-0#0", "5-0#2"]) == ([], [], 0, 0)  # a duplicate changes nothing
+    assert acks.settle(["5-0#1"]) == ([], ["5-0"], 3, 2)
+    assert acks.settle(["5-0#1"]) == ([], [], 0, 0) and not len(acks)
+
+
+# -- mb_enqueue packs, the worker answers each item ---------------------------------------------
+def test_calls_sent_together_share_an_entry_and_each_is_answered(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+    calls = calls_of(keys, "c", [f"x{i}" for i in range(70)])
+    handles = run(enqueue(redis_server.url, keys, calls, entry_items=32))
+    assert [len(h) for h in handles] == [1] * 70  # type: ignore[arg-type]
+    entries = client.xrange(keys.stream)
+    assert [int(fields[b"n"]) for _, fields in entries] == [32, 32, 6]
+    assert handles[33] == [f"{entries[1][0].decode()}#1"]
+    assert int(client.get(keys.packed_items)) == 67
+    assert int(client.get(keys.queued_bytes)) == sum(len(c.payloads[0]) for c in calls)
+    with worker_process(redis_server.url, "tests.models:Toy", prefix, "--batch-size", "8"):
+        got = replies(client, keys.inbox("c"), 70)
+        assert {rid: out["item"] for rid, out in got.items()} == {  # type: ignore[index]
+            f"c.{i}": f"x{i}" for i in range(70)
+        }
+        assert max(out["batch"] for out in got.values()) == 8  # type: ignore[index]
+        wait_until(lambda: client.xlen(keys.stream) == 0, 10, "the entries' acks")
+    assert int(client.get(keys.packed_items)) == 0
+    assert int(client.get(keys.queued_bytes)) == 0
+    assert pending(client, keys) == 0
+
+
+def test_entry_items_1_writes_v1_entries_and_a_lone_item_is_v1(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+    run(enqueue(redis_server.url, keys, calls_of(keys, "c", ["a", "b"]), entry_items=1))
+    run(enqueue(redis_server.url, keys, calls_of(keys, "d", ["lone"])))
+    assert [fields[b"v"] for _, fields in client.xrange(keys.stream)] == [b"1"] * 3
+    assert int(client.get(keys.packed_items) or 0) == 0
+
+
+def test_calls_with_other_reply_keys_get_entries_of_their_own(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    keys = ModelKeys("toy", prefix)
+    calls = calls_of(keys, "a", [1, 2]) + calls_of(keys, "b", [3, 4, 5]) + calls_of(keys, "a", [6])
+    run(enqueue(redis_server.url, keys, calls))
+    entries = redis_server.client().xrange(keys.stream)
+    assert [(f[b"v"], f.get(b"n")) for _, f in entries] == [
+        (b"2", b"2"), (b"2", b"3"), (b"1", None)
+    ]  # fmt: skip
+
+
+def test_the_item_bound_counts_the_items_of_packed_entries(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    keys = ModelKeys("toy", prefix)
+    queued = run(enqueue(redis_server.url, keys, calls_of(keys, "c", list(range(10)))))
+    assert all(isinstance(h, list) for h in queued)
+    assert redis_server.client().xlen(keys.stream) == 1
+    more = run(enqueue(redis_server.url, keys, calls_of(keys, "d", [1, 2]), bound=QueueBound(11)))
+    assert isinstance(more[0], list) and isinstance(more[1], QueueFull)
+
+
+def test_a_malformed_item_fails_alone_and_a_failing_item_does_not_fail_its_entry_mates(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A foreign client's v2 entry: item 1 has no data (ProtocolError), item 2 makes the model
+    raise (ModelError, after bisection), items 0 and 3 are answered."""
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+    inbox = keys.inbox("f")
+    client.xadd(keys.stream, {
+        "v": "2", "reply": inbox, "n": "4",
+        "id.0": "f.0", "timeout.0": "30000", "data.0": codec.encode("ok0"),
+        "id.1": "f.1", "timeout.1": "30000",
+        "id.2": "f.2", "timeout.2": "30000", "data.2": codec.encode({"fail": "boom"}),
+        "id.3": "f.3", "timeout.3": "30000", "data.3": codec.encode("ok3"),
+    })  # fmt: skip
+    client.incrby(keys.packed_items, 3)
+    with worker_process(redis_server.url, "tests.models:Toy", prefix):
+        got = replies(client, inbox, 4)
+        wait_until(lambda: client.xlen(keys.stream) == 0, 10, "the entry's ack")
+    assert got["f.0"]["item"] == "ok0" and got["f.3"]["item"] == "ok3"  # type: ignore[index]
+    assert got["f.1"] == "ProtocolError" and got["f.2"] == "ModelError"
+    assert int(client.get(keys.packed_items)) == 0
+
+
+def test_a_v2_entry_without_a_valid_count_is_dead_lettered(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+    client.xadd(keys.stream, {"v": "2", "reply": keys.inbox("f"), "n": "0", "id.0": "f.0"})
+    with worker_process(redis_server.url, "tests.models:Toy", prefix):
+        wait_until(lambda: client.xlen(keys.dead_letters) == 1, 20, "the dead letter")
+        assert client.xlen(keys.stream) == 0
+
+
+def test_a_withdrawn_call_in_a_shared_entry_is_not_computed(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    """Three calls in one entry, the middle one withdrawn before any worker runs: the others
+    are computed (as a batch of two) and answered; the withdrawn item never reaches the model."""
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+
+    async def scenario() -> list[object]:
+        streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix)
+        # the first call's round trip carries it alone; the next three go together
+        first = asyncio.ensure_future(streamer.apredict(["first"], timeout=60))
+        await asyncio.sleep(0.2)
+        tasks = [asyncio.ensure_future(streamer.apredict([f"x{i}"], timeout=60)) for i in range(3)]
+        await asyncio.sleep(0.5)
+        tasks[1].cancel()
+        await asyncio.sleep(0.5)
+        assert client.zcard(keys.cancelled) == 1
+        with worker_process(redis_server.url, "tests.models:Toy", prefix):
+            done = await asyncio.gather(first, tasks[0], tasks[2])
+        streamer.close()
+        return done
+
+    first, a, c = run(scenario())
+    assert [first[0]["item"], a[0]["item"], c[0]["item"]] == ["first", "x0", "x2"]  # type: ignore[index]
+    assert a[0]["batch"] == 3  # type: ignore[index]  # with "first": x1 was not computed
+    (member,) = client.zrange(keys.cancelled, 0, -1)
+    assert member.decode().endswith("#1")
+    assert client.xlen(keys.stream) == 0 and int(client.get(keys.queued_bytes)) == 0
+
+
+def test_the_streamer_packs_concurrent_calls(redis_server: RedisServer, prefix: str) -> None:
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+
+    async def burst(streamer: Streamer) -> list[object]:
+        return await asyncio.gather(*(streamer.apredict([i]) for i in range(60)))
+
+    with worker_process(redis_server.url, "tests.models:Toy", prefix, "--batch-size", "16"):
+        with Streamer("toy", redis_url=redis_server.url, prefix=prefix) as streamer:
+            out = run(burst(streamer))
+            assert [r[0]["item"] for r in out] == list(range(60))  # type: ignore[index]
+        added = int(client.xinfo_stream(keys.stream)["entries-added"])
+        assert added < 60  # calls sent while a round trip was in flight shared entries
+        with Streamer("toy", redis_url=redis_server.url, prefix=prefix, entry_items=1) as plain:
+            run(burst(plain))
+        assert int(client.xinfo_stream(keys.stream)["entries-added"]) == added + 60
+
+
+def test_an_entry_taken_over_from_a_killed_worker_is_split_and_every_item_answered(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    """A worker killed (SIGKILL) while it computes a v2 entry's items: a live worker splits
+    the entry into one v1 entry per item, keeping their deadlines, and answers all of them."""
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+    release = tmp_path / "release"
+    items: list[object] = [{"until": str(release)}] + [f"x{i}" for i in range(1, 5)]
+    args = ("--heartbeat-ttl", "1")
+    log = tmp_path / "survivor.log"
+    with worker_process(redis_server.url, "tests.models:Toy", prefix, *args) as doomed:
+        run(enqueue(redis_server.url, keys, calls_of(keys, "k", items, timeout_ms=120_000)))
+        wait_until(lambda: pending(client, keys) == 1, 20, "the worker's read")
+        children = Path(f"/proc/{doomed.pid}/task/{doomed.pid}/children").read_text().split()
+        for pid in [*map(int, children), doomed.pid]:  # the whole `worker start`, at once
+            os.kill(pid, signal.SIGKILL)
+        doomed.wait()
+    release.touch()
+    with worker_process(redis_server.url, "tests.models:Toy", prefix, *args, log_path=log):
+        got = replies(client, keys.inbox("k"), 5, timeout=60)
+        wait_until(lambda: client.xlen(keys.stream) == 0, 20, "the acks")
+    assert sorted(got) == [f"k.{i}" for i in range(5)]
+    assert [got[f"k.{i}"]["item"] for i in range(1, 5)] == ["x1", "x2", "x3", "x4"]  # type: ignore[index]
+    assert "into 5 entries" in log.read_text()
+    assert int(client.get(keys.packed_items)) == 0 and int(client.get(keys.queued_bytes)) == 0
+
+
+def test_withdrawing_every_item_of_an_unread_entry_deletes_it_and_some_marks_them(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+
+    async def scenario() -> None:
+        transport = RedisTransport(redis_server.url, entry_items=32)
+        try:
+            first = await transport.enqueue(keys, calls_of(keys, "a", [1, 2, 3]), UNBOUNDED)
+            second = await transport.enqueue(keys, calls_of(keys, "b", [4, 5]), UNBOUNDED)
+            handles = [h[0] for h in first + second]  # type: ignore[index]
+            await transport.cancel(keys, [(h, 0) for h in handles[:3]])  # all of the first
+            await transport.cancel(keys, [(handles[3], 0)])  # one of the second
+        finally:
+            await transport.close()
+
+    run(scenario())
+    ((entry_id, fields),) = client.xrange(keys.stream)
+    assert fields[b"n"] == b"2"
+    assert client.zrange(keys.cancelled, 0, -1) == [entry_id + b"#0"]
+    assert int(client.get(keys.packed_items)) == 1
+    assert int(client.get(keys.queued_bytes)) == len(fields[b"data.0"]) + len(fields[b"data.1"])
