@@ -302,7 +302,7 @@ def main() -> None:
         transfers = transfer_arms("cuda:0", args.transfer_batch_size)
         print_transfers(transfers)
         output = args.output or ROOT / "bench/results/gpu_transfers.json"
-        report = {
+        report: dict[str, Any] = {
             "gpus": smi("--query-gpu=index,name,uuid,driver_version,memory.total"),
             "torch": torch.__version__,
             "torch_cuda": torch.version.cuda,
