@@ -181,3 +181,63 @@ def test_importing_the_module_leaves_torch_out() -> None:
     code = "import sys, gpu_worker.staging; print('torch' in sys.modules)"
     result = run_python(code)
     assert result.stdout.strip() == "False", result.stderr
+
+
+class FakeCuda:
+    """torch.cuda's events, logged: what waits for which copy, without a GPU."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def current_stream(self, device: object) -> str:
+        return "stream"
+
+    def Event(self) -> FakeCuda:  # torch.cuda.Event
+        return self
+
+    def record(self, stream: str) -> None:
+        self.log.append("record")
+
+    def synchronize(self) -> None:
+        self.log.append("synchronize")
+
+
+class CudaTorch:
+    """torch, but every device is a CUDA one and its events are FakeCuda's."""
+
+    def __init__(self, log: list[str]) -> None:
+        self.cuda = FakeCuda(log)
+
+    def device(self, device: object) -> object:
+        return torch.device("cuda", 0)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch, name)
+
+
+def test_a_buffer_is_written_again_only_after_its_last_copy_is_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gpu_worker.staging as staging_module
+
+    log: list[str] = []
+    staging = HostStaging("cpu", staged=True)
+    monkeypatch.setattr(staging_module, "_torch", lambda: CudaTorch(log))
+    assert staging._out is not None
+    staging._out.torch = CudaTorch(log)
+    ids = staging.empty((2, 3), np.int64, "ids")
+    ids[:] = 1
+    mask = staging.empty((2, 3), np.int64, "mask")
+    mask[:] = 1
+    assert log == []
+    staging.to_device(ids)
+    assert log == ["record"]  # the copy from the ids buffer, noted
+    staging.to_device(mask)
+    staging.empty((2, 3), np.int64, "mask")
+    assert log == ["record", "record", "synchronize"]  # mask's copy waited for; not ids'
+    log.clear()
+    out = staging.to_host(torch.ones(2, 2))
+    assert log == ["record", "synchronize"] and out.tolist() == [[1.0, 1.0]] * 2  # waited for
+    log.clear()
+    staging.empty((4, 3), np.int64, "ids")  # a bigger batch: waits, then grows
+    assert log == ["synchronize"]
