@@ -1,6 +1,8 @@
-"""Proof, on a machine with a CUDA device, that `worker start --cuda` pins its workers.
+"""Proof, on a machine with a CUDA device, that `worker start --cuda` pins its workers, and
+what pinned, non-blocking copies change for the reference MLP.
 
     python -m bench.gpu_check [--output bench/results/gpu_pinning.json]
+    python -m bench.gpu_check --transfers-only [--output bench/results/gpu_transfers.json]
 
 Starts a private redis-server, then one `worker start` after another, serving
 bench.models:DeviceReport (the reference MLP, answering with where it ran):
@@ -17,6 +19,14 @@ its parent (the supervisor), what its own torch reports (device count and name, 
 output tensor was on), whether nvidia-smi lists it as a compute process, and the largest
 difference between its answer and the same model on this process's CPU. Prints each check and
 the worker's log, writes everything as JSON, and exits 1 if a check failed.
+
+Then, in this process (``--transfers-only``: that alone), the MLP's direct batched speed
+(``predict`` called back to back on one batch, as the harness's "direct, batched" arm) with its
+batches moved two ways: pageable memory and blocking copies (``np.stack``, ``.to(device)``,
+``.cpu().numpy()``: ``HostStaging(staged=False)``), and pinned buffers with non-blocking copies
+(``HostStaging`` on CUDA). Items/s, the median of repeats, each arm's repeats interleaved with
+the other's; and whether both gave the same outputs. Without CUDA it says so and measures
+nothing (``--transfers-only`` then exits 0).
 """
 
 from __future__ import annotations
@@ -38,11 +48,18 @@ from broker import Streamer
 from broker.devserver import RedisServer
 from broker.keys import ModelKeys
 from examples.mlp import MLP
+from gpu_worker.staging import HostStaging
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "bench.models:DeviceReport"
 NAME = "device_report"
 TOLERANCE = 1e-4  # FP32 on both sides; cuBLAS and the CPU sum in different orders
+TRANSFER_TOLERANCE = 1e-6  # the same kernels on the same data: expected 0
+SAME_OUTPUTS = "the same outputs both ways (max abs diff)"
+TRANSFER_ARMS = {
+    "pageable": False,  # np.stack into a new array, .to(device), .cpu().numpy()
+    "pinned": True,  # HostStaging: reused pinned buffers, non_blocking copies
+}
 
 
 def smi(*query: str) -> list[str]:
@@ -196,14 +213,105 @@ def refused_case(index: int, url: str, env: dict[str, str]) -> dict[str, Any]:
     }
 
 
+def transfer_arms(
+    device: str, batch_size: int = 64, batches: int = 500, repeats: int = 9
+) -> dict[str, Any]:
+    """The MLP's direct batched speed on ``device`` with each way of moving its batches:
+    ``repeats`` timings of ``batches`` back-to-back ``predict`` calls per arm, interleaved."""
+    rng = np.random.default_rng(0)
+    batch = [rng.standard_normal(256).astype(np.float32) for _ in range(batch_size)]
+    models = {}
+    for arm, staged in TRANSFER_ARMS.items():
+        model = MLP(device)
+        model.init_model()
+        model.staging = HostStaging(device, staged=staged)
+        model.warmup()
+        models[arm] = model
+    pageable, pinned = (np.stack(model.predict(batch)) for model in models.values())
+    rates: dict[str, list[float]] = {arm: [] for arm in models}
+    for _ in range(repeats):
+        for arm, model in models.items():
+            predict = model.predict
+            started = time.perf_counter()
+            for _ in range(batches):
+                predict(batch)
+            rates[arm].append(batches * batch_size / (time.perf_counter() - started))
+    arms = {}
+    for arm, model in models.items():
+        staging = model.staging
+        arms[arm] = {
+            "staged": staging.staged,
+            "pinned": staging.pinned,
+            "items_per_s_median": round(float(np.median(rates[arm])), 1),
+            "items_per_s": [round(rate, 1) for rate in rates[arm]],
+        }
+    return {
+        "device": device,
+        "batch_size": batch_size,
+        "batches_per_repeat": batches,
+        "repeats": repeats,
+        "arms": arms,
+        "max_abs_diff": float(np.abs(pageable - pinned).max()),
+    }
+
+
+def print_transfers(result: dict[str, Any]) -> None:
+    print(
+        f"\n== transfers: the MLP on {result['device']}, direct, batches of "
+        f"{result['batch_size']}, median of {result['repeats']} repeats of "
+        f"{result['batches_per_repeat']} batches"
+    )
+    for arm, numbers in result["arms"].items():
+        rates = numbers["items_per_s"]
+        print(
+            f"   {arm:<9} {numbers['items_per_s_median']:>12,.0f} items/s "
+            f"(repeats {min(rates):,.0f} .. {max(rates):,.0f}; pinned: {numbers['pinned']})"
+        )
+    verdict = "ok" if same_outputs(result) else "FAILED"
+    print(f"   [{verdict}] {SAME_OUTPUTS}: {result['max_abs_diff']:g}")
+
+
+def same_outputs(result: dict[str, Any]) -> bool:
+    return bool(result["max_abs_diff"] <= TRANSFER_TOLERANCE)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__)
-    parser.add_argument("--output", type=Path, default=ROOT / "bench/results/gpu_pinning.json")
+    parser.add_argument(
+        "--output",
+        type=Path,
+        help="the JSON report (default: bench/results/gpu_pinning.json; with "
+        "--transfers-only, bench/results/gpu_transfers.json)",
+    )
+    parser.add_argument(
+        "--transfers-only",
+        action="store_true",
+        help="only the pageable vs pinned comparison (no workers started)",
+    )
+    parser.add_argument("--transfer-batch-size", type=int, default=64)
     args = parser.parse_args()
     import torch
 
     if not torch.cuda.is_available():
-        raise SystemExit("no CUDA device: this check needs one")
+        print("no CUDA device: pageable vs pinned transfers not measured", flush=True)
+        if args.transfers_only:
+            return
+        raise SystemExit("no CUDA device: the pinning checks need one")
+    torch.set_num_threads(1)  # as the harness's direct arms
+    if args.transfers_only:
+        transfers = transfer_arms("cuda:0", args.transfer_batch_size)
+        print_transfers(transfers)
+        output = args.output or ROOT / "bench/results/gpu_transfers.json"
+        report: dict[str, Any] = {
+            "gpus": smi("--query-gpu=index,name,uuid,driver_version,memory.total"),
+            "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda,
+            "transfers": transfers,
+        }
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(report, indent=2, default=str))
+        print(f"\nwrote {output}")
+        sys.exit(0 if same_outputs(transfers) else 1)
     count = torch.cuda.device_count()
     base = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     base.pop("CUDA_VISIBLE_DEVICES", None)
@@ -221,12 +329,14 @@ def main() -> None:
             expect = {"workers": 1, "cuda_visible_devices": uuids[0]}
             title = "CUDA_VISIBLE_DEVICES=<UUID> --cuda 0"
             cases.append(served_case(title, ["--cuda", "0"], by_uuid, expect, server.url))
+    transfers = transfer_arms("cuda:0", args.transfer_batch_size)
     report = {
         "gpus": smi("--query-gpu=index,name,uuid,driver_version,memory.total"),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "device_count": count,
         "cases": cases,
+        "transfers": transfers,
     }
     failed = []
     for case in cases:
@@ -238,9 +348,13 @@ def main() -> None:
             if not ok:
                 failed.append(f"{case['case']}: {check}")
         print("   log:\n     " + "\n     ".join(case["log"].strip().splitlines()))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2, default=str))
-    print(f"\nwrote {args.output}; {'FAILED: ' + '; '.join(failed) if failed else 'all checks ok'}")
+    print_transfers(transfers)
+    if not same_outputs(transfers):
+        failed.append(f"transfers: {SAME_OUTPUTS}")
+    output = args.output or ROOT / "bench/results/gpu_pinning.json"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(report, indent=2, default=str))
+    print(f"\nwrote {output}; {'FAILED: ' + '; '.join(failed) if failed else 'all checks ok'}")
     sys.exit(1 if failed else 0)
 
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from examples.mlp import MLP
 from gpu_worker import ManagedModel, TensorSpec
+from gpu_worker.staging import HostStaging
 
 
 class Identity(ManagedModel):
@@ -52,6 +53,7 @@ class WideMLP(MLP):
             modules += [nn.Linear(width, width, device=self.device), nn.ReLU()]
         modules.append(nn.Linear(width, 16, device=self.device))
         self.net = nn.Sequential(*modules).eval()
+        self.staging = HostStaging(self.device)
 
 
 class DeviceReport(MLP):
@@ -79,9 +81,7 @@ class DeviceReport(MLP):
     def predict(self, batch: list[Any]) -> list[Any]:
         import numpy as np
 
-        torch = self.torch
-        stacked = np.stack([np.asarray(item, dtype=np.float32) for item in batch])
-        with torch.inference_mode():
-            out = self.net(torch.from_numpy(stacked).to(self.device))
+        with self.torch.inference_mode():
+            out = self.net(self.staging.stack(batch, np.float32))
         where = {**self.where, "tensor_device": str(out.device)}
-        return [{**where, "output": row} for row in out.cpu().numpy()]
+        return [{**where, "output": row} for row in self.staging.to_host(out)]

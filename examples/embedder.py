@@ -42,6 +42,7 @@ import numpy as np
 
 from broker.errors import InvalidInput
 from gpu_worker import ManagedModel, TensorSpec
+from gpu_worker.staging import HostStaging
 
 DIM = 384
 MAX_TOKENS = 256  # the model's window: sentence-transformers' max_seq_length for this model
@@ -188,6 +189,7 @@ class Embedder(ManagedModel):
         self.model: Any = SentenceTransformer(str(model_path()), device=self.device).eval()
         transformer: Any = self.model[0]
         self.vocab_size = int(transformer.model.config.vocab_size)
+        self.staging = HostStaging(self.device)  # pinned host memory on a GPU
 
     def warmup(self) -> None:
         self.predict([self.preprocess("warm up"), self.preprocess("a b c " * 40)])
@@ -210,21 +212,23 @@ class Embedder(ManagedModel):
 
     def embed_ids(self, batch: list[np.ndarray]) -> list[Any]:
         """Embed token-id sequences: one forward pass, padded to the batch's longest item."""
-        torch = self.torch
-        width = max(len(ids) for ids in batch)
-        input_ids = np.zeros((len(batch), width), dtype=np.int64)  # 0 is [PAD]
-        mask = np.zeros((len(batch), width), dtype=np.int64)
+        torch, staging = self.torch, self.staging
+        shape = (len(batch), max(len(ids) for ids in batch))
+        input_ids = staging.empty(shape, np.int64, "input_ids")
+        mask = staging.empty(shape, np.int64, "attention_mask")
+        input_ids[:] = 0  # [PAD]
+        mask[:] = 0
         for row, ids in enumerate(batch):
             input_ids[row, : len(ids)] = ids
             mask[row, : len(ids)] = 1
         features = {
-            "input_ids": torch.from_numpy(input_ids).to(self.device),
-            "attention_mask": torch.from_numpy(mask).to(self.device),
-            "token_type_ids": torch.zeros((len(batch), width), dtype=torch.int64).to(self.device),
+            "input_ids": staging.to_device(input_ids),
+            "attention_mask": staging.to_device(mask),
+            "token_type_ids": torch.zeros(shape, dtype=torch.int64, device=self.device),
         }
         with torch.inference_mode():
             embeddings = self.model(features)["sentence_embedding"]
-        return list(embeddings.float().cpu().numpy())
+        return list(staging.to_host(embeddings.float()))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from gpu_worker import ManagedModel, TensorSpec
+from gpu_worker.staging import HostStaging
 
 
 class MLP(ManagedModel):
@@ -32,15 +35,13 @@ class MLP(ManagedModel):
             .to(dtype=torch.float32, device=self.device)
             .eval()
         )
+        # on a GPU: batches go through pinned host memory, copied without blocking
+        self.staging = HostStaging(self.device)
 
     def warmup(self) -> None:
         self.predict([[0.0] * 256] * 2)
 
     def predict(self, batch: list[Any]) -> list[Any]:
-        torch = self.torch
-        import numpy as np
-
-        stacked = np.stack([np.asarray(item, dtype=np.float32) for item in batch])
-        with torch.inference_mode():
-            out = self.net(torch.from_numpy(stacked).to(self.device))
-        return list(out.cpu().numpy())
+        with self.torch.inference_mode():
+            out = self.net(self.staging.stack(batch, np.float32))
+        return list(self.staging.to_host(out))

@@ -35,6 +35,7 @@ import numpy as np
 
 from broker.errors import InvalidInput
 from gpu_worker import ManagedModel, TensorSpec
+from gpu_worker.staging import HostStaging
 
 DIM = 384  # all-MiniLM-L6-v2's embedding size
 DATA = Path(__file__).resolve().parent / "data"
@@ -153,16 +154,17 @@ class TextClassifierHead(ManagedModel):
         self.torch = torch
         self.weight = weight.detach().to(torch.float32).to(self.device)
         self.bias = bias.detach().to(torch.float32).to(self.device)
+        self.staging = HostStaging(self.device)  # pinned host memory on a GPU
 
     def warmup(self) -> None:
         self.predict([np.full(DIM, 1.0, dtype=np.float32)])
 
     def predict(self, batch: list[Any]) -> list[Any]:
         torch = self.torch
-        vectors = torch.from_numpy(np.stack([unit_vector(item) for item in batch]))
+        vectors = self.staging.stack([unit_vector(item) for item in batch], np.float32)
         with torch.inference_mode():
-            logits = vectors.to(self.device) @ self.weight.T + self.bias
-            scores = torch.softmax(logits, dim=1).cpu().numpy()
+            logits = vectors @ self.weight.T + self.bias
+            scores = self.staging.to_host(torch.softmax(logits, dim=1))
         labels = self.labels
         return [{"label": labels[int(row.argmax())], "scores": row} for row in scores]
 

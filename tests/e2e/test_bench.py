@@ -214,6 +214,29 @@ def test_device_report_answers_with_where_it_ran() -> None:
     assert np.allclose(answer["output"], reference.predict([x])[0])
 
 
+def test_gpu_check_compares_the_mlps_transfers_and_says_no_cuda_without_it() -> None:
+    """bench.gpu_check's pageable vs pinned arms run on the CPU here (nothing is pinned then,
+    and the timings mean nothing): the same outputs both ways. The command itself says it
+    has no CUDA and, with --transfers-only, exits 0."""
+    import torch
+
+    from bench.gpu_check import same_outputs, transfer_arms
+
+    result = transfer_arms("cpu", batch_size=8, batches=2, repeats=2)
+    assert set(result["arms"]) == {"pageable", "pinned"}
+    assert result["arms"]["pageable"]["staged"] is False
+    assert result["arms"]["pinned"]["staged"] is True
+    assert not any(arm["pinned"] for arm in result["arms"].values())  # no CUDA on a CPU
+    assert all(len(arm["items_per_s"]) == 2 for arm in result["arms"].values())
+    assert result["max_abs_diff"] == 0.0 and same_outputs(result)
+    if torch.cuda.is_available():
+        return
+    command = [sys.executable, "-m", "bench.gpu_check", "--transfers-only"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "no CUDA device" in done.stdout
+
+
 @pytest.mark.timeout(120)
 def test_cold_model_measures_each_condition() -> None:
     from bench.cold_model import CONDITIONS

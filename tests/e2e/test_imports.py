@@ -7,7 +7,7 @@ from tests.conftest import run_python
 
 def test_importing_gpu_worker_and_the_example_model_leaves_torch_out() -> None:
     code = (
-        "import sys, gpu_worker, examples.mlp, broker; "
+        "import sys, gpu_worker, gpu_worker.staging, examples.mlp, broker; "
         "m = examples.mlp.MLP(); m.preprocess([0.0]); "
         "assert 'torch' not in sys.modules, 'torch was imported'; print('light')"
     )
