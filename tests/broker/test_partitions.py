@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from broker import BrokerUnavailable, DeadlineExceeded, QueueFull, Streamer, admin, codec
-from broker.keys import ModelKeys
+from broker.keys import HIGH, ModelKeys
 from broker.memory_transport import InMemoryTransport
 from broker.partition_reads import PartitionReads
 from broker.partitions import split_bound, tag, untag
@@ -52,14 +52,26 @@ def test_partition_zero_keeps_the_model_keys_and_the_others_get_a_slot_of_their_
     two = keys.of(2)
     assert two.stream == "mb:{demo:toy:p2}:requests"
     for key in (two.stream, two.queued_bytes, two.queue_bound, two.consumers, two.cancelled,
-                two.dead_letters, two.heartbeat("w-1")):  # fmt: skip
+                two.dead_letters, two.heartbeat("w-1"), two.inbox("c1"),
+                two.at(HIGH).inbox("c1")):  # fmt: skip
         assert slot_tag(key) == "demo:toy:p2" == two.tag
-    # the count and the inboxes stay in the model's slot, whichever partition
+    # the count stays in the model's slot; each partition has inboxes of its own
     assert two.partitions_key == keys.partitions_key == "mb:{demo:toy}:partitions"
-    assert two.inbox("c1") == keys.inbox("c1") == "mb:{demo:toy}:inbox:c1"
+    assert keys.inbox("c1") == ModelKeys("toy", "demo").inbox("c1") == "mb:{demo:toy}:inbox:c1"
+    assert two.inbox("c1") == "mb:{demo:toy:p2}:inbox:c1" == two.at(HIGH).inbox("c1")
+    assert two.reply_namespaces == ("mb:{demo:toy:p2}:inbox:", "mb:{demo:toy}:inbox:")
+    assert keys.reply_namespaces == ("mb:{demo:toy}:inbox:",)
+    # partition 2's entries may be answered in its own inboxes or the model's, nothing else
     assert two.may_reply_to("mb:{demo:toy}:inbox:c1")
-    assert not two.may_reply_to("mb:{demo:toy:p2}:inbox:c1")
-    assert not two.may_reply_to(two.stream)
+    assert two.may_reply_to("mb:{demo:toy:p2}:inbox:c1")
+    assert two.at(HIGH).may_reply_to("mb:{demo:toy:p2}:inbox:c1")
+    for elsewhere in ("mb:{demo:toy:p1}:inbox:c1", "mb:{demo:toy:p22}:inbox:c1",
+                      "mb:{demo:toy:p2}:inbox:", "mb:{demo:toy}:inbox:",
+                      "mb:{demo:toyx:p2}:inbox:c1", "mb:{demo:other:p2}:inbox:c1",
+                      "mb:{demox:toy:p2}:inbox:c1", two.stream, two.at(HIGH).stream):  # fmt: skip
+        assert not two.may_reply_to(elsewhere), elsewhere
+    assert not keys.may_reply_to("mb:{demo:toy:p2}:inbox:c1")  # partition 0: the model's only
+    assert not keys.of(1).may_reply_to("mb:{demo:toy:p2}:inbox:c1")
     assert [k.partition for k in keys.each()] == [0, 1, 2]
     with pytest.raises(ValueError):
         keys.of(3)
