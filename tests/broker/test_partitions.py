@@ -29,6 +29,8 @@ from broker import (
     codec,
     functions,
 )
+from broker import client as client_module
+from broker.client import ClientCore
 from broker.keys import HIGH, ModelKeys
 from broker.memory_transport import InMemoryTransport
 from broker.partition_reads import PartitionReads
@@ -36,6 +38,7 @@ from broker.partitions import split_bound, tag, untag
 from broker.protocol import CallRequests, decode_reply, request_fields
 from broker.redis_transport import RedisTransport
 from broker.transport import UNBOUNDED
+from gpu_worker.batching import BatchLoop, BatchSettings
 from tests.conftest import ROOT, wait_for_consumers, worker_process
 from tests.models import DELAY_ENV
 
@@ -114,6 +117,58 @@ def test_in_memory_partitions_are_read_oldest_first_acked_and_withdrawn_per_part
         assert await transport.withdrawn(keys, ids) == {ids[0]}
         await transport.finish(keys, [], batch, 60)
         assert [e for e, _ in await transport.read_batch(keys, "w", 3, 10)] == [ids[3]]
+
+    asyncio.run(scenario())
+
+
+def test_a_core_follows_the_partition_count_with_an_inbox_and_a_reader_per_partition(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One partition: one inbox, one reader, as ever. The count raised, calls name the core's
+    inbox in their partition's namespace, each read by a reader of its own; lowered again,
+    calls name the one inbox, and the other readers retire once idle."""
+    monkeypatch.setattr(client_module, "PARTITIONS_EVERY_S", 0.0)
+    monkeypatch.setattr(client_module, "REPLY_WAIT_S", 0.05)
+
+    async def scenario() -> None:
+        transport = InMemoryTransport()
+        keys = ModelKeys("toy", "mem")
+        served = keys.spread(3)
+        named: list[str] = []
+        enqueue = transport.enqueue
+
+        async def noting(queue: ModelKeys, calls: Any, bound: Any) -> Any:
+            named.extend(call.reply_key for call in calls)
+            return await enqueue(queue, calls, bound)
+
+        transport.enqueue = noting  # type: ignore[method-assign]
+        worker = BatchLoop(lambda items: items, transport, served, "w", BatchSettings(block_ms=5))
+        serving = asyncio.ensure_future(worker.run())
+        core = ClientCore(keys, transport, asyncio.get_running_loop())
+        try:
+            assert await core.call([codec.encode(0)], 5) == [0]
+            assert named == [core.inbox] and set(core._readers) <= {core.inbox}
+            transport.partition_counts[keys.partitions_key] = 3
+            named.clear()
+            await core.call([codec.encode(1)], 5)  # the count is read again as it goes out
+            calls = [core.call([codec.encode(i)], 5) for i in range(6)]
+            assert await asyncio.gather(*calls) == [[i] for i in range(6)]
+            inboxes = {served.of(k).inbox(core.client_id) for k in range(3)}
+            assert set(named[-6:]) == inboxes  # in turn: each partition's inbox
+            transport.partition_counts[keys.partitions_key] = 1
+            await core.call([codec.encode(7)], 5)
+            named.clear()
+            assert await core.call([codec.encode(8)], 5) == [8]
+            assert named == [core.inbox]
+            for _ in range(100):  # the partition inboxes' readers retire once idle
+                if set(core._readers) <= {core.inbox}:
+                    break
+                await asyncio.sleep(0.02)
+            assert set(core._readers) <= {core.inbox}
+        finally:
+            await core.aclose()
+            worker.stop()
+            await serving
 
     asyncio.run(scenario())
 
