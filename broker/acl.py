@@ -39,7 +39,8 @@ CONNECT = "+ping +select +client|setinfo@7.2"
 
 
 def _keys(kind: str) -> str:
-    """The key pattern of one kind of key of every model of the prefix."""
+    """The key pattern of one kind of key of every model of the prefix, and of every
+    partition of its queue (``*`` spans a partition's ``<model>:p<k>``)."""
     return f"mb:{{{PLACEHOLDER}:*}}:{kind}"
 
 
@@ -154,7 +155,7 @@ TENANT_USERS = (
     ZREMRANGEBYSCORE (and, for items of multi-item entries, ZSCORE and ZREM); and ZADD,
     ZREMRANGEBYSCORE of its request ids on the withdrawn set (for
     a pipeline's later stages)
-  replies: BLMPOP on its inboxes
+  replies: BLMPOP on its inboxes (those of every partition: mb:{prefix:model:pk}:inbox:*)
   the model's partition count: GET (read only)
   health and model readiness: PING, TIME, ZRANGEBYSCORE (live consumers)
   the eviction-policy check at start: INFO (its memory section names maxmemory_policy)
@@ -176,8 +177,8 @@ delete or expire anything, nor touch workers' keys.""",
         f"(~{_keys('join:*')} +hgetall +pexpireat +del) +multi +exec",
         """The GPU/CPU workers of the prefix (worker start: supervisor and children):
   consumer group: XGROUP CREATE (MKSTREAM), XREADGROUP
-  replies: FCALL mb_reply -> TYPE, PTTL, RPUSH, EXPIRE, on inbox keys only (a selector), so
-    that no reply can touch a stream, a counter or a set
+  replies: FCALL mb_reply -> TYPE, PTTL, RPUSH, EXPIRE, on inbox keys only (a selector; of
+    every partition), so that no reply can touch a stream, a counter or a set
   acks: XACK, XDEL, DECRBY, INCRBY (queued-bytes floor), ZMSCORE and ZCARD (withdrawn entries)
   takeover of dead consumers: XINFO CONSUMERS, EXISTS, XPENDING, XCLAIM, XACK;
     retire one: FCALL mb_retire -> EXISTS, XPENDING, XGROUP DELCONSUMER

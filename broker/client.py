@@ -1,12 +1,13 @@
 """The client: submit items, route replies back, raise typed errors.
 
 A :class:`ClientCore` does the I/O of one Streamer on one event loop: concurrent submits are
-coalesced into one round trip, and every reply comes through one inbox list, routed to its call
-by request id. Synchronous callers share a core on a private loop thread (their calls and
-results cross threads through :mod:`broker.handoff`, a few wake-ups per batch rather than a
-chain of futures per call); asyncio callers get a core on their own running loop, so
-``apredict`` never crosses threads. :class:`Streamer` makes its cores lazily in each process,
-so it is safe to create before gunicorn forks.
+coalesced into one round trip, and every reply comes through one inbox list (with a
+partitioned queue, one per partition in use), routed to its call by request id. Synchronous
+callers share a core on a private loop thread (their calls and results cross threads through
+:mod:`broker.handoff`, a few wake-ups per batch rather than a chain of futures per call);
+asyncio callers get a core on their own running loop, so ``apredict`` never crosses threads.
+:class:`Streamer` makes its cores lazily in each process, so it is safe to create before
+gunicorn forks.
 """
 
 from __future__ import annotations
@@ -121,7 +122,10 @@ class ClientCore:
         self.loop = loop
         self.bound = bound
         self.client_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # The inbox of the calls queued to partition 0 (all of them, with one partition); a
+        # call queued to partition k names this client's inbox in partition k's namespace.
         self.inbox = keys.inbox(self.client_id)
+        self._inboxes: dict[int, str] = {0: self.inbox}
         self._ids = itertools.count()
         self._pending: dict[str, tuple[_Call, int]] = {}
         self._outbox: list[_Call] = []
@@ -129,15 +133,16 @@ class ClientCore:
         self._relay = Relay()  # wakes the blocked threads of one batch of replies in turn
         self._waking: list[tuple[Waiter, Any, BaseException | None]] | None = None
         self._flusher: asyncio.Task[None] | None = None
-        self._reader: asyncio.Task[None] | None = None
+        self._readers: dict[str, asyncio.Task[None]] = {}  # one per inbox with calls waiting
         self._background: set[asyncio.Task[None]] = set()
         self._deadlines: Deadlines[_Call] = Deadlines(loop, self._expire)
         self._closing = False
+        inboxes = f"{self.inbox} (or its partitions')"
         self._unreadable = ThrottledWarning(
-            log, f"dropped %d unreadable reply(ies) on {self.inbox}; the last: %s", LOG_EVERY_S
+            log, f"dropped %d unreadable reply(ies) on {inboxes}; the last: %s", LOG_EVERY_S
         )
         self._unpoppable = ThrottledWarning(
-            log, f"%d failed read(s) of replies from {self.inbox}; the last: %s", LOG_EVERY_S
+            log, f"%d failed read(s) of replies from {inboxes}; the last: %s", LOG_EVERY_S
         )
         # NoWorkers: None where callers wait for workers however long (wait_for_workers).
         self._watch = watch
@@ -271,8 +276,7 @@ class ClientCore:
         self._outbox.append(call)
         if self._flusher is None:
             self._flusher = self.loop.create_task(self._flush())
-        if self._reader is None:
-            self._reader = self.loop.create_task(self._read_replies())
+        self._start_reader(call.requests.reply_key)
 
     async def _flush(self) -> None:
         # Everything submitted while one round trip is in flight goes out together in the next.
@@ -298,18 +302,30 @@ class ClientCore:
         # Each call goes whole to one partition (so it is still queued whole or not at all),
         # the calls in turn, to the stream of its level there; each partition's bound is its
         # share of the model's (each level has it).
+        # A call queued to partition k names this client's inbox in k's namespace (in k's
+        # slot), read by a reader of its own.
         by_lane: dict[int, list[_Call]] = {}
         queue = self.keys.spread(count)
         for call in calls:
             self._turn += 1
-            lane = queue.of(self._turn % count).at(call.level).lane
+            partition = self._turn % count
+            lane = queue.of(partition).at(call.level).lane
             by_lane.setdefault(lane, []).append(call)
+            call.requests.reply_key = inbox = self._inbox(queue, partition)
+            self._start_reader(inbox)
         bound = QueueBound(
             split_bound(self.bound.max_items, count), split_bound(self.bound.max_bytes, count)
         )
         await asyncio.gather(
             *(self._send_to(queue.of(lane), part, bound) for lane, part in by_lane.items())
         )
+
+    def _inbox(self, queue: ModelKeys, partition: int) -> str:
+        """This client's inbox in partition ``partition``'s namespace."""
+        inbox = self._inboxes.get(partition)
+        if inbox is None:
+            inbox = self._inboxes[partition] = queue.of(partition).inbox(self.client_id)
+        return inbox
 
     async def _read_partitions(self) -> None:
         """Read the model's partition count (kept as it was if Redis does not answer)."""
@@ -345,26 +361,36 @@ class ClientCore:
                 if call.future.cancelled() or call.abandoned:  # gave up while being queued
                     self._withdraw(call)
 
-    async def _read_replies(self) -> None:
-        # The reader outlives the calls in flight by one idle wait (REPLY_WAIT_S), so that a
-        # caller sending one call after another finds a read already waiting in Redis.
+    def _start_reader(self, inbox: str) -> None:
+        """Read ``inbox`` unless a reader already does."""
+        if inbox not in self._readers and not self._closing:
+            self._readers[inbox] = self.loop.create_task(self._read_replies(inbox))
+
+    def _waiting_on(self, inbox: str) -> bool:
+        """Whether a call in flight waits for replies on ``inbox``."""
+        if inbox == self.inbox and len(self._inboxes) == 1:
+            return bool(self._pending)  # one partition: every call does
+        return any(call.requests.reply_key == inbox for call, _ in self._pending.values())
+
+    async def _read_replies(self, inbox: str) -> None:
+        # A reader outlives the calls in flight on its inbox by one idle wait (REPLY_WAIT_S),
+        # so that a caller sending one call after another finds a read already waiting in
+        # Redis. (BLMPOP of several keys must keep to one slot: each inbox has its reader.)
         backoff = 0.05
         try:
             while not self._closing:
                 try:
-                    payloads = await self.transport.pop_replies(
-                        self.inbox, REPLY_BATCH, REPLY_WAIT_S
-                    )
+                    payloads = await self.transport.pop_replies(inbox, REPLY_BATCH, REPLY_WAIT_S)
                 except Exception as exc:
                     if not isinstance(exc, MicrobatchError):  # e.g. the inbox is not a list
                         self._unpoppable.note(f"{type(exc).__name__}: {exc}"[:200])
-                    if not self._pending:
+                    if not self._waiting_on(inbox):
                         break
                     # Redis is away: waiting calls keep waiting until their deadlines.
                     await asyncio.sleep(backoff)
                     backoff = min(1.0, backoff * 2)
                     continue
-                if not payloads and not self._pending:
+                if not payloads and not self._waiting_on(inbox):
                     break
                 backoff = 0.05
                 self._waking = waking = []  # type: ignore[var-annotated]
@@ -381,9 +407,9 @@ class ClientCore:
                     if waking:  # once this task has sent its next read, as asyncio would
                         self.loop.call_soon(self._wake, waking)
         finally:
-            self._reader = None
-            if self._pending and not self._closing:  # a call arrived as the reader left
-                self._reader = self.loop.create_task(self._read_replies())
+            del self._readers[inbox]
+            if not self._closing and self._waiting_on(inbox):  # a call came as it left
+                self._start_reader(inbox)
 
     def _wake(self, waking: list[tuple[Waiter, Any, BaseException | None]]) -> None:
         # Calls the woken threads make next go out together, as asyncio callers' do: the last
@@ -545,7 +571,7 @@ class ClientCore:
         if self._watch_timer is not None:
             self._watch_timer.cancel()
         running = (
-            self._reader, self._flusher, self._watch_task, self._partitions_task,
+            *self._readers.values(), self._flusher, self._watch_task, self._partitions_task,
             *self._background,
         )  # fmt: skip
         tasks = [task for task in running if task is not None]

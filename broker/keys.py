@@ -11,13 +11,14 @@ dead letters, cancelled set, queued-bytes counter, and the copies of the model's
 consumers and heartbeats that its functions read in its slot. Model names and prefixes hold no
 ``:``, so no partition's tag is another model's.
 
-A worker replies only to keys of the inbox namespace of the model whose stream the entry came
+A worker replies only to keys of an inbox namespace of the model whose stream the entry came
 from, ``INBOX_TEMPLATE`` with any non-empty ``client``: a reply can then never touch a
 request stream, a dead-letter stream, a counter, another model's keys or another prefix's
-(tenant's). A later pipeline of models gets the same rule under its own name (its names share
-the model names' pattern and their namespace); a partition of a model's stream does not get
-inboxes of its own, so replies stay in the model's namespace whichever partition the entry
-came from.
+(tenant's). Partition k >= 1 has an inbox namespace of its own, under its tag (in its slot,
+so a worker writes a reply and acknowledges its entry on one node); a worker may reply to an
+entry of partition k in that namespace or in the model's own (partition 0's), never in
+another partition's. A later pipeline of models gets the same rule under its own name (its
+names share the model names' pattern and their namespace).
 
 A pipeline of models (``gpu_worker.pipeline``) is served under its own name: its first stage
 consumes the pipeline's own keys (so callers queue to it exactly as to a model), and each later
@@ -57,8 +58,9 @@ PARTITIONS_TEMPLATE = "mb:{{{prefix}:{model}}}:partitions"
 WITHDRAWN_TEMPLATE = "mb:{{{prefix}:{model}}}:withdrawn"
 JOIN_TEMPLATE = "mb:{{{prefix}:{model}}}:join:{length}:{client}:{request}"
 
-# Partition k >= 1 of a model: every template above but INBOX_TEMPLATE and PARTITIONS_TEMPLATE,
-# with this in place of "{prefix}:{model}" (partition 0 is the model's own keys).
+# Partition k >= 1 of a model: every template above but PARTITIONS_TEMPLATE, WITHDRAWN_TEMPLATE
+# and JOIN_TEMPLATE, with this in place of "{prefix}:{model}" (partition 0 is the model's own
+# keys).
 TAG_TEMPLATE = "{prefix}:{model}:p{partition}"
 
 # The name whose keys stage ``stage`` (not the first) of pipeline ``pipeline`` consumes.
@@ -269,21 +271,33 @@ class ModelKeys:
         )
 
     def inbox(self, client: str) -> str:
-        """The reply list of one client process (or one request, for simple callers): the
-        model's, whichever partition its requests went to (a pipeline stage's: the
-        pipeline's)."""
-        return INBOX_TEMPLATE.format(prefix=self.prefix, model=self.pipeline, client=client)
+        """The reply list of one client process (or one request, for simple callers) in this
+        partition's slot: the model's own for partition 0 (a pipeline stage's: the
+        pipeline's), under the partition's tag for partition k >= 1."""
+        if self.partition == 0:
+            return INBOX_TEMPLATE.format(prefix=self.prefix, model=self.pipeline, client=client)
+        return self._format(INBOX_TEMPLATE, client=client)
 
     @property
     def reply_namespace(self) -> str:
-        """What every reply key of this model starts with: ``inbox("")``."""
+        """What every reply key of this partition's inboxes starts with: ``inbox("")``."""
         return self.inbox("")
 
+    @property
+    def reply_namespaces(self) -> tuple[str, ...]:
+        """The inbox namespaces a worker may reply to for an entry of this partition: its
+        own, and for partition k >= 1 the model's (partition 0's) too."""
+        if self.partition == 0:
+            return (self.reply_namespace,)
+        return (self.reply_namespace, self.of(0).reply_namespace)
+
     def may_reply_to(self, key: str) -> bool:
-        """Whether a worker of this model may reply to ``key``: an inbox of this model (of
-        the model's, in partition 0's slot, for an entry of any partition)."""
-        namespace = self.reply_namespace
-        return len(key) > len(namespace) and key.startswith(namespace)
+        """Whether a worker may reply to ``key`` for an entry of this partition: an inbox of
+        the partition's namespace or of the model's, nothing else."""
+        return any(
+            len(key) > len(namespace) and key.startswith(namespace)
+            for namespace in self.reply_namespaces
+        )
 
     def heartbeat(self, consumer: str) -> str:
         """The heartbeat key of one worker consumer (exists while the worker is vouched for)."""

@@ -18,7 +18,8 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from itertools import chain
 from typing import Any
 
@@ -75,6 +76,10 @@ class RedisTransport:
         # blocking reads, each bounded by its own timeout instead of the lane's reply timeout
         self._reads = connections.lanes(target, connect_timeout_s, None)  # the worker's XREADGROUP
         self._replies = connections.lanes(target, connect_timeout_s, None)  # the caller's BLMPOP
+        # A blocked BLMPOP holds its connection: a caller reading several inboxes (one per
+        # partition of a partitioned queue) has blocking lanes per hash tag; the first is
+        # self._replies.
+        self._reply_lanes: dict[str, RespLane | ClusterLanes] = {}
         # The stream of the model this transport last set up: keyless commands (TIME, the
         # library check) go to its node, so a worker's clock is that of its stream's node.
         self._home = ""
@@ -93,7 +98,8 @@ class RedisTransport:
         self._may_load: bool | None = None  # whether this user may load the library
         self._library_warned = False  # a warning about the library is standing
         self._loading_warned = False  # a warning about Redis loading its data is standing
-        self._replies_checked: object = -1  # the lane connection on which mb_reply last answered
+        # the lane connections (of a cluster: per node) on which mb_reply has answered
+        self._replies_checked: set[Hashable] = set()
         self._refused = ""  # the last refusal of an enqueue warned of
 
     # -- the functions library ------------------------------------------------------------
@@ -155,7 +161,7 @@ class RedisTransport:
 
     async def check_functions(self) -> None:
         await self._fcall(REPLY, (), (0,), warn=False)  # no keys: a no-op it must answer
-        self._replies_checked = self._lane.at(self._home).generation
+        self._note_replies_checked(self._lane.at(self._home).generation)
 
     # -- caller side ----------------------------------------------------------------------
     async def enqueue(
@@ -264,12 +270,24 @@ class RedisTransport:
 
     async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:
         try:
-            got: Any = await self._replies.at(inbox).execute_blocking(
+            got: Any = await self._replies_lane(inbox).execute_blocking(
                 timeout_s, "BLMPOP", timeout_s, 1, inbox, "LEFT", "COUNT", count
             )
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
         return list(got[1]) if got else []
+
+    def _replies_lane(self, inbox: str) -> RespLane | SlotLane:
+        """The blocking lane to read ``inbox`` on: one per hash tag of the inboxes read."""
+        tag = _hash_tag(inbox)
+        lanes = self._reply_lanes.get(tag)
+        if lanes is None:
+            lanes = self._reply_lanes[tag] = (
+                connections.lanes(self._target, self._connect_timeout_s, None)
+                if self._reply_lanes
+                else self._replies
+            )
+        return lanes.at(inbox)
 
     # -- worker side ----------------------------------------------------------------------
     async def ensure_group(self, keys: ModelKeys) -> None:
@@ -418,7 +436,7 @@ class RedisTransport:
         reply_ttl_s: int,
         check: Sequence[str] = (),
     ) -> set[str]:
-        reply = _reply_call(replies, reply_ttl_s) if replies else None
+        calls = _reply_calls(replies, reply_ttl_s) if replies else []
         # Per lane (each level of each partition), all of its slot: its acks,
         # deletes and byte release, its withdrawal checks, the count of its withdrawals standing.
         held = partitions.group(entries)
@@ -430,8 +448,13 @@ class RedisTransport:
                 commands.append(("ZMSCORE", part.cancelled, *checks[part.lane]))
             commands.append(("ZCARD", part.cancelled))
             batches.append((part, commands))
+        # On a cluster, replies to a slot other than their entry's (a caller that gave an
+        # entry of partition k an inbox of the model's namespace) must be written before that
+        # entry is acknowledged on its own node.
+        spread = calls and keys.partitions > 1 and self._cluster is not None
+        elsewhere = _replies_elsewhere(keys, held) if spread else set()
         results = await self._reply_and_run(
-            keys, reply, [(part.stream, commands) for part, commands in batches]
+            calls, [(part.stream, commands) for part, commands in batches], elsewhere
         )
         withdrawn: set[str] = set()
         standing: list[Any] = []
@@ -459,83 +482,139 @@ class RedisTransport:
 
     async def _reply_and_run(
         self,
-        keys: ModelKeys,
-        reply: tuple[list[str], list[Any]] | None,
+        calls: Sequence[ReplyCall],
         batches: Sequence[tuple[str, Sequence[tuple[Any, ...]]]],
+        elsewhere: Collection[str] = (),
     ) -> list[list[Any]]:
         """Write the replies, then run each batch of commands (of the slot of its key; they
-        acknowledge their entries); each batch's results. One round trip on one Redis, except
-        for the first replies on a connection; on a cluster, the replies first, then the
-        batches (one round trip to each node, at once)."""
+        acknowledge its entries); each batch's results.
+
+        Each mb_reply goes in the same round trip as the batches, ahead of the
+        acknowledgements it must precede: on one Redis, all in one pipeline; on a cluster, at
+        the head of the transaction of its own slot's batches (so a partition's replies and
+        acks are one transaction on its node). One goes alone first, and the batches only
+        once it is written, where its connection has not answered an mb_reply yet (a fresh
+        one may reach a Redis restarted without its functions, or a cluster node that a
+        slot just moved to), and on a cluster where no batch is in its slot (a pipeline's
+        inboxes) or its tag is in ``elsewhere`` (replies of entries acknowledged on
+        another node)."""
+        alone, riding = self._route_replies(calls, [key for key, _ in batches], elsewhere)
         try:
-            if reply is not None and (
-                self._cluster is not None
-                or self._lane.at(keys.stream).generation != self._replies_checked
-            ):
-                # The first replies on a connection (a fresh one may reach a Redis restarted
-                # without its functions) go alone: the entries are acknowledged only once
-                # their replies are written. On a cluster they always do: they may live on
-                # another node than the entries (a partition's), and a migrating slot may send
-                # them to a node that lacks the functions at any time.
-                await self._send_replies(reply)
-                reply = None
-            head: list[tuple[Any, ...]] = []
-            if reply is not None:
-                reply_keys, reply_args = reply
-                command = ("FCALL", REPLY, len(reply_keys), *reply_keys, functions.VERSION)
-                head = [(*command, *reply_args)]
-            written, results = await self._run_per_slot(batches, head)
+            if alone:
+                sent = await asyncio.gather(
+                    *(self._send_replies(call) for call in alone), return_exceptions=True
+                )
+                for outcome in sent:
+                    if isinstance(outcome, BaseException):
+                        raise outcome
+            results = await self._run_per_slot(
+                [
+                    (key, [*(_reply_command(call) for call in riding.get(index, ())), *commands])
+                    for index, (key, commands) in enumerate(batches)
+                ]
+            )
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
-        if reply is not None:
-            if _is_missing(written[0]):
-                # The library went away under a live connection (FUNCTION FLUSH): the entries
-                # are acknowledged already; their replies can still go once it is back.
-                log.error("replies failed (%s); the entries were acknowledged already", written[0])
-                await self._send_replies(reply)
-            elif isinstance(written[0], ResponseError):
-                log.warning("replies could not be written: %s", written[0])
+        out: list[list[Any]] = []
+        for index, got in enumerate(results):
+            ridden = riding.get(index, [])
+            for call, written in zip(ridden, got, strict=False):
+                await self._replies_written(call, written)
+            out.append(got[len(ridden) :])
+        return out
+
+    def _route_replies(
+        self, calls: Sequence[ReplyCall], batch_keys: Sequence[str], elsewhere: Collection[str]
+    ) -> tuple[list[ReplyCall], dict[int, list[ReplyCall]]]:
+        """(the mb_reply calls to send alone first, {batch index: the calls at its head}):
+        see :meth:`_reply_and_run`."""
+        clustered = self._cluster is not None
+        first: dict[str, int] = {}  # the first batch of each hash tag
+        if clustered:
+            for at, key in enumerate(batch_keys):
+                first.setdefault(_hash_tag(key), at)
+        alone: list[ReplyCall] = []
+        riding: dict[int, list[ReplyCall]] = {}
+        for call in calls:
+            index = first.get(call.tag) if clustered else 0 if batch_keys else None
+            generation = self._lane.at(call.keys[0]).generation
+            if index is None or call.tag in elsewhere or generation not in self._replies_checked:
+                alone.append(call)
             else:
-                _log_refused(written[0])
-        return results
+                riding.setdefault(index, []).append(call)
+        return alone, riding
+
+    async def _replies_written(self, call: ReplyCall, written: Any) -> None:
+        """Check what an mb_reply sent with acknowledgements answered."""
+        if _is_missing(written):
+            # The library went away under a live connection (FUNCTION FLUSH), or a slot moved
+            # during the round trip to a node without it: the entries are acknowledged
+            # already; their replies can still go once it is loaded.
+            self._replies_checked.clear()
+            log.error("replies failed (%s); the entries were acknowledged already", written)
+            await self._send_replies(call)
+        elif isinstance(written, ResponseError):
+            log.warning("replies could not be written: %s", written)
+        else:
+            _log_refused(written)
 
     async def _run_per_slot(
-        self,
-        batches: Sequence[tuple[str, Sequence[tuple[Any, ...]]]],
-        head: Sequence[tuple[Any, ...]] = (),
-    ) -> tuple[list[Any], list[list[Any]]]:
-        """Run ``head`` then each (key, commands) batch; (head's results, each batch's).
+        self, batches: Sequence[tuple[str, Sequence[tuple[Any, ...]]]]
+    ) -> list[list[Any]]:
+        """Run each (key, commands) batch; each batch's results, error replies in place.
 
-        One Redis: all in one pipeline. A cluster (no ``head``): each batch a pipeline on the
-        node of its key's slot (a transaction there), all sent at once."""
+        One Redis: all in one pipeline, in order. A cluster: the batches of one hash tag in
+        one pipeline, in order (a transaction on the node of its slot), the tags' pipelines
+        sent at once."""
         if self._cluster is None:
-            flat = [*head, *chain.from_iterable(commands for _, commands in batches)]
+            flat = list(chain.from_iterable(commands for _, commands in batches))
             results: list[Any] = await self._lane.at("").pipeline(flat)
             _raise_unavailable(results)
-            out, at = [], len(head)
+            out, at = [], 0
             for _, commands in batches:
                 out.append(results[at : at + len(commands)])
                 at += len(commands)
-            return results[: len(head)], out
-        if head:
-            raise ValueError("a cluster runs no commands ahead of its per-slot batches")
+            return out
+        tags: dict[str, list[int]] = {}
+        for index, (key, _) in enumerate(batches):
+            tags.setdefault(_hash_tag(key), []).append(index)
         got = await asyncio.gather(
-            *(self._lane.at(key).pipeline(commands) for key, commands in batches),
+            *(
+                self._lane.at(batches[indexes[0]][0]).pipeline(
+                    list(chain.from_iterable(batches[i][1] for i in indexes))
+                )
+                for indexes in tags.values()
+            ),
             return_exceptions=True,
         )
         for result in got:
             if isinstance(result, BaseException):
                 raise result
             _raise_unavailable(result)
-        return [], [list(result) for result in got if not isinstance(result, BaseException)]
+        per_batch: list[list[Any]] = [[] for _ in batches]
+        for indexes, result in zip(tags.values(), got, strict=True):
+            assert not isinstance(result, BaseException)
+            at = 0
+            for i in indexes:
+                count = len(batches[i][1])
+                per_batch[i] = list(result[at : at + count])
+                at += count
+        return per_batch
 
-    async def _send_replies(self, reply: tuple[list[str], list[Any]]) -> None:
+    async def _send_replies(self, call: ReplyCall) -> None:
         """Run one mb_reply alone and wait for it (loading the library if it must and may)."""
-        lane = self._lane.at(reply[0][0])
+        lane = self._lane.at(call.keys[0])
         generation = lane.generation
-        refused = await self._fcall(REPLY, *reply, warn=False)
-        self._replies_checked = generation if generation == lane.generation else -1
+        refused = await self._fcall(REPLY, call.keys, call.args, warn=False)
+        if generation == lane.generation:
+            self._note_replies_checked(generation)
         _log_refused(refused)
+
+    def _note_replies_checked(self, generation: Hashable) -> None:
+        """mb_reply answered on this lane connection: replies may go with acks on it."""
+        if len(self._replies_checked) >= 4096:  # reconnections by the thousand: start over
+            self._replies_checked.clear()
+        self._replies_checked.add(generation)
 
     async def withdrawn(self, keys: ModelKeys, entry_ids: Sequence[str]) -> set[str]:
         if not entry_ids:
@@ -546,7 +625,7 @@ class RedisTransport:
             for k, ids in checks.items()
         ]
         try:
-            _, results = await self._run_per_slot(batches)
+            results = await self._run_per_slot(batches)
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
         withdrawn: set[str] = set()
@@ -806,7 +885,8 @@ class RedisTransport:
     async def close(self) -> None:
         for reads in self._partition_reads.values():
             await reads.close()
-        for lane in (self._lane, self._reads, self._replies, *self._partition_lanes.values()):
+        lanes = (self._lane, self._reads, self._replies, *self._partition_lanes.values())
+        for lane in (*lanes, *self._reply_lanes.values()):
             lane.close()
         await self.redis.aclose()
 
@@ -931,14 +1011,62 @@ def _tagged(keys: ModelKeys, taken: Sequence[tuple[int, Entry]]) -> list[Entry]:
     return [(partitions.tag(entry_id, lanes[level]), fields) for level, (entry_id, fields) in taken]
 
 
-def _reply_call(replies: Sequence[tuple[str, bytes]], ttl_s: int) -> tuple[list[str], list[Any]]:
-    """The keys and arguments (after the version) of one mb_reply of (reply key, reply)
-    pairs, grouped by key in order."""
+@dataclass(frozen=True)
+class ReplyCall:
+    """One mb_reply: its keys (all with one hash tag, ``tag``) and its arguments after the
+    version."""
+
+    tag: str
+    keys: list[str]
+    args: list[Any]
+
+
+def _hash_tag(key: str) -> str:
+    """What Redis Cluster hashes of ``key``: its hash tag (the text between the first ``{``
+    and the next ``}``, if not empty), else the whole key."""
+    start = key.find("{")
+    if start >= 0:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            return key[start + 1 : end]
+    return key
+
+
+def _reply_calls(replies: Sequence[tuple[str, bytes]], ttl_s: int) -> list[ReplyCall]:
+    """The mb_reply calls of (reply key, reply) pairs: one per hash tag of the keys (a
+    function call touches one slot), each with its replies grouped by key, in order."""
     by_key: dict[str, list[bytes]] = {}
     for key, payload in replies:
         by_key.setdefault(key, []).append(payload)
-    counts = [len(payloads) for payloads in by_key.values()]
-    return list(by_key), [ttl_s, *counts, *chain.from_iterable(by_key.values())]
+    by_tag: dict[str, list[str]] = {}
+    for key in by_key:
+        by_tag.setdefault(_hash_tag(key), []).append(key)
+    calls = []
+    for tag, keys in by_tag.items():
+        counts = [len(by_key[key]) for key in keys]
+        payloads = chain.from_iterable(by_key[key] for key in keys)
+        calls.append(ReplyCall(tag, keys, [ttl_s, *counts, *payloads]))
+    return calls
+
+
+def _reply_command(call: ReplyCall) -> tuple[Any, ...]:
+    return ("FCALL", REPLY, len(call.keys), *call.keys, functions.VERSION, *call.args)
+
+
+def _replies_elsewhere(keys: ModelKeys, held: Mapping[int, Sequence[Entry]]) -> set[str]:
+    """The hash tags of the reply keys of these entries (by lane) that are not their own
+    partition's."""
+    out: set[str] = set()
+    for lane, entries in held.items():
+        own = keys.of(lane).tag
+        for _, fields in entries:
+            reply = fields.get(b"reply")
+            if reply is None:
+                continue
+            tag = _hash_tag(reply.decode(errors="replace"))
+            if tag != own:
+                out.add(tag)
+    return out
 
 
 def _withdrawn(lane: int, ids: Sequence[str], scores: Any) -> set[str]:

@@ -483,7 +483,7 @@ class BatchLoop:
             request: Request | None = parse_request(*entry)
         except Exception:  # MalformedEntry: no caller that could be told
             request = None
-        if request is not None and self.preparer.may_reply_to(request.reply_key):
+        if request is not None and self.preparer.may_reply_to(request.reply_key, entry[0]):
             error = PoisonRequest(f"request {reason}; it sits in the dead-letter stream")
             reply = (request.reply_key, encode_error(request.request_id, error))
             await self.transport.finish(self.keys, [reply], [], self.settings.reply_ttl_s)

@@ -15,7 +15,8 @@ import numpy as np
 
 from broker import codec
 from broker.errors import CodecError, DeadlineExceeded, InvalidInput
-from broker.keys import ModelKeys
+from broker.keys import MAX_PARTITIONS, ModelKeys
+from broker.partitions import untag
 from broker.protocol import MalformedEntry, Request, encode_error, parse_request
 from broker.transport import Entry
 
@@ -60,9 +61,14 @@ class Preparer:
         # Each decoded item goes through this before the model sees it (the model's declared
         # input, see gpu_worker.model.input_check): it returns the item, or raises InvalidInput.
         self.check_item = check_item
-        # Why an entry whose reply key is not one of this model's inboxes is dead-lettered.
-        self.misdirected = f"reply key outside this model's inboxes ({keys.reply_namespace}*)"
-        self._reply_namespace = keys.reply_namespace
+        # Each partition's inbox namespaces (its own first, then the model's), and why an
+        # entry of it whose reply key is in neither is dead-lettered.
+        parts = [keys.of(k).reply_namespaces for k in range(keys.partitions)]
+        self._reply_namespaces = parts
+        self._misdirected = [
+            f"reply key outside this model's inboxes ({' or '.join(f'{n}*' for n in names)})"
+            for names in parts
+        ]
 
     def prepare(self, entries: list[Entry], skip: set[str] | None = None) -> PreparedBatch:
         """Parse, decode and check a batch; the entries that cannot be computed get their
@@ -84,8 +90,8 @@ class Preparer:
 
     def _add(self, batch: PreparedBatch, entry: Entry, request: Request) -> None:
         """Add one parsed request: as an item to compute, or with its answer already."""
-        if not self.may_reply_to(request.reply_key):
-            batch.dead.append((entry, self.misdirected))
+        if not self.may_reply_to(request.reply_key, entry[0]):
+            batch.dead.append((entry, self.misdirected(entry[0])))
             log.warning(
                 "dead-lettered entry %s on %s: its reply key %r is not one of this "
                 "model's inboxes", entry[0], self.keys.stream, request.reply_key[:200],
@@ -125,10 +131,10 @@ class Preparer:
             exc = MalformedEntry("entry could not be parsed")
         if not exc.request_id or not exc.reply_key:
             batch.dead.append((entry, NO_READER))
-        elif self.may_reply_to(exc.reply_key):
+        elif self.may_reply_to(exc.reply_key, entry[0]):
             batch.replies.append((exc.reply_key, encode_error(exc.request_id, exc)))
         else:
-            batch.dead.append((entry, self.misdirected))
+            batch.dead.append((entry, self.misdirected(entry[0])))
         log.warning("malformed entry %s on %s: %s", entry[0], self.keys.stream, exc)
         self.observer.answered("malformed")
 
@@ -149,10 +155,22 @@ class Preparer:
         error = DeadlineExceeded("deadline passed before the item was computed")
         return request.reply_key, encode_error(request.request_id, error)
 
-    def may_reply_to(self, key: str) -> bool:
-        """ModelKeys.may_reply_to, without formatting the namespace for every entry."""
-        namespace = self._reply_namespace
-        return len(key) > len(namespace) and key.startswith(namespace)
+    def may_reply_to(self, key: str, entry_id: str) -> bool:
+        """ModelKeys.may_reply_to for the partition of the entry ``entry_id`` (tagged with its
+        lane, as the transport hands it out), without formatting namespaces for every entry."""
+        parts = self._reply_namespaces
+        partition = untag(entry_id)[1] % MAX_PARTITIONS if len(parts) > 1 else 0
+        if partition >= len(parts):
+            return False
+        for namespace in parts[partition]:
+            if len(key) > len(namespace) and key.startswith(namespace):
+                return True
+        return False
+
+    def misdirected(self, entry_id: str) -> str:
+        """Why the entry ``entry_id``, whose reply key may not be replied to, is dead-lettered."""
+        partition = untag(entry_id)[1] % MAX_PARTITIONS
+        return self._misdirected[min(partition, len(self._misdirected) - 1)]
 
     def drop_stale(self, batch: PreparedBatch, withdrawn: set[str]) -> bool:
         """Take items withdrawn or past their deadline out of a prepared batch (their

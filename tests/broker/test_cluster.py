@@ -234,28 +234,40 @@ def test_the_acl_users_of_broker_acl_cluster_serve_a_cluster(prefix: str) -> Non
         loaded = cli.invoke(app, ["functions", "load", "--redis", url("operator", "OPERATOR")])
         assert loaded.exit_code == 0, loaded.output
         keys = ModelKeys("echo", prefix)
+        # and a partitioned model: replies to each partition's inboxes
+        spread = ModelKeys("spread", prefix, partitions=3)
+        with connections.sync_client(cluster.url()) as client:
+            client.set(spread.partitions_key, 3)  # as its supervisor would store it
 
         async def serve_and_call() -> list[object]:
             transport = RedisTransport(url(f"{prefix}-worker", "WORKER"))
-            loop = BatchLoop(lambda items: items, transport, keys, "w-1",
-                             BatchSettings(block_ms=50))  # fmt: skip
-            serving = asyncio.ensure_future(loop.run())
+            settings = BatchSettings(block_ms=50)
+            loops = [
+                BatchLoop(lambda items: items, transport, served, "w-1", settings)
+                for served in (keys, spread)
+            ]
+            serving = [asyncio.ensure_future(loop.run()) for loop in loops]
             try:
-                streamer = Streamer("echo", redis_url=url(f"{prefix}-gateway", "GATEWAY"),
-                                    prefix=prefix, wait_for_workers=True)  # fmt: skip
-                outputs: list[object] = await streamer.apredict(["a", "b"], timeout=10)
-                await streamer.aclose()
+                outputs: list[object] = []
+                for name in ("echo", "spread"):
+                    streamer = Streamer(name, redis_url=url(f"{prefix}-gateway", "GATEWAY"),
+                                        prefix=prefix, wait_for_workers=True)  # fmt: skip
+                    outputs += await streamer.apredict(["a", "b"], timeout=10)
+                    calls = [streamer.apredict([i], timeout=10) for i in range(6)]
+                    outputs += [out for got in await asyncio.gather(*calls) for out in got]
+                    await streamer.aclose()
                 return outputs
             finally:
-                loop.stop()
-                await serving
+                for loop in loops:
+                    loop.stop()
+                await asyncio.gather(*serving)
                 await transport.close()
 
-        assert asyncio.run(serve_and_call()) == ["a", "b"]
+        assert asyncio.run(serve_and_call()) == ["a", "b", *range(6)] * 2
         admin = url(f"{prefix}-admin", "ADMIN")
         status = cli.invoke(app, ["status", "--redis", admin, "--prefix", prefix, "--json"])
         assert status.exit_code == 0, status.output
-        assert [row["model"] for row in json.loads(status.output)] == ["echo"]
+        assert sorted(row["model"] for row in json.loads(status.output)) == ["echo", "spread"]
         for node in cluster.nodes:
             with cluster.client(node.port) as client:
                 assert client.acl_log() == [], (node.port, client.acl_log())
@@ -477,3 +489,89 @@ def test_both_priority_levels_of_a_partitioned_queue_on_a_cluster(
                 added[part.level] += int(client.xinfo_stream(part.stream)["entries-added"])
                 assert client.xlen(part.stream) == 0
         assert added == {NORMAL: 15, HIGH: 15}
+
+
+class _Counting(RedisTransport):
+    """A transport that counts the mb_reply calls it had to send alone (a round trip of
+    their own before the acknowledgements), and notes the inboxes replies came from."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.alone = 0
+        self.popped: list[str] = []
+
+    async def _send_replies(self, call: Any) -> None:
+        self.alone += 1
+        await super()._send_replies(call)
+
+    async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:
+        got = await super().pop_replies(inbox, count, timeout_s)
+        self.popped += [inbox] * len(got)
+        return got
+
+
+def test_a_partition_s_replies_go_to_its_own_node_with_its_acks(
+    cluster: LocalCluster, prefix: str
+) -> None:
+    """Three partitions on three primaries: a call on partition k is answered in the
+    caller's inbox of partition k's namespace, on k's node (RPUSHed and BLMPOPed there), and
+    once each node's connection has answered an mb_reply, the worker writes the replies in
+    the same transaction as the acks (no mb_reply alone). A reply to the model's inbox for
+    an entry of partition k (a caller with one inbox) still comes, written first, alone."""
+    spread = prefix_spreading_partitions(cluster, prefix, 3)
+    keys = ModelKeys("toy", spread, partitions=3)
+    url = cluster.url()
+    with cluster.client(cluster.owner(keys.partitions_key)) as client:
+        client.set(keys.partitions_key, 3)  # as a supervisor would store it
+    for port in cluster.primaries():
+        with cluster.client(port) as client:
+            client.config_resetstat()
+    worker = _Counting(url)
+    caller: list[_Counting] = []
+
+    class Counted(Streamer):
+        def _make_transport(self) -> RedisTransport:
+            caller.append(_Counting(self.redis_url))
+            return caller[-1]
+
+    async def run() -> tuple[list[object], int, int]:
+        loop = BatchLoop(lambda items: items, worker, keys, "w-1", BatchSettings(block_ms=50))
+        serving = asyncio.ensure_future(loop.run())
+        streamer = Counted("toy", redis_url=url, prefix=spread, wait_for_workers=True)
+        try:
+            for i in range(9):  # each partition's node answers an mb_reply, alone
+                assert await streamer.apredict([i], timeout=10) == [i]
+            warm = worker.alone
+            calls = [streamer.apredict([f"a{i}", f"b{i}"], timeout=10) for i in range(30)]
+            outputs = [item for result in await asyncio.gather(*calls) for item in result]
+            riding = worker.alone - warm
+            # a caller with one inbox (the model's) for an entry of partition 2
+            two = keys.of(2)
+            inbox = keys.inbox("one-inbox")
+            with connections.sync_client(url) as sync:
+                enqueue = (two.stream, two.queued_bytes, two.queue_bound, two.consumers)
+                data = b"\xa3one"  # msgpack "one"
+                sync.fcall("mb_enqueue", 4, *enqueue, 1, 0, 0, 1, inbox, 10000, "", "r1", data)
+                popped = await asyncio.to_thread(sync.blpop, [inbox], 10)
+            assert popped is not None and b"r1" in popped[1]
+            return outputs, riding, worker.alone - warm - riding
+        finally:
+            await streamer.aclose()
+            loop.stop()
+            await serving
+            await worker.close()
+
+    outputs, riding, foreign = asyncio.run(run())
+    assert outputs == [item for i in range(30) for item in (f"a{i}", f"b{i}")]
+    assert riding == 0  # every reply went in its partition's transaction
+    assert foreign == 1  # written alone, before its entry was acknowledged on p2's node
+    [core_transport] = caller
+    client_id = core_transport.popped[0].rsplit(":", 1)[1]
+    inboxes = {part.inbox(client_id) for part in keys.each()}
+    assert set(core_transport.popped) == inboxes and len(core_transport.popped) == 69
+    for part in keys.each():
+        assert key_slot(part.inbox(client_id)) == key_slot(part.stream)
+    for port in cluster.primaries():  # each node pushed and popped replies of its partition
+        with cluster.client(port) as client:
+            stats: Any = client.info("commandstats")
+            assert stats["cmdstat_rpush"]["calls"] > 0 and stats["cmdstat_blmpop"]["calls"] > 0

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,13 +19,26 @@ import msgpack
 import pytest
 import redis
 
-from broker import BrokerUnavailable, DeadlineExceeded, QueueFull, Streamer, admin, codec
-from broker.keys import ModelKeys
+from broker import (
+    BrokerUnavailable,
+    DeadlineExceeded,
+    QueueFull,
+    Streamer,
+    acl,
+    admin,
+    codec,
+    functions,
+)
+from broker import client as client_module
+from broker.client import ClientCore
+from broker.keys import HIGH, ModelKeys
 from broker.memory_transport import InMemoryTransport
 from broker.partition_reads import PartitionReads
 from broker.partitions import split_bound, tag, untag
-from broker.protocol import CallRequests, decode_reply
+from broker.protocol import CallRequests, decode_reply, request_fields
+from broker.redis_transport import RedisTransport
 from broker.transport import UNBOUNDED
+from gpu_worker.batching import BatchLoop, BatchSettings
 from tests.conftest import ROOT, wait_for_consumers, worker_process
 from tests.models import DELAY_ENV
 
@@ -52,14 +66,26 @@ def test_partition_zero_keeps_the_model_keys_and_the_others_get_a_slot_of_their_
     two = keys.of(2)
     assert two.stream == "mb:{demo:toy:p2}:requests"
     for key in (two.stream, two.queued_bytes, two.queue_bound, two.consumers, two.cancelled,
-                two.dead_letters, two.heartbeat("w-1")):  # fmt: skip
+                two.dead_letters, two.heartbeat("w-1"), two.inbox("c1"),
+                two.at(HIGH).inbox("c1")):  # fmt: skip
         assert slot_tag(key) == "demo:toy:p2" == two.tag
-    # the count and the inboxes stay in the model's slot, whichever partition
+    # the count stays in the model's slot; each partition has inboxes of its own
     assert two.partitions_key == keys.partitions_key == "mb:{demo:toy}:partitions"
-    assert two.inbox("c1") == keys.inbox("c1") == "mb:{demo:toy}:inbox:c1"
+    assert keys.inbox("c1") == ModelKeys("toy", "demo").inbox("c1") == "mb:{demo:toy}:inbox:c1"
+    assert two.inbox("c1") == "mb:{demo:toy:p2}:inbox:c1" == two.at(HIGH).inbox("c1")
+    assert two.reply_namespaces == ("mb:{demo:toy:p2}:inbox:", "mb:{demo:toy}:inbox:")
+    assert keys.reply_namespaces == ("mb:{demo:toy}:inbox:",)
+    # partition 2's entries may be answered in its own inboxes or the model's, nothing else
     assert two.may_reply_to("mb:{demo:toy}:inbox:c1")
-    assert not two.may_reply_to("mb:{demo:toy:p2}:inbox:c1")
-    assert not two.may_reply_to(two.stream)
+    assert two.may_reply_to("mb:{demo:toy:p2}:inbox:c1")
+    assert two.at(HIGH).may_reply_to("mb:{demo:toy:p2}:inbox:c1")
+    for elsewhere in ("mb:{demo:toy:p1}:inbox:c1", "mb:{demo:toy:p22}:inbox:c1",
+                      "mb:{demo:toy:p2}:inbox:", "mb:{demo:toy}:inbox:",
+                      "mb:{demo:toyx:p2}:inbox:c1", "mb:{demo:other:p2}:inbox:c1",
+                      "mb:{demox:toy:p2}:inbox:c1", two.stream, two.at(HIGH).stream):  # fmt: skip
+        assert not two.may_reply_to(elsewhere), elsewhere
+    assert not keys.may_reply_to("mb:{demo:toy:p2}:inbox:c1")  # partition 0: the model's only
+    assert not keys.of(1).may_reply_to("mb:{demo:toy:p2}:inbox:c1")
     assert [k.partition for k in keys.each()] == [0, 1, 2]
     with pytest.raises(ValueError):
         keys.of(3)
@@ -91,6 +117,58 @@ def test_in_memory_partitions_are_read_oldest_first_acked_and_withdrawn_per_part
         assert await transport.withdrawn(keys, ids) == {ids[0]}
         await transport.finish(keys, [], batch, 60)
         assert [e for e, _ in await transport.read_batch(keys, "w", 3, 10)] == [ids[3]]
+
+    asyncio.run(scenario())
+
+
+def test_a_core_follows_the_partition_count_with_an_inbox_and_a_reader_per_partition(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One partition: one inbox, one reader, as ever. The count raised, calls name the core's
+    inbox in their partition's namespace, each read by a reader of its own; lowered again,
+    calls name the one inbox, and the other readers retire once idle."""
+    monkeypatch.setattr(client_module, "PARTITIONS_EVERY_S", 0.0)
+    monkeypatch.setattr(client_module, "REPLY_WAIT_S", 0.05)
+
+    async def scenario() -> None:
+        transport = InMemoryTransport()
+        keys = ModelKeys("toy", "mem")
+        served = keys.spread(3)
+        named: list[str] = []
+        enqueue = transport.enqueue
+
+        async def noting(queue: ModelKeys, calls: Any, bound: Any) -> Any:
+            named.extend(call.reply_key for call in calls)
+            return await enqueue(queue, calls, bound)
+
+        transport.enqueue = noting  # type: ignore[method-assign]
+        worker = BatchLoop(lambda items: items, transport, served, "w", BatchSettings(block_ms=5))
+        serving = asyncio.ensure_future(worker.run())
+        core = ClientCore(keys, transport, asyncio.get_running_loop())
+        try:
+            assert await core.call([codec.encode(0)], 5) == [0]
+            assert named == [core.inbox] and set(core._readers) <= {core.inbox}
+            transport.partition_counts[keys.partitions_key] = 3
+            named.clear()
+            await core.call([codec.encode(1)], 5)  # the count is read again as it goes out
+            calls = [core.call([codec.encode(i)], 5) for i in range(6)]
+            assert await asyncio.gather(*calls) == [[i] for i in range(6)]
+            inboxes = {served.of(k).inbox(core.client_id) for k in range(3)}
+            assert set(named[-6:]) == inboxes  # in turn: each partition's inbox
+            transport.partition_counts[keys.partitions_key] = 1
+            await core.call([codec.encode(7)], 5)
+            named.clear()
+            assert await core.call([codec.encode(8)], 5) == [8]
+            assert named == [core.inbox]
+            for _ in range(100):  # the partition inboxes' readers retire once idle
+                if set(core._readers) <= {core.inbox}:
+                    break
+                await asyncio.sleep(0.02)
+            assert set(core._readers) <= {core.inbox}
+        finally:
+            await core.aclose()
+            worker.stop()
+            await serving
 
     asyncio.run(scenario())
 
@@ -281,26 +359,175 @@ def test_a_foreign_client_enqueues_to_partition_k_and_gets_its_reply(
     redis_server: Any, prefix: str
 ) -> None:
     """A caller written from docs/protocol.md alone: read the count, FCALL mb_enqueue with
-    partition k's keys, BLPOP a reply key in the model's inbox namespace."""
+    partition k's keys (normal or high level), BLPOP a reply key in partition k's inbox
+    namespace, or in the model's (partition 0's) as a caller with one inbox does."""
     client = redis.Redis.from_url(redis_server.url)
+    functions.load(client)  # (as an operator would have)
     with worker_process(redis_server.url, "tests.models:Toy", prefix, "--partitions", "3"):
         count = int(client.get(f"mb:{{{prefix}:toy}}:partitions") or 1)
         assert count == 3
         for k in range(count):
             tag_k = f"{prefix}:toy" if k == 0 else f"{prefix}:toy:p{k}"
-            reply_key = f"mb:{{{prefix}:toy}}:inbox:foreign-{k}"
-            keys = [f"mb:{{{tag_k}}}:{kind}" for kind in
-                    ("requests", "queued-bytes", "queue-bound", "consumers")]  # fmt: skip
-            data = msgpack.packb({"k": k})
-            [result] = client.fcall(
-                "mb_enqueue", 4, *keys, 1, 0, 0, 1, reply_key, 10000, "", f"req-{k}", data
-            )
-            assert result[0] == 0
+            for level in ("", ":high"):
+                own = f"mb:{{{tag_k}}}:inbox:foreign-{k}{level}"
+                keys = [f"mb:{{{tag_k}}}:{kind}{level}" for kind in ("requests", "queued-bytes")]
+                keys += [f"mb:{{{tag_k}}}:{kind}" for kind in ("queue-bound", "consumers")]
+                for reply_key in (own, f"mb:{{{prefix}:toy}}:inbox:one-inbox-{k}{level}"):
+                    data = msgpack.packb({"k": k})
+                    request_id = f"req-{k}{level}-{reply_key[-12:]}"
+                    [result] = client.fcall(
+                        "mb_enqueue", 4, *keys, 1, 0, 0, 1, reply_key, 10000, "", request_id, data
+                    )
+                    assert result[0] == 0
+                    popped = client.blpop([reply_key], timeout=10)
+                    assert popped is not None
+                    reply = decode_reply(popped[1])
+                    assert reply.request_id == request_id and reply.ok
+                    assert reply.result["item"] == {"k": k}
+
+
+def test_replies_only_to_the_partition_s_inboxes_or_the_model_s(
+    redis_server: Any, prefix: str
+) -> None:
+    """An entry of partition k may name an inbox of partition k or of the model (partition
+    0); one naming another partition's inbox, another model's (of any partition) or a bare
+    namespace is dead-lettered unanswered, and nothing is written to that key."""
+    keys = ModelKeys("toy", prefix, partitions=3)
+    one, two = keys.of(1), keys.of(2)
+    other = ModelKeys("other", prefix, partitions=3)
+    client = redis.Redis.from_url(redis_server.url)
+    answered = {  # (lane keys, reply key)
+        "own": (one, one.inbox("c")),
+        "model": (one, keys.inbox("c")),
+        "high-own": (one.at(HIGH), one.inbox("h")),
+        "p0": (keys, keys.inbox("p0")),
+    }
+    refused = {
+        "sibling": (one, two.inbox("c")),
+        "sibling-high": (one.at(HIGH), two.inbox("h")),
+        "p0-to-p1": (keys, one.inbox("c")),
+        "other-model": (one, other.of(1).inbox("c")),
+        "other-model-0": (one, other.inbox("c")),
+        "bare": (one, one.reply_namespace),
+        "stream": (one, two.stream),
+    }
+    with worker_process(redis_server.url, "tests.models:Toy", prefix, "--partitions", "3"):
+        for name, (lane, reply_key) in {**answered, **refused}.items():
+            fields = request_fields(name, reply_key, 10_000, codec.encode(name))
+            client.xadd(lane.stream, fields)  # type: ignore[arg-type]
+        for name, (_, reply_key) in answered.items():
             popped = client.blpop([reply_key], timeout=10)
-            assert popped is not None
+            assert popped is not None, name
             reply = decode_reply(popped[1])
-            assert reply.request_id == f"req-{k}" and reply.ok
-            assert reply.result["item"] == {"k": k}
+            assert reply.request_id == name and reply.ok and reply.result["item"] == name
+        deadline = time.monotonic() + 30
+        while sum(client.xlen(part.dead_letters) for part in keys.lanes()) < len(refused):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    for name, (lane, reply_key) in refused.items():
+        letters = {fields[b"id"].decode(): fields for _, fields in client.xrange(lane.dead_letters)}
+        namespaces = " or ".join(f"{n}*" for n in lane.reply_namespaces)
+        reason = f"reply key outside this model's inboxes ({namespaces})"
+        assert letters[name][b"dead_reason"].decode() == reason, name
+        if reply_key != two.stream:
+            assert not client.exists(reply_key), name
+    assert client.xlen(two.stream) == 0  # nothing was written to it
+    assert client.xlen(keys.of(1).dead_letters) == 5
+
+
+class _Recording(RedisTransport):
+    """A caller's transport that notes the inboxes replies came from."""
+
+    def __init__(self, url: str, popped: list[str]) -> None:
+        super().__init__(url)
+        self.popped = popped
+
+    async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:
+        got = await super().pop_replies(inbox, count, timeout_s)
+        self.popped += [inbox] * len(got)
+        return got
+
+
+def test_a_call_queued_to_partition_k_names_the_caller_s_inbox_in_k_s_namespace(
+    redis_server: Any, prefix: str
+) -> None:
+    """The Python client: a call on partition k (either level) names its inbox in partition
+    k's namespace, whose reader gets its replies; once idle, the readers retire."""
+    keys = ModelKeys("toy", prefix, partitions=3)
+    client = redis.Redis.from_url(redis_server.url)
+    client.set(keys.partitions_key, 3)  # as a worker would store it: callers follow it
+    popped: list[str] = []
+
+    class Recorded(Streamer):
+        def _make_transport(self) -> RedisTransport:
+            return _Recording(self.redis_url, popped)
+
+    with Recorded("toy", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True) as st:
+        futures = [
+            st.submit([i, i], timeout=30, priority="high" if i % 2 else "normal") for i in range(12)
+        ]
+        deadline = time.monotonic() + 30
+        while sum(client.xlen(part.stream) for part in keys.lanes()) < 24:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        clients = set()
+        for part in keys.lanes():
+            entries = client.xrange(part.stream)
+            assert entries, part.stream  # each level of each partition got calls
+            for _, fields in entries:
+                reply = fields[b"reply"].decode()
+                assert reply.startswith(part.reply_namespace), (part.stream, reply)
+                clients.add(reply.removeprefix(part.reply_namespace))
+        assert len(clients) == 1  # one client: its inbox in each partition's namespace
+        [client_id] = clients
+        with worker_process(redis_server.url, "tests.models:Toy", prefix, "--partitions", "3"):
+            for i, future in enumerate(futures):
+                assert [out["item"] for out in future.result(timeout=30)] == [i, i]
+        assert sorted(set(popped)) == sorted(part.inbox(client_id) for part in keys.each())
+        assert len(popped) == 24
+        core = st._thread_core
+        assert core is not None
+        while core._readers:  # each reader retires after one idle wait
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_the_acl_users_pop_and_push_every_partition_s_inboxes(
+    redis_server: Any, prefix: str
+) -> None:
+    """The users `broker acl` prints: the gateway may BLMPOP, and the worker's mb_reply may
+    TYPE, PTTL, RPUSH and EXPIRE, the inboxes of every partition (ACL DRYRUN); the worker
+    may not RPUSH to a stream, and neither may touch another prefix's inboxes."""
+    lines, _ = acl.render([prefix], environ={})
+    admin_client = redis_server.client()
+    names = []
+    try:
+        for line in lines:
+            _, name, rules = line.split(" ", 2)
+            names.append(name)
+            admin_client.execute_command(
+                "ACL", "SETUSER", name, *re.findall(r"\([^)]*\)|\S+", rules)
+            )
+        keys = ModelKeys("toy", prefix, partitions=3)
+
+        def dryrun(user: str, *command: str) -> bytes:
+            return admin_client.execute_command("ACL", "DRYRUN", f"{prefix}-{user}", *command)
+
+        for part in keys.lanes():
+            inbox = part.inbox("c1")
+            assert dryrun("gateway", "BLMPOP", "1", "1", inbox, "LEFT") == b"OK", inbox
+            for command in (("TYPE", inbox), ("PTTL", inbox), ("RPUSH", inbox, "r"),
+                            ("EXPIRE", inbox, "60")):  # fmt: skip
+                assert dryrun("worker", *command) == b"OK", command
+            assert dryrun("worker", "RPUSH", part.stream, "r") != b"OK"
+            theirs = ModelKeys("toy", f"{prefix}x", part.partition, 3).inbox("c1")  # a tenant's
+            assert dryrun("gateway", "BLMPOP", "1", "1", theirs, "LEFT") != b"OK"
+            assert dryrun("worker", "RPUSH", theirs, "r") != b"OK"
+    finally:
+        for name in names:
+            if name != "default":
+                admin_client.acl_deluser(name)
+        admin_client.close()
 
 
 def test_an_entry_dead_lettered_in_partition_k_is_listed_and_replayed_there(
