@@ -72,7 +72,8 @@ def measure(args: argparse.Namespace) -> dict[str, list[float]]:
             client.execute_command("FUNCTION", "LOAD", "REPLACE", renamed(code, names[arm]))
         client.hset(BOUND, mapping={"items": 512, "bytes": 256 * 2**20})
         client.zadd(CONSUMERS, {"w1": 2**50})
-        fcall_head = [4, STREAM, COUNTER, BOUND, CONSUMERS, functions.VERSION, 0, 0]
+        # version 1 of the call (one entry per item), which every library revision takes
+        fcall_head = [4, STREAM, COUNTER, BOUND, CONSUMERS, 1, 0, 0]
         fcall_head += [items, INBOX, 30000, ""]
         body: list[Any] = []
         for i in range(items):

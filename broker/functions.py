@@ -28,8 +28,6 @@ from typing import Any
 
 from redis.cluster import RedisCluster
 
-from .multi_item import MAX_ENTRY_ITEMS
-
 LIBRARY = "microbatch"
 VERSION = 2
 
@@ -44,6 +42,10 @@ REPLY = "mb_reply"
 # more items or bytes is refused before it is sent (InvalidInput).
 MAX_CALL_ENTRIES = 4096
 MAX_CALL_BYTES = 64 * 1024 * 1024  # data bytes: one item at the codec's size limit fits
+
+# The most items one multi-item entry may hold: mb_enqueue passes XADD its 3 to 4 field pairs
+# per item as one Lua unpack, which Redis caps at 8000 values.
+MAX_ENTRY_ITEMS = 512
 
 CANCELLED_TTL_MS = 10 * 60 * 1000  # how long a withdrawal is remembered for workers to skip
 PUSH_CHUNK = 1000  # replies per RPUSH inside mb_reply (Lua's unpack has a stack limit)

@@ -21,15 +21,14 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
+from .functions import MAX_ENTRY_ITEMS as MAX_ENTRY_ITEMS
 from .protocol import carried_deadline, entry_time_ms
 from .transport import Entry
 
 VERSION = b"2"
 ITEM_MARK = "#"
-# The most items one v2 entry may hold (a worker refuses to read more from one entry): the
-# function writing one passes XADD its 3 to 4 field pairs per item as one Lua unpack, which
-# Redis caps at 8000 values. The Python client's default packs up to DEFAULT_ENTRY_ITEMS.
-MAX_ENTRY_ITEMS = 512
+# The most items one v2 entry may hold (functions.MAX_ENTRY_ITEMS: a worker refuses to read
+# more from one entry). The Python client's default packs up to DEFAULT_ENTRY_ITEMS.
 DEFAULT_ENTRY_ITEMS = 32
 
 _V1 = b"1"
