@@ -52,6 +52,7 @@ CONSUMERS_TEMPLATE = "mb:{{{prefix}:{model}}}:consumers"
 CANCELLED_TEMPLATE = "mb:{{{prefix}:{model}}}:cancelled"
 QUEUED_BYTES_TEMPLATE = "mb:{{{prefix}:{model}}}:queued-bytes"
 PACKED_ITEMS_TEMPLATE = "mb:{{{prefix}:{model}}}:packed-items"
+ANSWERED_TEMPLATE = "mb:{{{prefix}:{model}}}:answered"
 QUEUE_BOUND_TEMPLATE = "mb:{{{prefix}:{model}}}:queue-bound"
 PARTITIONS_TEMPLATE = "mb:{{{prefix}:{model}}}:partitions"
 # Of a pipeline (under its own name): request ids its callers withdrew, and fan-out joins.
@@ -233,6 +234,13 @@ class ModelKeys:
         """Counter of the items the stream holds beyond one per entry (the sum of ``n - 1``
         over its multi-item entries), for the item bound: items = XLEN + this."""
         return self._leveled(PACKED_ITEMS_TEMPLATE)
+
+    @property
+    def answered(self) -> str:
+        """Sorted set of the answered items (``<entry id>#<i>``) of multi-item entries whose
+        other items are not answered yet, scored by expiry (ms): what a worker taking such an
+        entry over does not compute again."""
+        return self._leveled(ANSWERED_TEMPLATE)
 
     @property
     def queue_bound(self) -> str:

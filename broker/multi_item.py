@@ -91,12 +91,16 @@ def data_size(fields: dict[bytes, Any], count: int) -> int:
 class Settled(NamedTuple):
     """What answering some entries of one stream completes: the plain entries and the v2
     entries whose last item was answered (to acknowledge now), with the data bytes and the
-    packed items (beyond one per entry) of those v2 entries, to release from the counters."""
+    packed items (beyond one per entry) of those v2 entries, to release from the counters;
+    the items answered whose entry stays open (to mark answered, so that whoever takes the
+    entry over does not compute them again), and the marks of entries now done (to remove)."""
 
     plain: list[str]
     done: list[str]
     released: int
     packed: int
+    answered: list[str]
+    unmarked: list[str]
 
 
 class ItemAcks:
@@ -108,35 +112,45 @@ class ItemAcks:
     """
 
     def __init__(self) -> None:
-        # entry id -> (items left, data bytes, items)
-        self._open: dict[str, tuple[set[int], int, int]] = {}
+        # entry id -> (items left, data bytes, items, marked: some were answered before)
+        self._open: dict[str, tuple[set[int], int, int, list[bool]]] = {}
 
-    def hand_out(self, entry_id: str, fields: dict[bytes, Any], count: int) -> None:
-        """Note that all items of the v2 entry ``entry_id`` (a stream id) are handed out
-        (again, after a takeover: whatever was answered before is answered again)."""
-        self._open[entry_id] = (set(range(count)), data_size(fields, count), count)
+    def hand_out(
+        self, entry_id: str, fields: dict[bytes, Any], count: int, again: bool = False
+    ) -> None:
+        """Note that all items of the v2 entry ``entry_id`` (a stream id) are handed out;
+        ``again``: taken back or over, so its items may have been marked answered before."""
+        self._open[entry_id] = (set(range(count)), data_size(fields, count), count, [again])
 
     def settle(self, ids: Iterable[str]) -> Settled:
         """Of stream ids (untagged), some of them item ids, just answered: what that
         completes."""
-        settled = Settled([], [], 0, 0)
-        done = settled.done
-        released = packed = 0
+        plain: list[str] = []
+        answered: dict[str, list[str]] = {}
         for entry_id in ids:
             stream_id, mark, index = entry_id.partition(ITEM_MARK)
             if not mark:
-                settled.plain.append(entry_id)
+                plain.append(entry_id)
                 continue
             held = self._open.get(stream_id)
-            if held is None or not index.isdigit():
+            if held is None or not index.isdigit() or int(index) not in held[0]:
                 continue  # answered already (a duplicate), or handed out before a takeover
-            left, size, count = held
-            left.discard(int(index))
-            if not left:
-                del self._open[stream_id]
-                done.append(stream_id)
-                released += size
-                packed += count - 1
+            held[0].discard(int(index))
+            answered.setdefault(stream_id, []).append(entry_id)
+        settled = Settled(plain, [], 0, 0, [], [])
+        released = packed = 0
+        for stream_id, items in answered.items():
+            left, size, count, marked = self._open[stream_id]
+            if left:
+                settled.answered.extend(items)
+                marked[0] = True
+                continue
+            del self._open[stream_id]
+            settled.done.append(stream_id)
+            released += size
+            packed += count - 1
+            if marked[0]:
+                settled.unmarked.extend(item_id(stream_id, i) for i in range(count))
         return settled._replace(released=released, packed=packed)
 
     def forget(self, entry_ids: Iterable[str]) -> None:

@@ -741,7 +741,7 @@ class RedisTransport:
                 # stream alone, to be delivered (and, if it kills again, dead-lettered) alone.
                 await self._split(keys, entry_id, fields, items)
             else:
-                acks.hand_out(entry_id, fields, items)
+                acks.hand_out(entry_id, fields, items, again=True)
                 parts = multi_item.split(entry_id, fields, items)
                 taken += [(part, deliveries[entry_id]) for part in parts]
         return taken
@@ -750,27 +750,35 @@ class RedisTransport:
         self, keys: ModelKeys, entry_id: str, fields: dict[bytes, Any], count: int
     ) -> None:
         """Replace a v2 entry taken over by one v1 entry per item (keeping each item's
-        deadline), withdrawn items left out, in one transaction in its slot."""
+        deadline), in one transaction in its slot: the items withdrawn by their callers, or
+        answered by the worker that held the entry, left out."""
         items = multi_item.split(entry_id, fields, count)
+        ids = [item_id for item_id, _ in items]
         scores = await self.run_in_slot(
-            keys.cancelled, [("ZMSCORE", keys.cancelled, *(i for i, _ in items))]
+            keys.cancelled,
+            [("ZMSCORE", keys.cancelled, *ids), ("ZMSCORE", keys.answered, *ids)],
+            atomic=False,
         )
-        withdrawn = scores[0] if isinstance(scores[0], list) else [None] * count
+        # withdrawn by their callers, or answered by the worker that held the entry
+        done = [
+            any(isinstance(got, list) and got[i] is not None for got in scores)
+            for i in range(count)
+        ]
         deadline = multi_item.item_deadlines(entry_id, items)
         commands: list[tuple[Any, ...]] = []
-        for (_, item), gone, item_deadline in zip(items, withdrawn, deadline, strict=True):
-            if gone is None:
+        kept_bytes = 0
+        for (_, item), skip, item_deadline in zip(items, done, deadline, strict=True):
+            if not skip:
                 if item_deadline is not None:
                     item[b"deadline"] = b"%d" % item_deadline
                 commands.append(("XADD", keys.stream, "*", *_flatten(item)))
-        released = multi_item.data_size(fields, count) - sum(
-            len(item.get(b"data", b"")) for (_, item), gone in zip(items, withdrawn, strict=True)
-            if gone is None
-        )  # fmt: skip
+                kept_bytes += len(item.get(b"data", b""))
+        released = multi_item.data_size(fields, count) - kept_bytes
         commands += [
             ("XACK", keys.stream, keys.group, entry_id),
             ("XDEL", keys.stream, entry_id),
             ("DECRBY", keys.packed_items, count - 1),
+            ("ZREM", keys.answered, *ids),
         ]
         if released:
             commands.append(("DECRBY", keys.queued_bytes, released))
@@ -778,7 +786,7 @@ class RedisTransport:
         self._acks(keys.stream).forget([entry_id])
         log.warning(
             "split multi-item entry %s of %s, taken over, into %d entries",
-            entry_id, keys.stream, len(commands) - 3 - bool(released),
+            entry_id, keys.stream, len(commands) - 4 - bool(released),
         )  # fmt: skip
 
     async def dead_letter(self, keys: ModelKeys, entries: Sequence[Entry], reason: str) -> None:
@@ -821,12 +829,18 @@ class RedisTransport:
             plain = set(ids)
             size += sum(entry_data_size(f) for entry_id, f in entries if entry_id in plain)
         ids += settled.done
+        commands: list[tuple[Any, ...]] = []
+        if settled.answered:
+            # answered items of entries still open: whoever takes such an entry over (this
+            # worker after an outage, or another after its death) skips them
+            expiry = int(time.time() * 1000) + functions.CANCELLED_TTL_MS
+            members = chain.from_iterable((expiry, item) for item in settled.answered)
+            commands.append(("ZADD", keys.answered, *members))
+        if settled.unmarked:
+            commands.append(("ZREM", keys.answered, *settled.unmarked))
         if not ids:
-            return []
-        commands: list[tuple[Any, ...]] = [
-            ("XACK", keys.stream, keys.group, *ids),
-            ("XDEL", keys.stream, *ids),
-        ]
+            return commands
+        commands += [("XACK", keys.stream, keys.group, *ids), ("XDEL", keys.stream, *ids)]
         if settled.packed:
             commands.append(("DECRBY", keys.packed_items, settled.packed))
         if size:  # last: finish reads the counter's new value from its reply

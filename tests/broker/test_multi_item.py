@@ -100,10 +100,17 @@ def test_an_entry_is_acknowledged_with_its_last_item_only() -> None:
     acks = ItemAcks()
     fields = {b"data.0": b"ab", b"data.1": b"c", b"data.2": b""}
     acks.hand_out("5-0", fields, 3)  # type: ignore[arg-type]
-    assert acks.settle(["5-0#0", "1-1"]) == (["1-1"], [], 0, 0)
-    assert acks.settle(["5-0#0", "5-0#2"]) == ([], [], 0, 0)  # a duplicate changes nothing
-    assert acks.settle(["5-0#1"]) == ([], ["5-0"], 3, 2)
-    assert acks.settle(["5-0#1"]) == ([], [], 0, 0) and not len(acks)
+    # answered items of an open entry are to be marked; the entry done, its marks removed
+    assert acks.settle(["5-0#0", "1-1"]) == (["1-1"], [], 0, 0, ["5-0#0"], [])
+    assert acks.settle(["5-0#0", "5-0#2"]) == ([], [], 0, 0, ["5-0#2"], [])
+    marks = ["5-0#0", "5-0#1", "5-0#2"]
+    assert acks.settle(["5-0#1"]) == ([], ["5-0"], 3, 2, [], marks)
+    assert acks.settle(["5-0#1"]) == ([], [], 0, 0, [], []) and not len(acks)
+    # answered in one go: nothing to mark or unmark (unless handed out again)
+    acks.hand_out("6-0", fields, 2)  # type: ignore[arg-type]
+    assert acks.settle(["6-0#1", "6-0#0"]) == ([], ["6-0"], 3, 1, [], [])
+    acks.hand_out("7-0", fields, 2, again=True)  # type: ignore[arg-type]
+    assert acks.settle(["7-0#0", "7-0#1"]) == ([], ["7-0"], 3, 1, [], ["7-0#0", "7-0#1"])
 
 
 # -- mb_enqueue packs, the worker answers each item ---------------------------------------------
