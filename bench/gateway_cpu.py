@@ -93,7 +93,9 @@ class _InstantCore:
     def __init__(self, outputs: list[Any]) -> None:
         self.outputs = outputs
 
-    async def call(self, payloads: list[bytes], timeout: float, traceparent: Any) -> list[Any]:
+    async def call(
+        self, payloads: list[bytes], timeout: float, traceparent: Any, level: int = 0
+    ) -> list[Any]:
         return self.outputs[: len(payloads)]
 
 
