@@ -9,7 +9,10 @@ gateway's own work (no network, no Redis, no worker).
     PYTHONPATH=. .venv/bin/python -m bench.gateway_cpu [--repeats 7] [--requests 2000]
 
 Prints, per case, the median (over repeats) of process CPU microseconds per request, measured
-with ``time.process_time`` so that other load on the machine does not count.
+with ``time.process_time`` so that other load on the machine does not count. With
+``PROMETHEUS_MULTIPROC_DIR`` set to an empty directory, the metrics are written to
+memory-mapped files as under ``gateway start`` (gunicorn); without it, to in-process values.
+The app's lifespan is not run: its metrics are written every ``MAX_PENDING`` requests.
 """
 
 from __future__ import annotations
@@ -93,7 +96,9 @@ class _InstantCore:
     def __init__(self, outputs: list[Any]) -> None:
         self.outputs = outputs
 
-    async def call(self, payloads: list[bytes], timeout: float, traceparent: Any) -> list[Any]:
+    async def call(
+        self, payloads: list[bytes], timeout: float, traceparent: Any, level: int = 0
+    ) -> list[Any]:
         return self.outputs[: len(payloads)]
 
 
@@ -142,14 +147,19 @@ def _asgi_case(
     return lambda: loop.run_until_complete(one())
 
 
-def asgi_cases(loop: asyncio.AbstractEventLoop) -> dict[str, Callable[[], Any]]:
+def asgi_app() -> Any:
+    """The gateway app the ASGI cases run (the MLP and Identity; its lifespan is not run)."""
     from web_gateway.app import create_app
 
     settings = GatewaySettings(
         model=["examples.mlp:MLP", "bench.gateway_cpu:Identity"],
         redis_url="redis://127.0.0.1:1/0",
     )
-    app = create_app(settings)
+    return create_app(settings)
+
+
+def asgi_cases(loop: asyncio.AbstractEventLoop, app: Any = None) -> dict[str, Callable[[], Any]]:
+    app = asgi_app() if app is None else app
     rng = np.random.default_rng(0)
     outputs = {"mlp": (256, 16), "identity": (64, 64)}
     cases = {}

@@ -8,8 +8,10 @@ module imports it only inside its functions.
 
 from __future__ import annotations
 
+import bisect
 import os
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -37,3 +39,27 @@ def process_gone(pid: int) -> None:
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
+
+
+def observe_many(histogram: Any, values: Sequence[float]) -> None:
+    """``histogram.observe(v)`` for each value, with one update per bucket touched.
+
+    In multi-process mode every update is a locked write to a memory-mapped file; a worker's
+    batch of queue waits, or the gateway's requests since its last flush, would otherwise cost
+    one per value. prometheus-client has no bulk observe, so
+    this uses its histogram child's bucket values, falling back to observe() if they change.
+    """
+    bounds = getattr(histogram, "_upper_bounds", None)
+    buckets = getattr(histogram, "_buckets", None)
+    total = getattr(histogram, "_sum", None)
+    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
+        for value in values:
+            histogram.observe(value)
+        return
+    counts: dict[int, int] = {}
+    for value in values:
+        index = bisect.bisect_left(bounds, value)  # the first bucket with value <= bound
+        counts[index] = counts.get(index, 0) + 1
+    total.inc(sum(values))
+    for index, count in counts.items():
+        buckets[index].inc(count)

@@ -7,12 +7,12 @@ them all as one endpoint. Names are documented in docs/metrics.md.
 
 from __future__ import annotations
 
-import bisect
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
+
+from broker.multiproc_metrics import observe_many
 
 from .batch_state import BatchState
 from .observer import BatchObserver
@@ -151,26 +151,3 @@ class WorkerObserver(BatchObserver):
             ITEMS.labels(self.model, outcome).inc(count)
             if outcome == "poison":
                 self.dead_letters.inc(count)
-
-
-def observe_many(histogram: Any, values: Sequence[float]) -> None:
-    """``histogram.observe(v)`` for each value, with one update per bucket touched.
-
-    In multi-process mode every update is a locked write to a memory-mapped file; a batch's
-    queue waits would otherwise cost one per item. prometheus-client has no bulk observe, so
-    this uses its histogram child's bucket values, falling back to observe() if they change.
-    """
-    bounds = getattr(histogram, "_upper_bounds", None)
-    buckets = getattr(histogram, "_buckets", None)
-    total = getattr(histogram, "_sum", None)
-    if bounds is None or buckets is None or total is None or len(bounds) != len(buckets):
-        for value in values:
-            histogram.observe(value)
-        return
-    counts: dict[int, int] = {}
-    for value in values:
-        index = bisect.bisect_left(bounds, value)  # the first bucket with value <= bound
-        counts[index] = counts.get(index, 0) + 1
-    total.inc(sum(values))
-    for index, count in counts.items():
-        buckets[index].inc(count)

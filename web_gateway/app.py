@@ -22,7 +22,7 @@ from starlette.responses import Response
 
 from broker.logs import redact_url
 
-from . import access_log, operations, package_version, v1, v2
+from . import access_log, operations, package_version, reading, v1, v2
 from .docs import install_docs
 from .errors import HTTPError, to_response
 from .openapi import install_openapi
@@ -55,7 +55,7 @@ class GatewayApp(FastAPI):
             v1_match = v1.PREDICT_PATH.fullmatch(path)
             v2_match = None if v1_match is not None else v2.INFER_PATH.fullmatch(path)
             if v1_match is not None or v2_match is not None:
-                request = Request(scope, receive, send)
+                request = reading.GatewayRequest(scope, receive, send)
                 try:
                     if v1_match is not None:
                         response = await v1.handle_predict(self.gateway, request, v1_match[1])

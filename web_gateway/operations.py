@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter
+from starlette.requests import Request
 from starlette.responses import Response
 
 from . import metrics
@@ -20,7 +21,8 @@ async def healthz() -> Response:
 
 
 @router.get("/metrics")
-async def metrics_endpoint() -> Response:
+async def metrics_endpoint(request: Request) -> Response:
     """Prometheus metrics of every gateway process of this server."""
+    request.app.gateway.flush_metrics()  # this process's counts are exact; others' lag
     content, media = await asyncio.get_running_loop().run_in_executor(None, metrics.render)
     return Response(content, media_type=media)

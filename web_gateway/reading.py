@@ -12,7 +12,7 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-from starlette.datastructures import UploadFile
+from starlette.datastructures import Headers, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect, Request
 
@@ -22,6 +22,42 @@ from broker.priorities import parse_priority
 from .errors import ClientGone, HTTPError, bad_request, too_large
 
 TIMEOUT_HEADER = "x-request-timeout"
+
+
+class IndexedHeaders(Headers):
+    """starlette's Headers, looked up in a dict of each name's first value.
+
+    starlette scans the header list per lookup, and a missing header (most of the 5-7 a
+    request looks up) raises and catches a KeyError: ~1.3 us each, against ~0.1 here.
+    """
+
+    def __init__(self, scope: Any) -> None:
+        super().__init__(scope=scope)
+        self._first = dict(reversed(self._list))  # reversed: the first of a repeated name wins
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self._first.get(key.lower().encode("latin-1"))
+        return default if value is None else value.decode("latin-1")
+
+    def __getitem__(self, key: str) -> str:
+        value = self._first.get(key.lower().encode("latin-1"))
+        if value is None:
+            raise KeyError(key)
+        return value.decode("latin-1")
+
+    def __contains__(self, key: Any) -> bool:
+        return key.lower().encode("latin-1") in self._first
+
+
+class GatewayRequest(Request):
+    """starlette's Request with :class:`IndexedHeaders` (for the hot routes)."""
+
+    @property
+    def headers(self) -> Headers:
+        headers: Headers | None = self.__dict__.get("_headers")
+        if headers is None:
+            headers = self._headers = IndexedHeaders(self.scope)
+        return headers
 
 
 def authorize(request: Request, tokens: Sequence[bytes]) -> None:

@@ -19,7 +19,7 @@ from broker.keys import NORMAL
 from broker.protocol import valid_traceparent
 from broker.redis_transport import eviction_warning
 
-from . import kserve, reading
+from . import kserve, metrics, reading
 from .errors import (
     ClientGone,
     from_microbatch,
@@ -58,6 +58,7 @@ class Gateway:
         self.tokens = [token.encode() for token in settings.tokens()]
         self.pool: ThreadPoolExecutor | None = None
         self.redis: Any = None
+        self._flusher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self.pool = ThreadPoolExecutor(
@@ -69,6 +70,11 @@ class Gateway:
             log.warning("%s", warning)
         for served in self.models.values():
             await served.streamer.aconnect()  # the first request need not pay for connecting
+        self._flusher = asyncio.get_running_loop().create_task(
+            metrics.flush_every(
+                [served.metrics for served in self.models.values()], metrics.FLUSH_S
+            )
+        )
         # Everything loaded so far (FastAPI, pydantic, the model classes) lives as long as the
         # process: frozen out of the collector, a full collection no longer walks it (it took
         # 30-40 ms, twice a second under load: the gateway's p99).
@@ -77,12 +83,20 @@ class Gateway:
 
     async def stop(self) -> None:
         loop = asyncio.get_running_loop()
+        if self._flusher is not None:
+            self._flusher.cancel()
         for served in self.models.values():
             await loop.run_in_executor(None, served.streamer.close)
+        self.flush_metrics()  # the last requests' counts, before the process exits
         if self.redis is not None:
             await self.redis.aclose()
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def flush_metrics(self) -> None:
+        """Write every model's counted requests to prometheus-client (on the event loop)."""
+        for served in self.models.values():
+            served.metrics.flush()
 
     async def in_pool(self, func: Callable[..., T], *args: Any) -> T:
         """Run CPU work (parsing, preprocess, postprocess) off the event loop."""
@@ -130,7 +144,7 @@ class Gateway:
     ) -> list[Any]:
         """Submit ``items`` (at ``priority``'s level) and wait; abandon them (withdrawn from
         the queue) if the client goes."""
-        served.metrics.items.inc(len(items))
+        served.metrics.submitted(len(items))
         trace = valid_traceparent(request.headers.get("traceparent"))
         loop = asyncio.get_running_loop()
         call = loop.create_task(
@@ -159,7 +173,7 @@ class Gateway:
     ) -> Response:
         """Run an inference handler with its model's metrics; any error becomes its response."""
         started = time.perf_counter()
-        served.metrics.in_flight.inc()
+        served.metrics.begin()
         outcome = "ok"
         try:
             return await handler()
@@ -167,7 +181,6 @@ class Gateway:
             outcome = outcome_of(exc)
             return to_response(exc, request.scope["method"], request.scope["path"])
         finally:
-            served.metrics.in_flight.dec()
             served.metrics.answered(route, outcome, time.perf_counter() - started)
 
     async def ping(self) -> bool:

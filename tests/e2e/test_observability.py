@@ -196,7 +196,8 @@ def test_every_metric_the_dashboard_queries_exists(served: Served) -> None:
 def test_bulk_observations_equal_one_observe_per_value() -> None:
     from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-    from gpu_worker.metrics import SECONDS_BUCKETS, observe_many
+    from broker.multiproc_metrics import observe_many
+    from gpu_worker.metrics import SECONDS_BUCKETS
 
     values = [0.0, 0.0005, 0.0007, 0.001, 0.3, 2.5, 59.0, 60.0, 61.0, 1e9] * 3
 
