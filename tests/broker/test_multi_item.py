@@ -257,6 +257,7 @@ def test_the_streamer_packs_concurrent_calls(redis_server: RedisServer, prefix: 
         assert int(client.xinfo_stream(keys.stream)["entries-added"]) == added + 60
 
 
+@pytest.mark.slow
 def test_an_entry_taken_over_from_a_killed_worker_is_split_and_every_item_answered(
     redis_server: RedisServer, prefix: str, tmp_path: Path
 ) -> None:

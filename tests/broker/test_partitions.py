@@ -631,7 +631,11 @@ def _held_items(client: redis.Redis, keys: ModelKeys, consumer: str) -> list[Any
         pending: Any = client.xpending_range(part.stream, "workers", "-", "+", 1000, consumer)
         for row in pending:
             for _, fields in client.xrange(part.stream, row["message_id"], row["message_id"]):
-                items.append(codec.decode(fields[b"data"]))
+                if b"n" in fields:  # a multi-item entry (docs/protocol.md, section 5.1)
+                    n = int(fields[b"n"])
+                    items += [codec.decode(fields[b"data.%d" % i]) for i in range(n)]
+                else:
+                    items.append(codec.decode(fields[b"data"]))
     return items
 
 
