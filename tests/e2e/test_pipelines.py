@@ -214,6 +214,7 @@ def test_one_http_route_serves_the_pipeline(redis_server: RedisServer, served: s
     assert failed.json()["error"]["message"].startswith("item 0: stage 'polarity': ValueError")
 
 
+@pytest.mark.slow
 def test_withdrawn_items_are_not_computed_later_and_deadlines_travel(
     redis_server: RedisServer, prefix: str, tmp_path: Path
 ) -> None:

@@ -176,6 +176,7 @@ def test_the_model_thread_gets_the_next_batch_read_ahead_but_never_more() -> Non
     assert transport.in_hand == 0
 
 
+@pytest.mark.slow
 def test_a_full_batch_with_nothing_behind_it_is_answered_without_waiting_for_the_read() -> None:
     # the read ahead blocks for block_ms when the queue is empty; the batch computing must be
     # answered when it is done, not when that read gives up

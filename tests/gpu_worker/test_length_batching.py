@@ -327,6 +327,7 @@ def pending(client: redis.Redis, keys: ModelKeys) -> int:
         return 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry_items", [1, 32])
 def test_sigterm_answers_the_batches_held_back(
     redis_server: RedisServer, prefix: str, entry_items: int

@@ -51,6 +51,7 @@ def test_help_is_plain_text_with_every_env_var_whole_and_h_is_help() -> None:
     assert "-h, --help" in gateway("-h").stdout
 
 
+@pytest.mark.slow
 def test_log_level_takes_the_five_levels_in_any_case_and_nothing_else() -> None:
     for level in ("verbose", "warn", "10"):
         for how in ("flag", "env"):

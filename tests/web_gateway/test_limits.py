@@ -179,6 +179,7 @@ def test_500_stalled_clients_are_cut_off_while_others_are_served(
         assert http.get("/healthz").status_code == 200
 
 
+@pytest.mark.slow
 def test_an_idle_keep_alive_connection_is_closed_after_its_timeout(
     limited: tuple[str, int],
 ) -> None:
