@@ -19,10 +19,10 @@ cancelled set, which workers check by item id).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from .functions import MAX_ENTRY_ITEMS as MAX_ENTRY_ITEMS
-from .protocol import carried_deadline, entry_time_ms
 from .transport import Entry
 
 VERSION = b"2"
@@ -103,6 +103,17 @@ class Settled(NamedTuple):
     unmarked: list[str]
 
 
+@dataclass(slots=True)
+class _OpenEntry:
+    """A v2 entry handed out: its items not answered yet, its data bytes, its item count,
+    and whether some of its items may be marked answered (in the answered set)."""
+
+    left: set[int]
+    size: int
+    count: int
+    marked: bool
+
+
 class ItemAcks:
     """Which items of the v2 entries a worker holds (of one stream) are still unanswered.
 
@@ -112,15 +123,14 @@ class ItemAcks:
     """
 
     def __init__(self) -> None:
-        # entry id -> (items left, data bytes, items, marked: some were answered before)
-        self._open: dict[str, tuple[set[int], int, int, list[bool]]] = {}
+        self._open: dict[str, _OpenEntry] = {}  # by entry id
 
     def hand_out(
         self, entry_id: str, fields: dict[bytes, Any], count: int, again: bool = False
     ) -> None:
         """Note that all items of the v2 entry ``entry_id`` (a stream id) are handed out;
         ``again``: taken back or over, so its items may have been marked answered before."""
-        self._open[entry_id] = (set(range(count)), data_size(fields, count), count, [again])
+        self._open[entry_id] = _OpenEntry(set(range(count)), data_size(fields, count), count, again)
 
     def settle(self, ids: Iterable[str]) -> Settled:
         """Of stream ids (untagged), some of them item ids, just answered: what that
@@ -133,24 +143,24 @@ class ItemAcks:
                 plain.append(entry_id)
                 continue
             held = self._open.get(stream_id)
-            if held is None or not index.isdigit() or int(index) not in held[0]:
+            if held is None or not index.isdigit() or int(index) not in held.left:
                 continue  # answered already (a duplicate), or handed out before a takeover
-            held[0].discard(int(index))
+            held.left.discard(int(index))
             answered.setdefault(stream_id, []).append(entry_id)
         settled = Settled(plain, [], 0, 0, [], [])
         released = packed = 0
         for stream_id, items in answered.items():
-            left, size, count, marked = self._open[stream_id]
-            if left:
+            held = self._open[stream_id]
+            if held.left:
                 settled.answered.extend(items)
-                marked[0] = True
+                held.marked = True
                 continue
             del self._open[stream_id]
             settled.done.append(stream_id)
-            released += size
-            packed += count - 1
-            if marked[0]:
-                settled.unmarked.extend(item_id(stream_id, i) for i in range(count))
+            released += held.size
+            packed += held.count - 1
+            if held.marked:
+                settled.unmarked.extend(item_id(stream_id, i) for i in range(held.count))
         return settled._replace(released=released, packed=packed)
 
     def forget(self, entry_ids: Iterable[str]) -> None:
@@ -173,19 +183,4 @@ def expand(entries: Sequence[Entry], acks: ItemAcks) -> list[Entry]:
             continue
         acks.hand_out(entry_id, fields, count)
         out += split(entry_id, fields, count)
-    return out
-
-
-def item_deadlines(entry_id: str, items: Sequence[Entry]) -> list[int | None]:
-    """Each item entry's absolute deadline (ms, Redis' clock): the v2 entry's time plus the
-    item's timeout, or the entry's ``deadline`` if earlier; None where the timeout is not
-    valid (that item's parse fails wherever it goes)."""
-    arrival_ms = entry_time_ms(entry_id)
-    out: list[int | None] = []
-    for _, fields in items:
-        timeout = fields.get(b"timeout")
-        if isinstance(timeout, bytes) and timeout.isdigit() and len(timeout) <= 15:
-            out.append(carried_deadline(fields, arrival_ms + int(timeout)))
-        else:
-            out.append(None)
     return out

@@ -37,7 +37,7 @@ from .liveness import lapsed_s, redis_time_ms
 from .multi_item import ItemAcks
 from .partition_reads import PartitionReads
 from .priorities import LevelKeep
-from .protocol import CallRequests
+from .protocol import CallRequests, MalformedEntry, parse_request
 from .redis_url import parse as parse_url
 from .resp_lane import CONNECT_TIMEOUT_S, RespLane, bulk_strings
 from .transport import Entry, QueueBound, Redelivery, entry_data_size
@@ -764,15 +764,17 @@ class RedisTransport:
             any(isinstance(got, list) and got[i] is not None for got in scores)
             for i in range(count)
         ]
-        deadline = multi_item.item_deadlines(entry_id, items)
         commands: list[tuple[Any, ...]] = []
         kept_bytes = 0
-        for (_, item), skip, item_deadline in zip(items, done, deadline, strict=True):
+        for item, skip in zip(items, done, strict=True):
             if not skip:
-                if item_deadline is not None:
-                    item[b"deadline"] = b"%d" % item_deadline
-                commands.append(("XADD", keys.stream, "*", *_flatten(item)))
-                kept_bytes += len(item.get(b"data", b""))
+                fields_of_item = item[1]
+                # the deadline the item has now, whatever its new entry's time (a malformed
+                # item fails its parse wherever it goes, and is answered from there)
+                with contextlib.suppress(MalformedEntry):
+                    fields_of_item[b"deadline"] = b"%d" % parse_request(*item).deadline_ms
+                commands.append(("XADD", keys.stream, "*", *_flatten(fields_of_item)))
+                kept_bytes += len(fields_of_item.get(b"data", b""))
         released = multi_item.data_size(fields, count) - kept_bytes
         commands += [
             ("XACK", keys.stream, keys.group, entry_id),
