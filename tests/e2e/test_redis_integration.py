@@ -233,6 +233,41 @@ def test_concurrent_submits_are_coalesced_into_few_round_trips(
     assert new_connections <= 4
 
 
+def test_many_threads_calling_in_a_loop_each_get_their_own_results(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    # Batches of replies wake their threads one after another while other batches arrive,
+    # predict and submit mixed: each thread gets its own results, and no call is left held.
+    threads, calls = 80, 30
+    with worker_process(redis_server.url, "tests.models:Toy", prefix, "--batch-size", "128"):
+        streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix)
+        streamer.predict(["warm-up"])
+        wrong: list[tuple[str, object]] = []
+
+        def run(index: int) -> None:
+            for call in range(calls):
+                item = f"t{index}-{call}"
+                if call % 3 == 0:
+                    got = streamer.submit([item, "x"], timeout=30).result(timeout=30)
+                else:
+                    got = streamer.predict([item, "x"], timeout=30)
+                if [out["item"] for out in got] != [item, "x"]:
+                    wrong.append((item, got))
+
+        workers = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(120)
+        assert not any(worker.is_alive() for worker in workers)
+        assert wrong == []
+        core = streamer._thread_core
+        assert core is not None
+        assert not core._pending and len(core._deadlines) == 0
+        assert not core._incoming._held  # every batch's last thread let its calls go
+        streamer.close()
+
+
 def _blocked_reply_reads(admin: redis.Redis) -> int:
     """Connections blocked in Redis on a reply read (BLMPOP, BLPOP) right now."""
     clients = admin.client_list()
