@@ -126,6 +126,14 @@ def decode_array_at(data: bytes, offset: int) -> np.ndarray | None:
     return _unpack_bare_array(data, offset)
 
 
+def decode_array_body(body: bytes) -> np.ndarray:
+    """The array whose extension type 1 data is ``body`` (a view of it); raises
+    :class:`CodecError`, and nothing else, for a malformed one."""
+    if not body:
+        raise CodecError("malformed array header")
+    return _unpack_array(body)
+
+
 def _default(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         return _pack_array(obj)

@@ -34,11 +34,13 @@ from .errors import BrokerUnavailable, InvalidInput, MicrobatchError, QueueFull
 from .functions import ENQUEUE, MAX_CALL_BYTES, MAX_CALL_ENTRIES, REPLY, RETIRE, WITHDRAW
 from .keys import HIGH, NORMAL, ModelKeys, parse_partitions
 from .liveness import lapsed_s, redis_time_ms
-from .multi_item import ItemAcks
+from .multi_item import ITEM_MARK, ItemAcks
 from .partition_reads import PartitionReads
 from .priorities import LevelKeep
 from .protocol import CallRequests, MalformedEntry, parse_request
 from .redis_url import parse as parse_url
+from .reply_elements import pack as pack_replies
+from .reply_elements import reply_id
 from .resp_lane import CONNECT_TIMEOUT_S, RespLane, bulk_strings
 from .transport import Entry, QueueBound, Redelivery, entry_data_size
 
@@ -436,7 +438,7 @@ class RedisTransport:
         reply_ttl_s: int,
         check: Sequence[str] = (),
     ) -> set[str]:
-        calls = _reply_calls(replies, reply_ttl_s) if replies else []
+        calls = _reply_calls(replies, reply_ttl_s, _packable(entries)) if replies else []
         # Per lane (each level of each partition), all of its slot: its acks,
         # deletes and byte release, its withdrawal checks, the count of its withdrawals standing.
         held = partitions.group(entries)
@@ -1048,20 +1050,50 @@ def _hash_tag(key: str) -> str:
     return key
 
 
-def _reply_calls(replies: Sequence[tuple[str, bytes]], ttl_s: int) -> list[ReplyCall]:
+def _packable(entries: Sequence[Entry]) -> dict[str, set[bytes]]:
+    """The request ids, by reply key, of the items of multi-item (v2) entries among the entries
+    answered: their writers read packed reply elements (docs/protocol.md, section 7.1)."""
+    found: dict[bytes, set[bytes]] = {}
+    for entry_id, fields in entries:
+        if ITEM_MARK in entry_id:
+            reply, request_id = fields.get(b"reply"), fields.get(b"id")
+            if isinstance(reply, bytes) and isinstance(request_id, bytes):
+                ids = found.get(reply)
+                if ids is None:
+                    ids = found[reply] = set()
+                ids.add(request_id)
+    return {key.decode(errors="replace"): ids for key, ids in found.items()}
+
+
+def _reply_calls(
+    replies: Sequence[tuple[str, bytes]],
+    ttl_s: int,
+    packable: Mapping[str, set[bytes]] | None = None,
+) -> list[ReplyCall]:
     """The mb_reply calls of (reply key, reply) pairs: one per hash tag of the keys (a
-    function call touches one slot), each with its replies grouped by key, in order."""
+    function call touches one slot), each with its list elements grouped by key, in order:
+    each reply alone, but those to items of v2 entries (``packable``: their request ids by
+    reply key), which share packed elements (one per key, within reply_elements' caps)."""
     by_key: dict[str, list[bytes]] = {}
+    grouped: dict[str, list[bytes]] = {}
+    packable = packable or {}
     for key, payload in replies:
-        by_key.setdefault(key, []).append(payload)
+        elements = by_key.setdefault(key, [])  # keys in the order of their first reply
+        ids = packable.get(key)
+        if ids is not None and reply_id(payload) in ids:
+            grouped.setdefault(key, []).append(payload)
+        else:
+            elements.append(payload)
+    for key, packed in grouped.items():
+        by_key[key] += pack_replies(packed)
     by_tag: dict[str, list[str]] = {}
     for key in by_key:
         by_tag.setdefault(_hash_tag(key), []).append(key)
     calls = []
     for tag, keys in by_tag.items():
         counts = [len(by_key[key]) for key in keys]
-        payloads = chain.from_iterable(by_key[key] for key in keys)
-        calls.append(ReplyCall(tag, keys, [ttl_s, *counts, *payloads]))
+        pushed = chain.from_iterable(by_key[key] for key in keys)
+        calls.append(ReplyCall(tag, keys, [ttl_s, *counts, *pushed]))
     return calls
 
 
