@@ -82,8 +82,11 @@ def decode_element(element: bytes) -> list[Reply | ProtocolError]:
     where an entry of the array is not a map with a string ``id`` (nothing routes it). Raises
     :class:`CodecError` (and nothing else) if the element as a whole cannot be read."""
     fast = _decode_array_results(element)
-    if fast is not None:
-        return fast
+    return fast if fast is not None else _decode_through_msgpack(element)
+
+
+def _decode_through_msgpack(element: bytes) -> list[Reply | ProtocolError]:
+    """:func:`decode_element` through msgpack: any element."""
     messages = codec.decode(element)
     if not isinstance(messages, list):
         raise CodecError("packed reply element is not an array")

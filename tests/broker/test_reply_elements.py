@@ -19,6 +19,7 @@ from broker.redis_transport import RedisTransport, _packable, _reply_calls
 from broker.reply_elements import (
     MAX_ELEMENT_BYTES,
     MAX_ELEMENT_REPLIES,
+    _decode_array_results,
     decode_any,
     decode_element,
     is_packed,
@@ -88,6 +89,7 @@ def test_array_results_are_read_each_with_its_own_bytes() -> None:
     results = arrays(20, size=256)
     element = pack([encode_result(f"c.{i}", r) for i, r in enumerate(results)])[0]
     replies = routed(element)
+    assert _decode_array_results(element) is not None  # read without msgpack
     assert [r.request_id for r in replies] == [f"c.{i}" for i in range(20)]
     for reply, expected in zip(replies, results, strict=True):
         assert reply.ok and reply.result.dtype == np.float32
