@@ -1050,40 +1050,51 @@ def _hash_tag(key: str) -> str:
     return key
 
 
-def _packable(entries: Sequence[Entry]) -> dict[str, set[bytes]]:
-    """The request ids, by reply key, of the items of multi-item (v2) entries among the entries
-    answered: their writers read packed reply elements (docs/protocol.md, section 7.1)."""
+def _packable(entries: Sequence[Entry]) -> dict[str, set[bytes] | None]:
+    """Which replies to these entries (the entries answered) may share packed elements: those
+    to items of multi-item (v2) entries, whose writers read them (docs/protocol.md, section
+    7.1). By reply key: None where every entry naming it is such an item (all its replies
+    may), else the request ids of its items of v2 entries."""
     found: dict[bytes, set[bytes]] = {}
+    mixed: set[bytes] = set()  # reply keys also named by v1 entries
     for entry_id, fields in entries:
-        if ITEM_MARK in entry_id:
-            reply, request_id = fields.get(b"reply"), fields.get(b"id")
-            if isinstance(reply, bytes) and isinstance(request_id, bytes):
-                ids = found.get(reply)
-                if ids is None:
-                    ids = found[reply] = set()
-                ids.add(request_id)
-    return {key.decode(errors="replace"): ids for key, ids in found.items()}
+        reply = fields.get(b"reply")
+        if not isinstance(reply, bytes):
+            continue
+        if ITEM_MARK not in entry_id:
+            mixed.add(reply)
+            continue
+        request_id = fields.get(b"id")
+        if isinstance(request_id, bytes):
+            ids = found.get(reply)
+            if ids is None:
+                ids = found[reply] = set()
+            ids.add(request_id)
+    return {
+        key.decode(errors="replace"): ids if key in mixed else None for key, ids in found.items()
+    }
 
 
 def _reply_calls(
     replies: Sequence[tuple[str, bytes]],
     ttl_s: int,
-    packable: Mapping[str, set[bytes]] | None = None,
+    packable: Mapping[str, set[bytes] | None] | None = None,
 ) -> list[ReplyCall]:
     """The mb_reply calls of (reply key, reply) pairs: one per hash tag of the keys (a
     function call touches one slot), each with its list elements grouped by key, in order:
-    each reply alone, but those to items of v2 entries (``packable``: their request ids by
-    reply key), which share packed elements (one per key, within reply_elements' caps)."""
+    each reply alone, but those :func:`_packable` names (``packable``, of the entries these
+    replies answer), which share packed elements (within reply_elements' caps)."""
     by_key: dict[str, list[bytes]] = {}
     grouped: dict[str, list[bytes]] = {}
     packable = packable or {}
     for key, payload in replies:
         elements = by_key.setdefault(key, [])  # keys in the order of their first reply
-        ids = packable.get(key)
-        if ids is not None and reply_id(payload) in ids:
-            grouped.setdefault(key, []).append(payload)
-        else:
-            elements.append(payload)
+        if key in packable:
+            ids = packable[key]
+            if ids is None or reply_id(payload) in ids:
+                grouped.setdefault(key, []).append(payload)
+                continue
+        elements.append(payload)
     for key, packed in grouped.items():
         by_key[key] += pack_replies(packed)
     by_tag: dict[str, list[str]] = {}

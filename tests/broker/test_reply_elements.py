@@ -155,6 +155,8 @@ def test_only_replies_to_items_of_v2_entries_share_an_element() -> None:
         (inbox, encode_result("c.2", 2)),
         (inbox, encode_error("c.1", ModelError("boom"))),
     ]
+    assert _packable(entries) == {inbox: {b"c.0", b"c.1"}}  # by id: a v1 entry names it too
+    assert _packable(entries[:2]) == {inbox: None}  # only items of v2 entries name it
     (call,) = _reply_calls(replies, 60, _packable(entries))
     assert call.keys == [inbox, other] and call.args[:3] == [60, 2, 1]
     single, packed, alone = call.args[3:]
