@@ -1055,6 +1055,9 @@ def _packable(entries: Sequence[Entry]) -> dict[str, set[bytes] | None]:
     to items of multi-item (v2) entries, whose writers read them (docs/protocol.md, section
     7.1). By reply key: None where every entry naming it is such an item (all its replies
     may), else the request ids of its items of v2 entries."""
+    if not [entry_id for entry_id, _ in entries if ITEM_MARK not in entry_id]:  # (under load)
+        named = {fields.get(b"reply") for _, fields in entries}
+        return {key.decode(errors="replace"): None for key in named if isinstance(key, bytes)}
     found: dict[bytes, set[bytes]] = {}
     mixed: set[bytes] = set()  # reply keys also named by v1 entries
     for entry_id, fields in entries:
@@ -1085,18 +1088,18 @@ def _reply_calls(
     each reply alone, but those :func:`_packable` names (``packable``, of the entries these
     replies answer), which share packed elements (within reply_elements' caps)."""
     by_key: dict[str, list[bytes]] = {}
-    grouped: dict[str, list[bytes]] = {}
-    packable = packable or {}
     for key, payload in replies:
-        elements = by_key.setdefault(key, [])  # keys in the order of their first reply
-        if key in packable:
-            ids = packable[key]
-            if ids is None or reply_id(payload) in ids:
-                grouped.setdefault(key, []).append(payload)
-                continue
-        elements.append(payload)
-    for key, packed in grouped.items():
-        by_key[key] += pack_replies(packed)
+        by_key.setdefault(key, []).append(payload)
+    for key, ids in (packable or {}).items():
+        payloads = by_key.get(key)
+        if not payloads:
+            continue
+        if ids is None:
+            by_key[key] = pack_replies(payloads)
+            continue
+        alone = [p for p in payloads if reply_id(p) not in ids]
+        if len(alone) < len(payloads):
+            by_key[key] = alone + pack_replies([p for p in payloads if reply_id(p) in ids])
     by_tag: dict[str, list[str]] = {}
     for key in by_key:
         by_tag.setdefault(_hash_tag(key), []).append(key)

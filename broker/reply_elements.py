@@ -12,6 +12,9 @@ one with :func:`decode_element`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 from . import codec
 from .errors import CodecError, ProtocolError
@@ -25,6 +28,7 @@ MAX_ELEMENT_BYTES = 1024 * 1024
 _ARRAY_MARKERS = frozenset((*range(0x90, 0xA0), 0xDC, 0xDD))
 _EXT_HEADERS = {0xC7: 3, 0xC8: 4, 0xC9: 6}  # marker: header bytes (marker, length, type)
 _HEAD_LEN, _OK_LEN = len(RESULT_HEAD), len(RESULT_OK)
+_NO_DTYPE = np.dtype("u1")  # (a placeholder: no array read yet)
 
 
 def array_header(count: int) -> bytes:
@@ -38,6 +42,8 @@ def pack(payloads: Sequence[bytes]) -> list[bytes]:
     """Reply maps to one reply key as list elements: packed elements of up to
     MAX_ELEMENT_REPLIES replies and MAX_ELEMENT_BYTES bytes, in order; a reply left alone (one
     over MAX_ELEMENT_BYTES, or the last of its group) goes as its map."""
+    if len(payloads) <= MAX_ELEMENT_REPLIES and sum(map(len, payloads)) <= MAX_ELEMENT_BYTES:
+        return [_joined(list(payloads))] if payloads else []  # the usual case: all in one
     elements: list[bytes] = []
     group: list[bytes] = []
     size = 0
@@ -103,55 +109,72 @@ def _decode_array_results(data: bytes) -> list[Reply | ProtocolError] | None:
     """A packed element whose every reply is a result that is one array, packed as
     :func:`broker.protocol.encode_result` packs it, read without msgpack (the hot path of a
     caller); None for any other element. Each array gets its own copy of its bytes, so one
-    result kept does not keep its element's others alive."""
-    marker = data[0] if data else 0
-    if 0x90 <= marker <= 0x9F:
-        count, at = marker & 0x0F, 1
-    elif marker == 0xDC and len(data) >= 3:
-        count, at = int.from_bytes(data[1:3], "big"), 3
-    else:
+    result kept does not keep its element's others alive. The arrays of one batch usually
+    share dtype and shape: an array header equal to the last one's is not parsed again."""
+    counted = _array_count(data)
+    if counted is None:
         return None
+    count, at = counted
     out: list[Reply | ProtocolError] = []
+    append, ndarray = out.append, np.ndarray
+    head, ok_mark, head_len, ok_len = RESULT_HEAD, RESULT_OK, _HEAD_LEN, _OK_LEN
+    layout: tuple[bytes, np.dtype[Any], tuple[int, ...], int] = (b"", _NO_DTYPE, (), 0)
     try:
         for _ in range(count):
-            found = _array_result_at(data, at)
-            if found is None:
+            if not data.startswith(head, at):
                 return None
-            reply, at = found
-            out.append(reply)
-    except (IndexError, UnicodeDecodeError, CodecError):
-        return None  # msgpack says what is wrong, and with which reply
+            at += head_len
+            marker = data[at]
+            if marker & 0xE0 == 0xA0:  # fixstr
+                start = at + 1
+                end = start + (marker & 0x1F)
+            elif marker == 0xD9:  # str 8
+                start = at + 2
+                end = start + data[at + 1]
+            else:
+                return None
+            if not data.startswith(ok_mark, end):
+                return None
+            at = end + ok_len
+            if not (layout[0] and data.startswith(layout[0], at)):
+                found = _array_layout(data, at)
+                if found is None:
+                    return None
+                layout = found
+            body = at + len(layout[0])
+            at = body + layout[3]
+            array = ndarray(layout[2], layout[1], data[body:at])  # TypeError if cut short
+            append(Reply(data[start:end].decode(), True, array))
+    except Exception:  # cut short, not UTF-8, a malformed array: msgpack says what is wrong
+        return None
     return out if at == len(data) else None
 
 
-def _array_result_at(data: bytes, at: int) -> tuple[Reply, int] | None:
-    """The reply map at ``data[at]`` if it is an array result as encode_result packs it, and
-    where it ends; else None (IndexError, UnicodeDecodeError, CodecError where it is cut or
-    malformed)."""
-    if not data.startswith(RESULT_HEAD, at):
-        return None
-    at += _HEAD_LEN
-    marker = data[at]
-    if marker & 0xE0 == 0xA0:  # fixstr
-        start = at + 1
-        end = start + (marker & 0x1F)
-    elif marker == 0xD9:  # str 8
-        start = at + 2
-        end = start + data[at + 1]
-    else:
-        return None
-    if not data.startswith(RESULT_OK, end):
-        return None
-    at = end + _OK_LEN
+def _array_count(data: bytes) -> tuple[int, int] | None:
+    """(how many values, where the first begins) of a msgpack array of fewer than 65536
+    values at the start of ``data``; None for anything else."""
+    marker = data[0] if data else 0
+    if 0x90 <= marker <= 0x9F:
+        return marker & 0x0F, 1
+    if marker == 0xDC and len(data) >= 3:
+        return int.from_bytes(data[1:3], "big"), 3
+    return None
+
+
+def _array_layout(data: bytes, at: int) -> tuple[bytes, np.dtype[Any], tuple[int, ...], int] | None:
+    """(the bytes from the extension header at ``data[at]`` to the end of its array header,
+    the array's dtype, shape and data bytes) of an array as codec packs it, with data; else
+    None (raises CodecError or IndexError where it is malformed or cut short)."""
     width = _EXT_HEADERS.get(data[at])
     if width is None or data[at + width - 1] != codec.ARRAY_EXT_TYPE:
         return None
     body = at + width
-    at = body + int.from_bytes(data[at + 1 : body - 1], "big")
-    if at > len(data):
+    size = int.from_bytes(data[at + 1 : body - 1], "big")
+    header_len = 2 + data[body] + 8 * data[body + 1 + data[body]]
+    dtype, shape, nbytes = codec.parse_array_header(data[body : body + header_len])
+    if nbytes == 0 or nbytes != size - header_len:
         return None
-    result = codec.decode_array_body(data[body:at])
-    return Reply(data[start:end].decode(), True, result=result), at
+    return data[at : body + header_len], dtype, shape, nbytes
 
 
 def decode_any(element: bytes) -> list[Reply | ProtocolError]:
