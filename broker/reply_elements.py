@@ -40,8 +40,9 @@ def array_header(count: int) -> bytes:
 
 def pack(payloads: Sequence[bytes]) -> list[bytes]:
     """Reply maps to one reply key as list elements: packed elements of up to
-    MAX_ELEMENT_REPLIES replies and MAX_ELEMENT_BYTES bytes, in order; a reply left alone (one
-    over MAX_ELEMENT_BYTES, or the last of its group) goes as its map."""
+    MAX_ELEMENT_REPLIES replies and MAX_ELEMENT_BYTES bytes, in order, each begun where the
+    next reply would pass either; a group of one reply (one over MAX_ELEMENT_BYTES, or one
+    left over) goes as its map."""
     if len(payloads) <= MAX_ELEMENT_REPLIES and sum(map(len, payloads)) <= MAX_ELEMENT_BYTES:
         return [_joined(list(payloads))] if payloads else []  # the usual case: all in one
     elements: list[bytes] = []
