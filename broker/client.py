@@ -41,7 +41,8 @@ from .logs import Every, ThrottledWarning
 from .loop_thread import LoopThread
 from .partitions import split_bound
 from .priorities import parse_priority
-from .protocol import CallRequests, Reply, decode_reply
+from .protocol import CallRequests, Reply
+from .reply_elements import decode_any
 from .transport import UNBOUNDED, QueueBound, Transport
 from .worker_watch import CHECK_EVERY_S, WorkerWatch
 
@@ -395,13 +396,7 @@ class ClientCore:
                 backoff = 0.05
                 self._waking = waking = []  # type: ignore[var-annotated]
                 try:
-                    for payload in payloads:
-                        try:
-                            reply = decode_reply(payload)
-                        except Exception as exc:  # nothing routes it: it ends at its deadline
-                            self._unreadable.note(describe_error(exc))
-                            continue
-                        self._resolve(reply)
+                    self._take(payloads)
                 finally:
                     self._waking = None
                     if waking:  # once this task has sent its next read, as asyncio would
@@ -410,6 +405,22 @@ class ClientCore:
             del self._readers[inbox]
             if not self._closing and self._waiting_on(inbox):  # a call came as it left
                 self._start_reader(inbox)
+
+    def _take(self, elements: list[bytes]) -> None:
+        """Resolve the replies of elements popped from an inbox: each a reply map or a packed
+        element of several (docs/protocol.md, section 7.1)."""
+        resolve = self._resolve
+        for element in elements:
+            try:
+                replies = decode_any(element)
+            except Exception as exc:  # nothing routes it: its call ends at its deadline
+                self._unreadable.note(describe_error(exc))
+                continue
+            for reply in replies:
+                if isinstance(reply, Reply):
+                    resolve(reply)
+                else:  # an entry of a packed element that nothing routes
+                    self._unreadable.note(describe_error(reply))
 
     def _wake(self, waking: list[tuple[Waiter, Any, BaseException | None]]) -> None:
         # Calls the woken threads make next go out together, as asyncio callers' do: the last

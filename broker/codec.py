@@ -126,6 +126,13 @@ def decode_array_at(data: bytes, offset: int) -> np.ndarray | None:
     return _unpack_bare_array(data, offset)
 
 
+def parse_array_header(header: bytes) -> tuple[np.dtype[Any], tuple[int, ...], int]:
+    """(dtype, shape, data bytes) of an array header (extension type 1's data up to the raw
+    bytes), checked as :func:`decode` checks it; raises :class:`CodecError` for a bad one
+    (or IndexError for one cut short)."""
+    return _parse_header(header)
+
+
 def _default(obj: Any) -> Any:
     if isinstance(obj, np.ndarray):
         return _pack_array(obj)

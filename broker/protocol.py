@@ -18,6 +18,9 @@ A reply is one msgpack map pushed (RPUSH) to the reply key, which then gets a TT
 
     {"id": <request id>, "ok": true, "result": <value>}
     {"id": <request id>, "ok": false, "error": {"type": <ErrorClass>, "message": <str>}}
+
+(The replies to items of multi-item entries may share one list element, an array of these maps:
+:mod:`broker.reply_elements`.)
 """
 
 from __future__ import annotations
@@ -252,8 +255,8 @@ def _parse_carefully(entry_id: str | bytes, fields: Fields) -> Request:
     )
 
 
-_RESULT_HEAD = b"\x83\xa2id"  # a map of 3; "id"
-_RESULT_OK = b"\xa2ok\xc3\xa6result"  # "ok": true, "result"
+RESULT_HEAD = b"\x83\xa2id"  # a map of 3; "id"
+RESULT_OK = b"\xa2ok\xc3\xa6result"  # "ok": true, "result"
 
 
 def encode_result(request_id: str, result: Any) -> bytes:
@@ -263,7 +266,7 @@ def encode_result(request_id: str, result: Any) -> bytes:
         rid = request_id.encode()
         if array is not None and len(rid) < 256:
             head = bytes((0xA0 | len(rid),)) if len(rid) < 32 else bytes((0xD9, len(rid)))
-            return b"".join((_RESULT_HEAD, head, rid, _RESULT_OK, array))
+            return b"".join((RESULT_HEAD, head, rid, RESULT_OK, array))
     return codec.encode({"id": request_id, "ok": True, "result": result})
 
 
@@ -294,8 +297,8 @@ class Reply:
 def _decode_array_result(data: bytes) -> Reply | None:
     """The reply as :func:`encode_result` packs an array result, read without msgpack (the
     hot path of every client); None for any other reply."""
-    at = len(_RESULT_HEAD)
-    if len(data) <= at + 1 or not data.startswith(_RESULT_HEAD):
+    at = len(RESULT_HEAD)
+    if len(data) <= at + 1 or not data.startswith(RESULT_HEAD):
         return None
     marker = data[at]
     if marker & 0xE0 == 0xA0:  # fixstr
@@ -305,9 +308,9 @@ def _decode_array_result(data: bytes) -> Reply | None:
         end = start + data[at + 1]
     else:
         return None
-    if data[end : end + len(_RESULT_OK)] != _RESULT_OK:
+    if data[end : end + len(RESULT_OK)] != RESULT_OK:
         return None
-    array = codec.decode_array_at(data, end + len(_RESULT_OK))
+    array = codec.decode_array_at(data, end + len(RESULT_OK))
     if array is None:
         return None
     try:
@@ -327,7 +330,12 @@ def decode_reply(data: bytes) -> Reply:
 
 def _decode_reply_map(data: bytes) -> Reply:
     """:func:`decode_reply` through msgpack: any reply."""
-    message = codec.decode(data)
+    return reply_from_message(codec.decode(data))
+
+
+def reply_from_message(message: Any) -> Reply:
+    """A decoded reply map as a :class:`Reply` (see :func:`decode_reply`; raises
+    :class:`ProtocolError` when it has no string ``id``)."""
     request_id = message.get("id") if isinstance(message, dict) else None
     if not isinstance(request_id, str):
         raise ProtocolError("reply is not a map with a string 'id'")

@@ -34,11 +34,13 @@ from .errors import BrokerUnavailable, InvalidInput, MicrobatchError, QueueFull
 from .functions import ENQUEUE, MAX_CALL_BYTES, MAX_CALL_ENTRIES, REPLY, RETIRE, WITHDRAW
 from .keys import HIGH, NORMAL, ModelKeys, parse_partitions
 from .liveness import lapsed_s, redis_time_ms
-from .multi_item import ItemAcks
+from .multi_item import ITEM_MARK, ItemAcks
 from .partition_reads import PartitionReads
 from .priorities import LevelKeep
 from .protocol import CallRequests, MalformedEntry, parse_request
 from .redis_url import parse as parse_url
+from .reply_elements import pack as pack_replies
+from .reply_elements import reply_id
 from .resp_lane import CONNECT_TIMEOUT_S, RespLane, bulk_strings
 from .transport import Entry, QueueBound, Redelivery, entry_data_size
 
@@ -436,7 +438,7 @@ class RedisTransport:
         reply_ttl_s: int,
         check: Sequence[str] = (),
     ) -> set[str]:
-        calls = _reply_calls(replies, reply_ttl_s) if replies else []
+        calls = _reply_calls(replies, reply_ttl_s, _packable(entries)) if replies else []
         # Per lane (each level of each partition), all of its slot: its acks,
         # deletes and byte release, its withdrawal checks, the count of its withdrawals standing.
         held = partitions.group(entries)
@@ -1048,20 +1050,64 @@ def _hash_tag(key: str) -> str:
     return key
 
 
-def _reply_calls(replies: Sequence[tuple[str, bytes]], ttl_s: int) -> list[ReplyCall]:
+def _packable(entries: Sequence[Entry]) -> dict[str, set[bytes] | None]:
+    """Which replies to these entries (the entries answered) may share packed elements: those
+    to items of multi-item (v2) entries, whose writers read them (docs/protocol.md, section
+    7.1). By reply key: None where every entry naming it is such an item (all its replies
+    may), else the request ids of its items of v2 entries."""
+    if not [entry_id for entry_id, _ in entries if ITEM_MARK not in entry_id]:  # (under load)
+        named = {fields.get(b"reply") for _, fields in entries}
+        return {key.decode(errors="replace"): None for key in named if isinstance(key, bytes)}
+    found: dict[bytes, set[bytes]] = {}
+    mixed: set[bytes] = set()  # reply keys also named by v1 entries
+    for entry_id, fields in entries:
+        reply = fields.get(b"reply")
+        if not isinstance(reply, bytes):
+            continue
+        if ITEM_MARK not in entry_id:
+            mixed.add(reply)
+            continue
+        request_id = fields.get(b"id")
+        if isinstance(request_id, bytes):
+            ids = found.get(reply)
+            if ids is None:
+                ids = found[reply] = set()
+            ids.add(request_id)
+    return {
+        key.decode(errors="replace"): ids if key in mixed else None for key, ids in found.items()
+    }
+
+
+def _reply_calls(
+    replies: Sequence[tuple[str, bytes]],
+    ttl_s: int,
+    packable: Mapping[str, set[bytes] | None] | None = None,
+) -> list[ReplyCall]:
     """The mb_reply calls of (reply key, reply) pairs: one per hash tag of the keys (a
-    function call touches one slot), each with its replies grouped by key, in order."""
+    function call touches one slot), each with its list elements grouped by key, in order:
+    each reply alone, but those :func:`_packable` names (``packable``, of the entries these
+    replies answer), which share packed elements (within reply_elements' caps)."""
     by_key: dict[str, list[bytes]] = {}
     for key, payload in replies:
         by_key.setdefault(key, []).append(payload)
+    for key, ids in (packable or {}).items():
+        payloads = by_key.get(key)
+        if not payloads:
+            continue
+        if ids is None:
+            by_key[key] = pack_replies(payloads)
+            continue
+        alone = [p for p in payloads if reply_id(p) not in ids]
+        if len(alone) < len(payloads):
+            by_key[key] = alone + pack_replies([p for p in payloads if reply_id(p) in ids])
     by_tag: dict[str, list[str]] = {}
     for key in by_key:
         by_tag.setdefault(_hash_tag(key), []).append(key)
     calls = []
     for tag, keys in by_tag.items():
         counts = [len(by_key[key]) for key in keys]
-        payloads = chain.from_iterable(by_key[key] for key in keys)
-        calls.append(ReplyCall(tag, keys, [ttl_s, *counts, *payloads]))
+        pushed = chain.from_iterable(by_key[key] for key in keys)
+        calls.append(ReplyCall(tag, keys, [ttl_s, *counts, *pushed]))
     return calls
 
 

@@ -17,8 +17,9 @@ from broker.devserver import RedisServer
 from broker.errors import QueueFull
 from broker.keys import ModelKeys
 from broker.multi_item import ItemAcks, check_entry_items, item_count, split
-from broker.protocol import CallRequests, decode_reply, parse_request
+from broker.protocol import CallRequests, parse_request
 from broker.redis_transport import RedisTransport
+from broker.reply_elements import decode_any
 from broker.transport import UNBOUNDED, QueueBound
 from tests.conftest import wait_until, worker_process
 
@@ -49,9 +50,8 @@ def replies(client, inbox: str, count: int, timeout: float = 30.0) -> dict[str, 
     deadline = time.monotonic() + timeout
     while len(got) < count and time.monotonic() < deadline:
         popped = client.blpop([inbox], timeout=1)
-        if popped:
-            reply = decode_reply(popped[1])
-            got[reply.request_id] = reply.result if reply.ok else reply.error_type
+        for reply in decode_any(popped[1]) if popped else ():
+            got[reply.request_id] = reply.result if reply.ok else reply.error_type  # type: ignore[union-attr]
     return got
 
 

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from broker import codec, protocol
+from broker import codec, protocol, reply_elements
 from broker.client import ClientCore
 from broker.errors import (
     WIRE_ERRORS,
@@ -42,6 +42,7 @@ from broker.protocol import (
     parse_request,
     request_fields,
 )
+from broker.reply_elements import array_header, decode_any, decode_element
 from gpu_worker.batching import BatchLoop, BatchSettings
 from gpu_worker.model import TensorSpec, input_check
 
@@ -595,6 +596,66 @@ def test_array_results_read_without_msgpack_decode_as_msgpack_reads_them(
     elif change > 0:  # trailing bytes
         data += bytes(change)
     assert reply_outcome(decode_reply, data) == reply_outcome(protocol._decode_reply_map, data)
+
+
+@QUICK
+@given(st.lists(replies, max_size=20), st.integers(-2, 2))
+def test_a_packed_element_of_anything_gives_replies_or_codec_error(
+    maps: list[bytes], change: int
+) -> None:
+    element = array_header(len(maps)) + b"".join(maps)
+    if change < 0:
+        element = element[:change]
+    elif change > 0:
+        element += bytes(change)
+    try:
+        got = decode_any(element)
+    except (CodecError, ProtocolError):
+        return
+    for reply in got:
+        assert isinstance(reply, (Reply, ProtocolError))
+
+
+def element_outcome(decode: Any, data: bytes) -> Any:
+    """What a decoder of packed elements makes of ``data``, comparable with ==."""
+    try:
+        replies = decode(data)
+    except Exception as exc:
+        return type(exc)
+    out = []
+    for reply in replies:
+        if isinstance(reply, Exception):
+            out.append(type(reply))
+            continue
+        result = reply.result
+        if isinstance(result, np.ndarray):
+            result = (result.dtype.str, result.shape, result.tobytes(), result.flags.writeable)
+        out.append((reply.request_id, reply.ok, result, reply.error_type, reply.error_message))
+    return out
+
+
+@QUICK
+@given(
+    st.lists(st.tuples(all_array_bodies, st.text(max_size=40)), min_size=1, max_size=20),
+    st.integers(-3, 3),
+)
+def test_packed_array_results_read_without_msgpack_decode_as_msgpack_reads_them(
+    cases: list[tuple[tuple[bytes, Any], str]], change: int
+) -> None:
+    maps = [
+        msgpack.packb(
+            {"id": rid, "ok": True, "result": msgpack.ExtType(codec.ARRAY_EXT_TYPE, body)},
+            use_bin_type=True,
+        )
+        for (body, _), rid in cases
+    ]
+    element = array_header(len(maps)) + b"".join(maps)
+    if change < 0:  # cut short
+        element = element[:change]
+    elif change > 0:  # trailing bytes
+        element += bytes(change)
+    fast, slow = decode_element, reply_elements._decode_through_msgpack
+    assert element_outcome(fast, element) == element_outcome(slow, element)
 
 
 async def client_reads(hostile: list[bytes]) -> tuple[list[Any], Any, Any]:
