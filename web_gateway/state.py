@@ -122,16 +122,11 @@ class Gateway:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.pool, func, *args)
 
-    async def cpu(self, served: ServedModel, size: int, func: Callable[..., T], *args: Any) -> T:
-        """Parse and check a body: inline when it is small and the model has no preprocess of
-        its own (cheaper than a thread hop, and bounded), else in the thread pool."""
-        if self.inline(served, size):
-            return func(*args)
-        return await self.in_pool(func, *args)
-
     @staticmethod
     def inline(served: ServedModel, size: int) -> bool:
-        """Whether a body of ``size`` bytes for ``served`` is parsed on the event loop."""
+        """Whether a body of ``size`` bytes for ``served`` is parsed and checked on the event
+        loop: when it is small and the model has no preprocess of its own (cheaper than a
+        thread hop, and bounded); else in the thread pool (:meth:`in_pool`)."""
         return size <= INLINE_BYTES and not served.has_preprocess
 
     def authorize(self, request: Request) -> None:
