@@ -22,8 +22,8 @@ def when_gone(receive: Any, callback: Callable[[], object]) -> Callable[[], None
     waiting on ``receive``. Returns a function that stops watching; None where the request
     did not come through :class:`web_gateway.http_protocol.GatewayHttpProtocol` (the caller
     then watches ``receive`` itself)."""
-    cycle = getattr(receive, "__self__", None)
-    if cycle is None or ON_GONE not in cycle.__dict__:
+    cycle: Any = getattr(receive, "__self__", None)
+    if ON_GONE not in getattr(cycle, "__dict__", ()):
         return None
     if cycle.disconnected:
         callback()

@@ -285,4 +285,11 @@ def test_when_gone_is_none_where_the_server_is_not_the_gateways() -> None:
     async def receive() -> dict[str, Any]:
         return {"type": "http.disconnect"}
 
-    assert when_gone(receive, lambda: None) is None
+    class Slotted:
+        __slots__ = ()
+
+        async def receive(self) -> dict[str, Any]:
+            return {"type": "http.disconnect"}
+
+    for plain in (receive, Slotted().receive, print):
+        assert when_gone(plain, lambda: None) is None
