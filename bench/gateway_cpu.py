@@ -101,6 +101,18 @@ class _InstantCore:
     ) -> list[Any]:
         return self.outputs[: len(payloads)]
 
+    def start_call(
+        self,
+        payloads: list[bytes],
+        timeout: float,
+        traceparent: Any,
+        post: Any = None,
+        level: int = 0,
+    ) -> asyncio.Future[list[Any]]:
+        future = asyncio.get_running_loop().create_future()
+        future.set_result(self.outputs[: len(payloads)])
+        return future
+
 
 def _asgi_case(
     app: Any, path: str, body: bytes, loop: asyncio.AbstractEventLoop

@@ -43,11 +43,12 @@ UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3}
 
 @contextmanager
 def process(
-    command: list[str], env: dict[str, str] | None = None
+    command: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``command`` (output discarded) for the ``with`` block; SIGTERM it, then SIGKILL."""
+    """Run ``command`` (output discarded) in ``cwd`` for the ``with`` block; SIGTERM it, then
+    SIGKILL."""
     proc = subprocess.Popen(
-        command, cwd=ROOT, env=env or ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        command, cwd=cwd, env=env or ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     try:
         yield proc

@@ -195,15 +195,20 @@ class ClientCore:
             raise
 
     def start_call(
-        self, payloads: Sequence[bytes], timeout_s: float, trace: str | None = None
+        self,
+        payloads: Sequence[bytes],
+        timeout_s: float,
+        trace: str | None = None,
+        post: Callable[[list[Any]], list[Any]] | None = None,
+        level: int = NORMAL,
     ) -> asyncio.Future[list[Any]]:
         """Queue encoded items; must be called on this core's loop. The future gets the raw
-        results; cancelling it withdraws the call."""
+        results, or what ``post`` makes of them; cancelling it withdraws the call."""
         future: asyncio.Future[list[Any]] = self.loop.create_future()
         if not payloads:
             future.set_result([])
             return future
-        call = self._new_call(payloads, future, timeout_s, trace)
+        call = self._new_call(payloads, future, timeout_s, trace, post, level)
         future.add_done_callback(lambda done: self._forget(call) if done.cancelled() else None)
         self._accept(call)
         return future
@@ -821,6 +826,28 @@ class Streamer:
             )
             outputs = await asyncio.wrap_future(future)
         return self._postprocess(outputs)
+
+    def astart(
+        self,
+        batch: Sequence[Any],
+        timeout: float | None = None,
+        *,
+        traceparent: str | None = None,
+        priority: str | int | None = None,
+    ) -> asyncio.Future[list[Any]]:
+        """``apredict`` without a coroutine: submit now, from the running loop's thread, and
+        return a future of that loop for the outputs. Cancelling the future withdraws the
+        call's items. Errors of the input (encoding, priority, timeout) raise here."""
+        timeout_s = self.timeout if timeout is None else check_timeout(timeout)
+        level = self._level(priority)
+        payloads = self._encode(batch)
+        post = None if self.model is None else self._postprocess
+        if self.native_async:
+            return self._get_loop_core().start_call(payloads, timeout_s, traceparent, post, level)
+        future = self._get_thread_core().start_call_threadsafe(
+            payloads, timeout_s, traceparent, post, level
+        )
+        return asyncio.wrap_future(future)  # cancelling it cancels ``future``: withdrawn
 
     async def aconnect(self) -> bool:
         """Connect now from this event loop (so the first call does not pay for it).

@@ -18,6 +18,10 @@ shortest timeout when that is less), so a request costs a few attribute writes a
 A process holds at most ``max_connections`` connections: one more is answered 503 and closed at
 once. Limits come from the gateway's settings (``MICROBATCH_GATEWAY_HEADER_TIMEOUT`` etc.).
 
+**Disconnects without a task.** :func:`when_gone` calls back when a request's client goes (its
+connection lost, or cut by a read deadline), so the app need not keep a task waiting on
+``receive()`` per request to learn it.
+
 **One write per response.** uvicorn writes a response's status line and headers, then its body,
 as two ``transport.write`` calls: two ``send`` system calls (and two TCP segments) per response,
 about a sixth of the gateway's CPU at high request rates. The connection's transport holds back
@@ -38,6 +42,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import orjson
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from .disconnects import ON_GONE, gone
 from .errors import error_body, is_v2, v2_error_body
 
 if TYPE_CHECKING:
@@ -76,6 +81,9 @@ class CoalescingTransport:
         held, self._held = self._held, None
         if held and not self._transport.is_closing():
             self._transport.write(held[0] if len(held) == 1 else b"".join(held))
+
+    def is_closing(self) -> bool:  # asked once a request: not through __getattr__
+        return self._transport.is_closing()
 
     def get_write_buffer_size(self) -> int:
         held = sum(len(data) for data in self._held) if self._held else 0
@@ -237,7 +245,10 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.deadline = NO_DEADLINE
+        cycle = self.cycle
         super().connection_lost(exc)
+        if cycle is not None and cycle.disconnected:
+            gone(cycle)
 
     def data_received(self, data: bytes) -> None:
         if self.phase == REFUSED:
@@ -254,7 +265,10 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             self.deadline = self.loop.time() + self._limits.header_timeout
 
     def on_headers_complete(self) -> None:
+        cycle = self.cycle
         super().on_headers_complete()
+        if self.cycle is not cycle:  # a new request's cycle: when_gone may watch it
+            setattr(self.cycle, ON_GONE, None)
         if self.pipeline and self.pipeline[0][0] is self.cycle:
             # queued behind a request in progress, reading paused: its body deadline starts
             # when it is taken up (on_response_complete)
@@ -312,4 +326,5 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         if cycle is not None and not cycle.response_complete:
             cycle.disconnected = True  # the app's receive() says the client has gone
             cycle.message_event.set()
+            gone(cycle)
         self.transport.close()

@@ -14,7 +14,7 @@ from typing import Any
 
 from starlette.datastructures import Headers, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 
 from broker.priorities import HEADER as PRIORITY_HEADER
 from broker.priorities import parse_priority
@@ -131,16 +131,26 @@ def _check_length(request: Request, limit: int) -> None:
 async def body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 past ``limit`` bytes (and decompressed)."""
     _check_length(request, limit)
+    # ASGI's receive() read here, as starlette's Request.stream() does, without its async
+    # generator (most bodies arrive in one message)
+    receive = request.receive
     chunks = []
     size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large(f"request body is over {limit} bytes")
-            chunks.append(chunk)
-    except ClientDisconnect:  # gone, or cut off by the body timeout (answered 408)
-        raise ClientGone("before its body arrived") from None
+    while True:
+        message = await receive()
+        kind = message["type"]
+        if kind == "http.request":
+            chunk = message.get("body", b"")
+            if chunk:
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(f"request body is over {limit} bytes")
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        elif kind == "http.disconnect":  # gone, or cut off by the body timeout (answered 408)
+            raise ClientGone("before its body arrived")
+    request._stream_consumed = True
     data = b"".join(chunks)
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding in ("gzip", "deflate"):

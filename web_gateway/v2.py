@@ -126,9 +126,12 @@ async def handle_infer(
         body = await gateway.body(request)
         header_length = request.headers.get(kserve.HEADER_LENGTH)
         max_items = gateway.settings.max_items
-        parsed, items = await gateway.cpu(
-            served, len(body), parse_and_prepare, served, body, header_length, max_items
-        )
+        if gateway.inline(served, len(body)):  # no coroutine for the common case
+            parsed, items = parse_and_prepare(served, body, header_length, max_items)
+        else:
+            parsed, items = await gateway.in_pool(
+                parse_and_prepare, served, body, header_length, max_items
+            )
         timeout = gateway.timeout(request, _timeout_parameter(parsed))
         priority = reading.priority(request, parsed.parameters.get("priority"))
         outputs = await gateway.predict(request, served, items, timeout, priority)

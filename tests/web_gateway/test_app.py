@@ -256,6 +256,10 @@ def test_the_v1_shortcut_for_plain_numbers_changes_no_result_and_no_error() -> N
     bodies = [
         b'{"inputs": [[1, 2.5, -3e2, 4E-1], [0, 0, 0, 1e38]]}',
         b'{"inputs": [[1, 2, 3, 1e39]]}',
+        b'{"inputs": [[1, 2, 3, 3.4028234663852886e+38]]}',  # FP32's largest
+        b'{"inputs": [[1, 2, 3, -3.402823466385289e+38]]}',  # the next double past it
+        b'{"inputs": [[1, 2, 3, 4], [1, 2, 3, 1e200]]}',
+        b'{"inputs": [[1, 2, 3, 4], [1, 2, 3]]}',
         b'{"inputs": [[1, 2, 3, ' + str(10**400).encode() + b"]]}",
         b'{"inputs": [[[1, 2], [3, 4]]]}',
         b'{"inputs": [[[1, 2], [3]]]}',

@@ -10,6 +10,7 @@ import asyncio
 from typing import Any
 
 from web_gateway.http_protocol import (
+    HEADERS,
     IDLE,
     CoalescingHttpToolsProtocol,
     CoalescingTransport,
@@ -224,3 +225,71 @@ def test_one_connection_over_the_cap_is_refused() -> None:
     first, second, third = asyncio.run(main())
     assert not first.closed and not second.closed
     assert written(third).startswith(b"HTTP/1.1 503 Service Unavailable\r\n") and third.closed
+
+
+def watch_gone(chunks: list[bytes], end: str) -> list[str]:
+    """Serve ``chunks`` to an app that reads the body and waits on ``when_gone`` (no task on
+    ``receive``); then end the connection as ``end`` says: "lost", "expire" or "answer"."""
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    from web_gateway.disconnects import when_gone
+
+    events: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        gone = asyncio.get_running_loop().create_future()
+        stop = when_gone(receive, lambda: gone.set_result(None))
+        assert stop is not None
+        try:
+            await asyncio.wait_for(gone, 2)
+            events.append("gone")
+        except TimeoutError:
+            events.append("answered")
+            stop()
+            await answer_ok(send)
+
+    async def main() -> None:
+        config = Config(app, lifespan="off", log_level="warning")
+        config.load()
+        protocol = Limited(config, ServerState(), {}, asyncio.get_running_loop())
+        protocol.connection_made(RecordingTransport())  # type: ignore[arg-type]
+        for chunk in chunks:
+            protocol.data_received(chunk)
+        for _ in range(10):
+            await asyncio.sleep(0)
+        if end == "lost":
+            protocol.connection_lost(None)
+        elif end == "expire":
+            protocol.phase = HEADERS  # as if a next request's headers were late
+            protocol.expire()
+        await asyncio.sleep(0.01)
+        while protocol.tasks:
+            await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    return events
+
+
+def test_when_gone_calls_back_once_the_client_goes_without_a_task_on_receive() -> None:
+    request = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+    assert watch_gone([request], "lost") == ["gone"]
+    assert watch_gone([request], "expire") == ["gone"]
+    assert watch_gone([request], "answer") == ["answered"]
+
+
+def test_when_gone_is_none_where_the_server_is_not_the_gateways() -> None:
+    from web_gateway.disconnects import when_gone
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    class Slotted:
+        __slots__ = ()
+
+        async def receive(self) -> dict[str, Any]:
+            return {"type": "http.disconnect"}
+
+    for plain in (receive, Slotted().receive, print):
+        assert when_gone(plain, lambda: None) is None
