@@ -65,6 +65,7 @@ _NAMES = tuple(
     tuple(name + b".%d" % index for name in (b"id", b"timeout", b"data", b"traceparent"))
     for index in range(MAX_ENTRY_ITEMS)
 )
+_INDEXES = tuple(str(index) for index in range(MAX_ENTRY_ITEMS))
 
 
 def split(entry_id: str, fields: dict[bytes, Any], count: int) -> list[Entry]:
@@ -75,6 +76,43 @@ def split(entry_id: str, fields: dict[bytes, Any], count: int) -> list[Entry]:
 
 def _split(entry_id: str, fields: dict[bytes, Any], count: int) -> tuple[list[Entry], int]:
     """:func:`split`, and the data bytes of the items (:func:`data_size`), in one pass."""
+    reply = fields.get(b"reply")
+    if reply is not None and b"deadline" not in fields and len(fields) == 3 + 3 * count:
+        # As mb_enqueue writes them (v, reply, n, and each item's id, timeout and data): if
+        # every item's three are there, that is all the entry holds.
+        try:
+            return _split_plain(entry_id, fields, count, reply)
+        except KeyError:
+            pass  # an item lacks a field: the general way below
+    return _split_any(entry_id, fields, count)
+
+
+def _split_plain(
+    entry_id: str, fields: dict[bytes, Any], count: int, reply: Any
+) -> tuple[list[Entry], int]:
+    """:func:`_split` of an entry whose items have an id, a timeout and data each, and
+    nothing else (no trace context, no deadline); KeyError if one lacks one."""
+    items: list[Entry] = []
+    size = 0
+    prefix = entry_id + ITEM_MARK
+    for index in range(count):
+        id_name, timeout_name, data_name, _ = _NAMES[index]
+        data = fields[data_name]
+        if type(data) is bytes:
+            size += len(data)
+        item = {
+            b"v": _V1,
+            b"reply": reply,
+            b"id": fields[id_name],
+            b"timeout": fields[timeout_name],
+            b"data": data,
+        }
+        items.append((prefix + _INDEXES[index], item))
+    return items, size
+
+
+def _split_any(entry_id: str, fields: dict[bytes, Any], count: int) -> tuple[list[Entry], int]:
+    """:func:`_split` of any entry: a field an item lacks is absent from its item entry."""
     shared: dict[bytes, Any] = {b"v": _V1}
     reply, deadline = fields.get(b"reply"), fields.get(b"deadline")
     if reply is not None:
@@ -100,7 +138,7 @@ def _split(entry_id: str, fields: dict[bytes, Any], count: int) -> tuple[list[En
         trace = get(trace_name)
         if trace is not None:
             item[b"traceparent"] = trace
-        items.append((prefix + str(index), item))
+        items.append((prefix + _INDEXES[index], item))
     return items, size
 
 

@@ -333,8 +333,8 @@ class BatchLoop:
         return entries
 
     def _observe_arrivals(self, entries: list[Entry]) -> None:
-        if self.auto_poll is not None:
-            self.auto_poll.observe([entry_id for entry_id, _ in entries])
+        if self.auto_poll is not None and entries:
+            self.auto_poll.observe_newest(entries[-1][0], len(entries))
 
     def prepare(self, entries: list[Entry], skip: set[str] | None = None) -> PreparedBatch:
         """Parse, decode and check a batch (see :meth:`Preparer.prepare`)."""
