@@ -32,7 +32,7 @@ ITEM_MARK = "#"
 DEFAULT_ENTRY_ITEMS = 32
 
 _V1 = b"1"
-_ITEM_FIELDS = (b"id", b"timeout", b"data", b"traceparent")
+_ITEM_FIELDS = (b"id", b"timeout", b"data", b"traceparent")  # each item's own, numbered
 
 
 def check_entry_items(count: int) -> int:
@@ -62,8 +62,7 @@ def item_count(fields: Any) -> int | None:
 # Each item's field names (b"id.<i>", b"timeout.<i>", b"data.<i>", b"traceparent.<i>"), made
 # once: splitting is on the worker's hot path, for every item read.
 _NAMES = tuple(
-    tuple(name + b".%d" % index for name in (b"id", b"timeout", b"data", b"traceparent"))
-    for index in range(MAX_ENTRY_ITEMS)
+    tuple(name + b".%d" % index for name in _ITEM_FIELDS) for index in range(MAX_ENTRY_ITEMS)
 )
 _INDEXES = tuple(str(index) for index in range(MAX_ENTRY_ITEMS))
 
