@@ -106,6 +106,32 @@ def pack_array(array: np.ndarray) -> bytes | None:
     return None
 
 
+def array_prefix(dtype: np.dtype[Any], shape: tuple[int, ...]) -> tuple[bytes, int] | None:
+    """What :func:`encode` packs every array of ``dtype`` and ``shape`` to ahead of its data,
+    and the size of the whole: a payload of that size that starts so is such an array
+    (``np.ndarray(shape, dtype, payload, len(prefix))``, read-only, as :func:`decode` makes
+    it). None where there is no one prefix (a dtype that cannot be sent, or bodies msgpack
+    packs as fixext)."""
+    if dtype.byteorder == ">" or any(dim < 0 for dim in shape):
+        return None
+    try:
+        header = _array_header(dtype, shape)
+    except CodecError:
+        return None
+    data_bytes = dtype.itemsize
+    for dim in shape:
+        data_bytes *= dim
+    body = len(header) + data_bytes
+    if body in _FIXEXT_SIZES:
+        return None
+    for limit, marker, width in _EXT_FORMATS:
+        if body <= limit:
+            prefix = b"".join((marker, body.to_bytes(width, "big"), _ARRAY_EXT_TYPE_BYTE, header))
+            total = len(prefix) + data_bytes
+            return (prefix, total) if total <= DEFAULT_MAX_MESSAGE_BYTES else None
+    return None
+
+
 def _unpack_bare_array(data: bytes, offset: int = 0) -> np.ndarray | None:
     """Decode ``data[offset:]`` if it is exactly one array (the common case), else None."""
     start = _EXT_HEADER_SIZES.get(data[offset]) if len(data) > offset else None

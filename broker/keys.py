@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 DEFAULT_PREFIX = "default"
 GROUP = "workers"
@@ -153,7 +154,7 @@ class ModelKeys:
         key = self._format(template)
         return key + LEVEL_SUFFIX if self.level == HIGH else key
 
-    @property
+    @cached_property
     def lane(self) -> int:
         """The number of this stream of the queue: ``partition + level * MAX_PARTITIONS``."""
         return self.partition + self.level * MAX_PARTITIONS
@@ -163,7 +164,7 @@ class ModelKeys:
         """This level's name (``LEVELS``)."""
         return LEVELS[self.level]
 
-    @property
+    @cached_property
     def tag(self) -> str:
         """The hash tag of this partition's keys (without braces)."""
         if self.partition == 0:
@@ -175,8 +176,15 @@ class ModelKeys:
         level's lane)."""
         if lane == self.lane:
             return self
-        partition, level = lane % MAX_PARTITIONS, lane // MAX_PARTITIONS
-        return ModelKeys(self.model, self.prefix, partition, self.partitions, level)
+        # Remembered: the batch loop asks for the same few lanes' keys for every batch. (A
+        # frozen dataclass's __dict__ is written directly, as cached_property does.)
+        others: dict[int, ModelKeys] = self.__dict__.setdefault("_others", {})
+        keys = others.get(lane)
+        if keys is None:
+            partition, level = lane % MAX_PARTITIONS, lane // MAX_PARTITIONS
+            keys = ModelKeys(self.model, self.prefix, partition, self.partitions, level)
+            others[lane] = keys
+        return keys
 
     def at(self, level: int) -> ModelKeys:
         """The keys of this partition at another priority level."""
@@ -199,7 +207,7 @@ class ModelKeys:
             for k in range(self.partitions)
         ]
 
-    @property
+    @cached_property
     def stream(self) -> str:
         """The request stream: one entry per item."""
         return self._leveled(STREAM_TEMPLATE)
@@ -209,7 +217,7 @@ class ModelKeys:
         """The consumer group all workers of this model read through."""
         return GROUP
 
-    @property
+    @cached_property
     def dead_letters(self) -> str:
         """The stream of entries that could not be answered normally."""
         return self._leveled(DEAD_LETTER_TEMPLATE)
@@ -219,23 +227,23 @@ class ModelKeys:
         """Sorted set of live consumers, scored by heartbeat expiry (ms since epoch)."""
         return self._format(CONSUMERS_TEMPLATE)
 
-    @property
+    @cached_property
     def cancelled(self) -> str:
         """Sorted set of request ids whose callers gave up, scored by expiry (ms)."""
         return self._leveled(CANCELLED_TEMPLATE)
 
-    @property
+    @cached_property
     def queued_bytes(self) -> str:
         """Counter of the data bytes queued in the stream (for the byte bound)."""
         return self._leveled(QUEUED_BYTES_TEMPLATE)
 
-    @property
+    @cached_property
     def packed_items(self) -> str:
         """Counter of the items the stream holds beyond one per entry (the sum of ``n - 1``
         over its multi-item entries), for the item bound: items = XLEN + this."""
         return self._leveled(PACKED_ITEMS_TEMPLATE)
 
-    @property
+    @cached_property
     def answered(self) -> str:
         """Sorted set of the answered items (``<entry id>#<i>``) of multi-item entries whose
         other items are not answered yet, scored by expiry (ms): what a worker taking such an
@@ -291,7 +299,7 @@ class ModelKeys:
         """What every reply key of this partition's inboxes starts with: ``inbox("")``."""
         return self.inbox("")
 
-    @property
+    @cached_property
     def reply_namespaces(self) -> tuple[str, ...]:
         """The inbox namespaces a worker may reply to for an entry of this partition: its
         own, and for partition k >= 1 the model's (partition 0's) too."""

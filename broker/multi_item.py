@@ -32,7 +32,7 @@ ITEM_MARK = "#"
 DEFAULT_ENTRY_ITEMS = 32
 
 _V1 = b"1"
-_ITEM_FIELDS = (b"id", b"timeout", b"data", b"traceparent")
+_ITEM_FIELDS = (b"id", b"timeout", b"data", b"traceparent")  # each item's own, numbered
 
 
 def check_entry_items(count: int) -> int:
@@ -59,30 +59,93 @@ def item_count(fields: Any) -> int | None:
     return count if 1 <= count <= MAX_ENTRY_ITEMS else None
 
 
+# Each item's field names (b"id.<i>", b"timeout.<i>", b"data.<i>", b"traceparent.<i>"), made
+# once: splitting is on the worker's hot path, for every item read.
+_NAMES = tuple(
+    tuple(name + b".%d" % index for name in _ITEM_FIELDS) for index in range(MAX_ENTRY_ITEMS)
+)
+_INDEXES = tuple(str(index) for index in range(MAX_ENTRY_ITEMS))
+
+
 def split(entry_id: str, fields: dict[bytes, Any], count: int) -> list[Entry]:
     """The item entries of a v2 entry of ``count`` items: each a v1 entry's fields (a field
     the entry lacks is absent from its item, whose parse then fails alone)."""
-    shared: dict[bytes, Any] = {b"v": _V1}
-    for name in (b"reply", b"deadline"):
-        if name in fields:
-            shared[name] = fields[name]
+    return _split(entry_id, fields, count)[0]
+
+
+def _split(entry_id: str, fields: dict[bytes, Any], count: int) -> tuple[list[Entry], int]:
+    """:func:`split`, and the data bytes of the items (:func:`data_size`), in one pass."""
+    reply = fields.get(b"reply")
+    if reply is not None and b"deadline" not in fields and len(fields) == 3 + 3 * count:
+        # As mb_enqueue writes them (v, reply, n, and each item's id, timeout and data): if
+        # every item's three are there, that is all the entry holds.
+        try:
+            return _split_plain(entry_id, fields, count, reply)
+        except KeyError:
+            pass  # an item lacks a field: the general way below
+    return _split_any(entry_id, fields, count)
+
+
+def _split_plain(
+    entry_id: str, fields: dict[bytes, Any], count: int, reply: Any
+) -> tuple[list[Entry], int]:
+    """:func:`_split` of an entry whose items have an id, a timeout and data each, and
+    nothing else (no trace context, no deadline); KeyError if one lacks one."""
     items: list[Entry] = []
+    size = 0
+    prefix = entry_id + ITEM_MARK
     for index in range(count):
-        suffix = b".%d" % index
-        item = dict(shared)
-        for name in _ITEM_FIELDS:
-            value = fields.get(name + suffix)
-            if value is not None:
-                item[name] = value
-        items.append((item_id(entry_id, index), item))
-    return items
+        id_name, timeout_name, data_name, _ = _NAMES[index]
+        data = fields[data_name]
+        if type(data) is bytes:
+            size += len(data)
+        item = {
+            b"v": _V1,
+            b"reply": reply,
+            b"id": fields[id_name],
+            b"timeout": fields[timeout_name],
+            b"data": data,
+        }
+        items.append((prefix + _INDEXES[index], item))
+    return items, size
+
+
+def _split_any(entry_id: str, fields: dict[bytes, Any], count: int) -> tuple[list[Entry], int]:
+    """:func:`_split` of any entry: a field an item lacks is absent from its item entry."""
+    shared: dict[bytes, Any] = {b"v": _V1}
+    reply, deadline = fields.get(b"reply"), fields.get(b"deadline")
+    if reply is not None:
+        shared[b"reply"] = reply
+    if deadline is not None:
+        shared[b"deadline"] = deadline
+    get = fields.get
+    items: list[Entry] = []
+    size = 0
+    prefix = entry_id + ITEM_MARK
+    for index in range(count):
+        id_name, timeout_name, data_name, trace_name = _NAMES[index]
+        item = shared.copy()
+        request_id, timeout, data = get(id_name), get(timeout_name), get(data_name)
+        if request_id is not None:
+            item[b"id"] = request_id
+        if timeout is not None:
+            item[b"timeout"] = timeout
+        if data is not None:
+            item[b"data"] = data
+            if isinstance(data, bytes):
+                size += len(data)
+        trace = get(trace_name)
+        if trace is not None:
+            item[b"traceparent"] = trace
+        items.append((prefix + _INDEXES[index], item))
+    return items, size
 
 
 def data_size(fields: dict[bytes, Any], count: int) -> int:
     """The data bytes of a v2 entry's items (what ``mb_enqueue`` counted for the byte bound)."""
     total = 0
     for index in range(count):
-        value = fields.get(b"data.%d" % index)
+        value = fields.get(_NAMES[index][2])
         if isinstance(value, bytes):
             total += len(value)
     return total
@@ -130,26 +193,39 @@ class ItemAcks:
     ) -> None:
         """Note that all items of the v2 entry ``entry_id`` (a stream id) are handed out;
         ``again``: taken back or over, so its items may have been marked answered before."""
-        self._open[entry_id] = _OpenEntry(set(range(count)), data_size(fields, count), count, again)
+        self.note(entry_id, data_size(fields, count), count, again)
+
+    def note(self, entry_id: str, size: int, count: int, again: bool = False) -> None:
+        """:meth:`hand_out` with the entry's data bytes counted already."""
+        self._open[entry_id] = _OpenEntry(set(range(count)), size, count, again)
 
     def settle(self, ids: Iterable[str]) -> Settled:
         """Of stream ids (untagged), some of them item ids, just answered: what that
         completes."""
         plain: list[str] = []
         answered: dict[str, list[str]] = {}
+        # The items of one entry come one after another: its state is looked up once.
+        last, held, done = "", None, None
         for entry_id in ids:
             stream_id, mark, index = entry_id.partition(ITEM_MARK)
             if not mark:
                 plain.append(entry_id)
                 continue
-            held = self._open.get(stream_id)
-            if held is None or not index.isdigit() or int(index) not in held.left:
+            if stream_id != last:
+                last, held = stream_id, self._open.get(stream_id)
+                done = None if held is None else answered.setdefault(stream_id, [])
+            if held is None or done is None or not index.isdigit():
+                continue
+            number = int(index)
+            if number not in held.left:
                 continue  # answered already (a duplicate), or handed out before a takeover
-            held.left.discard(int(index))
-            answered.setdefault(stream_id, []).append(entry_id)
+            held.left.discard(number)
+            done.append(entry_id)
         settled = Settled(plain, [], 0, 0, [], [])
         released = packed = 0
         for stream_id, items in answered.items():
+            if not items:
+                continue
             held = self._open[stream_id]
             if held.left:
                 settled.answered.extend(items)
@@ -181,6 +257,7 @@ def expand(entries: Sequence[Entry], acks: ItemAcks) -> list[Entry]:
         if count is None:
             out.append((entry_id, fields))
             continue
-        acks.hand_out(entry_id, fields, count)
-        out += split(entry_id, fields, count)
+        items, size = _split(entry_id, fields, count)
+        acks.note(entry_id, size, count)
+        out += items
     return out

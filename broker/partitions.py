@@ -51,9 +51,13 @@ def is_high(entry_id: str) -> bool:
 def group(items: Iterable[tuple[str, T]]) -> dict[int, list[tuple[str, T]]]:
     """(tagged id, value) pairs grouped by lane, ids untagged, order kept."""
     out: dict[int, list[tuple[str, T]]] = {}
-    for entry_id, value in items:
+    for item in items:
+        entry_id = item[0]
+        if MARK not in entry_id:  # lane 0: the pair as it is
+            out.setdefault(0, []).append(item)
+            continue
         stream_id, partition = untag(entry_id)
-        out.setdefault(partition, []).append((stream_id, value))
+        out.setdefault(partition, []).append((stream_id, item[1]))
     return out
 
 

@@ -1026,7 +1026,10 @@ def _tagged(keys: ModelKeys, taken: Sequence[tuple[int, Entry]]) -> list[Entry]:
     """(level, entry) pairs of one partition's levels as the batch loop knows them: ids
     tagged with their lane."""
     lanes = {level: keys.at(level).lane for level in (NORMAL, HIGH)}
-    return [(partitions.tag(entry_id, lanes[level]), fields) for level, (entry_id, fields) in taken]
+    tag = partitions.tag
+    # lane 0 (partition 0's normal level) keeps its ids as they are: the entries themselves
+    return [entry if not lanes[level] else (tag(entry[0], lanes[level]), entry[1])
+            for level, entry in taken]  # fmt: skip
 
 
 @dataclass(frozen=True)

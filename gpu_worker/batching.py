@@ -263,10 +263,10 @@ class BatchLoop:
         # A read ahead usually completes after the last check was sent (the model held the
         # loop): check what was not checked, if anything is withdrawn. (A runner that checks
         # batches as the model takes them does it then.)
-        unchecked = self.ahead.unchecked(entry[0] for entry in entries)
-        pending = self.transport.cancellations_pending
-        if unchecked and pending and not self.runner.checks_when_taken:
-            skip |= await self.transport.withdrawn(self.keys, unchecked)
+        if self.transport.cancellations_pending and not self.runner.checks_when_taken:
+            unchecked = self.ahead.unchecked(entry[0] for entry in entries)
+            if unchecked:
+                skip |= await self.transport.withdrawn(self.keys, unchecked)
         return entries, skip
 
     async def _held_withdrawn(self) -> set[str]:
@@ -333,8 +333,8 @@ class BatchLoop:
         return entries
 
     def _observe_arrivals(self, entries: list[Entry]) -> None:
-        if self.auto_poll is not None:
-            self.auto_poll.observe([entry_id for entry_id, _ in entries])
+        if self.auto_poll is not None and entries:
+            self.auto_poll.observe_newest(entries[-1][0], len(entries))
 
     def prepare(self, entries: list[Entry], skip: set[str] | None = None) -> PreparedBatch:
         """Parse, decode and check a batch (see :meth:`Preparer.prepare`)."""
@@ -402,11 +402,13 @@ class BatchLoop:
             self.batches += 1
             self.items += len(batch.items)
         dead = batch.dead
-        for reason in dict.fromkeys(reason for _, reason in dead):
-            entries = [entry for entry, why in dead if why == reason]
-            await self.transport.dead_letter(self.keys, entries, reason)
-        dead_ids = {entry_id for (entry_id, _), _ in dead}
-        answered = [entry for entry in batch.entries if entry[0] not in dead_ids]
+        answered = batch.entries
+        if dead:
+            for reason in dict.fromkeys(reason for _, reason in dead):
+                entries = [entry for entry, why in dead if why == reason]
+                await self.transport.dead_letter(self.keys, entries, reason)
+            dead_ids = {entry_id for (entry_id, _), _ in dead}
+            answered = [entry for entry in answered if entry[0] not in dead_ids]
         await self._send_answers(replies, answered)
         self.observer.replies_sent()
 

@@ -92,11 +92,14 @@ class AutoBusyPoll:
 
     def observe(self, entry_ids: list[str]) -> None:
         """Note the arrival times of entries just read (in stream order)."""
-        if not entry_ids:
-            return
-        newest = entry_time_ms(entry_ids[-1])
+        if entry_ids:
+            self.observe_newest(entry_ids[-1], len(entry_ids))
+
+    def observe_newest(self, entry_id: str, count: int) -> None:
+        """:meth:`observe` of ``count`` entries read, the newest ``entry_id``."""
+        newest = entry_time_ms(entry_id)
         if self._last_ms is not None and newest >= self._last_ms:
-            gap_s = (newest - self._last_ms) / 1000 / len(entry_ids)
+            gap_s = (newest - self._last_ms) / 1000 / count
             mean = self.mean_gap_s
             self.mean_gap_s = gap_s if mean is None else mean + SMOOTHING * (gap_s - mean)
         self._last_ms = newest

@@ -60,7 +60,15 @@ class Preparer:
         self.now_ms = now_ms
         # Each decoded item goes through this before the model sees it (the model's declared
         # input, see gpu_worker.model.input_check): it returns the item, or raises InvalidInput.
-        self.check_item = check_item
+        self.check_item = check = check_item
+        # A payload packed as an array of exactly the input's dtype and shape is read by one
+        # compare of its head: (prefix, size, shape, dtype, data offset).
+        self._packed: tuple[bytes, int, tuple[int, ...], np.dtype[Any], int] | None = None
+        if check is not None and not check.wildcards:
+            found = codec.array_prefix(check.dtype, check.shape)
+            if found is not None:
+                prefix, size = found
+                self._packed = (prefix, size, check.shape, check.dtype, len(prefix))
         # Each partition's inbox namespaces (its own first, then the model's), and why an
         # entry of it whose reply key is in neither is dead-lettered.
         parts = [keys.of(k).reply_namespaces for k in range(keys.partitions)]
@@ -75,44 +83,60 @@ class Preparer:
         answer (or, when nobody can be told, a dead letter). Entries in ``skip`` were withdrawn
         by their callers. Whatever an entry holds, this fails that entry alone: it never
         raises."""
-        batch = PreparedBatch(entries, self.now_ms(), [], [], [], [])
+        now_ms = self.now_ms()
+        batch = PreparedBatch(entries, now_ms, [], [], [], [])
+        items, live = batch.items, batch.live
+        decode = self._decode
+        # The items of a multi-item entry share its reply key and partition: the last one's
+        # verdict is reused (the same key of the same partition passes, or not, alike).
+        allowed_key, allowed_lane = "", -1
+        partitioned = len(self._reply_namespaces) > 1
         for entry in entries:
-            if skip and entry[0] in skip:
+            entry_id = entry[0]
+            if skip and entry_id in skip:
                 self.observer.answered("withdrawn")
                 continue
             try:
-                request = parse_request(*entry)
+                request = parse_request(entry_id, entry[1])
             except Exception as exc:  # MalformedEntry (were it anything else: not fatal)
                 self._malformed(entry, exc, batch)
                 continue
-            self._add(batch, entry, request)
+            reply_key = request.reply_key
+            lane = untag(entry_id)[1] % MAX_PARTITIONS if partitioned else 0
+            if reply_key != allowed_key or lane != allowed_lane:
+                if not self.may_reply_to(reply_key, entry_id):
+                    self._misdirected_entry(batch, entry, reply_key)
+                    continue
+                allowed_key, allowed_lane = reply_key, lane
+            # Past its deadline: also when the clock estimate lags Redis' a little, an entry is
+            # never before its own time (so one of timeout 0 is never computed).
+            deadline_ms = request.deadline_ms
+            if deadline_ms <= now_ms or deadline_ms <= request.arrival_ms:
+                batch.replies.append(self.expired(request))
+                continue
+            try:
+                item = decode(request.data)
+            except Exception as exc:  # CodecError, InvalidInput
+                batch.replies.append(self._refused(request, exc))
+                continue
+            items.append(item)
+            live.append(request)
         return batch
 
-    def _add(self, batch: PreparedBatch, entry: Entry, request: Request) -> None:
-        """Add one parsed request: as an item to compute, or with its answer already."""
-        if not self.may_reply_to(request.reply_key, entry[0]):
-            batch.dead.append((entry, self.misdirected(entry[0])))
-            log.warning(
-                "dead-lettered entry %s on %s: its reply key %r is not one of this "
-                "model's inboxes", entry[0], self.keys.stream, request.reply_key[:200],
-            )  # fmt: skip
-            self.observer.answered("malformed")
-            return
-        # Past its deadline: also when the clock estimate lags Redis' a little, an entry is
-        # never before its own time (so one of timeout 0 is never computed).
-        deadline_ms = request.deadline_ms
-        if deadline_ms <= batch.now_ms or deadline_ms <= request.arrival_ms:
-            batch.replies.append(self.expired(request))
-            return
-        try:
-            item = self._decode(request.data)
-        except Exception as exc:  # CodecError, InvalidInput
-            batch.replies.append(self._refused(request, exc))
-            return
-        batch.items.append(item)
-        batch.live.append(request)
+    def _misdirected_entry(self, batch: PreparedBatch, entry: Entry, reply_key: str) -> None:
+        """Dead-letter an entry whose reply key is none of this model's inboxes."""
+        batch.dead.append((entry, self.misdirected(entry[0])))
+        log.warning(
+            "dead-lettered entry %s on %s: its reply key %r is not one of this "
+            "model's inboxes", entry[0], self.keys.stream, reply_key[:200],
+        )  # fmt: skip
+        self.observer.answered("malformed")
 
     def _decode(self, data: bytes) -> Any:
+        packed = self._packed
+        if packed is not None and len(data) == packed[1] and data.startswith(packed[0]):
+            # exactly the input's dtype and shape, as codec.decode would read it (a view)
+            return np.ndarray(packed[2], packed[3], data, packed[4])
         item = codec.decode(data)
         check = self.check_item
         # an item of the input's dtype and shape passes at the cost of this comparison

@@ -16,7 +16,14 @@ from broker import Streamer, codec
 from broker.devserver import RedisServer
 from broker.errors import QueueFull
 from broker.keys import ModelKeys
-from broker.multi_item import ItemAcks, check_entry_items, item_count, split
+from broker.multi_item import (
+    ItemAcks,
+    check_entry_items,
+    data_size,
+    expand,
+    item_count,
+    split,
+)
 from broker.protocol import CallRequests, parse_request
 from broker.redis_transport import RedisTransport
 from broker.reply_elements import decode_any
@@ -79,6 +86,54 @@ def test_a_v2_entry_reads_as_v1_items_each_with_its_own_fields() -> None:
     assert (second.request_id, second.data, second.deadline_ms) == ("c.2", b"\x02\x03", 99)
     assert second.traceparent and first.traceparent is None
     assert first.arrival_ms == 1000 and first.reply_key == "mb:{p:m}:inbox:c"
+
+
+def _v2(count: int, **extra: bytes) -> dict[bytes, bytes]:
+    fields = {b"v": b"2", b"reply": b"mb:{p:m}:inbox:c", b"n": b"%d" % count}
+    for i in range(count):
+        fields |= {b"id.%d" % i: b"c.%d" % i, b"timeout.%d" % i: b"50", b"data.%d" % i: b"x" * i}
+    return fields | {name.replace("_", ".").encode(): value for name, value in extra.items()}
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        _v2(3),  # as mb_enqueue writes an entry without trace contexts: the plain way
+        _v2(3, traceparent_1=b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+        _v2(3, deadline=b"77"),
+        {k: v for k, v in _v2(3).items() if k != b"timeout.2"},  # an item lacks a field
+        {k: v for k, v in _v2(3).items() if k != b"data.0"} | {b"other": b"y"},
+        {k: v for k, v in _v2(3).items() if k != b"reply"} | {b"other": b"y"},
+    ],
+)
+def test_splitting_reads_every_field_an_item_has_and_no_other(fields: dict[bytes, bytes]) -> None:
+    """Every way of splitting gives each item exactly its own fields and the shared ones."""
+    items = split("9-0", fields, 3)
+    for index, (entry_id, item) in enumerate(items):
+        assert entry_id == f"9-0#{index}"
+        expected = {b"v": b"1"}
+        for name in (b"reply", b"deadline"):
+            if name in fields:
+                expected[name] = fields[name]
+        for name in (b"id", b"timeout", b"data", b"traceparent"):
+            if name + b".%d" % index in fields:
+                expected[name] = fields[name + b".%d" % index]
+        assert item == expected and list(item) == list(expected)
+    acks = ItemAcks()
+    expand([("9-0", fields)], acks)  # hands the entry out with its data bytes counted
+    assert acks.settle(["9-0#0", "9-0#1", "9-0#2"]).released == data_size(fields, 3)
+
+
+def test_settling_items_of_entries_interleaved_completes_each_entry_once() -> None:
+    acks = ItemAcks()
+    fields = {b"data.0": b"ab", b"data.1": b"c"}
+    for entry_id in ("1-0", "2-0", "4-0"):
+        acks.hand_out(entry_id, fields, 2)  # type: ignore[arg-type]
+    ids = ["1-0#0", "2-0#0", "1-0#x", "9-9#0", "4-0#7", "1-0#1", "3-3", "2-0#0"]
+    assert acks.settle(ids) == (["3-3"], ["1-0"], 3, 1, ["2-0#0"], [])
+    assert acks.settle(["2-0#1"]) == ([], ["2-0"], 3, 1, [], ["2-0#0", "2-0#1"])
+    # none of 4-0's items was answered above: none is marked, so none is unmarked
+    assert acks.settle(["4-0#1", "4-0#0"]) == ([], ["4-0"], 3, 1, [], [])
 
 
 @pytest.mark.parametrize("n", [b"0", b"513", b"-1", b"x", b"", b"99999"])

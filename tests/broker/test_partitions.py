@@ -31,7 +31,7 @@ from broker import (
 )
 from broker import client as client_module
 from broker.client import ClientCore
-from broker.keys import HIGH, ModelKeys
+from broker.keys import HIGH, MAX_PARTITIONS, ModelKeys
 from broker.memory_transport import InMemoryTransport
 from broker.partition_reads import PartitionReads
 from broker.partitions import split_bound, tag, untag
@@ -650,3 +650,18 @@ def _children(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 found.append(int(entry))
     return found
+
+
+def test_a_lanes_keys_are_made_once_and_name_the_same_keys_as_fresh_ones() -> None:
+    keys = ModelKeys("toy", "demo", partitions=3)
+    for lane in (1, 2, MAX_PARTITIONS, MAX_PARTITIONS + 2):
+        other = keys.of(lane)
+        assert other is keys.of(lane)
+        fresh = ModelKeys("toy", "demo", lane % MAX_PARTITIONS, 3, lane // MAX_PARTITIONS)
+        assert other == fresh and other.lane == lane
+        for name in ("stream", "cancelled", "queued_bytes", "packed_items", "answered", "tag"):
+            assert getattr(other, name) == getattr(fresh, name)
+        assert other.reply_namespaces == fresh.reply_namespaces
+    assert keys.of(1).stream != keys.of(2).stream != keys.at(HIGH).stream
+    with pytest.raises(ValueError):
+        keys.of(5)  # no partition 5 of 3

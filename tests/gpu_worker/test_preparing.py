@@ -1,9 +1,68 @@
-"""gpu_worker.preparing: cutting a prepared batch into model-sized batches."""
+"""gpu_worker.preparing: decoding entries into items; cutting a prepared batch into
+model-sized batches."""
 
 from __future__ import annotations
 
+import numpy as np
+import pytest
+
+from broker import codec
+from broker.keys import ModelKeys
 from broker.protocol import Request
-from gpu_worker.preparing import PreparedBatch, in_chunks
+from gpu_worker.model import TensorSpec, input_check
+from gpu_worker.observer import BatchObserver
+from gpu_worker.preparing import PreparedBatch, Preparer, in_chunks
+
+KEYS = ModelKeys("m", "p")
+
+
+def preparer(datatype: str = "FP32", shape: tuple[int, ...] = (2, 3)) -> Preparer:
+    check = input_check([TensorSpec("input", datatype, list(shape))])
+    return Preparer(KEYS, BatchObserver(), lambda: 0.0, check)
+
+
+def entry(seq: int, data: bytes, reply: str = KEYS.inbox("c")) -> tuple[str, dict[bytes, bytes]]:
+    fields = {b"v": b"1", b"id": b"r%d" % seq, b"reply": reply.encode()}
+    return f"1000-{seq}", fields | {b"timeout": b"60000", b"data": data}
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.arange(6, dtype=np.float32).reshape(2, 3),  # the input's dtype and shape exactly
+        np.arange(6, dtype=np.int32).reshape(2, 3),  # as many bytes, another dtype: converted
+        np.arange(6, dtype=np.float32).reshape(3, 2),  # another shape: refused
+        np.arange(6, dtype=np.float64).reshape(2, 3),  # converted
+        [[1, 2, 3], [4, 5, 6]],  # a list: converted
+    ],
+)
+def test_an_item_decodes_as_codec_decode_and_the_input_check_say(value: object) -> None:
+    data = codec.encode(value)
+    batch = preparer().prepare([entry(0, data)])
+    try:
+        expected = input_check([TensorSpec("input", "FP32", [2, 3])])(codec.decode(data))  # type: ignore[union-attr]
+    except Exception:
+        assert not batch.items and len(batch.replies) == 1
+        return
+    [item] = batch.items
+    assert type(item) is np.ndarray and item.dtype == np.float32 and item.shape == (2, 3)
+    assert np.array_equal(item, expected)
+    assert item.flags.writeable == expected.flags.writeable
+
+
+def test_a_payload_cut_short_or_padded_is_refused_alone() -> None:
+    good = codec.encode(np.ones((2, 3), np.float32))
+    batch = preparer().prepare([entry(0, good[:-1]), entry(1, good), entry(2, good + b"\0")])
+    assert [request.request_id for request in batch.live] == ["r1"]
+    assert len(batch.replies) == 2
+
+
+def test_items_of_one_reply_key_are_checked_once_alike_and_others_on_their_own() -> None:
+    data = codec.encode(np.ones((2, 3), np.float32))
+    entries = [entry(0, data), entry(1, data, "elsewhere"), entry(2, data), entry(3, data)]
+    batch = preparer().prepare(entries)
+    assert [request.request_id for request in batch.live] == ["r0", "r2", "r3"]
+    assert [dead[0][0] for dead in batch.dead] == ["1000-1"]
 
 
 def request(entry_id: str) -> Request:
