@@ -581,7 +581,9 @@ def test_a_worker_killed_mid_batch_with_partitions_loses_nothing(
             name.decode() for name in client.zrange(keys.consumers, 0, -1)
             if name.decode().endswith(f"-{victim}")
         )  # fmt: skip
-        with Streamer("toy", redis_url=redis_server.url, prefix=prefix) as streamer:
+        # entries of up to a batch's items: enough entries that both workers get some
+        # (80 calls sent together would otherwise fill only a few large entries)
+        with Streamer("toy", redis_url=redis_server.url, prefix=prefix, entry_items=4) as streamer:
             futures = [streamer.submit([f"x{i}"], timeout=60) for i in range(80)]
             deadline = time.monotonic() + 30
             while not _holds(client, keys, consumer):  # in the middle of a batch
