@@ -206,13 +206,19 @@ def redis_counters(nodes: list[RedisServer]) -> dict[str, Any]:
     return {"cpu_s": cpu, "command_usec": usec, "commands": calls, "node_cpu_s": each}
 
 
+def _packing(config: dict[str, Any]) -> dict[str, Any]:
+    """The Streamer's ``entry_items`` when the run names one (else the client's default)."""
+    return {} if config.get("entry_items") is None else {"entry_items": config["entry_items"]}
+
+
 async def _callers(config: dict[str, Any]) -> dict[str, Any]:
     """One caller process: ``concurrency`` call loops split evenly over the models, for
     warm-up + seconds."""
     from broker import Streamer
 
     streamers = [
-        Streamer(name, redis_url=config["url"], prefix=PREFIX) for name in config["models"]
+        Streamer(name, redis_url=config["url"], prefix=PREFIX, **_packing(config))
+        for name in config["models"]
     ]
     item = np.zeros(256, dtype=np.float32)
     start = time.monotonic() + config["warmup"]
@@ -299,7 +305,7 @@ def run_shards(shards: int, cpus: float, args: argparse.Namespace, workdir: Path
                 outs.append(workdir / f"caller-{shards}-{index}.json")
                 config = {"url": url, "models": names, "concurrency": args.concurrency,
                           "warmup": args.warmup, "seconds": args.seconds,
-                          "out": str(outs[-1])}  # fmt: skip
+                          "entry_items": args.entry_items, "out": str(outs[-1])}  # fmt: skip
                 config_path = workdir / f"caller-{shards}-{index}-config.json"
                 config_path.write_text(json.dumps(config))
                 cmd = [sys.executable, "-m", "bench.scale", "--caller", str(config_path)]
@@ -558,6 +564,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=64, help="(b) worker batch size")
     parser.add_argument("--seconds", type=float, default=12.0, help="(b) measured seconds")
     parser.add_argument("--warmup", type=float, default=4.0, help="(b) seconds before measuring")
+    parser.add_argument(
+        "--entry-items",
+        type=int,
+        help="(b) the callers' items per stream entry (default: the client's; 1: v1 entries only)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "scale.json")
     parser.add_argument("--caller", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -601,7 +612,8 @@ def main(argv: list[str] | None = None) -> None:
                         f" shards = {cap['ratio_last_to_first']:.2f}"
                     )
                 caps.append(cap)
-            knobs = ("layout", "callers", "concurrency", "workers", "batch_size", "seconds")
+            knobs = ("layout", "callers", "concurrency", "workers", "batch_size", "seconds",
+                     "entry_items")  # fmt: skip
             settings = {k: getattr(args, k) for k in (*knobs, "warmup")}
             report["shards"] = {"settings": settings, "caps": caps}
     args.out.parent.mkdir(parents=True, exist_ok=True)
