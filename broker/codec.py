@@ -82,7 +82,7 @@ def _pack_array(array: np.ndarray) -> msgpack.ExtType:
 # msgpack's ext 8/16/32 headers: marker, big-endian length, then the type byte. (Bodies of 1,
 # 2, 4, 8 or 16 bytes would use the fixext formats instead: left to msgpack.)
 _EXT_FORMATS = ((0xFF, b"\xc7", 1), (0xFFFF, b"\xc8", 2), (0xFFFFFFFF, b"\xc9", 4))
-_EXT_HEADER_SIZES = {0xC7: 3, 0xC8: 4, 0xC9: 6}
+EXT_HEADER_SIZES = {0xC7: 3, 0xC8: 4, 0xC9: 6}
 _FIXEXT_SIZES = frozenset((1, 2, 4, 8, 16))
 _ARRAY_EXT_TYPE_BYTE = bytes((ARRAY_EXT_TYPE,))
 
@@ -97,12 +97,18 @@ def pack_array(array: np.ndarray) -> bytes | None:
         raise
     except Exception as exc:  # e.g. MemoryError copying a huge array
         raise CodecError(f"cannot encode array: {type(exc).__name__}") from exc
-    size = len(body)
+    head = _ext_head(len(body))
+    return None if head is None else head + body
+
+
+def _ext_head(size: int) -> bytes | None:
+    """The extension header (marker, length, type) msgpack writes ahead of an array's body of
+    ``size`` bytes; None where it packs the body as fixext (or cannot pack it)."""
     if size in _FIXEXT_SIZES:
         return None
     for limit, marker, width in _EXT_FORMATS:
         if size <= limit:
-            return b"".join((marker, size.to_bytes(width, "big"), _ARRAY_EXT_TYPE_BYTE, body))
+            return b"".join((marker, size.to_bytes(width, "big"), _ARRAY_EXT_TYPE_BYTE))
     return None
 
 
@@ -121,20 +127,17 @@ def array_prefix(dtype: np.dtype[Any], shape: tuple[int, ...]) -> tuple[bytes, i
     data_bytes = dtype.itemsize
     for dim in shape:
         data_bytes *= dim
-    body = len(header) + data_bytes
-    if body in _FIXEXT_SIZES:
+    head = _ext_head(len(header) + data_bytes)
+    if head is None:
         return None
-    for limit, marker, width in _EXT_FORMATS:
-        if body <= limit:
-            prefix = b"".join((marker, body.to_bytes(width, "big"), _ARRAY_EXT_TYPE_BYTE, header))
-            total = len(prefix) + data_bytes
-            return (prefix, total) if total <= DEFAULT_MAX_MESSAGE_BYTES else None
-    return None
+    prefix = head + header
+    total = len(prefix) + data_bytes
+    return (prefix, total) if total <= DEFAULT_MAX_MESSAGE_BYTES else None
 
 
 def _unpack_bare_array(data: bytes, offset: int = 0) -> np.ndarray | None:
     """Decode ``data[offset:]`` if it is exactly one array (the common case), else None."""
-    start = _EXT_HEADER_SIZES.get(data[offset]) if len(data) > offset else None
+    start = EXT_HEADER_SIZES.get(data[offset]) if len(data) > offset else None
     if start is None:
         return None
     start += offset

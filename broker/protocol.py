@@ -290,20 +290,28 @@ class Reply:
     error_message: str = ""
 
 
+def result_id_span(data: bytes, at: int = 0) -> tuple[int, int] | None:
+    """(start, end) of the request id in the reply map at ``data[at:]``, read from its head
+    without decoding it, for a map that begins as :func:`encode_result` writes it (``id`` first,
+    a fixstr or str 8 value); None for any other."""
+    if not data.startswith(RESULT_HEAD, at):
+        return None
+    at += len(RESULT_HEAD)
+    marker = data[at] if len(data) > at else 0
+    if marker & 0xE0 == 0xA0:  # fixstr
+        return at + 1, at + 1 + (marker & 0x1F)
+    if marker == 0xD9 and len(data) > at + 1:  # str 8
+        return at + 2, at + 2 + data[at + 1]
+    return None
+
+
 def _decode_array_result(data: bytes) -> Reply | None:
     """The reply as :func:`encode_result` packs an array result, read without msgpack (the
     hot path of every client); None for any other reply."""
-    at = len(RESULT_HEAD)
-    if len(data) <= at + 1 or not data.startswith(RESULT_HEAD):
+    span = result_id_span(data)
+    if span is None:
         return None
-    marker = data[at]
-    if marker & 0xE0 == 0xA0:  # fixstr
-        start, end = at + 1, at + 1 + (marker & 0x1F)
-    elif marker == 0xD9:  # str 8
-        start = at + 2
-        end = start + data[at + 1]
-    else:
-        return None
+    start, end = span
     if data[end : end + len(RESULT_OK)] != RESULT_OK:
         return None
     array = codec.decode_array_at(data, end + len(RESULT_OK))

@@ -18,7 +18,7 @@ import numpy as np
 
 from . import codec
 from .errors import CodecError, ProtocolError
-from .protocol import RESULT_HEAD, RESULT_OK, Reply, decode_reply, reply_from_message
+from .protocol import RESULT_OK, Reply, decode_reply, reply_from_message, result_id_span
 
 # The most replies, and bytes, one packed element holds: a reader decodes an element at once,
 # so it stays far below the codec's message limit; a reply bigger than this goes alone.
@@ -26,8 +26,7 @@ MAX_ELEMENT_REPLIES = 512
 MAX_ELEMENT_BYTES = 1024 * 1024
 
 _ARRAY_MARKERS = frozenset((*range(0x90, 0xA0), 0xDC, 0xDD))
-_EXT_HEADERS = {0xC7: 3, 0xC8: 4, 0xC9: 6}  # marker: header bytes (marker, length, type)
-_HEAD_LEN, _OK_LEN = len(RESULT_HEAD), len(RESULT_OK)
+_OK_LEN = len(RESULT_OK)
 _NO_DTYPE = np.dtype("u1")  # (a placeholder: no array read yet)
 
 
@@ -73,15 +72,8 @@ def is_packed(element: bytes) -> bool:
 def reply_id(payload: bytes) -> bytes | None:
     """The request id of a reply map whose first field is ``id`` (as every reply this package
     encodes), read from its head without decoding it; None for any other."""
-    if not payload.startswith(RESULT_HEAD):
-        return None
-    at = len(RESULT_HEAD)
-    marker = payload[at] if len(payload) > at else 0
-    if marker & 0xE0 == 0xA0:  # fixstr
-        return payload[at + 1 : at + 1 + (marker & 0x1F)]
-    if marker == 0xD9 and len(payload) > at + 1:  # str 8
-        return payload[at + 2 : at + 2 + payload[at + 1]]
-    return None
+    span = result_id_span(payload)
+    return None if span is None else payload[span[0] : span[1]]
 
 
 def decode_element(element: bytes) -> list[Reply | ProtocolError]:
@@ -118,22 +110,14 @@ def _decode_array_results(data: bytes) -> list[Reply | ProtocolError] | None:
     count, at = counted
     out: list[Reply | ProtocolError] = []
     append, ndarray = out.append, np.ndarray
-    head, ok_mark, head_len, ok_len = RESULT_HEAD, RESULT_OK, _HEAD_LEN, _OK_LEN
+    id_span, ok_mark, ok_len = result_id_span, RESULT_OK, _OK_LEN
     layout: tuple[bytes, np.dtype[Any], tuple[int, ...], int] = (b"", _NO_DTYPE, (), 0)
     try:
         for _ in range(count):
-            if not data.startswith(head, at):
+            span = id_span(data, at)
+            if span is None:
                 return None
-            at += head_len
-            marker = data[at]
-            if marker & 0xE0 == 0xA0:  # fixstr
-                start = at + 1
-                end = start + (marker & 0x1F)
-            elif marker == 0xD9:  # str 8
-                start = at + 2
-                end = start + data[at + 1]
-            else:
-                return None
+            start, end = span
             if not data.startswith(ok_mark, end):
                 return None
             at = end + ok_len
@@ -166,7 +150,7 @@ def _array_layout(data: bytes, at: int) -> tuple[bytes, np.dtype[Any], tuple[int
     """(the bytes from the extension header at ``data[at]`` to the end of its array header,
     the array's dtype, shape and data bytes) of an array as codec packs it, with data; else
     None (raises CodecError or IndexError where it is malformed or cut short)."""
-    width = _EXT_HEADERS.get(data[at])
+    width = codec.EXT_HEADER_SIZES.get(data[at])
     if width is None or data[at + width - 1] != codec.ARRAY_EXT_TYPE:
         return None
     body = at + width
