@@ -14,13 +14,13 @@ unpacked one; writes them to ``bench/results/entry_items.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import ab
 from bench.harness import MODELS
 from bench.model_share import served
 from bench.spine import direct
@@ -28,36 +28,24 @@ from broker.multi_item import DEFAULT_ENTRY_ITEMS
 
 RESULTS = Path(__file__).parent / "results"
 ARMS = {"packed": DEFAULT_ENTRY_ITEMS, "one_per_item": 1}
-MEASURES = (
-    "items_per_s",
-    "mean_batch",
-    "cpu_us_per_item_worker",
-    "cpu_us_per_item_client",
-    "cpu_us_per_item_redis",
-)
 
 
 def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     """One model: direct once, then the arms alternating; medians per arm."""
     alone = direct(MODELS[model], args.batch_size, args.duration, False, "cpu").items_per_s
-    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
-    for _ in range(args.repeats):
-        for arm, entry_items in ARMS.items():
-            options = argparse.Namespace(**{**vars(args), "entry_items": entry_items})
-            runs[arm].append(served(model, options))
-    medians = {
-        arm: {name: statistics.median(run[name] for run in got) for name in MEASURES}
-        for arm, got in runs.items()
-    }
+
+    def serve(entry_items: int) -> Callable[[], dict[str, Any]]:
+        options = argparse.Namespace(**{**vars(args), "entry_items": entry_items})
+        return lambda: served(model, options)
+
+    runs = ab.alternate({arm: serve(items) for arm, items in ARMS.items()}, args.repeats)
+    medians = ab.medians(runs)
     for arm in ARMS:
         medians[arm]["over_direct"] = medians[arm]["items_per_s"] / alone
-    packed, plain = medians["packed"], medians["one_per_item"]
     return {
         "direct_batched_items_per_s": alone,
         **medians,
-        "packed_over_one_per_item": {
-            name: packed[name] / plain[name] for name in MEASURES if plain[name]
-        },
+        "packed_over_one_per_item": ab.ratios(medians["packed"], medians["one_per_item"]),
         "runs": runs,
     }
 
@@ -91,15 +79,9 @@ def main() -> None:
     }
     for model in args.models.split(","):
         result = report["models"][model] = measure(model, args)
-        print(f"\n{model}: direct batched {result['direct_batched_items_per_s']:,.0f} items/s")
-        print(f"  {'arm':14} " + " ".join(f"{name:>24}" for name in MEASURES))
-        for arm in ARMS:
-            print(f"  {arm:14} " + " ".join(f"{result[arm][n]:>24,.1f}" for n in MEASURES))
-        ratios = result["packed_over_one_per_item"]
-        print(f"  {'packed/one':14} " + " ".join(f"{ratios.get(n, 0):>24.2f}" for n in MEASURES))
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwritten to {args.output}")
+        title = f"{model}: direct batched {result['direct_batched_items_per_s']:,.0f} items/s"
+        ab.print_table(title, result, list(ARMS), "packed_over_one_per_item", "packed/one")
+    ab.write_report(report, args.output)
 
 
 if __name__ == "__main__":

@@ -17,22 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+from bench import ab
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-MEASURES = (
-    "items_per_s",
-    "mean_batch",
-    "cpu_us_per_item_worker",
-    "cpu_us_per_item_client",
-    "cpu_us_per_item_redis",
-)
 
 _RUN = """
 import argparse, json, sys
@@ -60,21 +55,13 @@ def served_from(checkout: Path, model: str, args: argparse.Namespace) -> dict[st
 
 def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     arms = {"base": Path(args.base).resolve(), "this": ROOT}
-    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
-    for repeat in range(args.repeats):
-        order = list(arms) if repeat % 2 == 0 else list(arms)[::-1]
-        for arm in order:
-            runs[arm].append(served_from(arms[arm], model, args))
-    medians = {
-        arm: {name: statistics.median(run[name] for run in got) for name in MEASURES}
-        for arm, got in runs.items()
-    }
-    this, base = medians["this"], medians["base"]
-    return {
-        **medians,
-        "this_over_base": {name: this[name] / base[name] for name in MEASURES if base[name]},
-        "runs": runs,
-    }
+    runs = ab.alternate(
+        {arm: partial(served_from, tree, model, args) for arm, tree in arms.items()},
+        args.repeats,
+        swap_order=True,
+    )
+    medians = ab.medians(runs)
+    return {**medians, "this_over_base": ab.ratios(medians["this"], medians["base"]), "runs": runs}
 
 
 def main() -> None:
@@ -107,15 +94,9 @@ def main() -> None:
     }
     for model in args.models.split(","):
         result = report["models"][model] = measure(model, args)
-        print(f"\n{model}: base {base_rev}, this {this_rev}")
-        print(f"  {'arm':10} " + " ".join(f"{name:>24}" for name in MEASURES))
-        for arm in ("base", "this"):
-            print(f"  {arm:10} " + " ".join(f"{result[arm][n]:>24,.1f}" for n in MEASURES))
-        ratios = result["this_over_base"]
-        print(f"  {'this/base':10} " + " ".join(f"{ratios.get(n, 0):>24.2f}" for n in MEASURES))
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwritten to {args.output}")
+        title = f"{model}: base {base_rev}, this {this_rev}"
+        ab.print_table(title, result, ["base", "this"], "this_over_base", "this/base")
+    ab.write_report(report, args.output)
 
 
 if __name__ == "__main__":

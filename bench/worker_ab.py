@@ -14,25 +14,17 @@ worker, the client and Redis, and this tree's ratios to the base; writes them to
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench import http_bench, model_share
+from bench import ab, http_bench, model_share
 from bench.harness import MODELS, ROOT
 from bench.spine import direct
 
 RESULTS = Path(__file__).parent / "results"
-MEASURES = (
-    "items_per_s",
-    "mean_batch",
-    "cpu_us_per_item_worker",
-    "cpu_us_per_item_client",
-    "cpu_us_per_item_redis",
-)
 
 
 def served_from(tree: Path, model: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -48,24 +40,16 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     """One model: direct once, then the two trees alternating; medians per arm."""
     arms = {"base": Path(args.base).resolve(), "new": ROOT}
     alone = direct(MODELS[model], args.batch_size, args.duration, False, "cpu").items_per_s
-    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
-    for _ in range(args.repeats):
-        for arm, tree in arms.items():
-            runs[arm].append(served_from(tree, model, args))
-    medians = {
-        arm: {name: statistics.median(run[name] for run in got) for name in MEASURES}
-        for arm, got in runs.items()
-    }
+    runs = ab.alternate(
+        {arm: partial(served_from, tree, model, args) for arm, tree in arms.items()}, args.repeats
+    )
+    medians = ab.medians(runs)
     for arm in arms:
         medians[arm]["over_direct"] = medians[arm]["items_per_s"] / alone
     return {
         "direct_batched_items_per_s": alone,
         **medians,
-        "new_over_base": {
-            name: medians["new"][name] / medians["base"][name]
-            for name in MEASURES
-            if medians["base"][name]
-        },
+        "new_over_base": ab.ratios(medians["new"], medians["base"]),
         "runs": runs,
     }
 
@@ -101,15 +85,9 @@ def main() -> None:
     }
     for model in args.models.split(","):
         result = report["models"][model] = measure(model, args)
-        print(f"\n{model}: direct batched {result['direct_batched_items_per_s']:,.0f} items/s")
-        print(f"  {'arm':6} " + " ".join(f"{name:>24}" for name in MEASURES))
-        for arm in ("base", "new"):
-            print(f"  {arm:6} " + " ".join(f"{result[arm][n]:>24,.1f}" for n in MEASURES))
-        ratios = result["new_over_base"]
-        print(f"  {'new/base':6} " + " ".join(f"{ratios.get(n, 0):>24.2f}" for n in MEASURES))
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwritten to {args.output}")
+        title = f"{model}: direct batched {result['direct_batched_items_per_s']:,.0f} items/s"
+        ab.print_table(title, result, ["base", "new"], "new_over_base", "new/base")
+    ab.write_report(report, args.output)
 
 
 if __name__ == "__main__":
