@@ -1058,7 +1058,7 @@ def _packable(entries: Sequence[Entry]) -> dict[str, set[bytes] | None]:
     to items of multi-item (v2) entries, whose writers read them (docs/protocol.md, section
     7.1). By reply key: None where every entry naming it is such an item (all its replies
     may), else the request ids of its items of v2 entries."""
-    if not [entry_id for entry_id, _ in entries if ITEM_MARK not in entry_id]:  # (under load)
+    if all(ITEM_MARK in entry_id for entry_id, _ in entries):  # (under load)
         named = {fields.get(b"reply") for _, fields in entries}
         return {key.decode(errors="replace"): None for key in named if isinstance(key, bytes)}
     found: dict[bytes, set[bytes]] = {}
@@ -1072,10 +1072,7 @@ def _packable(entries: Sequence[Entry]) -> dict[str, set[bytes] | None]:
             continue
         request_id = fields.get(b"id")
         if isinstance(request_id, bytes):
-            ids = found.get(reply)
-            if ids is None:
-                ids = found[reply] = set()
-            ids.add(request_id)
+            found.setdefault(reply, set()).add(request_id)
     return {
         key.decode(errors="replace"): ids if key in mixed else None for key, ids in found.items()
     }
@@ -1100,9 +1097,12 @@ def _reply_calls(
         if ids is None:
             by_key[key] = pack_replies(payloads)
             continue
-        alone = [p for p in payloads if reply_id(p) not in ids]
-        if len(alone) < len(payloads):
-            by_key[key] = alone + pack_replies([p for p in payloads if reply_id(p) in ids])
+        alone: list[bytes] = []
+        shared: list[bytes] = []
+        for payload in payloads:
+            (shared if reply_id(payload) in ids else alone).append(payload)
+        if shared:
+            by_key[key] = alone + pack_replies(shared)
     by_tag: dict[str, list[str]] = {}
     for key in by_key:
         by_tag.setdefault(_hash_tag(key), []).append(key)
