@@ -55,6 +55,10 @@ class TensorSpec:
         dtype: np.dtype[Any] | None = self.__dict__["_dtype"]
         return dtype
 
+    def takes_shape(self, shape: tuple[int, ...]) -> bool:
+        """:meth:`shape_matches`, answered by one comparison for a spec of fixed shape."""
+        return shape == self.__dict__["_fixed_shape"] or self.shape_matches(shape)
+
     def shape_matches(self, shape: Sequence[int]) -> bool:
         """True if ``shape`` (without the batch dimension) fits this spec."""
         return len(shape) == len(self.shape) and all(
@@ -83,7 +87,7 @@ class TensorSpec:
                 raise InvalidInput(
                     f"input {self.name!r} is not a tensor of {self.datatype}: {exc}"
                 ) from None
-        if value.shape != self.__dict__["_fixed_shape"] and not self.shape_matches(value.shape):
+        if not self.takes_shape(value.shape):
             raise InvalidInput(
                 f"input {self.name!r} has shape {list(value.shape)}, expected {self.shape}"
             )

@@ -118,7 +118,7 @@ def as_rows(raw_items: list[Any], spec: TensorSpec) -> list[Any] | None:
     if wide.ndim < 2:
         return None  # scalar items, left to the model's checks
     shape = wide.shape[1:]
-    if shape != spec.__dict__["_fixed_shape"] and not spec.shape_matches(shape):
+    if not spec.takes_shape(shape):
         return None  # a shape the model's checks refuse
     if dtype.itemsize == 8:
         return list(wide)
