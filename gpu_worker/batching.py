@@ -334,7 +334,7 @@ class BatchLoop:
 
     def _observe_arrivals(self, entries: list[Entry]) -> None:
         if self.auto_poll is not None and entries:
-            self.auto_poll.observe_newest(entries[-1][0], len(entries))
+            self.auto_poll.observe(entries[-1][0], len(entries))
 
     def prepare(self, entries: list[Entry], skip: set[str] | None = None) -> PreparedBatch:
         """Parse, decode and check a batch (see :meth:`Preparer.prepare`)."""

@@ -90,13 +90,9 @@ class AutoBusyPoll:
         self._last_ms: int | None = None
         self.mean_gap_s: float | None = None
 
-    def observe(self, entry_ids: list[str]) -> None:
-        """Note the arrival times of entries just read (in stream order)."""
-        if entry_ids:
-            self.observe_newest(entry_ids[-1], len(entry_ids))
-
-    def observe_newest(self, entry_id: str, count: int) -> None:
-        """:meth:`observe` of ``count`` entries read, the newest ``entry_id``."""
+    def observe(self, entry_id: str, count: int) -> None:
+        """Note the arrival of ``count`` entries just read (at least one), ``entry_id`` the
+        newest of them: the mean gap is taken from the newest ids of successive reads."""
         newest = entry_time_ms(entry_id)
         if self._last_ms is not None and newest >= self._last_ms:
             gap_s = (newest - self._last_ms) / 1000 / count

@@ -21,29 +21,36 @@ def ids(ms: int, count: int) -> list[str]:
     return [f"{ms}-{seq}" for seq in range(count)]
 
 
+def read(ms: int, count: int) -> tuple[str, int]:
+    """What a read of ``count`` entries added within millisecond ``ms`` tells the poll: the
+    newest id, and how many."""
+    entry_ids = ids(ms, count)
+    return entry_ids[-1], len(entry_ids)
+
+
 def test_dense_arrivals_poll_twice_the_mean_gap_within_the_cap() -> None:
     poll = AutoBusyPoll(spare_core=lambda: True)
     assert poll.seconds() == 0.0  # nothing seen yet
-    poll.observe(ids(1000, 1))
-    poll.observe(ids(1001, 4))  # 4 arrivals in 1 ms: 0.25 ms apart
+    poll.observe(*read(1000, 1))
+    poll.observe(*read(1001, 4))  # 4 arrivals in 1 ms: 0.25 ms apart
     assert poll.mean_gap_s == pytest.approx(0.00025)
     assert poll.seconds() == pytest.approx(0.0005)
-    poll.observe(ids(1001, 3))  # more within the same millisecond: several per ms
+    poll.observe(*read(1001, 3))  # more within the same millisecond: several per ms
     assert MIN_POLL_S <= poll.seconds() <= DEFAULT_CAP_S
 
 
 def test_sparse_arrivals_never_poll() -> None:
     poll = AutoBusyPoll(spare_core=lambda: True)
     for ms in range(1000, 1100, 5):  # one every 5 ms: a poll of 1 ms would mostly spin
-        poll.observe(ids(ms, 1))
+        poll.observe(*read(ms, 1))
     assert poll.mean_gap_s == pytest.approx(0.005)
     assert poll.seconds() == 0.0
 
 
 def test_no_spare_core_no_poll() -> None:
     poll = AutoBusyPoll(spare_core=lambda: False)
-    poll.observe(ids(1000, 1))
-    poll.observe(ids(1001, 8))
+    poll.observe(*read(1000, 1))
+    poll.observe(*read(1001, 8))
     assert poll.seconds() == 0.0
 
 
@@ -52,11 +59,11 @@ def test_the_mean_gap_follows_the_traffic() -> None:
     ms = 1000
     for _ in range(50):  # dense
         ms += 1
-        poll.observe(ids(ms, 4))
+        poll.observe(*read(ms, 4))
     assert poll.seconds() > 0
     for _ in range(50):  # then sparse
         ms += 20
-        poll.observe(ids(ms, 1))
+        poll.observe(*read(ms, 1))
     assert poll.seconds() == 0.0
 
 
