@@ -186,20 +186,38 @@ class Harness:
             yield proc
 
     def load(self, python: str | Path, kind: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
+        """The windows of a load generator process; for our asyncio client with
+        ``--load-processes`` N, of N such processes at once, the concurrency split among them
+        (their windows merged by ``merge_windows``)."""
         spec = {**self.timing(), **spec}
         timeout = 120 + spec["warmup"] + spec["repeats"] * spec["duration"] * 3
-        out = subprocess.run(
-            [str(python), "-m", "bench.load", kind, json.dumps(spec)],
-            cwd=ROOT,
-            env=self.env,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-        if out.returncode != 0:
-            raise RuntimeError(out.stderr.strip()[-2000:])
-        result: list[dict[str, Any]] = json.loads(out.stdout.strip().splitlines()[-1])
-        return result
+        processes = min(self.args.load_processes, spec["concurrency"]) if kind == "asyncio" else 1
+        shares = [spec["concurrency"] // processes] * processes
+        for i in range(spec["concurrency"] % processes):
+            shares[i] += 1
+        generators = [
+            subprocess.Popen(
+                [str(python), "-m", "bench.load", kind, json.dumps({**spec, "concurrency": c})],
+                cwd=ROOT,
+                env=self.env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for c in shares
+        ]
+        results = []
+        for generator in generators:
+            try:
+                stdout, stderr = generator.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                for other in generators:
+                    other.kill()
+                raise
+            if generator.returncode != 0:
+                raise RuntimeError(stderr.strip()[-2000:])
+            results.append(json.loads(stdout.strip().splitlines()[-1]))
+        return results[0] if processes == 1 else merge_windows(results)
 
     def wait_http(self, url: str, proc: subprocess.Popen[bytes], timeout: float = 180) -> None:
         """Until a POST of the benchmark's body answers 200."""
@@ -386,6 +404,8 @@ class Harness:
         worker += ["--metrics-port", str(metrics_port), "--log-level", "WARNING"]
         if a.busy_poll_us is not None:  # otherwise the worker's own default
             worker += ["--busy-poll-us", str(a.busy_poll_us)]
+        if a.model_thread is not None:
+            worker += ["--model-thread", a.model_thread]
         return worker + worker_placement(a.cuda, a.workers)
 
     def gateway_command(self, model: str, redis_url: str, prefix: str, port: int) -> list[str]:
@@ -644,6 +664,8 @@ class Harness:
                 "device": self.device,
                 "workers": self.args.workers,
                 "busy_poll_us": self.args.busy_poll_us,
+                "model_thread": self.args.model_thread,
+                "load_processes": self.args.load_processes,
                 "mosec_max_wait_ms": list(MOSEC_WAIT_MS.values()),
                 "sla_p99_ms": self.args.sla_p99_ms,
                 "open_loop_tuned": self.args.open_loop_tuned,
@@ -654,6 +676,43 @@ class Harness:
             "results": self.rows,
             "open_loop": self.open_loops,
         }
+
+
+def merge_windows(per_process: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One list of windows from those of load processes that ran side by side (window i of
+    each at about the same time): items/s, requests and errors summed; CPU per item weighted
+    by each process's requests (the servers' CPU, which every process measured over its own
+    window, is counted once); p50 and p90 the median of the processes', p99 the highest (an
+    upper bound: the processes' latencies are not pooled); the mean batch the median."""
+    merged = []
+    for windows in zip(*per_process, strict=True):
+        requests = [max(1, int(w.get("requests") or 0)) for w in windows]
+        total = sum(requests)
+        window: dict[str, Any] = {
+            "items_per_s": sum(w["items_per_s"] for w in windows),
+            "requests": sum(int(w.get("requests") or 0) for w in windows),
+            "errors": sum(int(w.get("errors") or 0) for w in windows),
+            "p50_ms": statistics.median(w["p50_ms"] for w in windows),
+            "p90_ms": statistics.median(w["p90_ms"] for w in windows),
+            "p99_ms": max(w["p99_ms"] for w in windows),
+            "load_processes": len(windows),
+        }
+        batches = [w["mean_batch"] for w in windows if w.get("mean_batch") is not None]
+        window["mean_batch"] = statistics.median(batches) if batches else None
+        weights = [n / total for n in requests]
+        if all(w.get("load_cpu_us_per_item") is not None for w in windows):
+            window["load_cpu_us_per_item"] = sum(
+                w["load_cpu_us_per_item"] * share for w, share in zip(windows, weights, strict=True)
+            )
+        servers = [w["cpu_us_per_item"] for w in windows if w.get("cpu_us_per_item")]
+        if len(servers) == len(windows):
+            window["cpu_us_per_item"] = {
+                key: sum(s[key] * share for s, share in zip(servers, weights, strict=True))
+                / len(servers)
+                for key in servers[0]
+            }
+        merged.append(window)
+    return merged
 
 
 def med_cpu(windows: list[dict[str, Any]]) -> dict[str, float] | None:
@@ -835,6 +894,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "to do polls 1 ms before it sleeps)",
     )
     parser.add_argument(
+        "--model-thread",
+        choices=["auto", "on", "off"],
+        help="`worker start --model-thread` of our worker, a tuned variant (default: not given)",
+    )
+    parser.add_argument(
+        "--load-processes",
+        type=int,
+        default=1,
+        help="processes the asyncio client's load is split among (each gets an equal share of "
+        "the concurrency; default 1): several callers, as several gateways are",
+    )
+    parser.add_argument(
         "--open-loop-models",
         default="mlp",
         help="comma-separated: the models the open-loop scenario runs for (default mlp)",
@@ -871,6 +942,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--cuda takes one device index, not {args.cuda!r}")
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    if args.load_processes < 1:
+        parser.error("--load-processes must be at least 1")
     for model in args.models:
         if model not in MODELS:
             parser.error(f"unknown model {model!r}: one of {', '.join(MODELS)}")

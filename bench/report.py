@@ -152,7 +152,8 @@ def targets(
                 verdict(ratio >= 10),
             )
         )
-    for model, goal in (("mlp", 0.70), ("heavy", 0.97)):
+    on_cpu = (settings or {}).get("device", "cpu") == "cpu"  # a GPU has targets of its own
+    for model, goal in (("mlp", 0.70), ("heavy", 0.97)) if on_cpu else ():
         batched, served = find(rows, model, BATCHED), find(rows, model, REDIS_ASYNC, 256)
         if not (batched and served):
             continue
@@ -265,12 +266,27 @@ def defaults_targets(
         if bracket and bracket["concurrency"] == 256:
             share, how = bracket["share"], "bracketed"
         out.append(
-            (f"{model} via Redis, c=256 (on {device}): >= {goal:.0%} of direct batched",
-             f"{share:.1%} ({how})", verdict(share >= goal))
+            (f"{model} via Redis, c=256 (on {device}{tuned_label(settings)}): >= {goal:.0%} "
+             "of direct batched", f"{share:.1%} ({how})", verdict(share >= goal))
         )  # fmt: skip
     out += http_targets(rows, verdict)
     out += open_loop_targets(open_loop or {}, verdict)
     return out
+
+
+def tuned_label(settings: dict[str, Any] | None) -> str:
+    """What the served arms ran with beyond the shipped defaults, for a target's label."""
+    settings = settings or {}
+    parts = []
+    if (settings.get("workers") or 1) > 1:
+        parts.append(f"{settings['workers']} workers on the device")
+    if settings.get("model_thread"):
+        parts.append(f"--model-thread {settings['model_thread']}")
+    if settings.get("busy_poll_us") is not None:
+        parts.append(f"--busy-poll-us {settings['busy_poll_us']}")
+    if (settings.get("load_processes") or 1) > 1:
+        parts.append(f"{settings['load_processes']} load processes")
+    return f"; {', '.join(parts)}" if parts else ", defaults"
 
 
 def client_targets(
@@ -619,8 +635,9 @@ def write(
         "alternative's server) all share the same 2 cores. Treat absolute numbers as rough; the "
         "ratios are taken between arms of the same run, measured one after another.",
         "",
-        "On a GPU (one H100: `--cuda` pinning checked, and the batching speed-ups with the models "
-        "on the device): [gpu.md](gpu.md).",
+        "On a GPU (an H100: `--cuda` pinning checked, and the batching speed-ups with the models "
+        "on the device; an H200: the serving path at the defaults and with workers per GPU): "
+        "[gpu.md](gpu.md).",
         "",
         "Which `--batch-size`, `--max-latency` and `--workers` give the most throughput within a "
         "p99 latency SLA, under open-loop load (`python -m bench.tune`): "

@@ -195,6 +195,32 @@ def test_the_cuda_option_reaches_the_worker_command() -> None:
         parse_args(["--cuda", "0,1"])
 
 
+@pytest.mark.timeout(240)
+def test_load_processes_split_the_callers_and_the_worker_options_reach_the_worker(
+    tmp_path: Path,
+) -> None:
+    """``--load-processes 2``: two load processes share the asyncio arm's callers, their
+    windows merged; ``--model-thread`` is passed to `worker start` and recorded."""
+    from bench.harness import Harness, parse_args
+
+    args = parse_args(["--model-thread", "on", "--quick"])
+    assert Harness(args).worker_command("mlp", "redis://x", "p", 1)[-2:] == [
+        "--model-thread",
+        "on",
+    ]
+    command = [sys.executable, "-m", "bench", "--models", "identity", "--concurrency", "4"]
+    command += ["--scenarios", "asyncio", "--no-alternatives", "--no-report", "--duration", "0.5"]
+    command += ["--repeats", "1", "--warmup", "0.3", "--load-processes", "2"]
+    command += ["--output-dir", str(tmp_path)]
+    subprocess.run(command, cwd=ROOT, check=True, timeout=200)
+    report = json.loads((tmp_path / "harness.json").read_text())
+    assert report["settings"]["load_processes"] == 2
+    (row,) = report["results"]
+    (window,) = row["windows"]
+    assert window["load_processes"] == 2 and row["errors"] == 0 and row["requests"] > 0
+    assert row["load_cpu_us_per_item"] > 0 and row["cpu_us_per_item"]["worker"] > 0
+
+
 def test_device_report_answers_with_where_it_ran() -> None:
     """bench.gpu_check's model: the reference MLP's output, and the process and device."""
     import os

@@ -134,3 +134,43 @@ def test_the_open_loop_counts_as_run_only_for_its_models() -> None:
     ]
     assert not_run({"results": rows, "open_loop": {"mlp": {}}}, args) == []
     assert not_run({"results": rows, "open_loop": {}}, args) == [f"mlp: {OPEN_LOOP}"]
+
+
+def test_windows_of_load_processes_side_by_side_merge_into_one() -> None:
+    """``--load-processes``: throughput and counts add up; the CPU per item is over all the
+    items, the servers' counted once; p99 is the worst process's (not pooled)."""
+    from bench.harness import merge_windows
+
+    def window(items_per_s: float, requests: int, p99: float, load_cpu: float) -> dict[str, Any]:
+        return {
+            "items_per_s": items_per_s, "requests": requests, "errors": 0,
+            "p50_ms": p99 / 4, "p90_ms": p99 / 2, "p99_ms": p99, "mean_batch": 64.0,
+            "load_cpu_us_per_item": load_cpu,
+            # each process divides the servers' CPU of the whole window by its own items
+            "cpu_us_per_item": {"worker": 3000.0 / requests, "total": 4500.0 / requests},
+        }  # fmt: skip
+
+    (merged,) = merge_windows([[window(1000, 100, 8.0, 30.0)], [window(3000, 300, 6.0, 10.0)]])
+    assert merged["items_per_s"] == 4000 and merged["requests"] == 400
+    assert merged["p99_ms"] == 8.0 and merged["load_processes"] == 2
+    assert merged["load_cpu_us_per_item"] == (30 * 100 + 10 * 300) / 400
+    assert merged["cpu_us_per_item"] == {"worker": 3000 / 400, "total": 4500 / 400}
+    assert merged["mean_batch"] == 64.0
+
+
+def test_a_gpu_target_names_the_settings_it_ran_with() -> None:
+    from bench.report import tuned_label
+
+    rows = [
+        {"model": "mlp", "scenario": "direct, batched", "concurrency": 1, "items_per_s": 200_000},
+        {"model": "mlp", "scenario": "redis, python client (asyncio)", "concurrency": 256,
+         "items_per_s": 70_000, "p50_ms": 3.0, "p99_ms": 6.0},
+    ]  # fmt: skip
+    settings = {"device": "cuda:0", "workers": 3, "load_processes": 6, "model_thread": None}
+    (share,) = [t for t in targets(rows, None, settings) if "via Redis" in t[0]]
+    assert share[0].startswith("mlp via Redis, c=256 (on cuda:0; 3 workers on the device, 6 load")
+    assert share[0].endswith(">= 30% of direct batched") and share[2] == "met"
+    assert tuned_label({"device": "cpu", "workers": 1, "load_processes": 1}) == ", defaults"
+    assert tuned_label({"model_thread": "on", "busy_poll_us": 0}) == (
+        "; --model-thread on, --busy-poll-us 0"
+    )
