@@ -107,7 +107,13 @@ def start(
     ] = None,
     workers_per_device: Annotated[
         int,
-        typer.Option(min=1, help="Processes per CUDA device."),
+        typer.Option(
+            min=1,
+            help="Processes per CUDA device, each with its own copy of the weights. A model "
+            "whose batch takes a few ms on the GPU keeps it busier with 2 (one process's Redis "
+            "work overlaps the other's model), one that takes well under 1 ms with 3, fed by "
+            "enough callers (docs/deployment.md, GPU workers).",
+        ),
     ] = 1,
     workers: Annotated[
         int,
@@ -191,8 +197,8 @@ def start(
         typer.Option(
             help="Run predict() on a thread of its own, so that reading and decoding the next "
             "batch and sending the last one's replies overlap the model: on, off, or auto (on "
-            "while full batches take 10 ms or more; short CPU batches lose more to GIL "
-            "hand-offs than the overlap saves).",
+            "while full batches take 10 ms or more; short batches lose more to GIL "
+            "hand-offs than the overlap saves, on a GPU too: use --workers-per-device there).",
         ),
     ] = "auto",
     busy_poll_us: Annotated[
