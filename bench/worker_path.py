@@ -6,9 +6,9 @@ Builds one batch as XREADGROUP hands it to the transport (two multi-item entries
 each item a float32[256] array, as ``bench.model_share``'s callers send), then times, per item:
 ``read`` (fields paired, entries split, tagged: ``RedisTransport._read_partition`` without its
 round trip), ``prepare`` (``Preparer.prepare``: parse, reply-key check, deadline, decode, input
-check), ``encode`` (each item's reply, ``encode_outcome``) and ``acks`` (``_removal``: settling
-the items and the ack commands). Best of 5 repeats. No Redis: compare two trees' figures with
-``PYTHONPATH`` pointing at each.
+check), ``encode`` (the items' replies, ``OutcomeEncoder.encode``) and ``acks`` (``_removal``:
+settling the items and the ack commands). Best of 5 repeats. No Redis: compare two trees'
+figures with ``PYTHONPATH`` pointing at each.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from broker.keys import ModelKeys
 from broker.priorities import LevelKeep
 from gpu_worker.model import input_check
 from gpu_worker.observer import BatchObserver
-from gpu_worker.outcomes import encode_outcome
+from gpu_worker.outcomes import OutcomeEncoder
 from gpu_worker.preparing import Preparer
 
 ITEMS_PER_ENTRY = 32
@@ -66,6 +66,8 @@ def main() -> None:
     batch = preparer.prepare(entries, set())
     assert len(batch.items) == size
 
+    encoder = OutcomeEncoder()
+
     def acks() -> None:
         read()
         transport._removal(keys, entries)
@@ -73,9 +75,7 @@ def main() -> None:
     stages: dict[str, Callable[[], Any]] = {
         "read": read,
         "prepare": lambda: preparer.prepare(entries, set()),
-        "encode": lambda: [
-            encode_outcome(r, o) for r, o in zip(batch.live, batch.items, strict=True)
-        ],
+        "encode": lambda: encoder.encode(batch.live, batch.items, {}),
         "read + acks": acks,
     }
     for name, stage in stages.items():

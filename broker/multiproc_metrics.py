@@ -56,10 +56,24 @@ def observe_many(histogram: Any, values: Sequence[float]) -> None:
         for value in values:
             histogram.observe(value)
         return
-    counts: dict[int, int] = {}
-    for value in values:
-        index = bisect.bisect_left(bounds, value)  # the first bucket with value <= bound
-        counts[index] = counts.get(index, 0) + 1
-    total.inc(sum(values))
-    for index, count in counts.items():
-        buckets[index].inc(count)
+    added = sum(values)
+    if added != added:  # a NaN among them: each goes where bisect puts it (sorting would not)
+        counts: dict[int, int] = {}
+        for value in values:
+            index = bisect.bisect_left(bounds, value)  # the first bucket with value <= bound
+            counts[index] = counts.get(index, 0) + 1
+        total.inc(added)
+        for index, count in counts.items():
+            buckets[index].inc(count)
+        return
+    total.inc(added)
+    # Sorted, each bucket's values are a run: found by one bisection per bucket, not per value.
+    ordered = sorted(values)
+    start, end = 0, len(ordered)
+    for index, bound in enumerate(bounds):
+        if start == end:
+            break
+        upto = bisect.bisect_right(ordered, bound, start)  # the values <= bound
+        if upto > start:
+            buckets[index].inc(upto - start)
+            start = upto

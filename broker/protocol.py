@@ -169,24 +169,54 @@ SHOWN_CHARS = 32  # of a field quoted in an error message (and so in logs)
 def parse_request(entry_id: str | bytes, fields: Fields) -> Request:
     """Parse one stream entry; raise :class:`MalformedEntry` if it is not a valid v1 request
     (and nothing else, whatever the entry holds)."""
-    try:  # the common case, on the worker's hot path
-        entry = entry_id if isinstance(entry_id, str) else entry_id.decode()
-        timeout = fields[F_TIMEOUT]
-        request_id, reply_key = fields[F_ID].decode(), fields[F_REPLY].decode()
-        valid = fields[F_VERSION] == _VERSION_BYTES and timeout.isdigit()  # bytes: ASCII only
-        if valid and request_id and reply_key:
-            arrival_ms = int(entry.split("-", 1)[0])  # entry_time_ms, inlined
-            deadline_ms = arrival_ms + int(timeout)
-            if F_DEADLINE in fields:
-                deadline_ms = carried_deadline(fields, deadline_ms)
-            trace = None if F_TRACE not in fields else valid_traceparent(_text(fields, F_TRACE))
-            # positional: a slots dataclass takes them faster than keywords
-            return Request(
-                entry, request_id, reply_key, arrival_ms, deadline_ms, fields[F_DATA], trace
-            )
-    except Exception:  # whatever is wrong, the slow path below says what, and to whom
-        pass
-    return _parse_carefully(entry_id, fields)
+    return RequestReader().parse(entry_id, fields)
+
+
+class RequestReader:
+    """:func:`parse_request` for the entries of a stream read one after another, on one
+    thread: the reply key and arrival time of the entry before are reused where its bytes say
+    they are the same (the items of a multi-item entry share both), with the same results."""
+
+    __slots__ = ("_arrival_ms", "_reply", "_reply_key", "_stamp")
+
+    def __init__(self) -> None:
+        self._reply: object = None  # the reply field last decoded, and its text
+        self._reply_key = ""
+        self._stamp = ""  # the last entry id's time and its dash, and that time
+        self._arrival_ms = 0
+
+    def parse(self, entry_id: str | bytes, fields: Fields) -> Request:
+        """:func:`parse_request`."""
+        try:  # the common case, on the worker's hot path
+            entry = entry_id if isinstance(entry_id, str) else entry_id.decode()
+            timeout = fields[F_TIMEOUT]
+            reply = fields[F_REPLY]
+            if reply is self._reply:
+                reply_key = self._reply_key
+            else:
+                reply_key = reply.decode()
+                self._reply, self._reply_key = reply, reply_key
+            request_id = fields[F_ID].decode()
+            valid = fields[F_VERSION] == _VERSION_BYTES and timeout.isdigit()  # bytes: ASCII only
+            if valid and request_id and reply_key:
+                stamp = self._stamp
+                if stamp and entry.startswith(stamp):
+                    arrival_ms = self._arrival_ms
+                else:
+                    stamp = entry.split("-", 1)[0]
+                    arrival_ms = int(stamp)  # entry_time_ms, inlined
+                    self._stamp, self._arrival_ms = stamp + "-", arrival_ms
+                deadline_ms = arrival_ms + int(timeout)
+                if F_DEADLINE in fields:
+                    deadline_ms = carried_deadline(fields, deadline_ms)
+                trace = None if F_TRACE not in fields else valid_traceparent(_text(fields, F_TRACE))
+                # positional: a slots dataclass takes them faster than keywords
+                return Request(
+                    entry, request_id, reply_key, arrival_ms, deadline_ms, fields[F_DATA], trace
+                )
+        except Exception:  # whatever is wrong, the slow path below says what, and to whom
+            pass
+        return _parse_carefully(entry_id, fields)
 
 
 def _shown(value: bytes) -> str:

@@ -23,7 +23,7 @@ from broker.transport import Entry, Transport
 from .config import MODEL_THREAD_MODES, BatchSettings
 from .model import ItemCheck
 from .observer import BatchObserver
-from .outcomes import PredictFn, encode_outcome
+from .outcomes import OutcomeEncoder, PredictFn
 from .polling import AutoBusyPoll
 from .preparing import PreparedBatch, Preparer, in_chunks
 from .read_ahead import ReadAhead
@@ -127,6 +127,7 @@ class BatchLoop:
         # busy_poll_s None: polling decided read by read from the arrivals and the spare cores.
         self.auto_poll = AutoBusyPoll() if settings.busy_poll_s is None else None
         self.runner = make_runner(settings.model_thread, predict, self)
+        self._encoder = OutcomeEncoder()
         self.batches = 0
         self.items = 0
         self.redelivered = 0
@@ -393,10 +394,7 @@ class BatchLoop:
         replies = batch.replies
         if batch.items:
             counts: dict[str, int] = {}
-            for request, outcome in zip(batch.live, outcomes, strict=True):
-                reply, kind = encode_outcome(request, outcome)
-                replies.append((request.reply_key, reply))
-                counts[kind] = counts.get(kind, 0) + 1
+            replies += self._encoder.encode(batch.live, outcomes, counts)
             for kind, count in counts.items():
                 self.observer.answered(kind, count)
             self.batches += 1

@@ -46,9 +46,9 @@ from broker.protocol import (
     Fields,
     Reply,
     Request,
+    RequestReader,
     decode_reply,
     encode_error,
-    parse_request,
 )
 from broker.redis_transport import RedisTransport
 from broker.transport import Entry, Redelivery
@@ -310,9 +310,10 @@ def _requests(entries: Sequence[Entry]) -> dict[tuple[str, str], tuple[Request, 
     """The parsed requests of the entries answered, with their fields, by (reply key, request
     id)."""
     found: dict[tuple[str, str], tuple[Request, Fields]] = {}
+    parse = RequestReader().parse
     for entry in entries:
         try:
-            request = parse_request(*entry)
+            request = parse(*entry)
         except Exception:  # MalformedEntry: answered (or dead-lettered) as such already
             continue
         found.setdefault((request.reply_key, request.request_id), (request, entry[1]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -106,6 +107,7 @@ class WorkerObserver(BatchObserver):
         self._waits: list[float] = []
         self._inference: list[float] = []
         self._outcomes: dict[str, int] = {}
+        self._items: dict[str, Any] = {}  # ITEMS' child of each outcome
 
     def batch_started(
         self, size: int, queue_waits_s: Sequence[float], traces: Sequence[str]
@@ -143,11 +145,16 @@ class WorkerObserver(BatchObserver):
         if sizes:
             observe_many(self.batch_size, sizes)
         if waits:
-            observe_many(self.queue_wait, [max(0.0, wait) for wait in waits])
+            if min(waits) < 0:  # the broker's clock, estimated, ran a little ahead
+                waits = [max(0.0, wait) for wait in waits]
+            observe_many(self.queue_wait, waits)
         if inference:
             self.batches.inc(len(inference))
             observe_many(self.inference, inference)
         for outcome, count in outcomes.items():
-            ITEMS.labels(self.model, outcome).inc(count)
+            counter = self._items.get(outcome)
+            if counter is None:
+                counter = self._items[outcome] = ITEMS.labels(self.model, outcome)
+            counter.inc(count)
             if outcome == "poison":
                 self.dead_letters.inc(count)

@@ -17,7 +17,7 @@ from broker import codec
 from broker.errors import CodecError, DeadlineExceeded, InvalidInput
 from broker.keys import MAX_PARTITIONS, ModelKeys
 from broker.partitions import untag
-from broker.protocol import MalformedEntry, Request, encode_error, parse_request
+from broker.protocol import MalformedEntry, Request, RequestReader, encode_error
 from broker.transport import Entry
 
 from .model import ItemCheck
@@ -86,7 +86,7 @@ class Preparer:
         now_ms = self.now_ms()
         batch = PreparedBatch(entries, now_ms, [], [], [], [])
         items, live = batch.items, batch.live
-        decode = self._decode
+        decode, parse = self._decode, RequestReader().parse
         # The items of a multi-item entry share its reply key and partition: the last one's
         # verdict is reused (the same key of the same partition passes, or not, alike).
         allowed_key, allowed_lane = "", -1
@@ -97,7 +97,7 @@ class Preparer:
                 self.observer.answered("withdrawn")
                 continue
             try:
-                request = parse_request(entry_id, entry[1])
+                request = parse(entry_id, entry[1])
             except Exception as exc:  # MalformedEntry (were it anything else: not fatal)
                 self._malformed(entry, exc, batch)
                 continue
@@ -150,7 +150,7 @@ class Preparer:
 
     def _malformed(self, entry: Entry, exc: Exception, batch: PreparedBatch) -> None:
         """Answer (or dead-letter, when nobody can be told) an entry that is not a request."""
-        if not isinstance(exc, MalformedEntry):  # parse_request raises nothing else
+        if not isinstance(exc, MalformedEntry):  # parsing raises nothing else
             log.error("cannot parse entry %s on %s: %s", entry[0], self.keys.stream, describe(exc))
             exc = MalformedEntry("entry could not be parsed")
         if not exc.request_id or not exc.reply_key:

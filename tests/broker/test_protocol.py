@@ -10,6 +10,7 @@ from broker.errors import DeadlineExceeded, ModelError, error_from_wire
 from broker.keys import ModelKeys
 from broker.protocol import (
     MalformedEntry,
+    RequestReader,
     decode_reply,
     encode_error,
     encode_result,
@@ -43,6 +44,37 @@ def test_request_round_trip_and_deadline_from_entry_time() -> None:
     assert request.request_id == "r1" and request.reply_key == "inbox"
     assert request.deadline_ms == 1700000000250
     assert codec.decode(request.data) == [1, 2]
+
+
+def test_a_reader_parses_a_run_of_entries_as_parse_request_parses_each() -> None:
+    good = as_stream_fields(request_fields("r1", "inbox", 250, b"\x90"))
+    shared = good[b"reply"]  # the items of a multi-item entry share their reply field
+    runs: list[tuple[str | bytes, dict[bytes, bytes]]] = [
+        ("1700000000000-3#0", good),
+        ("1700000000000-3#1", {**good, b"reply": shared, b"id": b"r2"}),
+        ("17000000000001-0", good),  # the time before, and more digits: not the same time
+        ("1700000000000-4", {**good, b"reply": b"other"}),
+        ("1700000000000-5", {**good, b"reply": b""}),  # malformed: no reply key
+        ("1700000000000-6", good),
+        ("-7", good),  # malformed: no time
+        ("1700000000000-7", {**good, b"reply": b"\xff"}),  # not UTF-8
+        ("1700000000000-8", good),
+        (b"1700000000001-0", {**good, b"deadline": b"1700000000100"}),
+        ("x-1", good),
+        ("1700000000001-1", {**good, b"traceparent": b"not one"}),
+        ("1700000000001-2", {b"data": b"x"}),
+    ]
+    reader = RequestReader()
+    for entry_id, fields in runs:
+        try:
+            want: object = parse_request(entry_id, fields)
+        except MalformedEntry as exc:
+            want = (str(exc), exc.request_id, exc.reply_key)
+        try:
+            got: object = reader.parse(entry_id, fields)
+        except MalformedEntry as exc:
+            got = (str(exc), exc.request_id, exc.reply_key)
+        assert got == want, entry_id
 
 
 def test_malformed_entries_say_where_to_answer_when_they_can() -> None:

@@ -200,6 +200,7 @@ def test_bulk_observations_equal_one_observe_per_value() -> None:
     from gpu_worker.metrics import SECONDS_BUCKETS
 
     values = [0.0, 0.0005, 0.0007, 0.001, 0.3, 2.5, 59.0, 60.0, 61.0, 1e9] * 3
+    values += [-0.001, float("inf"), 0.0004, 2.5, 0.0005, 30.0]  # in no order
 
     def exposition(bulk: bool) -> list[str]:
         registry = CollectorRegistry()

@@ -1,0 +1,63 @@
+"""gpu_worker.outcomes: a batch's replies encoded by OutcomeEncoder, byte for byte as
+encode_outcome encodes each, with the same outcome counts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from broker.errors import InvalidOutput, ModelError
+from broker.protocol import Request
+from gpu_worker.outcomes import OutcomeEncoder, encode_outcome
+
+
+def request(index: int, id_length: int = 8) -> Request:
+    request_id = (f"r{index}-" + "x" * id_length)[:id_length]
+    return Request(f"1000-{index}", request_id, "p:m:inbox:c", 1000, 61000, b"", None)
+
+
+def expected(requests: list[Request], outcomes: list[Any]) -> tuple[list[Any], dict[str, int]]:
+    replies, counts = [], {}
+    for req, outcome in zip(requests, outcomes, strict=True):
+        reply, kind = encode_outcome(req, outcome)
+        replies.append((req.reply_key, reply))
+        counts[kind] = counts.get(kind, 0) + 1
+    return replies, counts
+
+
+def test_a_batch_encodes_as_each_item_would() -> None:
+    outcomes: list[Any] = [
+        np.zeros(3, np.float32),
+        np.arange(3, dtype=np.float32),  # the same dtype and shape: the headers reused
+        np.ones((2, 2), ">f4"),  # big-endian: swapped by the codec
+        np.array(1.0),  # a 0-d array
+        np.ones(4, np.int64),
+        np.ones(3, object),  # cannot be sent: invalid_output
+        ModelError("boom"),
+        InvalidOutput("wrong count"),
+        {"a": 1},
+        np.ones(8, np.float16),
+        np.ones(8, np.float16)[::2],  # not contiguous
+        np.zeros((0, 3), np.float32),
+        np.ones(2, np.uint8),  # a body msgpack packs as fixext
+        np.float32(3),
+        np.ones(3, np.float32).astype(np.dtype("float32")),  # an equal dtype, another object
+    ]
+    lengths = [1, 31, 32, 100, 255, 256, 300, 5, 5, 5, 5, 5, 5, 5, 40]
+    requests = [request(i, n) for i, n in enumerate(lengths)]
+    counts: dict[str, int] = {}
+    replies = OutcomeEncoder().encode(requests, outcomes, counts)
+    want_replies, want_counts = expected(requests, outcomes)
+    assert replies == want_replies
+    assert counts == want_counts
+
+
+def test_an_encoder_keeps_up_with_outputs_that_change_shape() -> None:
+    encoder = OutcomeEncoder()
+    for shape in [(4,), (4,), (2, 2), (4,), (3,)]:
+        requests = [request(i) for i in range(3)]
+        outcomes = [np.full(shape, i, np.float32) for i in range(3)]
+        counts: dict[str, int] = {}
+        assert encoder.encode(requests, outcomes, counts) == expected(requests, outcomes)[0]
+        assert counts == {"ok": 3}
