@@ -13,8 +13,8 @@ from starlette.responses import Response
 from broker.liveness import alive_consumers
 
 from . import kserve, package_version, reading
-from .openapi import JSON, V2_INFER
-from .responses import json_response
+from .openapi import V2_INFER
+from .responses import JSONBody, json_response
 from .serving import ServedModel
 from .state import INLINE_BYTES, PING_TIMEOUT_S, Gateway
 
@@ -139,8 +139,9 @@ async def handle_infer(
             content, headers = await gateway.in_pool(finish, served, parsed, outputs)
         else:
             content, headers = finish(served, parsed, outputs)
-        media = "application/octet-stream" if headers else JSON
-        return Response(content, headers=headers, media_type=media)
+        if not headers:
+            return JSONBody(content)  # what Response(content, media_type=JSON) would send
+        return Response(content, headers=headers, media_type="application/octet-stream")
 
     return await gateway.observed(request, served, "v2", handle)
 

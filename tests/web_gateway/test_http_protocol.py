@@ -373,3 +373,13 @@ def test_answer_json_leaves_to_send_what_it_cannot_write_as_send_would() -> None
     cycle.flow.write_paused = True
     assert cycle.answer_json(200, b"{}") is False
     assert cycle.response_started is False
+
+
+def test_a_json_body_has_the_headers_starlette_gives_a_json_response() -> None:
+    from starlette.responses import Response
+
+    from web_gateway.responses import JSONBody
+
+    for body, status in ((b"{}", 200), (b'{"outputs":[]}', 422), (b"", 200)):
+        plain = Response(body, status, media_type="application/json")
+        assert JSONBody(body, status).raw_headers == plain.raw_headers
