@@ -122,6 +122,24 @@ class GatewayCycle(RequestResponseCycle):
     # they were written from; None where send() must write them (it checks them each time)
     _defaults: ClassVar[tuple[Any, bytes | None]] = (None, None)
 
+    def whole_body(self) -> bytes | None:
+        """The request's body, when all of it has arrived and nothing has read it: what the
+        first ``receive()`` would answer in its one ``http.request`` message, taken as it
+        would be; None where ``receive()`` must answer (and nothing is taken)."""
+        if (
+            self.more_body
+            or self.disconnected
+            or self.response_complete
+            or self.waiting_for_100_continue
+            or not self.message_event.is_set()
+        ):
+            return None
+        self.flow.resume_reading()
+        self.message_event.clear()
+        body = bytes(self.body)
+        self.body = bytearray()
+        return body
+
     def answer_json(self, status: int, body: bytes) -> bool:
         """Answer ``status`` with the JSON ``body``, as ``send()`` would for
         ``http.response.start`` (headers content-length, content-type: application/json) and

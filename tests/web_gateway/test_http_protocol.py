@@ -375,6 +375,49 @@ def test_answer_json_leaves_to_send_what_it_cannot_write_as_send_would() -> None
     assert cycle.response_started is False
 
 
+def echo_bodies(chunks: list[bytes], whole: bool) -> tuple[list[bytes], bytes]:
+    """The bodies web_gateway.reading.body read from each request in ``chunks`` (fed one by
+    one) under GatewayHttpProtocol, and what was written; ``whole`` False hides
+    ``whole_body`` (each body then read through receive())."""
+    from web_gateway import reading
+    from web_gateway.http_protocol import GatewayCycle
+    from web_gateway.responses import JSONBody
+
+    bodies: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        request = reading.GatewayRequest(scope, receive, send)
+        assert isinstance(receive.__self__, GatewayCycle)
+        if not whole:
+            request._receive = lambda: receive()  # no __self__: read through receive()
+        bodies.append(await reading.body(request, 1 << 20))
+        await JSONBody(b"{}")(scope, receive, send)
+
+    _, raw = run_protocol(app, chunks, expire=False)
+    return bodies, written(raw)
+
+
+def test_a_body_all_arrived_is_taken_from_the_cycle_as_receive_would_give_it() -> None:
+    head = b"POST /v1/models/m/predict HTTP/1.1\r\nHost: x\r\n"
+    whole = head + b"Content-Length: 5\r\n\r\nhello"
+    empty = head + b"Content-Length: 0\r\n\r\n"
+    chunked = head + b"Transfer-Encoding: chunked\r\n\r\n3\r\nhel\r\n2\r\nlo\r\n0\r\n\r\n"
+    expect = head + b"Expect: 100-continue\r\nContent-Length: 5\r\n\r\n"
+    cases = [
+        [whole + whole],  # pipelined
+        [empty],
+        [whole[:-3], whole[-3:]],  # the body in two reads
+        [chunked[:-12], chunked[-12:]],
+        [expect, b"hello"],  # receive() answers 100 Continue first
+    ]
+    for chunks in cases:
+        taken, answer = echo_bodies(chunks, whole=True)
+        received, same_answer = echo_bodies(chunks, whole=False)
+        assert taken == received and answer == same_answer
+        assert set(taken) <= {b"hello", b""} and taken
+    assert echo_bodies(cases[-1], whole=True)[1].startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+
 def test_a_json_body_has_the_headers_starlette_gives_a_json_response() -> None:
     from starlette.responses import Response
 
