@@ -26,6 +26,7 @@ from . import access_log, operations, package_version, reading, v1, v2
 from .docs import install_docs
 from .errors import HTTPError, to_response
 from .openapi import install_openapi
+from .responses import JSONBody
 from .settings import GatewaySettings
 from .state import Gateway
 
@@ -66,6 +67,11 @@ class GatewayApp(FastAPI):
                         )
                 except Exception as exc:
                     response = to_response(exc, "POST", path)
+                if type(response) is JSONBody:
+                    # under the gateway's HTTP protocol, written without the ASGI messages
+                    answer = getattr(getattr(send, "__self__", None), "answer_json", None)
+                    if answer is not None and answer(response.status_code, response.body):
+                        return
                 await response(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)

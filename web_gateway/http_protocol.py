@@ -22,6 +22,10 @@ once. Limits come from the gateway's settings (``MICROBATCH_GATEWAY_HEADER_TIMEO
 connection lost, or cut by a read deadline), so the app need not keep a task waiting on
 ``receive()`` per request to learn it.
 
+**A JSON answer in one step.** :meth:`GatewayCycle.answer_json` writes a whole JSON response
+(status line, uvicorn's default headers, content-length and content-type, the body: the bytes
+uvicorn's ``send`` writes for the two ASGI messages) without those messages, for the hot routes.
+
 **One write per response.** uvicorn writes a response's status line and headers, then its body,
 as two ``transport.write`` calls: two ``send`` system calls (and two TCP segments) per response,
 about a sixth of the gateway's CPU at high request rates. The connection's transport holds back
@@ -40,7 +44,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import orjson
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 from .disconnects import ON_GONE, gone
 from .errors import error_body, is_v2, v2_error_body
@@ -99,6 +109,88 @@ class CoalescingTransport:
 
     def __getattr__(self, name: str) -> Any:  # is_closing, get_extra_info, pause_reading, ...
         return getattr(self._transport, name)
+
+
+_JSON_TYPE = b"\r\ncontent-type: application/json\r\n"
+_SPECIAL = {b"content-length", b"transfer-encoding", b"connection"}  # send() reads them
+
+
+class GatewayCycle(RequestResponseCycle):
+    """uvicorn's request cycle, with a whole JSON response written in one step."""
+
+    # uvicorn's default headers as written (they change each second: the date), and the list
+    # they were written from; None where send() must write them (it checks them each time)
+    _defaults: ClassVar[tuple[Any, bytes | None]] = (None, None)
+
+    def whole_body(self) -> bytes | None:
+        """The request's body, when all of it has arrived and nothing has read it: what the
+        first ``receive()`` would answer in its one ``http.request`` message, taken as it
+        would be; None where ``receive()`` must answer (and nothing is taken)."""
+        if (
+            self.more_body
+            or self.disconnected
+            or self.response_complete
+            or self.waiting_for_100_continue
+            or not self.message_event.is_set()
+        ):
+            return None
+        self.flow.resume_reading()
+        self.message_event.clear()
+        body = bytes(self.body)
+        self.body = bytearray()
+        return body
+
+    def answer_json(self, status: int, body: bytes) -> bool:
+        """Answer ``status`` with the JSON ``body``, as ``send()`` would for
+        ``http.response.start`` (headers content-length, content-type: application/json) and
+        one ``http.response.body``; False, having done nothing, where ``send()`` must do it
+        (a response started, the client gone, writing paused, uvicorn's access log on)."""
+        if (
+            self.response_started
+            or self.disconnected
+            or self.flow.write_paused
+            or self.access_log
+            or self.scope["method"] == "HEAD"
+        ):
+            return False
+        defaults = self.default_headers
+        known, written = GatewayCycle._defaults
+        if known is not defaults:
+            written = _written(defaults)
+            GatewayCycle._defaults = (defaults, written)
+        if written is None:
+            return False
+        self.response_started = True
+        self.waiting_for_100_continue = False
+        self.chunked_encoding = False
+        self.expected_content_length = 0
+        close = b"" if self.keep_alive else b"connection: close\r\n"
+        length = str(len(body)).encode("latin-1")
+        self.transport.write(
+            b"".join((STATUS_LINE[status], written, b"content-length: ", length, _JSON_TYPE))
+            + close
+            + b"\r\n"
+            + body
+        )
+        self.response_complete = True
+        self.message_event.set()
+        if not self.keep_alive:
+            self.transport.close()
+        self.on_response()
+        return True
+
+
+def _written(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """Default headers as send() writes them; None where send() would refuse or read one."""
+    lines = []
+    for name, value in headers:
+        if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
+            return None
+        name = name.lower()
+        if name in _SPECIAL:
+            return None
+        lines.append(b"%s: %s\r\n" % (name, value))
+    return b"".join(lines)
 
 
 class CoalescingHttpToolsProtocol(HttpToolsProtocol):
@@ -268,6 +360,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         cycle = self.cycle
         super().on_headers_complete()
         if self.cycle is not cycle:  # a new request's cycle: when_gone may watch it
+            self.cycle.__class__ = GatewayCycle
             setattr(self.cycle, ON_GONE, None)
         if self.pipeline and self.pipeline[0][0] is self.cycle:
             # queued behind a request in progress, reading paused: its body deadline starts

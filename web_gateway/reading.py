@@ -36,11 +36,11 @@ class IndexedHeaders(Headers):
         self._first = dict(reversed(self._list))  # reversed: the first of a repeated name wins
 
     def get(self, key: str, default: Any = None) -> Any:
-        value = self._first.get(key.lower().encode("latin-1"))
+        value = self._first.get(_NAMES.get(key) or _name(key))
         return default if value is None else value.decode("latin-1")
 
     def __getitem__(self, key: str) -> str:
-        value = self._first.get(key.lower().encode("latin-1"))
+        value = self._first.get(_NAMES.get(key) or _name(key))
         if value is None:
             raise KeyError(key)
         return value.decode("latin-1")
@@ -49,15 +49,32 @@ class IndexedHeaders(Headers):
         return key.lower().encode("latin-1") in self._first
 
 
+_NAMES: dict[str, bytes] = {}  # header names looked up, as the raw names they match
+_MAX_NAMES = 256
+
+
+def _name(key: str) -> bytes:
+    name = key.lower().encode("latin-1")
+    if len(_NAMES) < _MAX_NAMES:
+        _NAMES[key] = name
+    return name
+
+
+class _IndexedOnce:
+    """A request's :class:`IndexedHeaders`, made at the first look and kept in its ``__dict__``
+    (which later looks find first: no call)."""
+
+    def __get__(self, request: Any, owner: Any = None) -> Any:
+        if request is None:
+            return self
+        headers = request.__dict__["headers"] = request._headers = IndexedHeaders(request.scope)
+        return headers
+
+
 class GatewayRequest(Request):
     """starlette's Request with :class:`IndexedHeaders` (for the hot routes)."""
 
-    @property
-    def headers(self) -> Headers:
-        headers: Headers | None = self.__dict__.get("_headers")
-        if headers is None:
-            headers = self._headers = IndexedHeaders(self.scope)
-        return headers
+    headers = _IndexedOnce()
 
 
 def authorize(request: Request, tokens: Sequence[bytes]) -> None:
@@ -131,9 +148,27 @@ def _check_length(request: Request, limit: int) -> None:
 async def body(request: Request, limit: int) -> bytes:
     """The request body, refused with 413 past ``limit`` bytes (and decompressed)."""
     _check_length(request, limit)
-    # ASGI's receive() read here, as starlette's Request.stream() does, without its async
-    # generator (most bodies arrive in one message)
-    receive = request.receive
+    # under the gateway's HTTP protocol, a body that has all arrived is taken at once (what
+    # receive() would answer, without the message)
+    whole = getattr(getattr(request.receive, "__self__", None), "whole_body", None)
+    data = None if whole is None else whole()
+    if data is None:
+        data = await _received(request.receive, limit)
+    elif len(data) > limit:
+        raise too_large(f"request body is over {limit} bytes")
+    request._stream_consumed = True
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding in ("gzip", "deflate"):
+        data = _decompress(data, encoding, limit)
+    elif encoding not in ("", "identity"):
+        raise HTTPError(415, "UnsupportedMediaType", f"Content-Encoding {encoding!r}")
+    request._body = data  # so request.form() parses what was read here
+    return data
+
+
+async def _received(receive: Any, limit: int) -> bytes:
+    """The body, read from ASGI's receive() as starlette's Request.stream() does, without its
+    async generator; 413 past ``limit`` bytes."""
     chunks = []
     size = 0
     while True:
@@ -147,18 +182,9 @@ async def body(request: Request, limit: int) -> bytes:
                     raise too_large(f"request body is over {limit} bytes")
                 chunks.append(chunk)
             if not message.get("more_body", False):
-                break
+                return b"".join(chunks)
         elif kind == "http.disconnect":  # gone, or cut off by the body timeout (answered 408)
             raise ClientGone("before its body arrived")
-    request._stream_consumed = True
-    data = b"".join(chunks)
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding in ("gzip", "deflate"):
-        data = _decompress(data, encoding, limit)
-    elif encoding not in ("", "identity"):
-        raise HTTPError(415, "UnsupportedMediaType", f"Content-Encoding {encoding!r}")
-    request._body = data  # so request.form() parses what was read here
-    return data
 
 
 def _decompress(data: bytes, encoding: str, limit: int) -> bytes:

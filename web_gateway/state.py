@@ -6,7 +6,7 @@ import asyncio
 import gc
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -147,8 +147,10 @@ class Gateway:
         default = fallback if fallback is not None else self.settings.default_timeout
         return reading.timeout(request, default, self.settings.max_timeout)
 
-    async def body(self, request: Request) -> bytes:
-        return await reading.body(request, self.settings.max_body_bytes)
+    def body(self, request: Request) -> Coroutine[Any, Any, bytes]:
+        """The request's body (await it): :func:`web_gateway.reading.body` at this gateway's
+        limit (its coroutine, not one around it)."""
+        return reading.body(request, self.settings.max_body_bytes)
 
     def check_items(self, count: int) -> None:
         reading.check_items(count, self.settings.max_items)
@@ -198,14 +200,16 @@ class Gateway:
         request: Request,
         served: ServedModel,
         route: str,
-        handler: Callable[[], Awaitable[Response]],
+        handler: Callable[..., Awaitable[Response]],
+        *args: Any,
     ) -> Response:
-        """Run an inference handler with its model's metrics; any error becomes its response."""
+        """Run an inference handler (on ``args``) with its model's metrics; any error becomes
+        its response."""
         started = time.perf_counter()
         served.metrics.begin()
         outcome = "ok"
         try:
-            return await handler()
+            return await handler(*args)
         except Exception as exc:
             outcome = outcome_of(exc)
             return to_response(exc, request.scope["method"], request.scope["path"])

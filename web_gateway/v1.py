@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
@@ -49,32 +50,33 @@ async def predict(name: str = MODEL_NAME, *, request: Request) -> Response:
     return await handle_predict(_gateway(request), request, name)
 
 
-async def handle_predict(gateway: Gateway, request: Request, name: str) -> Response:
-    """The v1 predict route (401 and 404 raised; errors past them become the response)."""
+def handle_predict(gateway: Gateway, request: Request, name: str) -> Awaitable[Response]:
+    """The v1 predict route (await it): 401 and 404 raised at once; errors past them become
+    the response."""
     gateway.authorize(request)
     served = gateway.model(name)
+    return gateway.observed(request, served, "v1", _predict, gateway, request, served)
 
-    async def handle() -> Response:
-        timeout = gateway.timeout(request)
-        priority = reading.priority(request)
-        body = await gateway.body(request)
-        content_type = request.headers.get("content-type", "").lower()
-        if content_type.startswith("multipart/form-data"):
-            raw_items = await reading.uploaded_files(request, gateway.settings.max_items)
-            gateway.check_items(len(raw_items))
-            items = await gateway.in_pool(served.prepare, raw_items)
+
+async def _predict(gateway: Gateway, request: Request, served: ServedModel) -> Response:
+    timeout = gateway.timeout(request)
+    priority = reading.priority(request)
+    body = await gateway.body(request)
+    content_type = request.headers.get("content-type", "").lower()
+    if content_type.startswith("multipart/form-data"):
+        raw_items = await reading.uploaded_files(request, gateway.settings.max_items)
+        gateway.check_items(len(raw_items))
+        items = await gateway.in_pool(served.prepare, raw_items)
+    else:
+        max_items = gateway.settings.max_items
+        if gateway.inline(served, len(body)):  # no coroutine for the common case
+            items = parse_and_prepare(served, body, max_items)
         else:
-            max_items = gateway.settings.max_items
-            if gateway.inline(served, len(body)):  # no coroutine for the common case
-                items = parse_and_prepare(served, body, max_items)
-            else:
-                items = await gateway.in_pool(parse_and_prepare, served, body, max_items)
-        outputs = await gateway.predict(request, served, items, timeout, priority)
-        if served.has_postprocess:
-            outputs = await gateway.in_pool(served.finish, outputs)
-        return json_response({"outputs": outputs})
-
-    return await gateway.observed(request, served, "v1", handle)
+            items = await gateway.in_pool(parse_and_prepare, served, body, max_items)
+    outputs = await gateway.predict(request, served, items, timeout, priority)
+    if served.has_postprocess:
+        outputs = await gateway.in_pool(served.finish, outputs)
+    return json_response({"outputs": outputs})
 
 
 def parse_and_prepare(served: ServedModel, body: bytes, max_items: int) -> list[Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Awaitable
 from typing import Any
 
 from fastapi import APIRouter, Path, Request
@@ -13,8 +14,8 @@ from starlette.responses import Response
 from broker.liveness import alive_consumers
 
 from . import kserve, package_version, reading
-from .openapi import JSON, V2_INFER
-from .responses import json_response
+from .openapi import V2_INFER
+from .responses import JSONBody, json_response
 from .serving import ServedModel
 from .state import INLINE_BYTES, PING_TIMEOUT_S, Gateway
 
@@ -115,34 +116,36 @@ async def version_infer(
     return await handle_infer(_gateway(request), request, name, version)
 
 
-async def handle_infer(
+def handle_infer(
     gateway: Gateway, request: Request, name: str, version: str | None = None
-) -> Response:
-    """The v2 infer routes (401 and 404 raised; errors past them become the response)."""
+) -> Awaitable[Response]:
+    """The v2 infer routes (await it): 401 and 404 raised at once; errors past them become the
+    response."""
     gateway.authorize(request)
     served = gateway.model(name, version)
+    return gateway.observed(request, served, "v2", _infer, gateway, request, served)
 
-    async def handle() -> Response:
-        body = await gateway.body(request)
-        header_length = request.headers.get(kserve.HEADER_LENGTH)
-        max_items = gateway.settings.max_items
-        if gateway.inline(served, len(body)):  # no coroutine for the common case
-            parsed, items = parse_and_prepare(served, body, header_length, max_items)
-        else:
-            parsed, items = await gateway.in_pool(
-                parse_and_prepare, served, body, header_length, max_items
-            )
-        timeout = gateway.timeout(request, _timeout_parameter(parsed))
-        priority = reading.priority(request, parsed.parameters.get("priority"))
-        outputs = await gateway.predict(request, served, items, timeout, priority)
-        if served.has_postprocess or len(body) > INLINE_BYTES:
-            content, headers = await gateway.in_pool(finish, served, parsed, outputs)
-        else:
-            content, headers = finish(served, parsed, outputs)
-        media = "application/octet-stream" if headers else JSON
-        return Response(content, headers=headers, media_type=media)
 
-    return await gateway.observed(request, served, "v2", handle)
+async def _infer(gateway: Gateway, request: Request, served: ServedModel) -> Response:
+    body = await gateway.body(request)
+    header_length = request.headers.get(kserve.HEADER_LENGTH)
+    max_items = gateway.settings.max_items
+    if gateway.inline(served, len(body)):  # no coroutine for the common case
+        parsed, items = parse_and_prepare(served, body, header_length, max_items)
+    else:
+        parsed, items = await gateway.in_pool(
+            parse_and_prepare, served, body, header_length, max_items
+        )
+    timeout = gateway.timeout(request, _timeout_parameter(parsed))
+    priority = reading.priority(request, parsed.parameters.get("priority"))
+    outputs = await gateway.predict(request, served, items, timeout, priority)
+    if served.has_postprocess or len(body) > INLINE_BYTES:
+        content, headers = await gateway.in_pool(finish, served, parsed, outputs)
+    else:
+        content, headers = finish(served, parsed, outputs)
+    if not headers:
+        return JSONBody(content)  # what Response(content, media_type=JSON) would send
+    return Response(content, headers=headers, media_type="application/octet-stream")
 
 
 def _timeout_parameter(parsed: kserve.InferRequest) -> float | None:

@@ -41,6 +41,12 @@ class RecordingTransport:
     def get_write_buffer_size(self) -> int:
         return 0
 
+    def pause_reading(self) -> None:  # a pipelined request waits
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return {"peername": ("127.0.0.1", 1)}.get(name, default)
 
@@ -293,3 +299,130 @@ def test_when_gone_is_none_where_the_server_is_not_the_gateways() -> None:
 
     for plain in (receive, Slotted().receive, print):
         assert when_gone(plain, lambda: None) is None
+
+
+def answer_twice(direct: bool, requests: bytes) -> tuple[Any, RecordingTransport]:
+    """Two JSON answers (200, then 422) to ``requests`` by GatewayHttpProtocol, through
+    ``answer_json`` or through the ASGI messages; with uvicorn's default headers set."""
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    from web_gateway.responses import JSONBody
+
+    statuses = iter((200, 422))
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        response = JSONBody(b'{"outputs":[1]}', next(statuses))
+        if direct:
+            assert send.__self__.answer_json(response.status_code, response.body)
+        else:
+            await response(scope, receive, send)
+
+    async def main() -> tuple[Any, RecordingTransport]:
+        config = Config(app, lifespan="off", log_level="warning", access_log=False)
+        config.load()
+        state = ServerState()
+        state.default_headers = [(b"date", b"Thu, 01 Jan 2026 00:00:00 GMT")]
+        state.default_headers += config.encoded_headers
+        protocol = GatewayHttpProtocol(config, state, {}, asyncio.get_running_loop())
+        raw = RecordingTransport()
+        protocol.connection_made(raw)  # type: ignore[arg-type]
+        protocol.data_received(requests)
+        for _ in range(30):
+            await asyncio.sleep(0)
+        return protocol, raw
+
+    return asyncio.run(main())
+
+
+def test_answer_json_writes_what_the_asgi_messages_would() -> None:
+    post = b"POST /v1/models/m/predict HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+    closing = post.replace(b"Host: x", b"Host: x\r\nConnection: close")
+    for requests in (post + post, post + closing, post.replace(b"1.1", b"1.0")):
+        protocol, direct = answer_twice(True, requests)
+        _, asgi = answer_twice(False, requests)
+        assert written(direct) == written(asgi)
+        assert direct.closed == asgi.closed
+        assert written(direct).startswith(b"HTTP/1.1 200 OK\r\ndate: Thu, 01 Jan")
+        assert b"server: uvicorn\r\ncontent-length: 15\r\ncontent-type: application/json" in (
+            written(direct)
+        )
+        if requests == post + post:  # both answered, the connection idle and open
+            assert b"HTTP/1.1 422 Unprocessable" in written(direct)
+            assert protocol.phase == IDLE and not direct.closed
+    _, closed = answer_twice(True, post + closing)
+    assert written(closed).endswith(b"connection: close\r\n\r\n" + b'{"outputs":[1]}')
+
+
+def test_answer_json_leaves_to_send_what_it_cannot_write_as_send_would() -> None:
+    from web_gateway.http_protocol import GatewayCycle
+
+    cycle: Any = object.__new__(GatewayCycle)
+    cycle.response_started = cycle.disconnected = cycle.access_log = False
+    cycle.flow = type("Flow", (), {"write_paused": False})()
+    cycle.scope = {"method": "POST"}
+    cycle.default_headers = [(b"x-bad", b"new\nline")]  # send() refuses it: left to send()
+    assert cycle.answer_json(200, b"{}") is False
+    cycle.default_headers = [(b"connection", b"close")]  # one send() reads
+    assert cycle.answer_json(200, b"{}") is False
+    for flag in ("response_started", "disconnected", "access_log"):
+        setattr(cycle, flag, True)
+        assert cycle.answer_json(200, b"{}") is False
+        setattr(cycle, flag, False)
+    cycle.flow.write_paused = True
+    assert cycle.answer_json(200, b"{}") is False
+    assert cycle.response_started is False
+
+
+def echo_bodies(chunks: list[bytes], whole: bool) -> tuple[list[bytes], bytes]:
+    """The bodies web_gateway.reading.body read from each request in ``chunks`` (fed one by
+    one) under GatewayHttpProtocol, and what was written; ``whole`` False hides
+    ``whole_body`` (each body then read through receive())."""
+    from web_gateway import reading
+    from web_gateway.http_protocol import GatewayCycle
+    from web_gateway.responses import JSONBody
+
+    bodies: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        request = reading.GatewayRequest(scope, receive, send)
+        assert isinstance(receive.__self__, GatewayCycle)
+        if not whole:
+            request._receive = lambda: receive()  # no __self__: read through receive()
+        bodies.append(await reading.body(request, 1 << 20))
+        await JSONBody(b"{}")(scope, receive, send)
+
+    _, raw = run_protocol(app, chunks, expire=False)
+    return bodies, written(raw)
+
+
+def test_a_body_all_arrived_is_taken_from_the_cycle_as_receive_would_give_it() -> None:
+    head = b"POST /v1/models/m/predict HTTP/1.1\r\nHost: x\r\n"
+    whole = head + b"Content-Length: 5\r\n\r\nhello"
+    empty = head + b"Content-Length: 0\r\n\r\n"
+    chunked = head + b"Transfer-Encoding: chunked\r\n\r\n3\r\nhel\r\n2\r\nlo\r\n0\r\n\r\n"
+    expect = head + b"Expect: 100-continue\r\nContent-Length: 5\r\n\r\n"
+    cases = [
+        [whole + whole],  # pipelined
+        [empty],
+        [whole[:-3], whole[-3:]],  # the body in two reads
+        [chunked[:-12], chunked[-12:]],
+        [expect, b"hello"],  # receive() answers 100 Continue first
+    ]
+    for chunks in cases:
+        taken, answer = echo_bodies(chunks, whole=True)
+        received, same_answer = echo_bodies(chunks, whole=False)
+        assert taken == received and answer == same_answer
+        assert set(taken) <= {b"hello", b""} and taken
+    assert echo_bodies(cases[-1], whole=True)[1].startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+
+def test_a_json_body_has_the_headers_starlette_gives_a_json_response() -> None:
+    from starlette.responses import Response
+
+    from web_gateway.responses import JSONBody
+
+    for body, status in ((b"{}", 200), (b'{"outputs":[]}', 422), (b"", 200)):
+        plain = Response(body, status, media_type="application/json")
+        assert JSONBody(body, status).raw_headers == plain.raw_headers

@@ -121,6 +121,7 @@ def test_results_health_readiness_and_metrics(live: TestClient) -> None:
         },
     )
     assert v2.status_code == 200 and v2.json()["id"] == "a"
+    assert v2.headers["content-type"] == "application/json"
     assert v2.json()["outputs"][0]["data"] == [2.0, 2.0, 2.0, 2.0]
     metadata = live.get("/v2/models/doubler").json()
     assert metadata["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 4]}]
