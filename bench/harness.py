@@ -12,9 +12,11 @@ windows reported; items/s, p50/p90/p99 latency, mean batch size the model ran):
 * ``embedded (LocalStreamer)``: gpu_worker.LocalStreamer in the load process, asyncio callers;
 * ``redis, python client (asyncio)`` / ``(threads)``: one ``worker start`` process and a private
   redis-server; the load in its own process: N asyncio tasks calling Streamer.apredict, or N
-  threads calling Streamer.predict. At the highest concurrency the asyncio arm's windows are
-  bracketed: each is taken between two windows of ``direct, batched``, and its share of the
-  direct speed is computed against their mean (``brackets`` in the JSON);
+  threads calling Streamer.predict (``--load-processes K``: the asyncio tasks split among K
+  processes, as several gateways feed one worker; ``--workers``, ``--model-thread`` and
+  ``--busy-poll-us`` set the worker, a tuned variant). At the highest concurrency the asyncio
+  arm's windows are bracketed: each is taken between two windows of ``direct, batched``, and
+  its share of the direct speed is computed against their mean (``brackets`` in the JSON);
 * ``http, gateway``: ``gateway start`` (gunicorn, --gateway-workers processes, default 1) +
   Redis + the worker, load from wrk with a Lua script posting the JSON body;
 * the alternatives (full mode), each from its own virtualenv under .cache/bench-venvs/:
