@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +21,18 @@ from broker.devserver import RedisServer
 from broker.keys import ModelKeys
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def ctrl_c() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt in the main thread for the test, as at a terminal, even
+    where pytest was started with SIGINT ignored (a background job of a non-interactive shell
+    inherits it so, and Python then installs no handler of its own)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 @pytest.fixture(scope="session")

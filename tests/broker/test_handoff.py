@@ -176,6 +176,7 @@ def test_a_wait_timing_out_as_its_result_comes_returns_it_or_gives_up_never_both
     assert returned + gave_up == 300
 
 
+@pytest.mark.usefixtures("ctrl_c")
 def test_an_interrupted_wait_cancels_the_waiter() -> None:
     assert threading.current_thread() is threading.main_thread()  # signals go to it alone
     relay = Relay()

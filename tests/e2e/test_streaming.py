@@ -220,6 +220,7 @@ def test_many_threads_calling_at_once_each_get_their_own_outputs(
     assert wrong == []
 
 
+@pytest.mark.usefixtures("ctrl_c")
 def test_a_blocking_call_interrupted_by_ctrl_c_is_withdrawn(make_streamer: MakeStreamer) -> None:
     streamer = make_streamer(Toy, batch_size=1)
     blocker = streamer.submit([{"sleep": 1.0}])
