@@ -283,6 +283,11 @@ def _parse_carefully(entry_id: str | bytes, fields: Fields) -> Request:
 
 RESULT_HEAD = b"\x83\xa2id"  # a map of 3; "id"
 RESULT_OK = b"\xa2ok\xc3\xa6result"  # "ok": true, "result"
+# What a success reply holds ahead of its request id, by the id's length in bytes (below 256:
+# a fixstr under 32, else a str 8)
+RESULT_ID_HEADS = tuple(
+    RESULT_HEAD + (bytes((0xA0 | n,)) if n < 32 else bytes((0xD9, n))) for n in range(256)
+)
 
 
 def encode_result(request_id: str, result: Any) -> bytes:
@@ -290,9 +295,8 @@ def encode_result(request_id: str, result: Any) -> bytes:
     if type(result) is np.ndarray:  # the common case, packed without msgpack's hooks
         array = codec.pack_array(result)
         rid = request_id.encode()
-        if array is not None and len(rid) < 256:
-            head = bytes((0xA0 | len(rid),)) if len(rid) < 32 else bytes((0xD9, len(rid)))
-            return b"".join((RESULT_HEAD, head, rid, RESULT_OK, array))
+        if array is not None and len(rid) < len(RESULT_ID_HEADS):
+            return b"".join((RESULT_ID_HEADS[len(rid)], rid, RESULT_OK, array))
     return codec.encode({"id": request_id, "ok": True, "result": result})
 
 

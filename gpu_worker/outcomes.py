@@ -10,7 +10,7 @@ import numpy as np
 
 from broker import codec
 from broker.errors import CodecError, InvalidOutput, MicrobatchError, ModelError
-from broker.protocol import RESULT_HEAD, RESULT_OK, Request, encode_error, encode_result
+from broker.protocol import RESULT_ID_HEADS, RESULT_OK, Request, encode_error, encode_result
 
 log = logging.getLogger("microbatch.worker")
 
@@ -65,12 +65,6 @@ def encode_outcome(request: Request, outcome: Any) -> tuple[bytes, str]:
         return encode_error(request.request_id, error), "invalid_output"
 
 
-# What encode_result writes ahead of a request id of each length below 256 (a str 8 from 32).
-_ID_HEADS = tuple(
-    RESULT_HEAD + (bytes((0xA0 | n,)) if n < 32 else bytes((0xD9, n))) for n in range(256)
-)
-
-
 class OutcomeEncoder:
     """:func:`encode_outcome` for the items of a batch, with the same bytes: an array output
     of the dtype and shape of the one before is packed behind the bytes its reply shares with
@@ -86,14 +80,14 @@ class OutcomeEncoder:
     ) -> list[tuple[str, bytes]]:
         """(reply key, reply) for each request, its outcome counted in ``counts``."""
         replies: list[tuple[str, bytes]] = []
-        append, heads, ndarray = replies.append, _ID_HEADS, np.ndarray
+        append, heads, ndarray = replies.append, RESULT_ID_HEADS, np.ndarray
         ok = 0
         for request, outcome in zip(requests, outcomes, strict=True):
             if type(outcome) is ndarray:
                 if outcome.dtype is not self._dtype or outcome.shape != self._shape:
                     self._learn(outcome)
                 rid = request.request_id.encode()
-                if self._prefix and len(rid) < 256:
+                if self._prefix and len(rid) < len(heads):
                     try:
                         data = outcome.tobytes()
                     except Exception:  # MemoryError: encode_outcome says so
