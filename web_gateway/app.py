@@ -23,6 +23,7 @@ from starlette.responses import Response
 from broker.logs import redact_url
 
 from . import access_log, operations, package_version, reading, v1, v2
+from .disconnects import gateway_cycle
 from .docs import install_docs
 from .errors import HTTPError, to_response
 from .openapi import install_openapi
@@ -69,8 +70,8 @@ class GatewayApp(FastAPI):
                     response = to_response(exc, "POST", path)
                 if type(response) is JSONBody:
                     # under the gateway's HTTP protocol, written without the ASGI messages
-                    answer = getattr(getattr(send, "__self__", None), "answer_json", None)
-                    if answer is not None and answer(response.status_code, response.body):
+                    cycle = gateway_cycle(send)
+                    if cycle is not None and cycle.answer_json(response.status_code, response.body):
                         return
                 await response(scope, receive, send)
                 return

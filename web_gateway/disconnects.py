@@ -3,7 +3,9 @@
 The gateway's HTTP protocol (:mod:`web_gateway.http_protocol`) marks each request cycle it
 makes with :data:`ON_GONE` and calls :func:`gone` when the cycle's client goes (its connection
 lost, or cut by a read deadline): the moments ``receive()`` starts answering
-``http.disconnect``. Without uvicorn imports, so the app runs where httptools is missing.
+``http.disconnect``. The same mark is how the app finds such a cycle behind its ASGI
+``receive`` or ``send`` (:func:`gateway_cycle`). Without uvicorn imports, so the app runs where
+httptools is missing.
 """
 
 from __future__ import annotations
@@ -16,14 +18,22 @@ from typing import Any
 ON_GONE = "microbatch_on_gone"
 
 
+def gateway_cycle(asgi_callable: Any) -> Any:
+    """The request cycle (a :class:`web_gateway.http_protocol.GatewayCycle`) whose bound
+    ``receive`` or ``send`` this is; None where the request did not come through the gateway's
+    HTTP protocol (another server, or a test client)."""
+    cycle = getattr(asgi_callable, "__self__", None)
+    return cycle if ON_GONE in getattr(cycle, "__dict__", ()) else None
+
+
 def when_gone(receive: Any, callback: Callable[[], object]) -> Callable[[], None] | None:
     """Run ``callback`` once the client of the request whose ASGI ``receive`` this is goes
     away (what ``receive()`` would then answer with ``http.disconnect``), without a task
     waiting on ``receive``. Returns a function that stops watching; None where the request
     did not come through :class:`web_gateway.http_protocol.GatewayHttpProtocol` (the caller
     then watches ``receive`` itself)."""
-    cycle: Any = getattr(receive, "__self__", None)
-    if ON_GONE not in getattr(cycle, "__dict__", ()):
+    cycle = gateway_cycle(receive)
+    if cycle is None:
         return None
     if cycle.disconnected:
         callback()

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from broker.priorities import HEADER as PRIORITY_HEADER
 from broker.priorities import parse_priority
 
+from .disconnects import gateway_cycle
 from .errors import ClientGone, HTTPError, bad_request, too_large
 
 TIMEOUT_HEADER = "x-request-timeout"
@@ -150,8 +151,8 @@ async def body(request: Request, limit: int) -> bytes:
     _check_length(request, limit)
     # under the gateway's HTTP protocol, a body that has all arrived is taken at once (what
     # receive() would answer, without the message)
-    whole = getattr(getattr(request.receive, "__self__", None), "whole_body", None)
-    data = None if whole is None else whole()
+    cycle = gateway_cycle(request.receive)
+    data = None if cycle is None else cycle.whole_body()
     if data is None:
         data = await _received(request.receive, limit)
     elif len(data) > limit:
