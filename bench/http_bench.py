@@ -43,12 +43,17 @@ UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3}
 
 @contextmanager
 def process(
-    command: list[str], env: dict[str, str] | None = None, cwd: Path = ROOT
+    command: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Run ``command`` (output discarded) in ``cwd`` for the ``with`` block; SIGTERM it, then
-    SIGKILL."""
+    """Run ``command`` (output discarded) in ``cwd`` (default: this module's ``ROOT`` as it is
+    at the call, which bench.worker_ab points at another tree) for the ``with`` block; SIGTERM
+    it, then SIGKILL. The cwd decides the code: ``python -m`` puts it ahead of PYTHONPATH."""
     proc = subprocess.Popen(
-        command, cwd=cwd, env=env or ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        command,
+        cwd=ROOT if cwd is None else cwd,
+        env=env or ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         yield proc

@@ -63,8 +63,7 @@ def served(model: str, args: argparse.Namespace) -> dict[str, Any]:
         worker += ["--batch-size", str(args.batch_size), "--log-level", "WARNING"]
         worker += ["--cuda", args.cuda] if args.cuda is not None else []
         worker += ["--model-thread", args.model_thread]
-        # cwd too: `python -m` puts it ahead of PYTHONPATH (bench.worker_ab sets ROOT per arm)
-        worker_pid = stack.enter_context(process(worker, env, ROOT)).pid
+        worker_pid = stack.enter_context(process(worker, env)).pid
         wait_workers(server.url, ModelKeys(name, "share"), 1)
         assert server.process is not None
         redis_pid = server.process.pid
