@@ -31,6 +31,7 @@ import numpy as np
 from bench.harness import MODELS
 from bench.spine import sample_input
 from gpu_worker.model import load_model_class
+from gpu_worker.outcomes import outputs_now
 
 THRASH_BYTES = 16 * 1024 * 1024
 
@@ -70,7 +71,7 @@ def measure(model_name: str, calls: int) -> list[dict[str, float | str]]:
     model.init_model()
     batch = [sample_input()]
     for _ in range(50):
-        model.predict(batch)
+        outputs_now(model.predict(batch))
     results: list[dict[str, float | str]] = []
     for condition, make in CONDITIONS.items():
         before = make()
@@ -78,7 +79,7 @@ def measure(model_name: str, calls: int) -> list[dict[str, float | str]]:
         for _ in range(calls):
             before()
             started = time.perf_counter()
-            model.predict(batch)
+            outputs_now(model.predict(batch))
             latencies.append(time.perf_counter() - started)
         latencies.sort()
         results.append(

@@ -6,13 +6,16 @@
 #   bash bench/gpu_suite.sh settings OUTDIR   # the GPU settings tried at c=256: more caller
 #                                             # processes, the model thread, workers per device
 #   bash bench/gpu_suite.sh repeat OUTDIR     # the settings that met the targets, again
+#   bash bench/gpu_suite.sh pending OUTDIR    # outputs returned pending (the examples' MLP and
+#                                             # the wide model) against predict that waits
+#   bash bench/gpu_suite.sh pending_ab OUTDIR # the same at the defaults, each pair both ways
 #
 # GPU=<index> picks the device (default 0); GPU=none runs the same on the CPU (a dry run of the
 # script). DURATION (default 2) is the seconds of each measured window, three windows an arm.
 # Each harness run writes OUTDIR/<name>/harness.json; everything it prints goes to stderr.
 set -euo pipefail
 
-part=${1:?defaults, settings or repeat}
+part=${1:?defaults, settings, repeat, pending or pending_ab}
 out=${2:?an output folder}
 gpu=${GPU:-0}
 python=${PYTHON:-python3}
@@ -53,8 +56,23 @@ repeat)
     harness mlp_workers3 --models mlp "${at256[@]}" --load-processes 6 --workers 3
     harness wide_workers2 --models wide "${at256[@]}" --load-processes 4 --workers 2
     ;;
+pending)
+    # the same weights, predict returning its outputs pending (mlp, wide) or waiting for them
+    # (mlp_sync, wide_sync: as before pending outputs), one worker each, then with settings
+    harness pending --models wide,wide_sync,mlp,mlp_sync --concurrency 1,256 \
+        --scenarios batched,asyncio
+    at256=(--concurrency 256 --scenarios batched,asyncio)
+    harness pending_callers4 --models wide,wide_sync,mlp "${at256[@]}" --load-processes 4
+    harness pending_workers2 --models wide,mlp "${at256[@]}" --load-processes 4 --workers 2
+    ;;
+pending_ab)
+    at256=(--concurrency 256 --scenarios batched,asyncio)
+    harness pending_ab1 --models mlp,mlp_sync "${at256[@]}"
+    harness pending_ab2 --models mlp_sync,mlp "${at256[@]}"
+    harness pending_ab3 --models wide_sync,wide "${at256[@]}"
+    ;;
 *)
-    echo "unknown part $part: defaults, settings or repeat" >&2
+    echo "unknown part $part: defaults, settings, repeat, pending or pending_ab" >&2
     exit 2
     ;;
 esac

@@ -75,6 +75,9 @@ MODELS = {
     "mlp": "examples.mlp:MLP",
     "heavy": "bench.models:HeavyMLP",
     "wide": "bench.models:WideMLP",  # GPU-sized: for --cuda runs (docs/gpu.md)
+    # predict waits for the outputs instead of returning them pending (the GPU runs compare)
+    "mlp_sync": "bench.models:SyncMLP",
+    "wide_sync": "bench.models:SyncWideMLP",
 }
 OURS = [
     "direct, batched",

@@ -56,6 +56,27 @@ class WideMLP(MLP):
         self.staging = HostStaging(self.device)
 
 
+class SyncMLP(MLP):
+    """The reference MLP with a ``predict`` that waits for its outputs (``to_host``) instead of
+    returning them pending: the arm that shows what pending outputs change (docs/gpu.md)."""
+
+    name = "mlp_sync"
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        import numpy as np
+
+        with self.torch.inference_mode():
+            out = self.net(self.staging.stack(batch, np.float32))
+        return list(self.staging.to_host(out))
+
+
+class SyncWideMLP(WideMLP):
+    """The wide model with a ``predict`` that waits for its outputs, as :class:`SyncMLP`."""
+
+    name = "wide_sync"
+    predict = SyncMLP.predict
+
+
 class DeviceReport(MLP):
     """The reference MLP, answering with where it ran (bench/gpu_check.py proves --cuda with it).
 

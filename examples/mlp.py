@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from gpu_worker import ManagedModel, TensorSpec
-from gpu_worker.staging import HostStaging
+from gpu_worker.staging import HostStaging, OutputCopy
 
 
 class MLP(ManagedModel):
@@ -41,7 +41,9 @@ class MLP(ManagedModel):
     def warmup(self) -> None:
         self.predict([[0.0] * 256] * 2)
 
-    def predict(self, batch: list[Any]) -> list[Any]:
+    def predict(self, batch: list[Any]) -> OutputCopy:
         with self.torch.inference_mode():
             out = self.net(self.staging.stack(batch, np.float32))
-        return list(self.staging.to_host(out))
+        # on a GPU: returns while the device computes; the worker meanwhile answers the batch
+        # before and prepares the next (a list of one output per item once it lands)
+        return self.staging.to_host_later(out)

@@ -110,9 +110,10 @@ def start(
         typer.Option(
             min=1,
             help="Processes per CUDA device, each with its own copy of the weights. A model "
-            "whose batch takes a few ms on the GPU keeps it busier with 2 (one process's Redis "
-            "work overlaps the other's model), one that takes well under 1 ms with 3, fed by "
-            "enough callers (docs/deployment.md, GPU workers).",
+            "whose predict returns its outputs pending (HostStaging.to_host_later) keeps the "
+            "GPU busy with 1; one that waits for them, or whose batch takes well under 1 ms "
+            "on the GPU, does better with 2 or 3 fed by enough callers (docs/deployment.md, "
+            "GPU workers).",
         ),
     ] = 1,
     workers: Annotated[
@@ -198,7 +199,8 @@ def start(
             help="Run predict() on a thread of its own, so that reading and decoding the next "
             "batch and sending the last one's replies overlap the model: on, off, or auto (on "
             "while full batches take 10 ms or more; short batches lose more to GIL "
-            "hand-offs than the overlap saves, on a GPU too: use --workers-per-device there).",
+            "hand-offs than the overlap saves, on a GPU too: return outputs pending there, "
+            "docs/gpu.md section 6).",
         ),
     ] = "auto",
     busy_poll_us: Annotated[

@@ -58,6 +58,7 @@ from broker.keys import DEFAULT_PREFIX, check_prefix
 from .compat_values import from_wire, to_wire
 from .local import LocalStreamer
 from .model import ManagedModel as MicrobatchModel
+from .outcomes import PredictFn, outputs_now
 
 log = logging.getLogger("microbatch.compat")
 
@@ -132,9 +133,10 @@ class _FunctionModel(MicrobatchModel):
         return _predict_values(self.predict_function, batch)
 
 
-def _predict_values(predict: Callable[[list[Any]], Sequence[Any]], batch: list[Any]) -> list[Any]:
+def _predict_values(predict: PredictFn, batch: list[Any]) -> list[Any]:
     """Call a service_streamer predict function with tensors as its callers sent them."""
-    return [to_wire(output) for output in predict([from_wire(item) for item in batch])]
+    outputs = outputs_now(predict([from_wire(item) for item in batch]))
+    return [to_wire(output) for output in outputs]
 
 
 class _BaseStreamer:
@@ -529,7 +531,7 @@ class CompatWorker(MicrobatchModel):
         if ref["attr"]:
             target = getattr(target, ref["attr"])
         self.gpu_id = _gpu_id(spec)
-        self.predict_function: Callable[[list[Any]], Sequence[Any]]
+        self.predict_function: PredictFn
         if isinstance(target, type) and issubclass(target, ManagedModel):
             model = target(self.gpu_id)
             model.init_model(*spec.get("init_args", []), **spec.get("init_kwargs", {}))

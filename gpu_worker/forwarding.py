@@ -55,7 +55,7 @@ from broker.transport import Entry, Redelivery
 
 from .config import WorkerConfig
 from .model import ItemCheck
-from .outcomes import PredictFn
+from .outcomes import PendingOutputs, PredictFn
 from .pipeline import Pipeline, Transform, load_pipeline
 
 log = logging.getLogger("microbatch.worker")
@@ -328,7 +328,7 @@ def stage_predict(
     if transform is None:
         return predict
 
-    def run(items: list[Any]) -> Sequence[Any]:
+    def run(items: list[Any]) -> Sequence[Any] | PendingOutputs:
         ready = [transform(item) for item in items]
         if check is not None:
             ready = [check(item) for item in ready]

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -15,6 +15,9 @@ from broker.errors import InvalidInput, MicrobatchError
 from broker.keys import check_name
 
 from .tensors import DATATYPES, Unfit, to_datatype
+
+if TYPE_CHECKING:
+    from .outcomes import PendingOutputs
 
 __all__ = [
     "DATATYPES",
@@ -222,8 +225,14 @@ class ManagedModel:
     def warmup(self) -> None:
         """Optional: run before the worker starts consuming (compile kernels, fill caches)."""
 
-    def predict(self, batch: list[Any]) -> Sequence[Any]:
-        """Compute one batch; return exactly one output per item, in order."""
+    def predict(self, batch: list[Any]) -> Sequence[Any] | PendingOutputs:
+        """Compute one batch; return exactly one output per item, in order.
+
+        Or return them pending: an object with ``done()`` and ``result()`` (a
+        ``concurrent.futures.Future`` of the outputs, or
+        :meth:`gpu_worker.staging.HostStaging.to_host_later` of a GPU's output tensor). The
+        worker then answers the batch before and prepares the next while this one computes
+        (docs/gpu.md, section 6)."""
         raise NotImplementedError(f"{type(self).__name__} must implement predict()")
 
     def item_cost(self, item: Any) -> int:

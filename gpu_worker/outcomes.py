@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol, TypeGuard
 
 import numpy as np
 
@@ -14,7 +14,23 @@ from broker.protocol import RESULT_ID_HEADS, RESULT_OK, Request, encode_error, e
 
 log = logging.getLogger("microbatch.worker")
 
-PredictFn = Callable[[list[Any]], Sequence[Any]]
+
+class PendingOutputs(Protocol):
+    """A batch's outputs still being computed: what ``predict`` may return instead of them.
+
+    A ``concurrent.futures.Future`` of the outputs is one;
+    :meth:`gpu_worker.staging.HostStaging.to_host_later` gives one for a CUDA tensor. The
+    worker answers the batch before and reads the next while the outputs are pending.
+    """
+
+    def done(self) -> bool:
+        """True once :meth:`result` would not wait."""
+
+    def result(self) -> Sequence[Any]:
+        """The outputs, one per item, in order: waits for them (raises what computing raised)."""
+
+
+PredictFn = Callable[[list[Any]], Sequence[Any] | PendingOutputs]
 
 
 def describe(exc: BaseException) -> str:
@@ -28,17 +44,64 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()
 
 
+def is_pending(outputs: object) -> TypeGuard[PendingOutputs]:
+    """Whether what ``predict`` returned is :class:`PendingOutputs` (has ``done`` and
+    ``result``) rather than the outputs themselves."""
+    return callable(getattr(outputs, "result", None)) and callable(getattr(outputs, "done", None))
+
+
+def outputs_now(outputs: Sequence[Any] | PendingOutputs) -> Sequence[Any]:
+    """What ``predict`` returned, as outputs: pending ones waited for."""
+    if is_pending(outputs):
+        return outputs.result()
+    return outputs  # type: ignore[return-value]  # TypeGuard narrows only the true branch
+
+
 def predict_robust(predict: PredictFn, items: list[Any]) -> list[Any]:
-    """Run the model; on an exception, bisect so only the failing items get ModelError."""
+    """Run the model (waiting for pending outputs); on an exception, bisect so only the
+    failing items get ModelError."""
+    try:
+        outputs = predict(items)
+        if is_pending(outputs):
+            outputs = outputs.result()
+    except Exception as exc:
+        return _split(predict, items, exc)
+    return _checked(outputs, items)
+
+
+def start_predict(predict: PredictFn, items: list[Any]) -> list[Any] | PendingOutputs:
+    """Call the model: pending outputs as they are (:func:`finish_predict` takes them),
+    anything else as :func:`predict_robust` would give it."""
     try:
         outputs = predict(items)
     except Exception as exc:
-        if len(items) == 1:
-            return [ModelError(describe(exc))]
-        kind = "out of memory" if is_out_of_memory(exc) else "failed"
-        log.warning("batch of %d %s (%s); splitting it", len(items), kind, describe(exc))
-        middle = len(items) // 2
-        return predict_robust(predict, items[:middle]) + predict_robust(predict, items[middle:])
+        return _split(predict, items, exc)
+    if isinstance(outputs, list) or not is_pending(outputs):
+        return _checked(outputs, items)
+    return outputs
+
+
+def finish_predict(predict: PredictFn, items: list[Any], pending: PendingOutputs) -> list[Any]:
+    """The outcomes of a batch whose outputs were pending; if computing it raised, the batch
+    is computed again in halves, so only the failing items get ModelError."""
+    try:
+        outputs = pending.result()
+    except Exception as exc:
+        return _split(predict, items, exc)
+    return _checked(outputs, items)
+
+
+def _split(predict: PredictFn, items: list[Any], exc: Exception) -> list[Any]:
+    if len(items) == 1:
+        return [ModelError(describe(exc))]
+    kind = "out of memory" if is_out_of_memory(exc) else "failed"
+    log.warning("batch of %d %s (%s); splitting it", len(items), kind, describe(exc))
+    middle = len(items) // 2
+    return predict_robust(predict, items[:middle]) + predict_robust(predict, items[middle:])
+
+
+def _checked(outputs: Any, items: list[Any]) -> list[Any]:
+    """One output per item as a list, or InvalidOutput for each item if the count is wrong."""
     try:
         count = len(outputs)
     except TypeError:

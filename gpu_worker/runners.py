@@ -15,7 +15,13 @@ from typing import Any, Protocol
 
 from .config import MODEL_THREAD_MODES
 from .model_thread import ModelThread
-from .outcomes import PredictFn, predict_robust
+from .outcomes import (
+    PendingOutputs,
+    PredictFn,
+    finish_predict,
+    predict_robust,
+    start_predict,
+)
 from .preparing import PreparedBatch
 
 # auto: full batches taking this long (a moving average) move the model to its own thread, so
@@ -24,6 +30,12 @@ from .preparing import PreparedBatch
 # overlap saves (bench/analysis.md).
 THREAD_FROM_S = 0.010
 INLINE_BELOW_S = 0.005
+
+# Pending outputs are polled while the read ahead is out (nothing tells the loop when a GPU's
+# copy lands): every loop turn for this long, as a GPU's batch takes a few ms at most, then
+# every PENDING_POLL_S.
+PENDING_SPIN_S = 0.002
+PENDING_POLL_S = 0.001
 
 BatchSource = Callable[[], PreparedBatch]
 Computed = tuple[PreparedBatch, list[Any]]
@@ -83,7 +95,16 @@ class ModelRunner(Protocol):
 
 
 class InlineRunner:
-    """The model runs on the loop's thread: only a read ahead overlaps it."""
+    """The model runs on the loop's thread: only a read ahead overlaps it, unless ``predict``
+    returns :class:`~gpu_worker.outcomes.PendingOutputs` (outputs a GPU still computes).
+
+    Then, with more batches in hand or a backlog, the batch stays pending while the loop takes
+    the next one (read ahead as it was handed over), prepares it and hands it to the model;
+    only then are the pending outputs taken and answered. The device always has the next
+    batch queued behind the one it computes, and the loop's Redis and Python work overlaps the
+    device's, in one thread. At most one batch is pending (so at most three in hand: it, the
+    one handed over, the one read ahead); it is answered as soon as nothing follows it.
+    """
 
     busy = False
     checks_when_taken = False
@@ -91,13 +112,44 @@ class InlineRunner:
     def __init__(self, predict: PredictFn, host: RunnerHost) -> None:
         self._predict = predict
         self._host = host
+        # The model's outputs came pending, not done: it computes asynchronously (so "auto"
+        # never moves it to the model thread).
+        self.defers = False
+        # The batch whose outputs are pending, and when the model took it.
+        self._pending: tuple[PreparedBatch, PendingOutputs, float] | None = None
 
     async def run(self, batch: BatchSource, read_ahead: bool) -> None:
+        more = read_ahead or self._host.holds_more
         if read_ahead:
-            await self._host.read_ahead()
-        await self.process(batch())
+            await self._host.read_ahead()  # goes out while the model computes
+        prepared = batch()
+        launched: list[Any] | PendingOutputs = []
+        # The host hears of one batch at a time (its watchdog watches one): this one starts
+        # when the pending one, if any, is answered; until then that one counts as computing.
+        follows_pending = self._pending is not None
+        if prepared.items and not follows_pending:
+            self._host.batch_started(prepared)
+        started = time.perf_counter()
+        if prepared.items:
+            launched = start_predict(self._predict, prepared.items)
+        await self.drain()  # the batch before: the device computed it ahead of this one
+        if prepared.items and follows_pending:
+            self._host.batch_started(prepared)
+        if isinstance(launched, list):
+            outcomes = launched
+        else:
+            if not launched.done():  # computing asynchronously, not just wrapped
+                self.defers = True
+                if more:
+                    self._pending = (prepared, launched, started)
+                    return
+            outcomes = finish_predict(self._predict, prepared.items, launched)
+        if prepared.items:
+            self._host.batch_finished(prepared, time.perf_counter() - started)
+        await self._host.answer(prepared, outcomes)
 
     async def process(self, batch: PreparedBatch) -> None:
+        await self.drain()
         outcomes: list[Any] = []
         if batch.items:
             self._host.batch_started(batch)
@@ -107,16 +159,37 @@ class InlineRunner:
         await self._host.answer(batch, outcomes)
 
     async def drain(self) -> None:
-        return
+        """Take the pending batch's outputs (waiting for them) and answer it."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        batch, outputs, started = pending
+        outcomes = finish_predict(self._predict, batch.items, outputs)
+        self._host.batch_finished(batch, time.perf_counter() - started)
+        await self._host.answer(batch, outcomes)
 
     async def drain_unless(self, read: asyncio.Future[Any]) -> None:
-        return
+        """Answer the pending batch if its outputs are ready before the read ahead arrives
+        (then nothing is queued, and its callers must not wait for the read's block timeout)."""
+        if self._pending is None:
+            return
+        outputs = self._pending[1]
+        spin_until = time.perf_counter() + PENDING_SPIN_S
+        while not read.done():
+            if outputs.done():
+                await self.drain()
+                return
+            if time.perf_counter() < spin_until:
+                await asyncio.sleep(0)
+            else:  # computing takes long: poll without holding a core (and the GIL) meanwhile
+                await asyncio.wait((read,), timeout=PENDING_POLL_S)
 
     def full_batch_took(self, seconds: float) -> None:
         return
 
     def drop(self) -> None:
-        return
+        """Forget the pending batch (its entries are taken back after an outage)."""
+        self._pending = None
 
     def close(self) -> None:
         return
@@ -232,8 +305,10 @@ class AutoRunner:
 
     @property
     def _current(self) -> ModelRunner:
-        threaded = self._threaded
-        return threaded if self._slow or threaded.busy else self._inline
+        threaded, inline = self._threaded, self._inline
+        if threaded.busy or (self._slow and not inline.defers):
+            return threaded
+        return inline  # also for a model whose outputs come pending: it computes on its own
 
     @property
     def busy(self) -> bool:
@@ -250,9 +325,11 @@ class AutoRunner:
         await self._current.process(batch)
 
     async def drain(self) -> None:
+        await self._inline.drain()
         await self._threaded.drain()
 
     async def drain_unless(self, read: asyncio.Future[Any]) -> None:
+        await self._inline.drain_unless(read)
         await self._threaded.drain_unless(read)
 
     def full_batch_took(self, seconds: float) -> None:
@@ -261,6 +338,7 @@ class AutoRunner:
         self._slow = self._full_batch_s >= (INLINE_BELOW_S if self._slow else THREAD_FROM_S)
 
     def drop(self) -> None:
+        self._inline.drop()
         self._threaded.drop()
 
     def close(self) -> None:

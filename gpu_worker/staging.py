@@ -15,7 +15,9 @@ the batch to the device, and copies outputs back to numpy::
 On a CUDA device the items are stacked straight into a reused page-locked (pinned) host buffer
 and copied with ``non_blocking=True``; outputs come back through another pinned buffer, the
 copy is waited for, and the caller gets its own array (a copy: the worker may encode a batch's
-outputs while the next batch computes). Elsewhere (CPU, or no CUDA) it is the plain path:
+outputs while the next batch computes). ``to_host_later`` starts that copy and returns at
+once: ``predict`` returns it, and the worker reads and prepares the next batch while the
+device computes this one. Elsewhere (CPU, or no CUDA) it is the plain path:
 ``np.stack`` into a new array, ``.to(device)``, ``.cpu().numpy()``. Both give the same values.
 
 torch is imported when a :class:`HostStaging` is made, never by importing this module.
@@ -24,12 +26,12 @@ torch is imported when a :class:`HostStaging` is made, never by importing this m
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, overload
 
 import numpy as np
 
-__all__ = ["HostBuffer", "HostStaging", "pins_memory"]
+__all__ = ["HostBuffer", "HostStaging", "OutputCopy", "pins_memory"]
 
 MIN_BUFFER_BYTES = 4096  # a page: buffers grow to powers of two from there
 
@@ -89,15 +91,17 @@ class HostBuffer:
         tensor = self._bytes[:nbytes].view(_torch_dtype(torch, dtype)).view(shape)
         return tensor.numpy(), tensor
 
-    def copied(self, device: Any) -> None:
+    def copied(self, device: Any) -> Any:
         """A non-blocking copy from or into the buffer was just queued on ``device``'s current
-        stream: the next :meth:`view` waits for it. No-op for a device that is not CUDA."""
+        stream: the next :meth:`view` waits for it. Returns the CUDA event that marks the
+        copy done; None (and nothing to wait for) for a device that is not CUDA."""
         torch = self.torch
         if torch.device(device).type != "cuda":
-            return
+            return None
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(device))
         self._pending = event
+        return event
 
     def wait(self) -> None:
         """Block until the copy noted by :meth:`copied`, if any, is done."""
@@ -116,6 +120,58 @@ def _torch_dtype(torch: Any, dtype: np.dtype[Any]) -> Any:
     return found
 
 
+class OutputCopy(Sequence[np.ndarray]):
+    """A batch's outputs on their way to host memory (:meth:`HostStaging.to_host_later`).
+
+    What ``predict`` returns to let the worker overlap the device with its own work
+    (:class:`gpu_worker.outcomes.PendingOutputs`): :meth:`done` says whether the copy has
+    landed, :meth:`result` waits for it and gives one array per item (rows the caller owns).
+    It is also a sequence of those rows (``len``, indexing and iterating wait as ``result``
+    does), so code that calls ``predict`` directly can use it as the list it was.
+    """
+
+    def __init__(
+        self, array: np.ndarray, event: Any = None, release: Callable[[], None] | None = None
+    ) -> None:
+        self._array = array  # in the staging buffer while ``release`` is set
+        self._event = event  # a CUDA event recorded after the copy, or None: landed
+        self._release = release  # gives the buffer back once the rows are copied out
+        self._rows: list[np.ndarray] | None = None
+
+    def done(self) -> bool:
+        """True once the copy has landed (:meth:`result` returns without waiting)."""
+        event = self._event
+        return self._rows is not None or event is None or bool(event.query())
+
+    def result(self) -> list[np.ndarray]:
+        """One array per item (the first axis), waiting for the copy first."""
+        if self._rows is None:
+            event, release = self._event, self._release
+            if event is not None:
+                event.synchronize()
+            array = self._array if release is None else self._array.copy()
+            self._array, self._event, self._release = array, None, None
+            if release is not None:
+                release()
+            self._rows = list(array)
+        return self._rows
+
+    def __len__(self) -> int:
+        return int(self._array.shape[0]) if self._array.ndim else 0
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return iter(self.result())
+
+    @overload
+    def __getitem__(self, index: int) -> np.ndarray: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[np.ndarray]: ...
+
+    def __getitem__(self, index: int | slice) -> np.ndarray | list[np.ndarray]:
+        return self.result()[index]
+
+
 class HostStaging:
     """Stacks batches of numpy items onto ``device`` and brings outputs back as numpy.
 
@@ -125,8 +181,9 @@ class HostStaging:
     Staged on a CPU device reuses unpinned buffers (for tests of that path without a GPU).
 
     One per model: it is not thread-safe (a worker never runs ``predict`` calls at once).
-    Its pinned memory, one input buffer per slot and one output buffer, each at most twice
-    the largest batch, stays page-locked for the worker's life.
+    Its pinned memory, one input buffer per slot, one output buffer for :meth:`to_host` and
+    one per output copy in flight for :meth:`to_host_later` (two in a worker), each at most
+    twice the largest batch, stays page-locked for the worker's life.
     """
 
     def __init__(self, device: Any, staged: bool | None = None) -> None:
@@ -139,6 +196,7 @@ class HostStaging:
         self._slots: dict[str, HostBuffer] = {}
         self._handed: dict[str, tuple[np.ndarray, Any]] = {}  # slot: its last view
         self._out = HostBuffer(self.pinned) if staged else None
+        self._spare_outs: list[HostBuffer] = []  # for to_host_later: those not in use
 
     def empty(self, shape: Sequence[int], dtype: Any, slot: str = "input") -> np.ndarray:
         """A host array to fill in, then give to :meth:`to_device`. Staged, it is the slot's
@@ -195,6 +253,26 @@ class HostStaging:
         buffer.wait()
         owned: np.ndarray = array.copy()
         return owned
+
+    def to_host_later(self, tensor: Any) -> OutputCopy:
+        """Start copying a batch's output tensor to the host and return at once: what
+        ``predict`` returns to let the worker answer the batch before and read the next
+        while the device computes (docs/gpu.md, section 6).
+
+        Staged: a non-blocking copy into a pinned output buffer of its own (one per copy in
+        flight, reused once :meth:`OutputCopy.result` has copied the rows out); plain, or for
+        a dtype numpy lacks: ``tensor.detach().cpu().numpy()`` now, the copy done already.
+        """
+        tensor = tensor.detach()
+        dtype = _numpy_dtype(self.torch, tensor.dtype) if self.staged else None
+        if dtype is None or not tensor.ndim:
+            return OutputCopy(tensor.cpu().numpy())
+        spare = self._spare_outs
+        buffer = spare.pop() if spare else HostBuffer(self.pinned)
+        array, host = buffer.view(tuple(tensor.shape), dtype)
+        host.copy_(tensor, non_blocking=True)
+        event = buffer.copied(tensor.device)
+        return OutputCopy(array, event, lambda: spare.append(buffer))
 
 
 _NUMPY_DTYPES: dict[Any, np.dtype[Any] | None] = {}

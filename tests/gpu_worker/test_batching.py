@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -15,7 +17,7 @@ from broker.keys import ModelKeys
 from broker.memory_transport import InMemoryTransport
 from broker.protocol import CallRequests, Reply, decode_reply
 from broker.transport import UNBOUNDED
-from gpu_worker.batching import THREAD_FROM_S, BatchLoop, BatchSettings
+from gpu_worker.batching import THREAD_FROM_S, BatchLoop, BatchObserver, BatchSettings
 from gpu_worker.model_thread import THREAD_NAME
 
 
@@ -185,26 +187,31 @@ def test_a_full_batch_with_nothing_behind_it_is_answered_without_waiting_for_the
     assert seconds < 2.5
 
 
-def test_stopping_answers_the_batches_in_hand_on_the_model_thread() -> None:
-    async def main() -> tuple[CountingTransport, int, int]:
-        keys = ModelKeys("double", "t")
-        transport = CountingTransport()
-        settings = BatchSettings(batch_size=4, block_ms=20, model_thread="on")
-        predict = Doubler(delay=0.05)
-        loop = BatchLoop(predict, transport, keys, "c1", settings)
-        await transport.ensure_group(keys)
-        ids = [f"r{i}" for i in range(40)]
-        call = CallRequests(keys.inbox("c"), 30_000, ids, [codec.encode(1)] * 40)
-        await transport.enqueue(keys, [call], UNBOUNDED)
-        serving = asyncio.ensure_future(loop.run())
-        while transport.most_in_hand < 8:  # a batch computing, the next one read ahead
-            await asyncio.sleep(0.005)
-        loop.stop()
-        await asyncio.wait_for(serving, 5)
-        answered = len(await transport.pop_replies(keys.inbox("c"), 100, 0.1))
-        return transport, answered, sum(size for _, size in predict.calls)
+async def stop_when(
+    predict: Any, settings: BatchSettings, ready: Callable[[CountingTransport], bool]
+) -> tuple[CountingTransport, int]:
+    """Serve 40 items, stop the loop once ``ready``: the transport, and the replies sent."""
+    keys = ModelKeys("double", "t")
+    transport = CountingTransport()
+    loop = BatchLoop(predict, transport, keys, "c1", settings)
+    await transport.ensure_group(keys)
+    ids = [f"r{i}" for i in range(40)]
+    call = CallRequests(keys.inbox("c"), 30_000, ids, [codec.encode(1)] * 40)
+    await transport.enqueue(keys, [call], UNBOUNDED)
+    serving = asyncio.ensure_future(loop.run())
+    while not ready(transport):
+        await asyncio.sleep(0.005)
+    loop.stop()
+    await asyncio.wait_for(serving, 5)
+    return transport, len(await transport.pop_replies(keys.inbox("c"), 100, 0.1))
 
-    transport, answered, computed = asyncio.run(main())
+
+def test_stopping_answers_the_batches_in_hand_on_the_model_thread() -> None:
+    predict = Doubler(delay=0.05)
+    settings = BatchSettings(batch_size=4, block_ms=20, model_thread="on")
+    # stopped with a batch computing and the next one read ahead
+    transport, answered = asyncio.run(stop_when(predict, settings, lambda t: t.most_in_hand >= 8))
+    computed = sum(size for _, size in predict.calls)
     assert transport.in_hand == 0  # everything read was answered
     assert answered == computed >= 8
     assert computed < 40  # the rest stays queued for other workers
@@ -265,3 +272,135 @@ def test_a_busy_polling_read_lets_the_loop_run_and_takes_what_arrives() -> None:
     entries, seconds = asyncio.run(main())
     assert len(entries) == 1
     assert seconds < 1.5  # the enqueue, on the same loop, ran during the poll
+
+
+# -- outputs that come pending (a GPU computing asynchronously) ------------------------------------
+class LaterDoubler:
+    """predict for tests that returns at once with a future of the outputs, computed ``delay``
+    seconds later on a thread of its own (the device); records when each batch is handed over
+    and when its outputs are taken. A batch holding -1 fails when its outputs are taken."""
+
+    def __init__(self, delay: float = 0.005) -> None:
+        self.delay = delay
+        self.device = ThreadPoolExecutor(max_workers=1)
+        self.events: list[tuple[str, int]] = []
+        self.threads: set[str] = set()
+        self.launched = 0
+
+    def __call__(self, batch: list[Any]) -> Any:
+        self.threads.add(threading.current_thread().name)
+        number = self.launched = self.launched + 1
+        self.events.append(("launch", number))
+        computing = self.device.submit(self._compute, list(batch))
+        events = self.events
+
+        class Pending:
+            def done(self) -> bool:
+                return computing.done()
+
+            def result(self) -> list[Any]:
+                events.append(("taken", number))
+                return computing.result()
+
+        return Pending()
+
+    def _compute(self, batch: list[Any]) -> list[Any]:
+        time.sleep(self.delay)
+        if -1 in batch:
+            raise RuntimeError("device-side assert")
+        return [item * 2 for item in batch]
+
+
+@pytest.mark.parametrize("mode", ["off", "auto"])
+def test_pending_outputs_overlap_the_next_batch_and_every_item_is_answered(mode: str) -> None:
+    predict = LaterDoubler(delay=2 * THREAD_FROM_S)  # slow: auto must not take it to a thread
+    transport = CountingTransport()
+    items = [*range(30), -1, *range(30, 60)]
+    replies, _ = asyncio.run(serve_items(predict, items, mode, transport, batch_size=4))
+    for index, item in enumerate(items):
+        reply = replies[f"r{index}"]
+        if item == -1:  # the failing batch is computed again in halves: only this item fails
+            assert not reply.ok and reply.error_type == "ModelError"
+            assert "device-side assert" in (reply.error_message or "")
+        else:
+            assert reply.ok and reply.result == item * 2
+    assert predict.threads == {"MainThread"}
+    events = predict.events
+    # under the backlog, each batch's outputs are taken only after the next one was handed over
+    overlapped = [
+        n
+        for kind, n in events
+        if kind == "taken"
+        and ("launch", n + 1) in events
+        and events.index(("launch", n + 1)) < events.index(("taken", n))
+    ]
+    assert len(overlapped) >= 10
+    # a batch pending, the next one handed over and one read ahead: never a fourth in hand
+    assert 8 < transport.most_in_hand <= 12
+    assert transport.in_hand == 0
+
+
+@pytest.mark.slow
+def test_pending_outputs_with_nothing_behind_them_are_answered_without_waiting_for_the_read() -> (
+    None
+):
+    predict = LaterDoubler(delay=0.05)
+    _, seconds = asyncio.run(serve_items(predict, list(range(4)), "off", block_ms=5000))
+    assert seconds < 2.5
+
+
+def test_a_lone_short_batch_with_pending_outputs_is_answered_at_once() -> None:
+    predict = LaterDoubler(delay=0.01)
+    replies, seconds = asyncio.run(serve_items(predict, [1, 2], "off", block_ms=2000))
+    assert [replies[f"r{i}"].result for i in range(2)] == [2, 4]
+    assert seconds < 1.0  # not held for a next batch that is not coming (the read blocks 2 s)
+
+
+def test_stopping_answers_a_pending_batch() -> None:
+    predict = LaterDoubler(delay=0.05)
+    settings = BatchSettings(batch_size=4, block_ms=20)
+    # stopped with a batch pending and the next one handed over
+    transport, answered = asyncio.run(stop_when(predict, settings, lambda t: predict.launched >= 2))
+    assert transport.in_hand == 0
+    assert answered == 4 * predict.launched >= 8
+    assert answered < 40
+
+
+class RecordingObserver(BatchObserver):
+    """Records the order of batch_started and batch_finished."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def batch_started(self, size: int, queue_waits_s: Any, traces: Any) -> None:
+        self.calls.append("started")
+
+    def batch_finished(self, size: int, inference_s: float) -> None:
+        self.calls.append("finished")
+
+
+def test_the_watchdog_hears_of_one_batch_at_a_time_while_batches_are_pending() -> None:
+    async def main() -> tuple[list[str], LaterDoubler]:
+        keys, transport = ModelKeys("double", "t"), InMemoryTransport()
+        predict = LaterDoubler(delay=0.005)
+        observer = RecordingObserver()
+        settings = BatchSettings(batch_size=4, block_ms=20)
+        loop = BatchLoop(predict, transport, keys, "c1", settings, observer)
+        await transport.ensure_group(keys)
+        ids = [f"r{i}" for i in range(40)]
+        call = CallRequests(keys.inbox("c"), 30_000, ids, [codec.encode(1)] * 40)
+        await transport.enqueue(keys, [call], UNBOUNDED)
+        serving = asyncio.ensure_future(loop.run())
+        answered = 0
+        while answered < 40:
+            answered += len(await transport.pop_replies(keys.inbox("c"), 100, 0.05))
+        loop.stop()
+        await asyncio.wait_for(serving, 5)
+        return observer.calls, predict
+
+    calls, predict = asyncio.run(main())
+    # a batch is handed over before the last one is answered, but the host (its watchdog, which
+    # watches one batch) hears "finished" for that one before "started" for this one
+    assert calls == ["started", "finished"] * 10
+    events = predict.events
+    assert events.index(("launch", 2)) < events.index(("taken", 1))

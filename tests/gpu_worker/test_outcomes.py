@@ -1,15 +1,24 @@
 """gpu_worker.outcomes: a batch's replies encoded by OutcomeEncoder, byte for byte as
-encode_outcome encodes each, with the same outcome counts."""
+encode_outcome encodes each, with the same outcome counts; model calls whose outputs come
+pending."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
 from broker.errors import InvalidOutput, ModelError
 from broker.protocol import Request
-from gpu_worker.outcomes import OutcomeEncoder, encode_outcome
+from gpu_worker.outcomes import (
+    OutcomeEncoder,
+    encode_outcome,
+    finish_predict,
+    is_pending,
+    predict_robust,
+    start_predict,
+)
 
 
 def request(index: int, id_length: int = 8) -> Request:
@@ -61,3 +70,49 @@ def test_an_encoder_keeps_up_with_outputs_that_change_shape() -> None:
         counts: dict[str, int] = {}
         assert encoder.encode(requests, outcomes, counts) == expected(requests, outcomes)[0]
         assert counts == {"ok": 3}
+
+
+# -- outputs that come pending ---------------------------------------------------------------------
+def later(predict: Any) -> Any:
+    """``predict`` returning a future of its outputs (computed at once, raising on result())."""
+
+    def launch(items: list[Any]) -> Future[Any]:
+        future: Future[Any] = Future()
+        try:
+            future.set_result(predict(items))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
+
+    return launch
+
+
+def doubles_but_not_minus_one(items: list[Any]) -> list[Any]:
+    if -1 in items:
+        raise RuntimeError("device-side assert")
+    return [item * 2 for item in items]
+
+
+def test_pending_outputs_are_handed_back_and_taken_later() -> None:
+    predict = later(doubles_but_not_minus_one)
+    pending = start_predict(predict, [1, 2, 3])
+    assert is_pending(pending)
+    assert finish_predict(predict, [1, 2, 3], pending) == [2, 4, 6]
+    assert predict_robust(predict, [1, 2, 3]) == [2, 4, 6]
+    assert start_predict(doubles_but_not_minus_one, [1]) == [2]  # plain outputs stay lists
+
+
+def test_a_pending_batch_that_fails_is_computed_again_in_halves() -> None:
+    predict = later(doubles_but_not_minus_one)
+    items = [1, 2, -1, 4]
+    outcomes = finish_predict(predict, items, start_predict(predict, items))
+    assert outcomes[:2] == [2, 4] and outcomes[3] == 8
+    assert isinstance(outcomes[2], ModelError)
+    assert "device-side assert" in outcomes[2].message
+    assert predict_robust(predict, items)[:2] == [2, 4]
+
+
+def test_pending_outputs_of_the_wrong_count_fail_each_item() -> None:
+    predict = later(lambda items: [0])
+    outcomes = finish_predict(predict, [1, 2], start_predict(predict, [1, 2]))
+    assert all(isinstance(o, InvalidOutput) for o in outcomes) and len(outcomes) == 2

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpu_worker.outcomes import is_pending
 from gpu_worker.staging import MIN_BUFFER_BYTES, HostBuffer, HostStaging, pins_memory
 
 
@@ -241,3 +242,38 @@ def test_a_buffer_is_written_again_only_after_its_last_copy_is_done(
     log.clear()
     staging.empty((4, 3), np.int64, "ids")  # a bigger batch: waits, then grows
     assert log == ["synchronize"]
+
+
+# -- outputs copied later ------------------------------------------------------------------------
+@pytest.mark.parametrize("staged", [False, True])
+def test_to_host_later_gives_what_to_host_gives(staged: bool) -> None:
+    staging = HostStaging("cpu", staged=staged)
+    outputs = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    later = staging.to_host_later(outputs)
+    assert is_pending(later)
+    assert later.done()  # no device: the copy is done already
+    assert len(later) == 4
+    rows = later.result()
+    assert np.array_equal(np.stack(rows), staging.to_host(outputs))
+    assert later.result() is rows  # taken once
+    assert [row.tolist() for row in later] == [row.tolist() for row in rows]
+    assert later[3].tolist() == [9.0, 10.0, 11.0]
+
+
+def test_copies_in_flight_each_get_a_buffer_and_give_it_back() -> None:
+    staging = HostStaging("cpu", staged=True)
+    first = staging.to_host_later(torch.ones(2, 3))
+    second = staging.to_host_later(torch.full((2, 3), 2.0))  # before the first is taken
+    assert np.stack(first.result()).tolist() == [[1.0] * 3] * 2
+    assert np.stack(second.result()).tolist() == [[2.0] * 3] * 2
+    # the rows are the caller's: a later copy through the same buffer leaves them alone
+    third = staging.to_host_later(torch.full((2, 3), 3.0))
+    assert np.stack(third.result()).tolist() == [[3.0] * 3] * 2
+    assert np.stack(first.result()).tolist() == [[1.0] * 3] * 2
+    assert len(staging._spare_outs) == 2  # two copies were in flight at most
+
+
+def test_to_host_later_of_a_dtype_numpy_lacks_takes_the_plain_path() -> None:
+    staging = HostStaging("cpu", staged=True)
+    with pytest.raises(TypeError):  # as .numpy() refuses bfloat16 (to_host does the same)
+        staging.to_host_later(torch.ones(2, 3, dtype=torch.bfloat16))
