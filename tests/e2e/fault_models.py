@@ -25,6 +25,7 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -87,6 +88,21 @@ class Faulty(ManagedModel):
             record("items", item)
         pid = os.getpid()
         return [{"item": item, "pid": pid, "batch": len(batch)} for item in batch]
+
+
+class PendingFaulty(Faulty):
+    """:class:`Faulty` computing on a thread of its own: ``predict`` returns a Future of the
+    outputs (pending outputs, as a GPU model's), so the faults fire while the batch is pending
+    and the next one may be handed over already."""
+
+    name = "pendingfaulty"
+
+    def init_model(self) -> None:
+        super().init_model()
+        self.computing = ThreadPoolExecutor(max_workers=1)  # its "device"
+
+    def predict(self, batch: list[Any]) -> Any:
+        return self.computing.submit(Faulty.predict, self, batch)
 
 
 class GilHog(ManagedModel):
