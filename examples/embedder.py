@@ -42,7 +42,7 @@ import numpy as np
 
 from broker.errors import InvalidInput
 from gpu_worker import ManagedModel, TensorSpec
-from gpu_worker.staging import HostStaging
+from gpu_worker.staging import HostStaging, OutputCopy
 
 DIM = 384
 MAX_TOKENS = 256  # the model's window: sentence-transformers' max_seq_length for this model
@@ -207,11 +207,16 @@ class Embedder(ManagedModel):
             raise ValueError(f"token ids must lie in [0, {self.vocab_size})")
         return ids
 
-    def predict(self, batch: list[Any]) -> list[Any]:
-        return self.embed_ids([self.check(item) for item in batch])
+    def predict(self, batch: list[Any]) -> OutputCopy:
+        # pending: the worker prepares the next batch while the GPU computes this one
+        return self.staging.to_host_later(self._embeddings([self.check(item) for item in batch]))
 
     def embed_ids(self, batch: list[np.ndarray]) -> list[Any]:
         """Embed token-id sequences: one forward pass, padded to the batch's longest item."""
+        return list(self.staging.to_host(self._embeddings(batch)))
+
+    def _embeddings(self, batch: list[np.ndarray]) -> Any:
+        """The batch's embeddings, a float32 tensor on the device."""
         torch, staging = self.torch, self.staging
         shape = (len(batch), max(len(ids) for ids in batch))
         input_ids = staging.empty(shape, np.int64, "input_ids")
@@ -228,7 +233,7 @@ class Embedder(ManagedModel):
         }
         with torch.inference_mode():
             embeddings = self.model(features)["sentence_embedding"]
-        return list(staging.to_host(embeddings.float()))
+        return embeddings.float()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ import numpy as np
 
 from broker.errors import InvalidInput
 from gpu_worker import ManagedModel, TensorSpec
-from gpu_worker.staging import HostStaging
+from gpu_worker.staging import HostStaging, OutputCopy
 
 SIZE = 64  # the network's input: SIZE x SIZE RGB
 TOP_K = 3
@@ -151,11 +151,11 @@ class ImageClassifier(ManagedModel):
     def warmup(self) -> None:
         self.predict([np.zeros((SIZE, SIZE, 3), dtype=np.uint8)] * 2)
 
-    def predict(self, batch: list[Any]) -> list[Any]:
+    def predict(self, batch: list[Any]) -> OutputCopy:
         torch = self.torch
         pixels = self.staging.stack(batch, np.uint8)  # N x 64 x 64 x 3, on the device
         pixels = pixels.permute(0, 3, 1, 2).float().div_(255.0)
         with torch.inference_mode():
             logits = self.net((pixels - self.mean) / self.std)
             probabilities = torch.softmax(logits, dim=1)
-        return list(self.staging.to_host(probabilities))
+        return self.staging.to_host_later(probabilities)  # pending: the GPU may still compute

@@ -71,7 +71,7 @@ def in_process(pipeline: type[Pipeline], texts: list[str]) -> list[Any]:
     each head trained as its worker trains it, on that embedder's vectors of its sentences)."""
     embedder = Embedder()
     embedder.init_model()
-    vectors = embedder.predict([embedder.preprocess(text) for text in texts])
+    vectors = list(embedder.predict([embedder.preprocess(text) for text in texts]))
     answers: dict[str, list[Any]] = {}
     for leaf in pipeline.leaves():
         head = pipeline.stage(leaf).model_class()()
