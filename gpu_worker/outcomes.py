@@ -60,13 +60,8 @@ def outputs_now(outputs: Sequence[Any] | PendingOutputs) -> Sequence[Any]:
 def predict_robust(predict: PredictFn, items: list[Any]) -> list[Any]:
     """Run the model (waiting for pending outputs); on an exception, bisect so only the
     failing items get ModelError."""
-    try:
-        outputs = predict(items)
-        if is_pending(outputs):
-            outputs = outputs.result()
-    except Exception as exc:
-        return _split(predict, items, exc)
-    return _checked(outputs, items)
+    started = start_predict(predict, items)
+    return started if isinstance(started, list) else finish_predict(predict, items, started)
 
 
 def start_predict(predict: PredictFn, items: list[Any]) -> list[Any] | PendingOutputs:

@@ -123,48 +123,50 @@ class InlineRunner:
         if read_ahead:
             await self._host.read_ahead()  # goes out while the model computes
         prepared = batch()
-        launched: list[Any] | PendingOutputs = []
+        if not prepared.items:
+            await self.drain()
+            await self._host.answer(prepared, [])
+            return
         # The host hears of one batch at a time (its watchdog watches one): this one starts
         # when the pending one, if any, is answered; until then that one counts as computing.
         follows_pending = self._pending is not None
-        if prepared.items and not follows_pending:
+        if not follows_pending:
             self._host.batch_started(prepared)
         started = time.perf_counter()
-        if prepared.items:
-            launched = start_predict(self._predict, prepared.items)
+        launched = start_predict(self._predict, prepared.items)
         await self.drain()  # the batch before: the device computed it ahead of this one
-        if prepared.items and follows_pending:
+        if follows_pending:
             self._host.batch_started(prepared)
-        if isinstance(launched, list):
-            outcomes = launched
-        else:
-            if not launched.done():  # computing asynchronously, not just wrapped
-                self.defers = True
-                if more:
-                    self._pending = (prepared, launched, started)
-                    return
-            outcomes = finish_predict(self._predict, prepared.items, launched)
-        if prepared.items:
-            self._host.batch_finished(prepared, time.perf_counter() - started)
-        await self._host.answer(prepared, outcomes)
+        if not isinstance(launched, list) and not launched.done():
+            self.defers = True  # computing asynchronously, not just wrapped
+            if more:
+                self._pending = (prepared, launched, started)
+                return
+        await self._answer(prepared, launched, started)
 
     async def process(self, batch: PreparedBatch) -> None:
         await self.drain()
-        outcomes: list[Any] = []
-        if batch.items:
-            self._host.batch_started(batch)
-            started = time.perf_counter()
-            outcomes = predict_robust(self._predict, batch.items)
-            self._host.batch_finished(batch, time.perf_counter() - started)
-        await self._host.answer(batch, outcomes)
+        if not batch.items:
+            await self._host.answer(batch, [])
+            return
+        self._host.batch_started(batch)
+        started = time.perf_counter()
+        await self._answer(batch, start_predict(self._predict, batch.items), started)
 
     async def drain(self) -> None:
         """Take the pending batch's outputs (waiting for them) and answer it."""
         pending, self._pending = self._pending, None
-        if pending is None:
-            return
-        batch, outputs, started = pending
-        outcomes = finish_predict(self._predict, batch.items, outputs)
+        if pending is not None:
+            await self._answer(*pending)
+
+    async def _answer(
+        self, batch: PreparedBatch, launched: list[Any] | PendingOutputs, started: float
+    ) -> None:
+        """Take a computed batch's outcomes (pending outputs waited for) and answer it."""
+        if isinstance(launched, list):
+            outcomes = launched
+        else:
+            outcomes = finish_predict(self._predict, batch.items, launched)
         self._host.batch_finished(batch, time.perf_counter() - started)
         await self._host.answer(batch, outcomes)
 

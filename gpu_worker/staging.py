@@ -141,19 +141,23 @@ class OutputCopy(Sequence[np.ndarray]):
     def done(self) -> bool:
         """True once the copy has landed (:meth:`result` returns without waiting)."""
         event = self._event
-        return self._rows is not None or event is None or bool(event.query())
+        return event is None or bool(event.query())
+
+    def array(self) -> np.ndarray:
+        """The outputs as one array (out of the staging buffer), waiting for the copy first."""
+        event, release = self._event, self._release
+        if event is not None:
+            event.synchronize()
+        if release is not None:
+            self._array = self._array.copy()
+            release()
+        self._event, self._release = None, None
+        return self._array
 
     def result(self) -> list[np.ndarray]:
         """One array per item (the first axis), waiting for the copy first."""
         if self._rows is None:
-            event, release = self._event, self._release
-            if event is not None:
-                event.synchronize()
-            array = self._array if release is None else self._array.copy()
-            self._array, self._event, self._release = array, None, None
-            if release is not None:
-                release()
-            self._rows = list(array)
+            self._rows = list(self.array())
         return self._rows
 
     def __len__(self) -> int:
@@ -181,9 +185,9 @@ class HostStaging:
     Staged on a CPU device reuses unpinned buffers (for tests of that path without a GPU).
 
     One per model: it is not thread-safe (a worker never runs ``predict`` calls at once).
-    Its pinned memory, one input buffer per slot, one output buffer for :meth:`to_host` and
-    one per output copy in flight for :meth:`to_host_later` (two in a worker), each at most
-    twice the largest batch, stays page-locked for the worker's life.
+    Its pinned memory, one input buffer per slot and one output buffer per output copy in
+    flight (one for :meth:`to_host`, two in a worker for :meth:`to_host_later`), each at
+    most twice the largest batch, stays page-locked for the worker's life.
     """
 
     def __init__(self, device: Any, staged: bool | None = None) -> None:
@@ -195,8 +199,7 @@ class HostStaging:
         self.pinned = staged and self.device.type == "cuda"
         self._slots: dict[str, HostBuffer] = {}
         self._handed: dict[str, tuple[np.ndarray, Any]] = {}  # slot: its last view
-        self._out = HostBuffer(self.pinned) if staged else None
-        self._spare_outs: list[HostBuffer] = []  # for to_host_later: those not in use
+        self._spare_outs: list[HostBuffer] = []  # output buffers not in use
 
     def empty(self, shape: Sequence[int], dtype: Any, slot: str = "input") -> np.ndarray:
         """A host array to fill in, then give to :meth:`to_device`. Staged, it is the slot's
@@ -238,21 +241,10 @@ class HostStaging:
     def to_host(self, tensor: Any) -> np.ndarray:
         """A tensor's values as a numpy array the caller owns (no buffer of this object).
 
-        Staged: a non-blocking copy into the (pinned, on CUDA) output buffer, waited for,
+        Staged: a non-blocking copy into a (pinned, on CUDA) output buffer, waited for,
         then copied out of it. Plain: ``tensor.detach().cpu().numpy()`` (which, for a CPU
-        tensor, shares its memory)."""
-        tensor = tensor.detach()
-        buffer = self._out
-        dtype = None if buffer is None else _numpy_dtype(self.torch, tensor.dtype)
-        if buffer is None or dtype is None:  # bfloat16 and the like: refused by .numpy() too
-            plain: np.ndarray = tensor.cpu().numpy()
-            return plain
-        array, host = buffer.view(tuple(tensor.shape), dtype)
-        host.copy_(tensor, non_blocking=True)
-        buffer.copied(tensor.device)
-        buffer.wait()
-        owned: np.ndarray = array.copy()
-        return owned
+        tensor, shares its memory). :meth:`to_host_later`, waited for at once."""
+        return self.to_host_later(tensor).array()
 
     def to_host_later(self, tensor: Any) -> OutputCopy:
         """Start copying a batch's output tensor to the host and return at once: what
@@ -265,7 +257,7 @@ class HostStaging:
         """
         tensor = tensor.detach()
         dtype = _numpy_dtype(self.torch, tensor.dtype) if self.staged else None
-        if dtype is None or not tensor.ndim:
+        if dtype is None:  # bfloat16 and the like: refused by .numpy() too
             return OutputCopy(tensor.cpu().numpy())
         spare = self._spare_outs
         buffer = spare.pop() if spare else HostBuffer(self.pinned)

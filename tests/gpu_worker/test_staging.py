@@ -223,9 +223,7 @@ def test_a_buffer_is_written_again_only_after_its_last_copy_is_done(
 
     log: list[str] = []
     staging = HostStaging("cpu", staged=True)
-    monkeypatch.setattr(staging_module, "_torch", lambda: CudaTorch(log))
-    assert staging._out is not None
-    staging._out.torch = CudaTorch(log)
+    monkeypatch.setattr(staging_module, "_torch", lambda: CudaTorch(log))  # buffers made now
     ids = staging.empty((2, 3), np.int64, "ids")
     ids[:] = 1
     mask = staging.empty((2, 3), np.int64, "mask")
