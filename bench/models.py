@@ -63,11 +63,7 @@ class SyncMLP(MLP):
     name = "mlp_sync"
 
     def predict(self, batch: list[Any]) -> list[Any]:
-        import numpy as np
-
-        with self.torch.inference_mode():
-            out = self.net(self.staging.stack(batch, np.float32))
-        return list(self.staging.to_host(out))
+        return list(MLP.predict(self, batch))  # waits for the copy, as to_host does
 
 
 class SyncWideMLP(WideMLP):

@@ -38,7 +38,8 @@ def main() -> None:
     import torch
 
     from examples.mlp import MLP
-    from gpu_worker.outcomes import is_pending
+    from gpu_worker.outcomes import is_pending, outputs_now
+    from gpu_worker.staging import OutputCopy
 
     gpu, cpu = MLP("cuda:0"), MLP("cpu")
     gpu.init_model()
@@ -46,6 +47,7 @@ def main() -> None:
     cpu.init_model()
     batch = [np.random.default_rng(i).standard_normal(256).astype(np.float32) for i in range(64)]
     pending = gpu.predict(batch)
+    assert isinstance(pending, OutputCopy)
     print("pending", is_pending(pending), "done at once", pending.done())
     got = np.stack(pending.result())
     print("max abs diff vs cpu", float(np.abs(got - np.stack(list(cpu.predict(batch)))).max()))
@@ -56,14 +58,14 @@ def main() -> None:
         return list(gpu.staging.to_host(gpu.net(gpu.staging.stack(batch, np.float32))))
 
     print("sync ms per batch", per_batch_ms(waits))
-    print("later ms per batch", per_batch_ms(lambda: gpu.predict(batch).result()))
+    print("later ms per batch", per_batch_ms(lambda: outputs_now(gpu.predict(batch))))
     with torch.inference_mode():
         started, count, last = time.perf_counter(), 0, gpu.predict(batch)
         while time.perf_counter() - started < 2:
             current = gpu.predict(batch)
-            last.result()
+            outputs_now(last)
             last, count = current, count + 1
-        last.result()
+        outputs_now(last)
     print("pipelined ms per batch", 1000 * (time.perf_counter() - started) / count)
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from gpu_worker import ManagedModel, TensorSpec
-from gpu_worker.staging import HostStaging, OutputCopy
+from gpu_worker.staging import HostStaging
 
 
 class MLP(ManagedModel):
@@ -41,9 +42,10 @@ class MLP(ManagedModel):
     def warmup(self) -> None:
         self.predict([[0.0] * 256] * 2)
 
-    def predict(self, batch: list[Any]) -> OutputCopy:
+    def predict(self, batch: list[Any]) -> Sequence[Any]:
         with self.torch.inference_mode():
             out = self.net(self.staging.stack(batch, np.float32))
-        # on a GPU: returns while the device computes; the worker meanwhile answers the batch
-        # before and prepares the next (a list of one output per item once it lands)
+        # on a GPU: returns while the device computes (an OutputCopy: pending outputs, and a
+        # sequence of one output per item once it lands); the worker meanwhile answers the
+        # batch before and prepares the next
         return self.staging.to_host_later(out)
