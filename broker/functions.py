@@ -78,54 +78,80 @@ local function tighter(a, b)
   return b
 end
 
--- Appends the items of consecutive calls that share a reply key (up to `pack` items) as one
--- v2 entry (docs/protocol.md, section 5.1), a lone item as a v1 entry. `out` is each call's
--- result table: it gets each item's handle, an entry id or, in a v2 entry, `<entry id>#<i>`.
--- Returns how many entries it added.
-local function add_items(stream, items, pack)
-  local at, entries = 1, 0
-  while at <= #items do
-    local last = at
-    while last < #items and last - at + 1 < pack and items[last + 1][1] == items[at][1] do
-      last = last + 1
-    end
-    local reply = items[at][1]
-    if last == at then
-      local it = items[at]
-      local id
-      if it[3] == '' then
-        id = redis.call('XADD', stream, '*', 'v', '1', 'id', it[4], 'reply', reply,
-          'timeout', it[2], 'data', it[5])
-      else
-        id = redis.call('XADD', stream, '*', 'v', '1', 'id', it[4], 'reply', reply,
-          'timeout', it[2], 'data', it[5], 'traceparent', it[3])
-      end
-      it[6][#it[6] + 1] = id
+-- Field names and handle suffixes of item k of a v2 entry, made once at load rather than per
+-- item (mb_enqueue's cost in Redis is mostly its per-item Lua work).
+local ID_FIELD, TIMEOUT_FIELD, DATA_FIELD, TRACE_FIELD, MARK, NUMBER = {}, {}, {}, {}, {}, {}
+for k = 0, MAX_ENTRY_ITEMS do
+  local s = '' .. k  -- (at load, a library sees no globals such as tostring)
+  ID_FIELD[k], TIMEOUT_FIELD[k], DATA_FIELD[k] = 'id.' .. s, 'timeout.' .. s, 'data.' .. s
+  TRACE_FIELD[k], MARK[k], NUMBER[k] = 'traceparent.' .. s, '#' .. s, s
+end
+
+-- Appends one entry holding the `k` items noted in `pos` (the argument index of each item's
+-- request id), `owner` (its call) and `slot` (where its handle goes in its call's result):
+-- a lone item as a v1 entry, more as a v2 entry (docs/protocol.md, section 5.1). A call's
+-- result gets each item's handle: the entry id or, in a v2 entry, `<entry id>#<i>`.
+local function add_entry(stream, args, calls, pos, owner, slot, k, fields)
+  local call = calls[owner[1]]
+  local first = call[1]
+  local reply = args[first + 1]
+  if k == 1 then
+    local j, timeout, trace = pos[1], args[first + 2], args[first + 3]
+    local id
+    if trace == '' then
+      id = redis.call('XADD', stream, '*', 'v', '1', 'id', args[j], 'reply', reply,
+        'timeout', timeout, 'data', args[j + 1])
     else
-      local fields = {stream, '*', 'v', '2', 'reply', reply, 'n', tostring(last - at + 1)}
-      for i = at, last do
-        local it, k = items[i], tostring(i - at)
-        fields[#fields + 1] = 'id.' .. k
-        fields[#fields + 1] = it[4]
-        fields[#fields + 1] = 'timeout.' .. k
-        fields[#fields + 1] = it[2]
-        fields[#fields + 1] = 'data.' .. k
-        fields[#fields + 1] = it[5]
-        if it[3] ~= '' then
-          fields[#fields + 1] = 'traceparent.' .. k
-          fields[#fields + 1] = it[3]
-        end
-      end
-      local id = redis.call('XADD', unpack(fields))
-      for i = at, last do
-        local out = items[i][6]
-        out[#out + 1] = id .. '#' .. tostring(i - at)
-      end
+      id = redis.call('XADD', stream, '*', 'v', '1', 'id', args[j], 'reply', reply,
+        'timeout', timeout, 'data', args[j + 1], 'traceparent', trace)
     end
-    at = last + 1
+    call[4][slot[1]] = id
+    return
+  end
+  fields[1], fields[2], fields[3], fields[4] = stream, '*', 'v', '2'
+  fields[5], fields[6], fields[7], fields[8] = 'reply', reply, 'n', NUMBER[k]
+  local nf = 8
+  for i = 1, k do
+    local at, j, x = calls[owner[i]][1], pos[i], i - 1
+    fields[nf + 1], fields[nf + 2] = ID_FIELD[x], args[j]
+    fields[nf + 3], fields[nf + 4] = TIMEOUT_FIELD[x], args[at + 2]
+    fields[nf + 5], fields[nf + 6] = DATA_FIELD[x], args[j + 1]
+    nf = nf + 6
+    local trace = args[at + 3]
+    if trace ~= '' then
+      fields[nf + 1], fields[nf + 2] = TRACE_FIELD[x], trace
+      nf = nf + 2
+    end
+  end
+  local id = redis.call('XADD', unpack(fields, 1, nf))
+  for i = 1, k do calls[owner[i]][4][slot[i]] = id .. MARK[i - 1] end
+end
+
+-- Appends the items of the accepted calls, in order, consecutive items that share a reply
+-- key (up to `pack` of them, across calls) as one entry. Each call is {its argument index,
+-- n, size, result}. Returns how many items went into entries beyond one per entry.
+local function add_items(stream, args, calls, pack)
+  local pos, owner, slot, fields = {}, {}, {}, {}
+  local k, entries, total, current = 0, 0, 0, nil
+  for c = 1, #calls do
+    local first, n = calls[c][1], calls[c][2]
+    local reply = args[first + 1]
+    for m = 0, n - 1 do
+      if k > 0 and (k == pack or reply ~= current) then
+        add_entry(stream, args, calls, pos, owner, slot, k, fields)
+        entries, k = entries + 1, 0
+      end
+      k = k + 1
+      pos[k], owner[k], slot[k] = first + 4 + 2 * m, c, m + 2
+      current = reply
+    end
+    total = total + n
+  end
+  if k > 0 then
+    add_entry(stream, args, calls, pos, owner, slot, k, fields)
     entries = entries + 1
   end
-  return entries
+  return total - entries
 end
 
 -- KEYS: stream, queued-bytes counter, queue bound (hash), consumers (sorted set), from
@@ -193,9 +219,9 @@ local function enqueue(keys, args)
   -- The counter takes every call's bytes at once (one command rather than a read and a
   -- write); the bytes of calls refused below are given back at the end.
   local queued = redis.call('INCRBY', keys[2], bytes) - bytes
-  local results, added, items = {}, 0, {}
+  local results, added, accepted = {}, 0, {}
   for c, call in ipairs(calls) do
-    local first, n, size = call[1], call[2], call[3]
+    local n, size = call[2], call[3]
     if max_items > 0 and n > max_items then
       results[c] = {3, max_items}
     elseif max_items > 0 and length + n > max_items then
@@ -203,17 +229,14 @@ local function enqueue(keys, args)
     elseif max_bytes > 0 and queued + size > max_bytes then
       results[c] = {2, max_bytes}
     else
-      local reply, timeout, trace = args[first + 1], args[first + 2], args[first + 3]
-      local out = {0}
-      for j = first + 4, first + 2 + 2 * n, 2 do
-        items[#items + 1] = {reply, timeout, trace, args[j], args[j + 1], out}
-      end
       -- Counted in items, as if each were an entry: the bound is never loosened within a call.
       length, queued, added = length + n, queued + size, added + size
-      results[c] = out
+      local out = {0}
+      call[4], results[c] = out, out
+      accepted[#accepted + 1] = call
     end
   end
-  local packed = #items - add_items(keys[1], items, pack)
+  local packed = add_items(keys[1], args, accepted, pack)
   if packed > 0 and keys[5] then redis.call('INCRBY', keys[5], packed) end
   if added < bytes then redis.call('DECRBY', keys[2], bytes - added) end
   return results

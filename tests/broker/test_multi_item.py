@@ -217,6 +217,42 @@ def test_calls_with_other_reply_keys_get_entries_of_their_own(
     ]  # fmt: skip
 
 
+def test_a_packed_entry_holds_each_items_own_fields_in_order_across_calls(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Items of several calls (and of none that was refused between them) in one entry: each
+    with its own request id, data, its call's timeout and its call's traceparent (if any)."""
+    keys = ModelKeys("toy", prefix)
+    inbox = keys.inbox("c")
+    trace = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    t = trace.encode()
+    calls = [
+        CallRequests(inbox, 1000, ["a.0", "a.1"], [b"A0", b"A1"], trace),
+        CallRequests(inbox, 2000, ["r.0", "r.1", "r.2"], [b"R0", b"R1", b"R2"]),  # past the bound
+        CallRequests(inbox, 3000, ["b.0"], [b"B0"]),
+        CallRequests(keys.inbox("other"), 4000, ["o.0"], [b"O0"], trace),
+    ]
+    handles = run(enqueue(redis_server.url, keys, calls, bound=QueueBound(max_items=4)))
+    assert isinstance(handles[1], QueueFull)
+    entries = redis_server.client().xrange(keys.stream)
+    assert [fields for _, fields in entries] == [
+        {
+            b"v": b"2", b"reply": inbox.encode(), b"n": b"3",
+            b"id.0": b"a.0", b"timeout.0": b"1000", b"data.0": b"A0", b"traceparent.0": t,
+            b"id.1": b"a.1", b"timeout.1": b"1000", b"data.1": b"A1", b"traceparent.1": t,
+            b"id.2": b"b.0", b"timeout.2": b"3000", b"data.2": b"B0",
+        },
+        {
+            b"v": b"1", b"id": b"o.0", b"reply": keys.inbox("other").encode(),
+            b"timeout": b"4000", b"data": b"O0", b"traceparent": t,
+        },
+    ]  # fmt: skip
+    first, lone = (entry_id.decode() for entry_id, _ in entries)
+    assert handles[0] == [f"{first}#0", f"{first}#1"]
+    assert handles[2] == [f"{first}#2"]
+    assert handles[3] == [lone]
+
+
 def test_the_item_bound_counts_the_items_of_packed_entries(
     redis_server: RedisServer, prefix: str
 ) -> None:
