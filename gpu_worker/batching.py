@@ -46,6 +46,7 @@ log = logging.getLogger("microbatch.worker")
 # Event-loop turns a command started as a task needs to be written (the transport's lanes write
 # in the task's first step; 1 more covers a task that first awaits something already done).
 PREFETCH_TURNS = 2
+OUTAGE_LOG_EVERY_S = 10.0  # during a Redis outage: a line this often, not one per retry
 
 
 async def _let_writes_go_out() -> None:
@@ -136,7 +137,7 @@ class BatchLoop:
         self._stopping = False
         self._finishing: asyncio.Task[set[str]] | None = None  # replies on their way
         self._next_reclaim = 0.0
-        self._outage_log = Every(10.0)  # during a Redis outage: a line every 10 s, not per retry
+        self._outage_log = Every(OUTAGE_LOG_EVERY_S)
         self._in_outage = False
 
     def stop(self) -> None:
