@@ -156,12 +156,18 @@ def test_client_cost_alternates_trees_and_reports_each_arm(tmp_path: Path) -> No
         assert window["cpu_us_per_item_worker"] > 0 and window["cpu_us_per_item_redis"] >= 0
 
 
-def test_enqueue_cost_measures_each_library_and_multi_exec() -> None:
+@pytest.mark.parametrize(("calls_per_fcall", "entry_items"), [(1, 1), (4, 4)])
+def test_enqueue_cost_measures_each_library_and_multi_exec(
+    calls_per_fcall: int, entry_items: int
+) -> None:
     import argparse
 
     from bench.enqueue_cost import measure
 
-    args = argparse.Namespace(against="HEAD", items=2, calls=5, pipelines=2, rounds=2)
+    args = argparse.Namespace(
+        against="HEAD", items=2, item_bytes=100, calls_per_fcall=calls_per_fcall,
+        entry_items=entry_items, calls=5, pipelines=2, rounds=2,
+    )  # fmt: skip
     results = measure(args)
     assert list(results) == ["this tree", "HEAD", "MULTI/EXEC"]
     assert all(len(rounds) == 2 and min(rounds) >= 0 for rounds in results.values())
