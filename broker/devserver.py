@@ -57,6 +57,7 @@ class RedisServer:
         self.config = {"save": "", "appendonly": "no", "maxmemory-policy": "noeviction"}
         self.config.update(config or {})
         self.port = port or free_port()
+        self._may_move = port is None  # a port picked here, until the server first answers
         self.dir = tempfile.mkdtemp(prefix="microbatch-redis-")
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -65,27 +66,62 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> RedisServer:
+        """Start the server and wait until it answers. A port picked here that another process
+        took in the meantime (a free port is only free until someone binds it) is traded for
+        a new one, on the first start only: a restart keeps the port its clients know."""
+        for _ in range(3 if self._may_move else 1):
+            if self._launch(timeout):
+                self._may_move = False
+                return self
+            if not self._may_move:
+                break
+            self.port = free_port()
+        said = self._last_log_line()
+        self.stop()
+        raise RuntimeError(f"redis-server did not start on port {self.port}: {said}")
+
+    def _last_log_line(self) -> str:
+        try:
+            with open(os.path.join(self.dir, "redis.log"), "rb") as log:
+                lines = log.read().decode(errors="replace").strip().splitlines()
+        except OSError:
+            lines = []
+        return lines[-1] if lines else "it exited without a word"
+
+    def _launch(self, timeout: float) -> bool:
+        """Run redis-server on ``self.port``: True once it answers, False if the port is
+        another's (the server exited at once, or another server answers there)."""
         args = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1"]
         args += ["--dir", self.dir, "--daemonize", "no", "--logfile", ""]
         for key, value in self.config.items():
             args += [f"--{key}", value]
         log = open(os.path.join(self.dir, "redis.log"), "wb")  # noqa: SIM115
-        self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        self.process = process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + timeout
         client = redis.Redis(port=self.port, socket_connect_timeout=0.5)
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
-                time.sleep(0.05)
-            finally:
-                client.close()
-        return self
+        try:
+            while True:
+                try:
+                    answering = int(client.info("server")["process_id"])
+                except redis.ConnectionError:  # not listening yet (or loading its data)
+                    if process.poll() is not None:
+                        return False
+                    if time.monotonic() > deadline:
+                        self.stop()
+                        raise RuntimeError(
+                            f"redis-server did not start on port {self.port}"
+                        ) from None
+                    time.sleep(0.05)
+                    continue
+                except redis.ResponseError:  # a server that wants a password: ours, if alive
+                    return process.poll() is None
+                if answering == process.pid:
+                    return True
+                self.kill()  # another server holds the port: ours cannot bind it
+                return False
+        finally:
+            client.close()
 
     def client(self, **options: Any) -> redis.Redis:
         """A synchronous client of this server."""
