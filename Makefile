@@ -83,8 +83,12 @@ format: install
 typecheck: install
 	$(BIN)/mypy broker gpu_worker web_gateway examples
 
+# The fast tests on two processes (pytest-xdist): each test starts its own Redis, workers and
+# gateways on free ports, and most of a test's time is waiting on them, so two at once take
+# about half as long even on 2 cores. The slow tests stay one at a time: their fault timings
+# and network namespaces are measured against a machine that is not doubly loaded.
 test: lint typecheck
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n 2
 
 # The slow tests (network namespaces, failover, soak): .ci/run runs them after `make test`.
 test-slow: install
