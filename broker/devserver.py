@@ -80,6 +80,9 @@ class RedisServer:
         self.stop()
         raise RuntimeError(f"redis-server did not start on port {self.port}: {said}")
 
+    def _asks_password(self) -> bool:
+        return "requirepass" in self.config or "aclfile" in self.config
+
     def _last_log_line(self) -> str:
         try:
             with open(os.path.join(self.dir, "redis.log"), "rb") as log:
@@ -114,9 +117,9 @@ class RedisServer:
                         ) from None
                     time.sleep(0.05)
                     continue
-                except redis.ResponseError:  # a server that wants a password: ours, if alive
-                    return process.poll() is None
-                if answering == process.pid:
+                except redis.ResponseError:  # it wants a password: ours only if told to
+                    answering = process.pid if self._asks_password() else -1
+                if answering == process.pid and process.poll() is None:
                     return True
                 self.kill()  # another server holds the port: ours cannot bind it
                 return False
