@@ -382,7 +382,8 @@ class RecordingObserver(BatchObserver):
 def test_the_watchdog_hears_of_one_batch_at_a_time_while_batches_are_pending() -> None:
     async def main() -> tuple[list[str], LaterDoubler]:
         keys, transport = ModelKeys("double", "t"), InMemoryTransport()
-        predict = LaterDoubler(delay=0.005)
+        # long enough that a loaded machine still finds outputs pending when it hands over the next
+        predict = LaterDoubler(delay=0.03)
         observer = RecordingObserver()
         settings = BatchSettings(batch_size=4, block_ms=20)
         loop = BatchLoop(predict, transport, keys, "c1", settings, observer)
@@ -403,4 +404,7 @@ def test_the_watchdog_hears_of_one_batch_at_a_time_while_batches_are_pending() -
     # watches one batch) hears "finished" for that one before "started" for this one
     assert calls == ["started", "finished"] * 10
     events = predict.events
-    assert events.index(("launch", 2)) < events.index(("taken", 1))
+    overlapped = [
+        n for n in range(1, 10) if events.index(("launch", n + 1)) < events.index(("taken", n))
+    ]
+    assert overlapped  # batches did overlap, so the order above was kept while they did
