@@ -11,7 +11,11 @@ following the cluster's redirections:
 - ``ASK <slot> <host:port>``: the slot is migrating and the keys are not (all) here: the
   command goes once to the target, after ``ASKING``.
 - ``TRYAGAIN``: a command of several keys while they are split between the two nodes of a
-  migration: sent again shortly, for up to :data:`TRYAGAIN_FOR_S`.
+  migration: sent again shortly, for up to :data:`UNSETTLED_FOR_S`.
+- Redirections that go on (more than :data:`REDIRECTS_AT_ONCE` for one command): the nodes
+  disagree about who serves the slot, as while a migration's end (``CLUSTER SETSLOT ... NODE``)
+  reaches them one at a time and each sends the command to the other. It is sent again after
+  growing pauses, as for ``TRYAGAIN``, until they agree (for up to :data:`UNSETTLED_FOR_S`).
 - ``CLUSTERDOWN``, or a node that cannot be reached: a connection error (the caller's
   ``BrokerUnavailable``), and the slot map is read again before the next command, so that a
   replica promoted by a failover is found.
@@ -50,9 +54,10 @@ from .resp_lane import ssl_context as make_ssl_context
 log = logging.getLogger("microbatch.cluster")
 
 SLOTS = 16384
-MAX_REDIRECTS = 16  # MOVED and ASK followed for one command before it fails
-TRYAGAIN_FOR_S = 5.0  # how long a command split by a migration is sent again
-TRYAGAIN_FIRST_S = 0.005  # the first pause before sending it again (doubled up to 0.1 s)
+REDIRECTS_AT_ONCE = 2  # MOVED and ASK followed for one command without a pause
+UNSETTLED_FOR_S = 5.0  # how long a command the cluster refuses or redirects is sent again
+UNSETTLED_FIRST_PAUSE_S = 0.005  # the first pause before sending it again
+UNSETTLED_MAX_PAUSE_S = 0.1  # (the pauses double up to this)
 REFRESH_EVERY_S = 0.1  # the most often the slot map is read again after failures
 
 _ASKING = hiredis.pack_command(("ASKING",))
@@ -351,7 +356,7 @@ class SlotLane:
         cluster = self._lanes.map
         ask: Address | None = None
         redirects = 0
-        pause = TRYAGAIN_FIRST_S
+        pause = UNSETTLED_FIRST_PAUSE_S
         give_up = None
         while True:
             address = ask or await cluster.owner(self.slot)
@@ -371,18 +376,21 @@ class SlotLane:
             if kind == "CLUSTERDOWN":
                 cluster.failed()
                 raise RedisConnectionError(f"the cluster is down: {text}")
-            if kind == "TRYAGAIN":  # keys split by a migration: sent again once it moved on
-                redirects = 0  # (the ASK that led here counts no more: this wait is bounded)
-                now = time.monotonic()
-                give_up = give_up or now + TRYAGAIN_FOR_S
-                if now > give_up:
-                    raise RedisConnectionError(f"hash slot {self.slot} is migrating: {text}")
-                await asyncio.sleep(pause)
-                pause = min(pause * 2, 0.1)
-                continue
             redirects += 1
-            if redirects > MAX_REDIRECTS:
-                raise RedisConnectionError(f"too many redirections for hash slot {self.slot}")
+            if kind == "TRYAGAIN" or redirects > REDIRECTS_AT_ONCE:
+                # keys split by a migration (TRYAGAIN), or nodes that disagree about who
+                # serves the slot: sent again once the migration has moved on
+                now = time.monotonic()
+                give_up = give_up or now + UNSETTLED_FOR_S
+                if now > give_up:
+                    raise RedisConnectionError(
+                        f"hash slot {self.slot} did not settle in {UNSETTLED_FOR_S:g} s "
+                        f"(a migration?): {text}"
+                    )
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, UNSETTLED_MAX_PAUSE_S)
+                if kind == "TRYAGAIN":
+                    continue
             target = _address(rest[1], address)
             if kind == "MOVED":
                 cluster.moved(int(rest[0]), target)

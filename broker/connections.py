@@ -20,6 +20,7 @@ ones here: they take the same commands, each sent to the node of its key.)
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import time
@@ -36,7 +37,13 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry as SyncRetry
 
-from .cluster_lane import ClusterLanes, ClusterMap
+from .cluster_lane import (
+    UNSETTLED_FIRST_PAUSE_S,
+    UNSETTLED_FOR_S,
+    UNSETTLED_MAX_PAUSE_S,
+    ClusterLanes,
+    ClusterMap,
+)
 from .redis_url import ClusterURL, DirectURL, RedisURL, SentinelURL, describe, parse
 from .resp_lane import (
     CONNECT_TIMEOUT_S,
@@ -202,11 +209,46 @@ def _startup_nodes(url: ClusterURL, node_class: Any) -> list[Any]:
 REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 
 
+def _unsettled(exc: Exception) -> bool:
+    """redis-py's cluster client gave up on a command that the nodes kept redirecting (or
+    answering TRYAGAIN): it never ran anywhere."""
+    return isinstance(exc, redis.exceptions.ClusterError) and "TTL exhausted" in str(exc)
+
+
+def _unsettled_for_too_long(exc: Exception) -> redis.ConnectionError:
+    return redis.ConnectionError(f"the cluster did not settle in {UNSETTLED_FOR_S:g} s: {exc}")
+
+
+# redis-py's cluster clients follow up to 16 redirections of a command at once and then give up
+# ("TTL exhausted"): a few milliseconds while the end of a slot migration reaches the nodes one
+# at a time, the source sending each command to the target and the target back. Like the lanes
+# (broker.cluster_lane), the clients below send it again after growing pauses until the nodes
+# agree, for up to UNSETTLED_FOR_S, and then raise a ConnectionError (Redis unavailable).
+
+
+class _AsyncCluster(async_cluster.RedisCluster):
+    """redis-py's asyncio cluster client, waiting out a cluster that keeps redirecting."""
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        give_up, pause = time.monotonic() + UNSETTLED_FOR_S, UNSETTLED_FIRST_PAUSE_S
+        while True:
+            try:
+                return await super().execute_command(*args, **kwargs)
+            except redis.exceptions.ClusterError as exc:
+                if not _unsettled(exc):
+                    raise
+                if time.monotonic() > give_up:
+                    raise _unsettled_for_too_long(exc) from None
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, UNSETTLED_MAX_PAUSE_S)
+
+
 class _LazyCluster(redis.cluster.RedisCluster):
     """redis-py's cluster client, which reads the slot map at its first command rather than
     when it is made (as every other client here connects): a process that starts before the
     cluster answers waits for it like any other, instead of failing at once. A cluster that
-    cannot be reached is a redis-py ConnectionError, as a single Redis would be."""
+    cannot be reached is a redis-py ConnectionError, as a single Redis would be. A cluster
+    that keeps redirecting a command is waited out as by :class:`_AsyncCluster`."""
 
     def __init__(self, **kwargs: Any) -> None:  # the real one runs at first use
         self.__dict__["_lazy_kwargs"] = kwargs
@@ -224,10 +266,19 @@ class _LazyCluster(redis.cluster.RedisCluster):
         return getattr(self, name)
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]
-        except redis.exceptions.RedisClusterException as exc:
-            raise redis.ConnectionError(str(exc)) from None
+        give_up, pause = time.monotonic() + UNSETTLED_FOR_S, UNSETTLED_FIRST_PAUSE_S
+        while True:
+            try:
+                return super().execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]
+            except redis.exceptions.RedisClusterException as exc:
+                raise redis.ConnectionError(str(exc)) from None
+            except redis.exceptions.ClusterError as exc:
+                if not _unsettled(exc):
+                    raise
+                if time.monotonic() > give_up:
+                    raise _unsettled_for_too_long(exc) from None
+            time.sleep(pause)
+            pause = min(pause * 2, UNSETTLED_MAX_PAUSE_S)
 
     def close(self) -> None:
         if self.__dict__.get("_lazy_kwargs") is None:  # never connected: nothing to close
@@ -275,7 +326,7 @@ def async_client(url: str | RedisURL, **options: Any) -> aioredis.Redis:
     if isinstance(parsed, ClusterURL):
         kwargs = _cluster_options(parsed, options, async_cluster.RedisCluster.__init__)
         nodes = _startup_nodes(parsed, async_cluster.ClusterNode)
-        return cast(aioredis.Redis, async_cluster.RedisCluster(startup_nodes=nodes, **kwargs))
+        return cast(aioredis.Redis, _AsyncCluster(startup_nodes=nodes, **kwargs))
     if not isinstance(parsed, SentinelURL):
         return use_hiredis_packing(aioredis.Redis.from_url(parsed.url, **options))
     master, sentinel_kwargs = _sentinel_options(parsed, options, AsyncRetry(NoBackoff(), 0))

@@ -24,7 +24,12 @@ from itertools import chain
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import BusyLoadingError, RedisClusterException, ResponseError
+from redis.exceptions import (
+    BusyLoadingError,
+    ClusterError,
+    RedisClusterException,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -46,8 +51,11 @@ from .transport import Entry, QueueBound, Redelivery, entry_data_size
 
 log = logging.getLogger("microbatch.redis")
 
-# (and redis-py's cluster client's own: no node of the cluster reachable, a slot not covered)
-UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, OSError, RedisClusterException)
+# (and redis-py's cluster client's own: no node of the cluster reachable, a slot not covered,
+# a pipeline's command that the nodes kept redirecting)
+UNAVAILABLE = (
+    RedisConnectionError, RedisTimeoutError, OSError, RedisClusterException, ClusterError,
+)  # fmt: skip
 
 
 connect = connections.async_client  # an asyncio redis-py client of a URL

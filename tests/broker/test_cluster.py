@@ -122,6 +122,47 @@ def test_lanes_follow_moved_ask_and_tryagain(cluster: LocalCluster) -> None:
     asyncio.run(main())
 
 
+def test_a_migration_s_end_reaching_the_nodes_one_at_a_time_is_waited_out(
+    cluster: LocalCluster,
+) -> None:
+    """SETSLOT NODE told to the source before the target: meanwhile each sends the command to
+    the other (MOVED both ways). The lanes and redis-py's clients (which give up after 16
+    redirections, a few ms) wait, with pauses, until the target takes the slot."""
+    key = f"{{settle{uuid.uuid4().hex[:6]}}}:a"
+
+    async def main() -> None:
+        lanes = connections.lanes(cluster.url())
+        assert isinstance(lanes, ClusterLanes)
+        lane = lanes.at(key)
+        assert await lane.execute("SET", key, "1") == b"OK"
+        async_client = connections.async_client(cluster.url())
+        sync_client = connections.sync_client(cluster.url())
+        assert await async_client.get(key) == sync_client.get(key) == b"1"  # slot maps read
+        source = cluster.owner(key)
+        target = next(port for port in cluster.primaries() if port != source)
+        await asyncio.to_thread(migrate_slot, cluster, key, target, 1000)  # keys moved, unended
+        with cluster.client(source) as src, cluster.client(target) as dst:
+            dst_id = dst.cluster("myid")
+            src.execute_command("CLUSTER", "SETSLOT", key_slot(key), "NODE", dst_id)
+            with pytest.raises(redis.exceptions.MovedError):  # not its slot yet, says the target
+                dst.execute_command("GET", key)
+        gets = [
+            asyncio.ensure_future(lane.execute("GET", key)),
+            asyncio.ensure_future(async_client.get(key)),
+            asyncio.ensure_future(asyncio.to_thread(sync_client.get, key)),
+        ]
+        await asyncio.sleep(0.3)
+        assert not any(get.done() for get in gets)  # sent back and forth, then after pauses
+        await asyncio.to_thread(finish_migration, cluster, key, target, source)
+        assert await asyncio.wait_for(asyncio.gather(*gets), 10) == [b"1"] * 3
+        assert lanes.map.known(key_slot(key)).port == target
+        lanes.close()
+        await async_client.aclose()
+        sync_client.close()
+
+    asyncio.run(main())
+
+
 def test_a_streamer_and_a_worker_loop_over_a_cluster(cluster: LocalCluster, prefix: str) -> None:
     """Models on every primary, the library loaded on each primary by the first call there;
     `broker status` lists them all; dead letters and functions load work."""

@@ -378,12 +378,15 @@ class ClusterRedis(RedisTopology):
         return self.owner_of_slot(key_slot(key), via)
 
     def migrate_slot(
-        self, slot: int, target: RedisNode, via: Host, keys_per_step: int = 1, pause_s: float = 0.0
-    ) -> int:
+        self, slot: int, target: RedisNode, via: Host, keys_per_step: int = 1, pause_s: float = 0.0,
+        ending_pause_s: float = 0.0,
+    ) -> int:  # fmt: skip
         """Move ``slot`` to ``target`` the way `redis-cli --cluster reshard` does: IMPORTING on
         the target, MIGRATING on the source, MIGRATE of its keys ``keys_per_step`` at a time
         (``pause_s`` between steps, so that clients meet the slot half-migrated), then SETSLOT
-        NODE on every primary. Returns how many keys moved."""
+        NODE on every primary: the source first and, ``ending_pause_s`` later, the others (the
+        target among them): meanwhile the source sends commands to the target, which sends
+        them back. Returns how many keys moved."""
         source = self.owner_of_slot(slot, via)
         target_id = target.call(lambda r: r.execute_command("CLUSTER", "MYID"), via)
         source_id = source.call(lambda r: r.execute_command("CLUSTER", "MYID"), via)
@@ -402,10 +405,12 @@ class ClusterRedis(RedisTopology):
             source.call(lambda r, command=command: r.execute_command(*command), via)
             moved += len(names)
             time.sleep(pause_s)
-        for node in self.nodes:
-            if self.roles(via).get(node.address) == "master":
-                node.call(lambda r: r.execute_command("CLUSTER", "SETSLOT", slot, "NODE",
-                                                      target_id), via)  # fmt: skip
+        primaries = [node for node in self.nodes if self.roles(via).get(node.address) == "master"]
+        for node in sorted(primaries, key=lambda node: node is not source):
+            node.call(lambda r: r.execute_command("CLUSTER", "SETSLOT", slot, "NODE", target_id),
+                      via)  # fmt: skip
+            if node is source:
+                time.sleep(ending_pause_s)
         return moved
 
     def owner_of_slot(self, slot: int, via: Host) -> RedisNode:
