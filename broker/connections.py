@@ -219,21 +219,31 @@ def _unsettled_for_too_long(exc: Exception) -> redis.ConnectionError:
     return redis.ConnectionError(f"the cluster did not settle in {UNSETTLED_FOR_S:g} s: {exc}")
 
 
+def _down(exc: Exception) -> redis.ConnectionError:
+    return redis.ConnectionError(f"CLUSTERDOWN {exc}")
+
+
 # redis-py's cluster clients follow up to 16 redirections of a command at once and then give up
 # ("TTL exhausted"): a few milliseconds while the end of a slot migration reaches the nodes one
 # at a time, the source sending each command to the target and the target back. Like the lanes
 # (broker.cluster_lane), the clients below send it again after growing pauses until the nodes
 # agree, for up to UNSETTLED_FOR_S, and then raise a ConnectionError (Redis unavailable).
+# A CLUSTERDOWN reply (a node without a replica is down) is a ConnectionError too, as on the
+# lanes: redis-py raises it as an error reply, which code that expects one (BUSYGROUP) would
+# take for its own.
 
 
 class _AsyncCluster(async_cluster.RedisCluster):
-    """redis-py's asyncio cluster client, waiting out a cluster that keeps redirecting."""
+    """redis-py's asyncio cluster client, waiting out a cluster that keeps redirecting; a
+    cluster that is down is a ConnectionError."""
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         give_up, pause = time.monotonic() + UNSETTLED_FOR_S, UNSETTLED_FIRST_PAUSE_S
         while True:
             try:
                 return await super().execute_command(*args, **kwargs)
+            except redis.exceptions.ClusterDownError as exc:
+                raise _down(exc) from None
             except redis.exceptions.ClusterError as exc:
                 if not _unsettled(exc):
                     raise
@@ -247,8 +257,8 @@ class _LazyCluster(redis.cluster.RedisCluster):
     """redis-py's cluster client, which reads the slot map at its first command rather than
     when it is made (as every other client here connects): a process that starts before the
     cluster answers waits for it like any other, instead of failing at once. A cluster that
-    cannot be reached is a redis-py ConnectionError, as a single Redis would be. A cluster
-    that keeps redirecting a command is waited out as by :class:`_AsyncCluster`."""
+    cannot be reached, or is down, is a redis-py ConnectionError, as a single Redis would be.
+    A cluster that keeps redirecting a command is waited out as by :class:`_AsyncCluster`."""
 
     def __init__(self, **kwargs: Any) -> None:  # the real one runs at first use
         self.__dict__["_lazy_kwargs"] = kwargs
@@ -272,6 +282,8 @@ class _LazyCluster(redis.cluster.RedisCluster):
                 return super().execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]
             except redis.exceptions.RedisClusterException as exc:
                 raise redis.ConnectionError(str(exc)) from None
+            except redis.exceptions.ClusterDownError as exc:
+                raise _down(exc) from None
             except redis.exceptions.ClusterError as exc:
                 if not _unsettled(exc):
                     raise

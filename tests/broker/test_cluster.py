@@ -7,16 +7,19 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 from typer.testing import CliRunner
 
-from broker import Streamer, connections, functions
+from broker import MicrobatchError, Streamer, connections, functions
 from broker.cli import app
 from broker.cluster_lane import ClusterLanes, key_slot
 from broker.keys import HIGH, NORMAL, ModelKeys
@@ -616,3 +619,65 @@ def test_a_partition_s_replies_go_to_its_own_node_with_its_acks(
         with cluster.client(port) as client:
             stats: Any = client.info("commandstats")
             assert stats["cmdstat_rpush"]["calls"] > 0 and stats["cmdstat_blmpop"]["calls"] > 0
+
+
+def worker_children(supervisor: subprocess.Popen[bytes]) -> list[str]:
+    """The pids of a `worker start` supervisor's worker processes."""
+    found = subprocess.run(["pgrep", "-P", str(supervisor.pid)], capture_output=True, text=True)
+    return sorted(found.stdout.split())
+
+
+@pytest.mark.slow
+def test_a_primary_without_replica_killed_and_restarted_under_load(
+    prefix: str, tmp_path: Path
+) -> None:
+    """The node serving the model dies (kill -9) with no replica to take over, and comes back
+    3 s later from its append-only file: meanwhile calls are refused (BrokerUnavailable,
+    CLUSTERDOWN on the other nodes), none is lost, the worker process rides it out (none
+    exits to be restarted), and calls are answered again once it is back."""
+    config = {"appendonly": "yes", "appendfsync": "always"}
+    with LocalCluster(primaries=3, redis_config=config) as cluster:
+        url = cluster.url(nodes=3)
+        owner = cluster.owner(ModelKeys("toy", prefix).stream)
+        node = next(node for node in cluster.nodes if node.port == owner)
+        log_path = tmp_path / "worker.log"
+        with worker_process(url, "tests.models:Toy", prefix, log_path=log_path) as supervisor:
+            workers = worker_children(supervisor)
+
+            async def load() -> tuple[list[tuple[float, str]], float]:
+                streamer = Streamer("toy", redis_url=url, prefix=prefix)
+                outcomes: list[tuple[float, str]] = []
+
+                async def call(item: int) -> None:
+                    sent = time.monotonic()
+                    try:
+                        [output] = await asyncio.wait_for(streamer.apredict([item], timeout=15), 20)
+                        outcomes.append((sent, "ok" if output["item"] == item else "wrong"))
+                    except MicrobatchError as exc:
+                        outcomes.append((sent, type(exc).__name__))
+                    except Exception as exc:  # untyped, or no end: lost
+                        outcomes.append((sent, f"lost: {exc!r}"))
+
+                started = time.monotonic()
+                calls, item, faults = [], 0, ["kill", "restart"]
+                while (now := time.monotonic() - started) < 12:
+                    if faults == ["kill", "restart"] and now >= 3:
+                        node.kill()
+                        faults.pop(0)
+                    if faults == ["restart"] and now >= 6:
+                        await asyncio.to_thread(node.start)
+                        faults.pop(0)
+                    calls.append(asyncio.ensure_future(call(item)))
+                    item += 1
+                    await asyncio.sleep(0.02)
+                await asyncio.gather(*calls)
+                streamer.close()
+                return outcomes, started
+
+            outcomes, started = asyncio.run(load())
+            assert worker_children(supervisor) == workers, log_path.read_text()[-3000:]
+    kinds = Counter(kind for _, kind in outcomes)
+    assert set(kinds) <= {"ok", "BrokerUnavailable"}, kinds
+    assert kinds["BrokerUnavailable"] > 0  # the outage was met
+    late = [kind for sent, kind in outcomes if sent - started > 10]
+    assert late and set(late) == {"ok"}, Counter(late)
