@@ -60,6 +60,10 @@ PARTITIONS_EVERY_S = 5.0  # how often a busy core reads the model's partition co
 
 AnyFuture = Future[list[Any]] | asyncio.Future[list[Any]]
 Outcome = AnyFuture | Waiter  # where a call's results go: a future, or a blocked thread's waiter
+# The threads one batch of replies wakes (in turn) let their next calls out in two halves of the
+# batch, of at least this many, rather than all once the last is woken: the worker starts on
+# the first half while the rest still wake, where the client and the worker took turns.
+LET_OUT_AT_LEAST = 16
 STUCK_S = 5.0  # a blocked caller gives up this long after its deadline if the loop never answers
 
 # Bumped in a forked child: a Streamer made before the fork must not use its parent's loop
@@ -428,10 +432,13 @@ class ClientCore:
                     self._unreadable.note(describe_error(reply))
 
     def _wake(self, waking: list[tuple[Waiter, Any, BaseException | None]]) -> None:
-        # Calls the woken threads make next go out together, as asyncio callers' do: the last
-        # thread of the batch to wake lets them go.
+        # Calls the woken threads make next go out together, half the batch at a time
+        # (LET_OUT_AT_LEAST), as asyncio callers' do: the last thread of each lets them go.
         self._incoming.hold()
-        self._relay.settle(waking, self._incoming.release)
+        every = max(LET_OUT_AT_LEAST, -(-len(waking) // 2))
+        self._relay.settle(
+            waking, self._incoming.release, every=every, meanwhile=self._incoming.let_out
+        )
 
     def _resolve(self, reply: Reply) -> None:
         found = self._pending.pop(reply.request_id, None)

@@ -10,9 +10,11 @@ replies their results at once and wakes only the first; each woken thread wakes 
 before it goes on. So the loop thread, which holds the GIL, does not wake dozens of threads
 that would only queue for the GIL it holds (and preempt it on a busy machine); the threads wake
 one after another, each while the one before runs. Meanwhile the mailbox holds what they post
-until the last of them is woken, so that their next calls go out in one round trip, as the
-calls of asyncio tasks woken together do. :class:`CallFuture`, the future ``submit`` returns,
-puts the threads blocked in its ``result()`` on the same waiters.
+and lets it out a few times along the chain (:meth:`Mailbox.let_out`, run by every n-th woken
+thread) and at its end, so that their next calls go out in a few round trips, as the calls of
+asyncio tasks woken together do, and the first of them are served while the rest still wake.
+:class:`CallFuture`, the future ``submit`` returns, puts the threads blocked in its
+``result()`` on the same waiters.
 """
 
 from __future__ import annotations
@@ -62,6 +64,12 @@ class Mailbox(Generic[T]):
             with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to deliver to
                 self._schedule()
 
+    def let_out(self) -> None:
+        """Deliver what is held so far, and go on holding what is posted next (any thread)."""
+        if self._items and not self._scheduled:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to deliver to
+                self._schedule()
+
     def _schedule(self) -> None:
         self._scheduled = True
         try:
@@ -91,13 +99,17 @@ class Relay:
         self,
         outcomes: Iterable[tuple[Waiter, Any, BaseException | None]],
         then: Callable[[], Any] | None = None,
+        every: int = 0,
+        meanwhile: Callable[[], Any] | None = None,
     ) -> None:
         """Give each waiter its result (or exception) and start waking them, in order.
 
-        ``then`` runs once the last of them is woken, in its thread (at once if none is).
+        ``then`` runs once the last of them is woken, in its thread (at once if none is);
+        ``meanwhile`` once each ``every`` of them are woken before that.
         """
         head: Waiter | None = None
         last: Waiter | None = None
+        count = 0
         with self.lock:
             for waiter, value, error in outcomes:
                 if waiter._cancelled or waiter._set:
@@ -107,7 +119,10 @@ class Relay:
                     head = waiter
                 else:
                     last._next = waiter
+                    if every and count % every == 0:
+                        last._then = meanwhile
                 last = waiter
+                count += 1
             if last is not None:
                 last._then = then
         if head is not None:
@@ -135,7 +150,7 @@ class Waiter:
         self._value: Any = None
         self._error: BaseException | None = None
         self._next: Waiter | None = None  # the waiter this one's thread wakes next
-        self._then: Callable[[], Any] | None = None  # or, the last of its batch, what it runs
+        self._then: Callable[[], Any] | None = None  # what it runs then (see Relay.settle)
 
     def done(self) -> bool:
         return self._set or self._cancelled
@@ -168,7 +183,7 @@ class Waiter:
             if following is not None:  # wake the next thread of this batch before going on
                 self._next = None
                 following._lock.release()
-            elif then is not None:
+            if then is not None:
                 self._then = None
                 then()
         if not woken:

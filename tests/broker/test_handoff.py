@@ -245,6 +245,62 @@ def test_a_burst_wakes_the_loop_once_and_held_posts_wait_for_release(
     assert got == list(range(110)) and CountingMailbox.wakeups == 2
 
 
+def test_let_out_delivers_what_is_held_and_goes_on_holding(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    got: list[int] = []
+    mailbox: Mailbox[int] = Mailbox(loop, got.append)
+    loop.call_soon_threadsafe(mailbox.hold)
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(5)
+    for n in range(3):
+        mailbox.post(n)
+    threading.Thread(target=mailbox.let_out).start()
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05), loop).result(5)
+    assert got == [0, 1, 2]
+    mailbox.post(3)
+    mailbox.let_out()
+    mailbox.post(4)
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05), loop).result(5)
+    assert got[:4] == [0, 1, 2, 3]  # (4 may have come with it: it was posted before delivery)
+    mailbox.post(5)
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05), loop).result(5)
+    assert 5 not in got  # still held
+    mailbox.release()
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0.05), loop).result(5)
+    assert got == [0, 1, 2, 3, 4, 5]
+    mailbox.let_out()  # nothing held: harmless
+
+
+@pytest.mark.parametrize(("count", "every", "meanwhiles"), [(10, 3, 3), (9, 3, 2), (4, 8, 0)])
+def test_a_batch_runs_meanwhile_every_n_woken_threads_and_then_at_its_end(
+    count: int, every: int, meanwhiles: int
+) -> None:
+    relay = Relay()
+    waiters = [Waiter(relay) for _ in range(count)]
+    results: dict[int, Any] = {}
+    ran: list[str] = []
+    lock = threading.Lock()
+
+    def wait(index: int) -> None:
+        results[index] = waiters[index].wait(10)
+
+    def note(what: str) -> None:
+        with lock:
+            ran.append(what)
+
+    threads = [threading.Thread(target=wait, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    relay.settle(
+        [(waiter, i * 10, None) for i, waiter in enumerate(waiters)],
+        functools.partial(note, "then"), every=every, meanwhile=functools.partial(note, "mid"),
+    )  # fmt: skip
+    for thread in threads:
+        thread.join(10)
+    assert results == {i: i * 10 for i in range(count)}
+    assert sorted(ran) == sorted(["mid"] * meanwhiles + ["then"])
+
+
 def test_a_closed_loop_refuses_posts_and_a_release_is_harmless() -> None:
     loop = asyncio.new_event_loop()
     mailbox: Mailbox[int] = Mailbox(loop, lambda item: None)
