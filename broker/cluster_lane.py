@@ -68,6 +68,25 @@ _REDIRECTS = ("MOVED ", "ASK ", "TRYAGAIN", "CLUSTERDOWN")
 _FAILURES = (RedisConnectionError, RedisTimeoutError, OSError)
 
 
+class Settling:
+    """The pauses before a command that the cluster refuses (TRYAGAIN) or keeps redirecting
+    is sent again: from UNSETTLED_FIRST_PAUSE_S, doubling up to UNSETTLED_MAX_PAUSE_S, for up
+    to UNSETTLED_FOR_S from when this is made."""
+
+    __slots__ = ("_give_up", "_pause")
+
+    def __init__(self) -> None:
+        self._give_up = time.monotonic() + UNSETTLED_FOR_S
+        self._pause = UNSETTLED_FIRST_PAUSE_S
+
+    def next_pause(self) -> float | None:
+        """The pause before the next try; None once the time is up."""
+        if time.monotonic() > self._give_up:
+            return None
+        pause, self._pause = self._pause, min(self._pause * 2, UNSETTLED_MAX_PAUSE_S)
+        return pause
+
+
 def key_slot(key: str | bytes) -> int:
     """The hash slot of ``key`` (its hash tag's, if it has one)."""
     return _key_slot(key.encode() if isinstance(key, str) else key)
@@ -356,8 +375,7 @@ class SlotLane:
         cluster = self._lanes.map
         ask: Address | None = None
         redirects = 0
-        pause = UNSETTLED_FIRST_PAUSE_S
-        give_up = None
+        settling: Settling | None = None
         while True:
             address = ask or await cluster.owner(self.slot)
             try:
@@ -380,15 +398,14 @@ class SlotLane:
             if kind == "TRYAGAIN" or redirects > REDIRECTS_AT_ONCE:
                 # keys split by a migration (TRYAGAIN), or nodes that disagree about who
                 # serves the slot: sent again once the migration has moved on
-                now = time.monotonic()
-                give_up = give_up or now + UNSETTLED_FOR_S
-                if now > give_up:
+                settling = settling or Settling()
+                pause = settling.next_pause()
+                if pause is None:
                     raise RedisConnectionError(
                         f"hash slot {self.slot} did not settle in {UNSETTLED_FOR_S:g} s "
                         f"(a migration?): {text}"
                     )
                 await asyncio.sleep(pause)
-                pause = min(pause * 2, UNSETTLED_MAX_PAUSE_S)
                 if kind == "TRYAGAIN":
                     continue
             target = _address(rest[1], address)

@@ -37,13 +37,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry as SyncRetry
 
-from .cluster_lane import (
-    UNSETTLED_FIRST_PAUSE_S,
-    UNSETTLED_FOR_S,
-    UNSETTLED_MAX_PAUSE_S,
-    ClusterLanes,
-    ClusterMap,
-)
+from .cluster_lane import UNSETTLED_FOR_S, ClusterLanes, ClusterMap, Settling
 from .redis_url import ClusterURL, DirectURL, RedisURL, SentinelURL, describe, parse
 from .resp_lane import (
     CONNECT_TIMEOUT_S,
@@ -209,18 +203,20 @@ def _startup_nodes(url: ClusterURL, node_class: Any) -> list[Any]:
 REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 
 
-def _unsettled(exc: Exception) -> bool:
-    """redis-py's cluster client gave up on a command that the nodes kept redirecting (or
-    answering TRYAGAIN): it never ran anywhere."""
-    return isinstance(exc, redis.exceptions.ClusterError) and "TTL exhausted" in str(exc)
-
-
-def _unsettled_for_too_long(exc: Exception) -> redis.ConnectionError:
-    return redis.ConnectionError(f"the cluster did not settle in {UNSETTLED_FOR_S:g} s: {exc}")
-
-
-def _down(exc: Exception) -> redis.ConnectionError:
-    return redis.ConnectionError(f"CLUSTERDOWN {exc}")
+def _pause_before_again(exc: redis.exceptions.ClusterError, settling: Settling) -> float:
+    """The pause before a redis-py cluster client sends again a command that failed with
+    ``exc``; or raises what its caller gets instead: a ConnectionError for a cluster that is
+    down or did not settle in time, ``exc`` itself for any other error."""
+    if isinstance(exc, redis.exceptions.ClusterDownError):
+        raise redis.ConnectionError(f"CLUSTERDOWN {exc}") from None
+    if "TTL exhausted" not in str(exc):  # (it gave up on redirections: the command ran nowhere)
+        raise exc
+    pause = settling.next_pause()
+    if pause is None:
+        raise redis.ConnectionError(
+            f"the cluster did not settle in {UNSETTLED_FOR_S:g} s: {exc}"
+        ) from None
+    return pause
 
 
 # redis-py's cluster clients follow up to 16 redirections of a command at once and then give up
@@ -238,19 +234,13 @@ class _AsyncCluster(async_cluster.RedisCluster):
     cluster that is down is a ConnectionError."""
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        give_up, pause = time.monotonic() + UNSETTLED_FOR_S, UNSETTLED_FIRST_PAUSE_S
+        settling = Settling()
         while True:
             try:
                 return await super().execute_command(*args, **kwargs)
-            except redis.exceptions.ClusterDownError as exc:
-                raise _down(exc) from None
             except redis.exceptions.ClusterError as exc:
-                if not _unsettled(exc):
-                    raise
-                if time.monotonic() > give_up:
-                    raise _unsettled_for_too_long(exc) from None
+                pause = _pause_before_again(exc, settling)
             await asyncio.sleep(pause)
-            pause = min(pause * 2, UNSETTLED_MAX_PAUSE_S)
 
 
 class _LazyCluster(redis.cluster.RedisCluster):
@@ -276,21 +266,15 @@ class _LazyCluster(redis.cluster.RedisCluster):
         return getattr(self, name)
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        give_up, pause = time.monotonic() + UNSETTLED_FOR_S, UNSETTLED_FIRST_PAUSE_S
+        settling = Settling()
         while True:
             try:
                 return super().execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]
             except redis.exceptions.RedisClusterException as exc:
                 raise redis.ConnectionError(str(exc)) from None
-            except redis.exceptions.ClusterDownError as exc:
-                raise _down(exc) from None
             except redis.exceptions.ClusterError as exc:
-                if not _unsettled(exc):
-                    raise
-                if time.monotonic() > give_up:
-                    raise _unsettled_for_too_long(exc) from None
+                pause = _pause_before_again(exc, settling)
             time.sleep(pause)
-            pause = min(pause * 2, UNSETTLED_MAX_PAUSE_S)
 
     def close(self) -> None:
         if self.__dict__.get("_lazy_kwargs") is None:  # never connected: nothing to close

@@ -60,9 +60,7 @@ class Mailbox(Generic[T]):
     def release(self) -> None:
         """Deliver what was held back, and what comes next as it comes (from any thread)."""
         self._held = False
-        if self._items and not self._scheduled:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to deliver to
-                self._schedule()
+        self.let_out()
 
     def let_out(self) -> None:
         """Deliver what is held so far, and go on holding what is posted next (any thread)."""
