@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -124,8 +126,10 @@ def targets(
     brackets: dict[str, dict[str, Any]] | None = None,
     settings: dict[str, Any] | None = None,
     open_loop: dict[str, dict[str, Any]] | None = None,
+    cores: int | None = None,
 ) -> list[tuple[str, str, str]]:
-    """(target, measured, verdict) for each target this run can check.
+    """(target, measured, verdict) for each target this run can check; with the machine's
+    ``cores``, a served share also says the most those cores could serve at its CPU per item.
 
     A model's share of its direct batched speed is judged on the bracketed windows where the
     run has them (each served window against direct windows taken just before and after it),
@@ -225,7 +229,7 @@ def targets(
                     verdict(gateway["items_per_s"] >= 1.5 * best["items_per_s"]),
                 )
             )
-    out += defaults_targets(rows, brackets, verdict, settings, open_loop)
+    out += defaults_targets(rows, brackets, verdict, settings, open_loop, cores)
     return out
 
 
@@ -249,11 +253,12 @@ def defaults_targets(
     verdict: Callable[[bool], str],
     settings: dict[str, Any] | None = None,
     open_loop: dict[str, dict[str, Any]] | None = None,
+    cores: int | None = None,
 ) -> list[tuple[str, str, str]]:
     """The targets for the shipped defaults, the blocking client, CPU per request and the open
     loop that this run can check (ratios between arms of this run)."""
     out: list[tuple[str, str, str]] = []
-    out += client_targets(rows, verdict)
+    out += client_targets(rows, verdict, cores)
     device = (settings or {}).get("device", "cpu")
     shares = {"mlp": 0.8} if device == "cpu" else {"mlp": 0.3, "wide": 0.9}
     for model, goal in shares.items():
@@ -262,9 +267,15 @@ def defaults_targets(
             continue
         bracket = (brackets or {}).get(model)
         share = served["items_per_s"] / batched["items_per_s"]
+        direct = batched["items_per_s"]
         how = "against the direct arm at the start"
         if bracket and bracket["concurrency"] == 256:
             share, how = bracket["share"], "bracketed"
+            direct = statistics.median(bracket["direct_items_per_s"])
+        workers = (settings or {}).get("workers") or 1
+        bound = ceiling(served, cores, workers) if device == "cpu" else None
+        if bound is not None:
+            how += f"; {bound[1]}: {bound[0] / direct:.0%} of direct"
         out.append(
             (f"{model} via Redis, c=256 (on {device}{tuned_label(settings)}): >= {goal:.0%} "
              "of direct batched", f"{share:.1%} ({how})", verdict(share >= goal))
@@ -289,8 +300,34 @@ def tuned_label(settings: dict[str, Any] | None) -> str:
     return f"; {', '.join(parts)}" if parts else ", defaults"
 
 
+def ceiling(row: dict[str, Any], cores: int | None, workers: int = 1) -> tuple[float, str] | None:
+    """The most items/s a Python-client arm could serve at its CPU per item, and a line saying
+    so; None without the numbers. Two bounds: the ``cores`` of the machine, shared by the
+    client, the worker and Redis; and the ``workers`` worker processes, each one event loop
+    that reads, runs the model and answers in turn (one core each at most)."""
+    client = row.get("load_cpu_us_per_item")
+    servers = row.get("cpu_us_per_item") or {}
+    total, worker = servers.get("total"), servers.get("worker")
+    if not (cores and client and total and worker):
+        return None
+    shared = cores * 1e6 / (client + total)
+    alone = workers * 1e6 / worker
+    said = (
+        f"at this CPU per item ({client:.0f} us client, {worker:.0f} worker, "
+        f"{total - worker:.0f} Redis) {cores} cores serve at most {shared:,.0f} items/s, "
+        f"{'the worker' if workers == 1 else f'{workers} workers'} {alone:,.0f}"
+    )
+    return min(shared, alone), said
+
+
+def machine_cores(machine: str | None) -> int | None:
+    """The core count a report's machine line gives ("..., 2 cores, ...")."""
+    found = re.search(r"(\d+) cores", machine or "")
+    return int(found.group(1)) if found else None
+
+
 def client_targets(
-    rows: list[dict[str, Any]], verdict: Callable[[bool], str]
+    rows: list[dict[str, Any]], verdict: Callable[[bool], str], cores: int | None = None
 ) -> list[tuple[str, str, str]]:
     """The blocking client against apredict, and asyncio against service_streamer."""
     out: list[tuple[str, str, str]] = []
@@ -328,11 +365,13 @@ def client_targets(
     if asyncio_ and ss_rows:
         best = max(ss_rows, key=lambda r: r["items_per_s"])
         ratio = asyncio_["items_per_s"] / best["items_per_s"]
+        bound = ceiling(asyncio_, cores)
+        limit = f" ({bound[1]}: {bound[0] / best['items_per_s']:.1f}x)" if bound else ""
         out.append(
             (
                 "identity via Redis, asyncio c=256: >= 15x RedisStreamer's best",
                 f"{asyncio_['items_per_s']:,.0f} / {best['items_per_s']:,.0f} "
-                f"(c={best['concurrency']}) = {ratio:.1f}x",
+                f"(c={best['concurrency']}) = {ratio:.1f}x{limit}",
                 verdict(ratio >= 15),
             )
         )
@@ -404,12 +443,21 @@ def open_loop_targets(
     return out
 
 
+def report_targets(report: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """:func:`targets` for a whole report (a run's JSON)."""
+    return targets(
+        report["results"],
+        report.get("brackets"),
+        report.get("settings"),
+        report.get("open_loop"),
+        machine_cores(report.get("machine")),
+    )
+
+
 def verdicts(report: dict[str, Any]) -> str:
     """The targets this run checked, as printed at the end of ``python -m bench``."""
     lines = ["Targets (ratios within this run):"]
-    for target, measured, result in targets(
-        report["results"], report.get("brackets"), report.get("settings"), report.get("open_loop")
-    ):
+    for target, measured, result in report_targets(report):
         mark = "MET   " if result == "met" else "MISSED"
         lines.append(f"  {mark} {target}: {measured}")
     if len(lines) == 1:
@@ -714,7 +762,7 @@ def write(
         "| target | measured (same run) | |",
         "|---|---|---|",
     ]
-    checked = targets(rows, report.get("brackets"), s, report.get("open_loop"))
+    checked = report_targets(report)
     parts += [f"| {t} | {m} | {v} |" for t, m, v in checked]
     parts += open_loop_section(report)
     parts += [
@@ -781,9 +829,7 @@ def write(
             "| target | measured (this re-run) | |",
             "|---|---|---|",
         ]
-        checked = targets(
-            extra["results"], extra.get("brackets"), extra.get("settings"), extra.get("open_loop")
-        )
+        checked = report_targets(extra)
         parts += [f"| {t} | {m} | {v} |" for t, m, v in checked]
         parts += open_loop_section(extra, suffix="-rerun")
         if find(extra["results"], "mlp", BATCHED):

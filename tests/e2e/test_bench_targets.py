@@ -118,6 +118,34 @@ def test_the_open_loop_target_and_the_client_targets_print_with_their_verdicts()
     assert "3,600 / 3,000/s = 1.20x" in text  # against mosec's better setting
 
 
+def test_a_served_share_says_the_most_the_machines_cores_serve_at_its_cpu_per_item() -> None:
+    cpu = {"load_cpu_us_per_item": 30.0, "cpu_us_per_item": {"worker": 50, "total": 70.0}}
+    report = {
+        "results": [
+            row("mlp", "direct, batched", 64, 30000),
+            row("mlp", "redis, python client (asyncio)", 256, 18000, **cpu),
+            row("identity", "redis, python client (asyncio)", 256, 18000, **cpu),
+            row("identity", "service_streamer RedisStreamer (threads)", 64, 2000),
+        ],
+        "settings": {"device": "cpu"},
+        "machine": "Some CPU, 2 cores, Linux",
+    }
+    text = verdicts(report)
+    # 2 cores / (30 + 70 us an item) = 20,000 items/s; the worker 1 / 50 us = 20,000 too
+    assert (
+        "60.0% (against the direct arm at the start; at this CPU per item (30 us client, 50 "
+        in text
+    )
+    assert (
+        "worker, 20 Redis) 2 cores serve at most 20,000 items/s, the worker 20,000: 67% of " in text
+    )
+    assert "= 9.0x (at this CPU per item" in text and "the worker 20,000: 10.0x)" in text
+    cpu["cpu_us_per_item"]["worker"] = 62.5  # the worker's own core binds first: 16,000 items/s
+    assert "the worker 16,000: 53% of direct)" in verdicts(report)
+    del report["machine"]  # a core count unknown: no ceiling
+    assert "at most" not in verdicts(report)
+
+
 def test_the_open_loop_counts_as_run_only_for_its_models() -> None:
     from bench.harness import OPEN_LOOP, not_run, parse_args
 
