@@ -229,9 +229,22 @@ def _pause_before_again(exc: redis.exceptions.ClusterError, settling: Settling) 
 # take for its own.
 
 
+def _closed_under_it(exc: Exception) -> redis.ConnectionError | None:
+    """The ConnectionError that ``exc`` stands for when redis-py's asyncio cluster client hit a
+    connection that another task's topology refresh closed while this one used it (its
+    reader or writer gone: AttributeError or TypeError on None, deep inside redis-py)."""
+    if isinstance(exc, (AttributeError, TypeError)) and "'NoneType' object" in str(exc):
+        return redis.ConnectionError(f"connection closed while in use: {exc}")
+    return None
+
+
 class _AsyncCluster(async_cluster.RedisCluster):
     """redis-py's asyncio cluster client, waiting out a cluster that keeps redirecting; a
-    cluster that is down is a ConnectionError."""
+    cluster that is down, or a connection closed under a command, is a ConnectionError.
+
+    redis-py refreshes its slot map by closing every connection of the client, also those that
+    other tasks are using; made with ``reinitialize_steps=0`` (see :func:`async_client`), it
+    does so only when a node fails or the cluster is down, not every few MOVED replies."""
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         settling = Settling()
@@ -240,7 +253,24 @@ class _AsyncCluster(async_cluster.RedisCluster):
                 return await super().execute_command(*args, **kwargs)
             except redis.exceptions.ClusterError as exc:
                 pause = _pause_before_again(exc, settling)
+            except (AttributeError, TypeError) as exc:
+                raise _closed_under_it(exc) or exc from None
             await asyncio.sleep(pause)
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> Any:
+        """redis-py's pipeline (the commands it sends again one by one go through this client's
+        own command); a connection closed under it is a ConnectionError."""
+        pipe = super().pipeline(transaction, shard_hint)
+        execute = pipe.execute
+
+        async def execute_or_unavailable(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await execute(*args, **kwargs)
+            except (AttributeError, TypeError) as exc:
+                raise _closed_under_it(exc) or exc from None
+
+        pipe.execute = execute_or_unavailable  # type: ignore[method-assign]
+        return pipe
 
 
 class _LazyCluster(redis.cluster.RedisCluster):
@@ -266,19 +296,34 @@ class _LazyCluster(redis.cluster.RedisCluster):
         return getattr(self, name)
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        settling = Settling()
-        while True:
-            try:
-                return super().execute_command(*args, **kwargs)  # type: ignore[no-untyped-call]
-            except redis.exceptions.RedisClusterException as exc:
-                raise redis.ConnectionError(str(exc)) from None
-            except redis.exceptions.ClusterError as exc:
-                pause = _pause_before_again(exc, settling)
-            time.sleep(pause)
+        return _waiting_out(super().execute_command, args, kwargs)
+
+    def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> Any:
+        """redis-py's pipeline, whose commands the cluster redirects are waited out too (it
+        sends those again one by one, with the cluster client's own command, not this one's)."""
+        pipe = super().pipeline(transaction, shard_hint)  # type: ignore[no-untyped-call]
+        resend = getattr(pipe, "parent_execute_command", None)
+        if resend is not None:
+            pipe.parent_execute_command = lambda *a, **kw: _waiting_out(resend, a, kw)
+        return pipe
 
     def close(self) -> None:
         if self.__dict__.get("_lazy_kwargs") is None:  # never connected: nothing to close
             super().close()
+
+
+def _waiting_out(execute: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+    """A command of redis-py's cluster client, sent again after pauses while the cluster
+    keeps redirecting it (:class:`Settling`); a cluster it cannot reach is a ConnectionError."""
+    settling = Settling()
+    while True:
+        try:
+            return execute(*args, **kwargs)
+        except redis.exceptions.RedisClusterException as exc:
+            raise redis.ConnectionError(str(exc)) from None
+        except redis.exceptions.ClusterError as exc:
+            pause = _pause_before_again(exc, settling)
+        time.sleep(pause)
 
 
 def sync_client(url: str | RedisURL, **options: Any) -> redis.Redis:
@@ -322,6 +367,7 @@ def async_client(url: str | RedisURL, **options: Any) -> aioredis.Redis:
     if isinstance(parsed, ClusterURL):
         kwargs = _cluster_options(parsed, options, async_cluster.RedisCluster.__init__)
         nodes = _startup_nodes(parsed, async_cluster.ClusterNode)
+        kwargs.setdefault("reinitialize_steps", 0)  # a MOVED patches the slot map
         return cast(aioredis.Redis, _AsyncCluster(startup_nodes=nodes, **kwargs))
     if not isinstance(parsed, SentinelURL):
         return use_hiredis_packing(aioredis.Redis.from_url(parsed.url, **options))

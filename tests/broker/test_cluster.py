@@ -149,21 +149,76 @@ def test_a_migration_s_end_reaching_the_nodes_one_at_a_time_is_waited_out(
             src.execute_command("CLUSTER", "SETSLOT", key_slot(key), "NODE", dst_id)
             with pytest.raises(redis.exceptions.MovedError):  # not its slot yet, says the target
                 dst.execute_command("GET", key)
+
+        async def async_pipeline_get() -> object:
+            async with async_client.pipeline(transaction=False) as pipe:
+                pipe.get(key)
+                return (await pipe.execute())[0]
+
+        def sync_pipeline_get() -> object:
+            with sync_client.pipeline(transaction=False) as pipe:
+                pipe.get(key)
+                return pipe.execute()[0]
+
         gets = [
             asyncio.ensure_future(lane.execute("GET", key)),
             asyncio.ensure_future(async_client.get(key)),
             asyncio.ensure_future(asyncio.to_thread(sync_client.get, key)),
+            asyncio.ensure_future(async_pipeline_get()),
+            asyncio.ensure_future(asyncio.to_thread(sync_pipeline_get)),
         ]
         await asyncio.sleep(0.3)
         assert not any(get.done() for get in gets)  # sent back and forth, then after pauses
         await asyncio.to_thread(finish_migration, cluster, key, target, source)
-        assert await asyncio.wait_for(asyncio.gather(*gets), 10) == [b"1"] * 3
+        assert await asyncio.wait_for(asyncio.gather(*gets), 10) == [b"1"] * 5
         assert lanes.map.known(key_slot(key)).port == target
         lanes.close()
         await async_client.aclose()
         sync_client.close()
 
     asyncio.run(main())
+
+
+def test_a_cluster_client_closed_under_its_commands_fails_them_as_connection_errors(
+    cluster: LocalCluster,
+) -> None:
+    """redis-py's asyncio cluster client closes all its connections to refresh its slot map
+    (after a CLUSTERDOWN or a failed node), also those other tasks are using; their commands
+    then failed deep inside redis-py (AttributeError: a writer gone). Now they fail as a
+    ConnectionError, which the code here takes for Redis unavailable, and pipelines alike."""
+    key = f"{{closed{uuid.uuid4().hex[:6]}}}:a"
+
+    async def main() -> tuple[int, int]:
+        client = connections.async_client(cluster.url())
+        await client.set(key, "1")
+        answered = failed = 0
+        closing = True
+
+        async def use(pipelined: bool) -> None:
+            nonlocal answered, failed
+            while closing:
+                try:
+                    if pipelined:
+                        async with client.pipeline(transaction=False) as pipe:
+                            pipe.get(key)
+                            await pipe.execute()
+                    else:
+                        await client.get(key)
+                    answered += 1
+                except redis.ConnectionError:
+                    failed += 1
+
+        users = [asyncio.ensure_future(use(pipelined=n % 2 == 0)) for n in range(8)]
+        for _ in range(100):
+            await asyncio.sleep(0.002)
+            await client.aclose()  # what redis-py's own refresh does
+        closing = False
+        await asyncio.gather(*users)  # anything but a ConnectionError raises here
+        await client.aclose()
+        return answered, failed
+
+    answered, failed = asyncio.run(main())
+    assert answered > 0 and failed > 0  # the closing reached commands in flight
 
 
 def test_a_streamer_and_a_worker_loop_over_a_cluster(cluster: LocalCluster, prefix: str) -> None:
