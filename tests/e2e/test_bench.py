@@ -174,6 +174,15 @@ def test_enqueue_cost_measures_each_library_and_multi_exec(
     assert sum(results["this tree"]) > 0  # Redis spent CPU on the calls it was sent
 
 
+def test_function_args_measures_each_arm_at_each_size() -> None:
+    from bench.function_args import ARMS, measure
+
+    results = measure([100, 5000], calls=20, rounds=2)
+    assert list(results) == [100, 5000]
+    assert all(list(arms) == list(ARMS) and min(arms.values()) >= 0 for arms in results.values())
+    assert sum(results[5000].values()) > 0  # Redis spent CPU on the calls it was sent
+
+
 def test_a_requested_scenario_that_runs_nothing_is_reported() -> None:
     from bench.harness import not_run, parse_args
 
