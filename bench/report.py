@@ -258,7 +258,8 @@ def defaults_targets(
     """The targets for the shipped defaults, the blocking client, CPU per request and the open
     loop that this run can check (ratios between arms of this run)."""
     out: list[tuple[str, str, str]] = []
-    out += client_targets(rows, verdict, cores)
+    workers = (settings or {}).get("workers") or 1
+    out += client_targets(rows, verdict, cores, workers)
     device = (settings or {}).get("device", "cpu")
     shares = {"mlp": 0.8} if device == "cpu" else {"mlp": 0.3, "wide": 0.9}
     for model, goal in shares.items():
@@ -272,7 +273,6 @@ def defaults_targets(
         if bracket and bracket["concurrency"] == 256:
             share, how = bracket["share"], "bracketed"
             direct = statistics.median(bracket["direct_items_per_s"])
-        workers = (settings or {}).get("workers") or 1
         bound = ceiling(served, cores, workers) if device == "cpu" else None
         if bound is not None:
             how += f"; {bound[1]}: {bound[0] / direct:.0%} of direct"
@@ -327,9 +327,13 @@ def machine_cores(machine: str | None) -> int | None:
 
 
 def client_targets(
-    rows: list[dict[str, Any]], verdict: Callable[[bool], str], cores: int | None = None
+    rows: list[dict[str, Any]],
+    verdict: Callable[[bool], str],
+    cores: int | None = None,
+    workers: int = 1,
 ) -> list[tuple[str, str, str]]:
-    """The blocking client against apredict, and asyncio against service_streamer."""
+    """The blocking client against apredict, and asyncio against service_streamer (with the
+    ceiling :func:`ceiling` puts on the latter, given the machine's ``cores``)."""
     out: list[tuple[str, str, str]] = []
     threads, asyncio_ = (
         find(rows, "identity", REDIS_THREADS, 64),
@@ -365,7 +369,7 @@ def client_targets(
     if asyncio_ and ss_rows:
         best = max(ss_rows, key=lambda r: r["items_per_s"])
         ratio = asyncio_["items_per_s"] / best["items_per_s"]
-        bound = ceiling(asyncio_, cores)
+        bound = ceiling(asyncio_, cores, workers)
         limit = f" ({bound[1]}: {bound[0] / best['items_per_s']:.1f}x)" if bound else ""
         out.append(
             (
