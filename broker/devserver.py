@@ -45,6 +45,7 @@ LOWEST_PICKED_PORT = 20000
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _picked: set[int] = set()
 _chance = random.Random()  # not the global one, which tests may seed
+os.register_at_fork(after_in_child=_chance.seed)  # a forked child picks its own ports
 
 
 def free_port() -> int:

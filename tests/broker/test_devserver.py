@@ -4,6 +4,8 @@ picked where outgoing connections do not take theirs, and never twice."""
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 from pathlib import Path
 
@@ -61,3 +63,16 @@ def test_without_room_below_the_ephemeral_range_the_kernel_picks(
     ports = {free_port() for _ in range(20)}
     assert len(ports) == 20
     assert all(port > 0 for port in ports)
+
+
+def test_a_forked_child_does_not_pick_its_parents_next_ports() -> None:
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next ports, to the parent
+        os.write(writer, json.dumps([free_port() for _ in range(5)]).encode())
+        os._exit(0)
+    os.close(writer)
+    os.waitpid(pid, 0)
+    with os.fdopen(reader) as pipe:
+        child = json.loads(pipe.read())
+    assert set(child).isdisjoint(free_port() for _ in range(5))
