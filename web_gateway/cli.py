@@ -88,6 +88,7 @@ def start(
     entry_items: int = _option("entry_items"),
     auth_tokens_file: Path | None = _option("auth_tokens_file"),
     header_timeout: float = _option("header_timeout"),
+    max_header_bytes: int = _option("max_header_bytes"),
     body_timeout: float = _option("body_timeout"),
     keepalive_timeout: float = _option("keepalive_timeout"),
     max_connections: int = _option("max_connections"),

@@ -16,7 +16,9 @@ shortest timeout when that is less), so a request costs a few attribute writes a
   applies).
 
 A process holds at most ``max_connections`` connections: one more is answered 503 and closed at
-once. Limits come from the gateway's settings (``MICROBATCH_GATEWAY_HEADER_TIMEOUT`` etc.).
+once. A request whose URL and headers grow past ``max_header_bytes`` is answered 431 and its
+connection closed (uvicorn's httptools protocol holds them all, however many). Limits come from
+the gateway's settings (``MICROBATCH_GATEWAY_HEADER_TIMEOUT`` etc.).
 
 **Disconnects without a task.** :func:`when_gone` calls back when a request's client goes (its
 connection lost, or cut by a read deadline), so the app need not keep a task waiting on
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("microbatch.gateway")
 
 NO_DEADLINE = math.inf
+READ_SLACK_BYTES = 256 * 1024  # the most one read of the event loop hands over
 SWEEP_PERIOD_S = 0.5
 REPORT_EVERY_S = 10.0
 
@@ -209,6 +212,7 @@ class ConnectionLimits:
     body_timeout: float = 30.0
     keepalive_timeout: float = 5.0
     max_connections: int = 1000
+    max_header_bytes: int = 65536
 
     @classmethod
     def of(cls, settings: GatewaySettings) -> ConnectionLimits:
@@ -218,6 +222,7 @@ class ConnectionLimits:
             settings.body_timeout,
             settings.keepalive_timeout,
             settings.max_connections,
+            settings.max_header_bytes,
         )
 
     @classmethod
@@ -237,6 +242,13 @@ class ConnectionLimits:
 IDLE, HEADERS, BODY, BUSY, QUEUED, REFUSED = range(6)
 
 
+class HeadersTooLarge(Exception):
+    """Raised in the parser's callbacks to stop it: the request was answered 431."""
+
+
+_SILENT = logging.Logger("refused", level=logging.CRITICAL + 1)  # outside logging's tree
+
+
 def _raw_response(status: str, error: str, message: str, v2: bool, extra: str = "") -> bytes:
     body = orjson.dumps((v2_error_body if v2 else error_body)(error, message))
     head = (
@@ -253,7 +265,7 @@ class _Sweeper:
         self.loop = loop
         self.connections = connections
         self.period = period
-        self.counts = {"headers": 0, "body": 0, "refused": 0}
+        self.counts = {"headers": 0, "body": 0, "refused": 0, "large": 0}
         self.reported = -math.inf
         self.handle: asyncio.TimerHandle | None = None
 
@@ -282,10 +294,11 @@ class _Sweeper:
         counts, self.counts = self.counts, dict.fromkeys(self.counts, 0)
         self.reported = time.monotonic()
         log.warning(
-            "closed %d connection(s) whose headers, and %d whose body, came too slowly; "
-            "refused %d over the connection cap",
+            "closed %d connection(s) whose headers, and %d whose body, came too slowly, and %d "
+            "whose headers were too large; refused %d over the connection cap",
             counts["headers"],
             counts["body"],
+            counts["large"],
             counts["refused"],
         )
 
@@ -300,6 +313,8 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
 
     deadline = NO_DEADLINE
     phase = HEADERS
+    header_bytes = 0  # of the request being read: its URL and headers parsed so far
+    unparsed_header_bytes = 0  # and the bytes read while its headers were incomplete
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -307,6 +322,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         if cls.limits is None:
             cls.limits = ConnectionLimits.from_settings()
         self._limits = cls.limits
+        self._max_header_bytes = cls.limits.max_header_bytes  # read for every header
         sweeper = _sweepers.get(self.server_state)
         if sweeper is None:
             sweeper = _sweepers[self.server_state] = _Sweeper(
@@ -349,12 +365,61 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             self.phase = HEADERS
             self.deadline = self.loop.time() + self._limits.header_timeout
         super().data_received(data)
+        if self.phase == HEADERS:
+            # The parser hands over a header only once it is whole: one that never ends is
+            # held, and grown, inside it. Bounded here, with one read's slack (a read may also
+            # hold the end of the request before).
+            self.unparsed_header_bytes += len(data)
+            if self.unparsed_header_bytes > self._limits.max_header_bytes + READ_SLACK_BYTES:
+                self._refuse_large_headers()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.header_bytes = self.unparsed_header_bytes = 0
         if self.phase != HEADERS:  # a pipelined request, read while the last one is served
             self.phase = HEADERS
             self.deadline = self.loop.time() + self._limits.header_timeout
+
+    def on_url(self, url: bytes) -> None:
+        self.header_bytes += len(url)
+        if self.header_bytes > self._max_header_bytes:
+            self._stop_large_headers()
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.header_bytes += len(name) + len(value) + 4  # ": " and CRLF
+        if self.header_bytes > self._max_header_bytes:
+            self._stop_large_headers()
+        super().on_header(name, value)
+
+    def _stop_large_headers(self) -> None:
+        """Refuse a request whose URL and headers grew past the limit (else they would all be
+        held in memory until the header timeout), and stop the parser."""
+        if self.phase != REFUSED:
+            self._refuse_large_headers()
+        # uvicorn takes the parser's error for a malformed request and says so in a log line
+        # of its own; the sweeper's periodic line counts this one
+        self.logger = _SILENT
+        raise HeadersTooLarge
+
+    def _refuse_large_headers(self) -> None:
+        """Answer 431 and close the connection; what else it sends is ignored."""
+        self.phase, self.deadline = REFUSED, NO_DEADLINE
+        limit = self._limits.max_header_bytes
+        self.transport.write(
+            _raw_response(
+                "431 Request Header Fields Too Large",
+                "HeadersTooLarge",
+                f"the request's URL and headers are over the limit of {limit} bytes",
+                v2=is_v2(getattr(self, "url", b"").decode("latin-1")),
+            )
+        )
+        self.transport.close()
+        self._sweeper.count("large")
+
+    def send_400_response(self, msg: str) -> None:
+        if self.phase != REFUSED:  # (refused: answered 431 already, as parsing stopped)
+            super().send_400_response(msg)
 
     def on_headers_complete(self) -> None:
         cycle = self.cycle

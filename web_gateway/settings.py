@@ -135,6 +135,12 @@ class GatewaySettings(BaseSettings):
         description="Seconds a request's headers may take to arrive, from the connection (or "
         "the request's first byte); then 408 and the connection is closed.",
     )
+    max_header_bytes: int = Field(
+        default=65536,
+        ge=1024,
+        description="Most bytes of a request's URL and headers; more is answered 431 and the "
+        "connection is closed.",
+    )
     body_timeout: float = Field(
         default=30.0,
         gt=0,

@@ -12,6 +12,7 @@ from typing import Any
 from web_gateway.http_protocol import (
     HEADERS,
     IDLE,
+    REFUSED,
     CoalescingHttpToolsProtocol,
     CoalescingTransport,
     ConnectionLimits,
@@ -209,6 +210,69 @@ def test_no_408_after_a_response_the_app_already_gave() -> None:
     protocol, raw = run_protocol(served, [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"])
     assert protocol.phase == IDLE  # idle after its response: closed quietly
     assert written(raw).count(b"HTTP/1.1 ") == 1 and raw.closed
+
+
+class SmallHeaders(Limited):
+    limits = ConnectionLimits(header_timeout=1, body_timeout=1, max_header_bytes=2048)
+
+
+def serve_small_headers(chunks: list[bytes]) -> tuple[Any, RecordingTransport, list[bytes]]:
+    """Feed ``chunks`` to a protocol allowing 2 KiB of URL and headers; the bodies its app
+    was handed."""
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    bodies: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body, more = body + message["body"], message["more_body"]
+        bodies.append(body)
+        await answer_ok(send)
+
+    async def main() -> tuple[Any, RecordingTransport]:
+        config = Config(app, lifespan="off", log_level="critical")
+        config.load()
+        protocol = SmallHeaders(config, ServerState(), {}, asyncio.get_running_loop())
+        raw = RecordingTransport()
+        protocol.connection_made(raw)  # type: ignore[arg-type]
+        for chunk in chunks:
+            protocol.data_received(chunk)
+            for _ in range(10):
+                await asyncio.sleep(0)
+        return protocol, raw
+
+    protocol, raw = asyncio.run(main())
+    return protocol, raw, bodies
+
+
+def test_headers_over_the_limit_get_431_and_a_close_and_reach_no_app() -> None:
+    pad = b"X-Pad: " + b"a" * 600 + b"\r\n"  # four of them: over 2 KiB
+    protocol, raw, bodies = serve_small_headers([b"GET / HTTP/1.1\r\nHost: x\r\n", pad * 4, pad])
+    assert written(raw).startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+    assert b'"HeadersTooLarge"' in written(raw) and b"2048 bytes" in written(raw)
+    assert raw.closed and not bodies and protocol.phase == REFUSED
+    protocol.data_received(pad)  # what follows is ignored
+    assert written(raw).count(b"HTTP/1.1 ") == 1
+
+
+def test_a_header_that_never_ends_is_refused_within_a_read_of_the_limit() -> None:
+    endless = [b"GET / HTTP/1.1\r\nHost: x\r\nX-Pad: "] + [b"a" * 65536] * 8
+    protocol, raw, bodies = serve_small_headers(endless)
+    assert written(raw).startswith(b"HTTP/1.1 431 ") and raw.closed and not bodies
+    # refused at the first read past the limit and a read's slack (256 KiB), not at the end
+    assert protocol.unparsed_header_bytes <= 2048 + 256 * 1024 + 65536
+
+
+def test_headers_within_the_limit_and_a_body_far_over_it_are_served() -> None:
+    body = b"b" * (600 * 1024)
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 1900 + b"\r\n"
+    head += b"Content-Length: %d\r\n\r\n" % len(body)
+    for chunks in ([head + body], [head, body[:300000], body[300000:]]):
+        _, raw, bodies = serve_small_headers(chunks)
+        assert written(raw).startswith(b"HTTP/1.1 200 OK\r\n") and bodies == [body]
 
 
 def test_one_connection_over_the_cap_is_refused() -> None:

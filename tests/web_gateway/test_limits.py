@@ -3,7 +3,7 @@
 Slow clients: 500 connections stalled mid-headers and mid-body (a Content-Length longer than
 the body sent) are answered 408 and closed within their timeouts while normal requests keep
 being answered, and the gateway's memory stays within 50 MB of its idle size. Also: the idle
-keep-alive deadline, and the per-process connection cap.
+keep-alive deadline, the per-process connection cap, and clients sending headers without end.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -219,3 +220,58 @@ def test_connections_over_the_cap_are_refused_at_once(
         assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200
         for connection in held[cap // 2 :]:
             connection.sock.close()
+
+
+def flood_headers(port: int, line: bytes, megabytes: int) -> tuple[int, bytes]:
+    """Send a request's start, then ``line`` over and over (``megabytes`` at most) until the
+    gateway stops reading; (bytes sent, what came back)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(b"POST /v1/models/doubler/predict HTTP/1.1\r\nHost: x\r\n")
+    sent = 0
+    try:
+        while sent < megabytes * 2**20:
+            sock.sendall(line)
+            sent += len(line)
+    except OSError:  # closed by the gateway (reset: it had more to read)
+        pass
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except OSError:
+        pass
+    sock.close()
+    return sent, received
+
+
+def test_headers_without_end_get_431_and_hold_no_memory(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """uvicorn's httptools protocol keeps a request's headers however large: without a limit,
+    a few clients sending them for the header timeout filled the gateway's memory."""
+    prefix = f"h{uuid.uuid4().hex[:10]}"
+    log = tmp_path / "gateway.log"
+    with (
+        worker_process(redis_server.url, DOUBLER, prefix),
+        gateway_process(redis_server.url, [DOUBLER], prefix, log_path=log) as (base, gunicorn),
+    ):
+        port = int(base.rsplit(":", 1)[1])
+        pid = worker_pid(gunicorn.pid)
+        idle = rss_bytes(pid)
+        many = b"X-Pad: " + b"a" * 8000 + b"\r\n"  # many headers, each of them whole
+        endless = b"a" * 65536  # one header whose line never ends
+        for line in (many, endless, many, endless):
+            sent, received = flood_headers(port, line, megabytes=40)
+            assert received.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+            assert b"HeadersTooLarge" in received and b"65536 bytes" in received
+            assert sent < 20 * 2**20, f"the gateway read {sent} bytes of headers"
+        assert rss_bytes(pid) - idle < 20 * 2**20
+        response = httpx.post(
+            f"{base}/v1/models/doubler/predict",
+            json={"inputs": [[1, 2, 3, 4]]},
+            headers={"X-Pad": "a" * 60000},  # under the limit: served
+            timeout=10,
+        )
+        assert response.json() == {"outputs": [[2.0, 4.0, 6.0, 8.0]]}
+    said = log.read_text()  # the periodic summary, not a line per connection
+    assert "whose headers were too large" in said and "Invalid HTTP request" not in said
