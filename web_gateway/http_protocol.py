@@ -17,8 +17,10 @@ shortest timeout when that is less), so a request costs a few attribute writes a
 
 A process holds at most ``max_connections`` connections: one more is answered 503 and closed at
 once. A request whose URL and headers grow past ``max_header_bytes`` is answered 431 and its
-connection closed (uvicorn's httptools protocol holds them all, however many). Limits come from
-the gateway's settings (``MICROBATCH_GATEWAY_HEADER_TIMEOUT`` etc.).
+connection closed (uvicorn's httptools protocol holds them all, however many). At most
+``MAX_PIPELINED`` requests pipelined behind the one being answered are queued; past that, the
+connection reads no more, answers those, and is closed. Limits come from the gateway's settings
+(``MICROBATCH_GATEWAY_HEADER_TIMEOUT`` etc.).
 
 **Disconnects without a task.** :func:`when_gone` calls back when a request's client goes (its
 connection lost, or cut by a read deadline), so the app need not keep a task waiting on
@@ -64,6 +66,7 @@ log = logging.getLogger("microbatch.gateway")
 
 NO_DEADLINE = math.inf
 READ_SLACK_BYTES = 256 * 1024  # the most one read of the event loop hands over
+MAX_PIPELINED = 64  # requests of one connection queued behind the one being answered
 SWEEP_PERIOD_S = 0.5
 REPORT_EVERY_S = 10.0
 
@@ -246,6 +249,10 @@ class HeadersTooLarge(Exception):
     """Raised in the parser's callbacks to stop it: the request was answered 431."""
 
 
+class TooManyPipelined(Exception):
+    """Raised in the parser's callbacks to stop it: too many requests were pipelined."""
+
+
 _SILENT = logging.Logger("refused", level=logging.CRITICAL + 1)  # outside logging's tree
 
 
@@ -265,7 +272,7 @@ class _Sweeper:
         self.loop = loop
         self.connections = connections
         self.period = period
-        self.counts = {"headers": 0, "body": 0, "refused": 0, "large": 0}
+        self.counts = {"headers": 0, "body": 0, "refused": 0, "large": 0, "pipelined": 0}
         self.reported = -math.inf
         self.handle: asyncio.TimerHandle | None = None
 
@@ -294,11 +301,14 @@ class _Sweeper:
         counts, self.counts = self.counts, dict.fromkeys(self.counts, 0)
         self.reported = time.monotonic()
         log.warning(
-            "closed %d connection(s) whose headers, and %d whose body, came too slowly, and %d "
-            "whose headers were too large; refused %d over the connection cap",
+            "closed %d connection(s) whose headers, and %d whose body, came too slowly, %d "
+            "whose headers were too large, and %d that pipelined over %d requests; refused %d "
+            "over the connection cap",
             counts["headers"],
             counts["body"],
             counts["large"],
+            counts["pipelined"],
+            MAX_PIPELINED,
             counts["refused"],
         )
 
@@ -314,6 +324,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
     deadline = NO_DEADLINE
     phase = HEADERS
     header_bytes = 0  # of the request being read: its URL and headers parsed so far
+    overflowed = False  # more requests were pipelined than are queued: read no more
     unparsed_header_bytes = 0  # and the bytes read while its headers were incomplete
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -359,7 +370,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             gone(cycle)
 
     def data_received(self, data: bytes) -> None:
-        if self.phase == REFUSED:
+        if self.phase == REFUSED or self.overflowed:
             return
         if self.phase == IDLE:  # the next request starts
             self.phase = HEADERS
@@ -417,10 +428,6 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         self.transport.close()
         self._sweeper.count("large")
 
-    def send_400_response(self, msg: str) -> None:
-        if self.phase != REFUSED:  # (refused: answered 431 already, as parsing stopped)
-            super().send_400_response(msg)
-
     def on_headers_complete(self) -> None:
         cycle = self.cycle
         super().on_headers_complete()
@@ -428,6 +435,8 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             self.cycle.__class__ = GatewayCycle
             setattr(self.cycle, ON_GONE, None)
         if self.pipeline and self.pipeline[0][0] is self.cycle:
+            if len(self.pipeline) > MAX_PIPELINED:
+                self._stop_pipelining()
             # queued behind a request in progress, reading paused: its body deadline starts
             # when it is taken up (on_response_complete)
             self.phase = QUEUED
@@ -441,12 +450,34 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         self.phase = BUSY
         self.deadline = NO_DEADLINE
 
+    def _stop_pipelining(self) -> None:
+        """Drop the request just parsed, over the queue's bound, and stop reading: the
+        queued requests are answered, then the connection is closed. (uvicorn queued every
+        request of each read, and took another read at every response: a client that
+        pipelined requests without reading the answers filled the process's memory.)"""
+        self.pipeline.popleft()
+        self.overflowed = True
+        self.phase, self.deadline = QUEUED, NO_DEADLINE  # (the dropped request's were set)
+        self.flow.pause_reading()
+        self.logger = _SILENT  # (as for headers too large: the sweeper counts it)
+        self._sweeper.count("pipelined")
+        raise TooManyPipelined
+
+    def send_400_response(self, msg: str) -> None:
+        if self.phase != REFUSED and not self.overflowed:  # (those answer for themselves)
+            super().send_400_response(msg)
+
     def on_response_complete(self) -> None:
         # uvicorn's, with the keep-alive timer replaced by the idle deadline
         self.server_state.total_requests += 1
         if self.transport.is_closing():
             return
-        self.flow.resume_reading()
+        if self.overflowed:
+            if not self.pipeline:
+                self.transport.close()
+                return
+        else:
+            self.flow.resume_reading()
         if self.pipeline:
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)

@@ -12,6 +12,7 @@ from typing import Any
 from web_gateway.http_protocol import (
     HEADERS,
     IDLE,
+    MAX_PIPELINED,
     REFUSED,
     CoalescingHttpToolsProtocol,
     CoalescingTransport,
@@ -216,13 +217,17 @@ class SmallHeaders(Limited):
     limits = ConnectionLimits(header_timeout=1, body_timeout=1, max_header_bytes=2048)
 
 
-def serve_small_headers(chunks: list[bytes]) -> tuple[Any, RecordingTransport, list[bytes]]:
-    """Feed ``chunks`` to a protocol allowing 2 KiB of URL and headers; the bodies its app
-    was handed."""
+def serve_small_headers(
+    chunks: list[bytes], turns: int = 10
+) -> tuple[Any, RecordingTransport, list[bytes]]:
+    """Feed ``chunks`` to a protocol allowing 2 KiB of URL and headers, letting the event loop
+    turn ``turns`` times after each; the bodies its app was handed."""
     from uvicorn.config import Config
     from uvicorn.server import ServerState
 
     bodies: list[bytes] = []
+
+    answered: list[str] = []
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
         body, more = b"", True
@@ -231,6 +236,7 @@ def serve_small_headers(chunks: list[bytes]) -> tuple[Any, RecordingTransport, l
             body, more = body + message["body"], message["more_body"]
         bodies.append(body)
         await answer_ok(send)
+        answered.append(scope["path"])
 
     async def main() -> tuple[Any, RecordingTransport]:
         config = Config(app, lifespan="off", log_level="critical")
@@ -240,11 +246,12 @@ def serve_small_headers(chunks: list[bytes]) -> tuple[Any, RecordingTransport, l
         protocol.connection_made(raw)  # type: ignore[arg-type]
         for chunk in chunks:
             protocol.data_received(chunk)
-            for _ in range(10):
+            for _ in range(turns):
                 await asyncio.sleep(0)
         return protocol, raw
 
     protocol, raw = asyncio.run(main())
+    protocol.answered = answered
     return protocol, raw, bodies
 
 
@@ -273,6 +280,18 @@ def test_headers_within_the_limit_and_a_body_far_over_it_are_served() -> None:
     for chunks in ([head + body], [head, body[:300000], body[300000:]]):
         _, raw, bodies = serve_small_headers(chunks)
         assert written(raw).startswith(b"HTTP/1.1 200 OK\r\n") and bodies == [body]
+
+
+def test_pipelined_requests_are_answered_in_order_up_to_the_queues_bound() -> None:
+    """A connection's pipelined requests are answered in order; past MAX_PIPELINED queued
+    behind the one in progress, it reads no more, answers those, and is closed."""
+    for sent, answered in ((30, 30), (MAX_PIPELINED + 100, MAX_PIPELINED + 1)):
+        requests = b"".join(b"GET /%d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(sent))
+        protocol, raw, _ = serve_small_headers([requests], turns=2000)
+        out = written(raw)
+        assert out.count(b"HTTP/1.1 200 OK\r\n") == answered == len(protocol.answered)
+        assert protocol.answered == [f"/{i}" for i in range(answered)]
+        assert raw.closed == (answered < sent) and b"400" not in out
 
 
 def test_one_connection_over_the_cap_is_refused() -> None:

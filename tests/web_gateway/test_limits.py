@@ -8,6 +8,7 @@ keep-alive deadline, the per-process connection cap, and clients sending headers
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import selectors
 import socket
@@ -275,3 +276,41 @@ def test_headers_without_end_get_431_and_hold_no_memory(
         assert response.json() == {"outputs": [[2.0, 4.0, 6.0, 8.0]]}
     said = log.read_text()  # the periodic summary, not a line per connection
     assert "whose headers were too large" in said and "Invalid HTTP request" not in said
+
+
+def test_a_client_pipelining_without_end_gets_its_first_answers_and_a_close(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """uvicorn queued every request of each read and took another read at every answer: 8
+    clients pipelining 4 MB of requests each, reading nothing back, grew a gateway process by
+    1.8 GB. Now a connection's queue is bounded, and past it the connection is closed once
+    the queued requests are answered."""
+    from web_gateway.http_protocol import MAX_PIPELINED
+
+    with gateway_process(redis_server.url, [DOUBLER], prefix) as (base, gunicorn):
+        port = int(base.rsplit(":", 1)[1])
+        pid = worker_pid(gunicorn.pid)
+        idle = rss_bytes(pid)
+        request = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+        flooders = []
+        for _ in range(8):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+            with contextlib.suppress(ConnectionError):  # the gateway stopped reading, closed
+                sock.sendall(request * (4 * 2**20 // len(request)))
+            flooders.append(sock)
+        assert rss_bytes(pid) - idle < 20 * 2**20
+        for sock in flooders:
+            received = b""
+            with contextlib.suppress(ConnectionResetError):  # closed with requests unread
+                while chunk := sock.recv(65536):  # (a TimeoutError: it was not closed)
+                    received += chunk
+            sock.close()
+            # the request in progress and those queued behind it, in order, then the close
+            assert received.count(b"HTTP/1.1 200 OK\r\n") <= MAX_PIPELINED + 1
+        pipelined = request * 10  # a client pipelining within the bound is served whole
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(pipelined)
+            received = b""
+            while received.count(b'{"status":"ok"}') < 10:
+                received += sock.recv(65536)
+        assert received.count(b"HTTP/1.1 200 OK\r\n") == 10
