@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import inspect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import redis
@@ -229,13 +229,17 @@ def _pause_before_again(exc: redis.exceptions.ClusterError, settling: Settling) 
 # take for its own.
 
 
-def _closed_under_it(exc: Exception) -> redis.ConnectionError | None:
-    """The ConnectionError that ``exc`` stands for when redis-py's asyncio cluster client hit a
-    connection that another task's topology refresh closed while this one used it (its
-    reader or writer gone: AttributeError or TypeError on None, deep inside redis-py)."""
-    if isinstance(exc, (AttributeError, TypeError)) and "'NoneType' object" in str(exc):
-        return redis.ConnectionError(f"connection closed while in use: {exc}")
-    return None
+@contextlib.contextmanager
+def _closed_as_unavailable() -> Iterator[None]:
+    """A ConnectionError where redis-py's asyncio cluster client hit a connection that another
+    task's topology refresh closed while this one used it (its reader or writer gone:
+    AttributeError or TypeError on None, deep inside redis-py)."""
+    try:
+        yield
+    except (AttributeError, TypeError) as exc:
+        if "'NoneType' object" not in str(exc):
+            raise
+        raise redis.ConnectionError(f"connection closed while in use: {exc}") from None
 
 
 class _AsyncCluster(async_cluster.RedisCluster):
@@ -250,11 +254,10 @@ class _AsyncCluster(async_cluster.RedisCluster):
         settling = Settling()
         while True:
             try:
-                return await super().execute_command(*args, **kwargs)
+                with _closed_as_unavailable():
+                    return await super().execute_command(*args, **kwargs)
             except redis.exceptions.ClusterError as exc:
                 pause = _pause_before_again(exc, settling)
-            except (AttributeError, TypeError) as exc:
-                raise _closed_under_it(exc) or exc from None
             await asyncio.sleep(pause)
 
     def pipeline(self, transaction: Any = None, shard_hint: Any = None) -> Any:
@@ -264,10 +267,8 @@ class _AsyncCluster(async_cluster.RedisCluster):
         execute = pipe.execute
 
         async def execute_or_unavailable(*args: Any, **kwargs: Any) -> Any:
-            try:
+            with _closed_as_unavailable():
                 return await execute(*args, **kwargs)
-            except (AttributeError, TypeError) as exc:
-                raise _closed_under_it(exc) or exc from None
 
         pipe.execute = execute_or_unavailable  # type: ignore[method-assign]
         return pipe

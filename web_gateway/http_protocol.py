@@ -45,7 +45,7 @@ import math
 import time
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import (
@@ -245,12 +245,8 @@ class ConnectionLimits:
 IDLE, HEADERS, BODY, BUSY, QUEUED, REFUSED = range(6)
 
 
-class HeadersTooLarge(Exception):
-    """Raised in the parser's callbacks to stop it: the request was answered 431."""
-
-
-class TooManyPipelined(Exception):
-    """Raised in the parser's callbacks to stop it: too many requests were pipelined."""
+class _StopParsing(Exception):
+    """Raised in the parser's callbacks to stop it (headers too large, too many pipelined)."""
 
 
 _SILENT = logging.Logger("refused", level=logging.CRITICAL + 1)  # outside logging's tree
@@ -381,7 +377,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             # held, and grown, inside it. Bounded here, with one read's slack (a read may also
             # hold the end of the request before).
             self.unparsed_header_bytes += len(data)
-            if self.unparsed_header_bytes > self._limits.max_header_bytes + READ_SLACK_BYTES:
+            if self.unparsed_header_bytes > self._max_header_bytes + READ_SLACK_BYTES:
                 self._refuse_large_headers()
 
     def on_message_begin(self) -> None:
@@ -403,20 +399,23 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             self._stop_large_headers()
         super().on_header(name, value)
 
-    def _stop_large_headers(self) -> None:
+    def _stop_large_headers(self) -> NoReturn:
         """Refuse a request whose URL and headers grew past the limit (else they would all be
         held in memory until the header timeout), and stop the parser."""
-        if self.phase != REFUSED:
-            self._refuse_large_headers()
-        # uvicorn takes the parser's error for a malformed request and says so in a log line
-        # of its own; the sweeper's periodic line counts this one
+        self._refuse_large_headers()
+        self._stop_parsing()
+
+    def _stop_parsing(self) -> NoReturn:
+        """Stop the parser from one of its callbacks. uvicorn takes that for a malformed
+        request and says so in a log line of its own: silenced, as the sweeper's periodic line
+        counts the connection."""
         self.logger = _SILENT
-        raise HeadersTooLarge
+        raise _StopParsing
 
     def _refuse_large_headers(self) -> None:
         """Answer 431 and close the connection; what else it sends is ignored."""
         self.phase, self.deadline = REFUSED, NO_DEADLINE
-        limit = self._limits.max_header_bytes
+        limit = self._max_header_bytes
         self.transport.write(
             _raw_response(
                 "431 Request Header Fields Too Large",
@@ -450,7 +449,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         self.phase = BUSY
         self.deadline = NO_DEADLINE
 
-    def _stop_pipelining(self) -> None:
+    def _stop_pipelining(self) -> NoReturn:
         """Drop the request just parsed, over the queue's bound, and stop reading: the
         queued requests are answered, then the connection is closed. (uvicorn queued every
         request of each read, and took another read at every response: a client that
@@ -459,9 +458,8 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         self.overflowed = True
         self.phase, self.deadline = QUEUED, NO_DEADLINE  # (the dropped request's were set)
         self.flow.pause_reading()
-        self.logger = _SILENT  # (as for headers too large: the sweeper counts it)
         self._sweeper.count("pipelined")
-        raise TooManyPipelined
+        self._stop_parsing()
 
     def send_400_response(self, msg: str) -> None:
         if self.phase != REFUSED and not self.overflowed:  # (those answer for themselves)

@@ -133,20 +133,27 @@ class Limited(GatewayHttpProtocol):
     limits = ConnectionLimits(header_timeout=1, body_timeout=1, keepalive_timeout=1)
 
 
-def run_protocol(app: Any, chunks: list[bytes], expire: bool = True) -> tuple[Any, Any]:
-    """Feed ``chunks`` to a Limited protocol serving ``app``; then let its deadline pass."""
+def run_protocol(
+    app: Any,
+    chunks: list[bytes],
+    expire: bool = True,
+    protocol_class: type[GatewayHttpProtocol] = Limited,
+    turns: int = 10,
+) -> tuple[Any, Any]:
+    """Feed ``chunks`` to a ``protocol_class`` protocol serving ``app``, letting the event loop
+    turn ``turns`` times after each; then (with ``expire``) let its deadline pass."""
     from uvicorn.config import Config
     from uvicorn.server import ServerState
 
     async def main() -> tuple[Any, Any]:
         config = Config(app, lifespan="off", log_level="warning")
         config.load()
-        protocol = Limited(config, ServerState(), {}, asyncio.get_running_loop())
+        protocol = protocol_class(config, ServerState(), {}, asyncio.get_running_loop())
         raw = RecordingTransport()
         protocol.connection_made(raw)  # type: ignore[arg-type]
         for chunk in chunks:
             protocol.data_received(chunk)
-            for _ in range(10):
+            for _ in range(turns):
                 await asyncio.sleep(0)
         assert protocol.deadline < float("inf") or not expire
         if expire:
@@ -219,14 +226,10 @@ class SmallHeaders(Limited):
 
 def serve_small_headers(
     chunks: list[bytes], turns: int = 10
-) -> tuple[Any, RecordingTransport, list[bytes]]:
-    """Feed ``chunks`` to a protocol allowing 2 KiB of URL and headers, letting the event loop
-    turn ``turns`` times after each; the bodies its app was handed."""
-    from uvicorn.config import Config
-    from uvicorn.server import ServerState
-
+) -> tuple[Any, RecordingTransport, list[bytes], list[str]]:
+    """Feed ``chunks`` to a protocol allowing 2 KiB of URL and headers (as ``run_protocol``);
+    the bodies its app was handed, and the paths it answered, in order."""
     bodies: list[bytes] = []
-
     answered: list[str] = []
 
     async def app(scope: Any, receive: Any, send: Any) -> None:
@@ -238,26 +241,13 @@ def serve_small_headers(
         await answer_ok(send)
         answered.append(scope["path"])
 
-    async def main() -> tuple[Any, RecordingTransport]:
-        config = Config(app, lifespan="off", log_level="critical")
-        config.load()
-        protocol = SmallHeaders(config, ServerState(), {}, asyncio.get_running_loop())
-        raw = RecordingTransport()
-        protocol.connection_made(raw)  # type: ignore[arg-type]
-        for chunk in chunks:
-            protocol.data_received(chunk)
-            for _ in range(turns):
-                await asyncio.sleep(0)
-        return protocol, raw
-
-    protocol, raw = asyncio.run(main())
-    protocol.answered = answered
-    return protocol, raw, bodies
+    protocol, raw = run_protocol(app, chunks, False, SmallHeaders, turns)
+    return protocol, raw, bodies, answered
 
 
 def test_headers_over_the_limit_get_431_and_a_close_and_reach_no_app() -> None:
     pad = b"X-Pad: " + b"a" * 600 + b"\r\n"  # four of them: over 2 KiB
-    protocol, raw, bodies = serve_small_headers([b"GET / HTTP/1.1\r\nHost: x\r\n", pad * 4, pad])
+    protocol, raw, bodies, _ = serve_small_headers([b"GET / HTTP/1.1\r\nHost: x\r\n", pad * 4, pad])
     assert written(raw).startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
     assert b'"HeadersTooLarge"' in written(raw) and b"2048 bytes" in written(raw)
     assert raw.closed and not bodies and protocol.phase == REFUSED
@@ -267,7 +257,7 @@ def test_headers_over_the_limit_get_431_and_a_close_and_reach_no_app() -> None:
 
 def test_a_header_that_never_ends_is_refused_within_a_read_of_the_limit() -> None:
     endless = [b"GET / HTTP/1.1\r\nHost: x\r\nX-Pad: "] + [b"a" * 65536] * 8
-    protocol, raw, bodies = serve_small_headers(endless)
+    protocol, raw, bodies, _ = serve_small_headers(endless)
     assert written(raw).startswith(b"HTTP/1.1 431 ") and raw.closed and not bodies
     # refused at the first read past the limit and a read's slack (256 KiB), not at the end
     assert protocol.unparsed_header_bytes <= 2048 + 256 * 1024 + 65536
@@ -278,7 +268,7 @@ def test_headers_within_the_limit_and_a_body_far_over_it_are_served() -> None:
     head = b"POST / HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 1900 + b"\r\n"
     head += b"Content-Length: %d\r\n\r\n" % len(body)
     for chunks in ([head + body], [head, body[:300000], body[300000:]]):
-        _, raw, bodies = serve_small_headers(chunks)
+        _, raw, bodies, _ = serve_small_headers(chunks)
         assert written(raw).startswith(b"HTTP/1.1 200 OK\r\n") and bodies == [body]
 
 
@@ -287,10 +277,10 @@ def test_pipelined_requests_are_answered_in_order_up_to_the_queues_bound() -> No
     behind the one in progress, it reads no more, answers those, and is closed."""
     for sent, answered in ((30, 30), (MAX_PIPELINED + 100, MAX_PIPELINED + 1)):
         requests = b"".join(b"GET /%d HTTP/1.1\r\nHost: x\r\n\r\n" % i for i in range(sent))
-        protocol, raw, _ = serve_small_headers([requests], turns=2000)
+        _, raw, _, paths = serve_small_headers([requests], turns=2000)
         out = written(raw)
-        assert out.count(b"HTTP/1.1 200 OK\r\n") == answered == len(protocol.answered)
-        assert protocol.answered == [f"/{i}" for i in range(answered)]
+        assert out.count(b"HTTP/1.1 200 OK\r\n") == answered == len(paths)
+        assert paths == [f"/{i}" for i in range(answered)]
         assert raw.closed == (answered < sent) and b"400" not in out
 
 

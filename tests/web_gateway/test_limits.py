@@ -223,26 +223,28 @@ def test_connections_over_the_cap_are_refused_at_once(
             connection.sock.close()
 
 
+def read_until_closed(sock: socket.socket) -> bytes:
+    """What the gateway sends until it closes the connection (a TimeoutError if it does not);
+    a reset (closed with requests unread) ends it too."""
+    received = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            received += chunk
+    sock.close()
+    return received
+
+
 def flood_headers(port: int, line: bytes, megabytes: int) -> tuple[int, bytes]:
     """Send a request's start, then ``line`` over and over (``megabytes`` at most) until the
     gateway stops reading; (bytes sent, what came back)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     sock.sendall(b"POST /v1/models/doubler/predict HTTP/1.1\r\nHost: x\r\n")
     sent = 0
-    try:
+    with contextlib.suppress(ConnectionError):  # closed by the gateway
         while sent < megabytes * 2**20:
             sock.sendall(line)
             sent += len(line)
-    except OSError:  # closed by the gateway (reset: it had more to read)
-        pass
-    received = b""
-    try:
-        while chunk := sock.recv(65536):
-            received += chunk
-    except OSError:
-        pass
-    sock.close()
-    return sent, received
+    return sent, read_until_closed(sock)
 
 
 def test_headers_without_end_get_431_and_hold_no_memory(
@@ -300,13 +302,8 @@ def test_a_client_pipelining_without_end_gets_its_first_answers_and_a_close(
             flooders.append(sock)
         assert rss_bytes(pid) - idle < 20 * 2**20
         for sock in flooders:
-            received = b""
-            with contextlib.suppress(ConnectionResetError):  # closed with requests unread
-                while chunk := sock.recv(65536):  # (a TimeoutError: it was not closed)
-                    received += chunk
-            sock.close()
             # the request in progress and those queued behind it, in order, then the close
-            assert received.count(b"HTTP/1.1 200 OK\r\n") <= MAX_PIPELINED + 1
+            assert read_until_closed(sock).count(b"HTTP/1.1 200 OK\r\n") <= MAX_PIPELINED + 1
         pipelined = request * 10  # a client pipelining within the bound is served whole
         with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
             sock.sendall(pipelined)
