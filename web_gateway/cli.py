@@ -91,6 +91,7 @@ def start(
     max_header_bytes: int = _option("max_header_bytes"),
     body_timeout: float = _option("body_timeout"),
     keepalive_timeout: float = _option("keepalive_timeout"),
+    send_timeout: float = _option("send_timeout"),
     max_connections: int = _option("max_connections"),
     graceful_timeout: float = _option("graceful_timeout"),
     log_level: Annotated[str, log_level_option(f"{ENV_PREFIX}LOG_LEVEL")] = _default("log_level"),

@@ -15,6 +15,13 @@ shortest timeout when that is less), so a request costs a few attribute writes a
 - busy: while the app works on a complete request, no deadline (the request's own timeout
   applies).
 
+Apart from its phase, a connection whose answers the client does not take is aborted: when its
+transport's write buffer stays over the high-water mark (writing paused) for ``send_timeout`` s,
+or when it was closed with answers still unsent ``send_timeout`` s ago. (Without it a client that
+sends requests and never reads held its connection, and megabytes of kernel buffers, for ever:
+the app waits on the transport's drain, and a transport closed with data unsent waits for it to
+leave.)
+
 A process holds at most ``max_connections`` connections: one more is answered 503 and closed at
 once. A request whose URL and headers grow past ``max_header_bytes`` is answered 431 and its
 connection closed (uvicorn's httptools protocol holds them all, however many). At most
@@ -44,6 +51,7 @@ import logging
 import math
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
 
@@ -74,12 +82,18 @@ REPORT_EVERY_S = 10.0
 class CoalescingTransport:
     """Wraps an asyncio transport: writes made in one loop turn leave in one ``write``."""
 
-    __slots__ = ("_held", "_loop", "_transport")
+    __slots__ = ("_held", "_loop", "_on_closed_unsent", "_transport")
 
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        transport: asyncio.Transport,
+        loop: asyncio.AbstractEventLoop,
+        on_closed_unsent: Callable[[], None] | None = None,
+    ) -> None:
         self._transport = transport
         self._loop = loop
         self._held: list[bytes] | None = None
+        self._on_closed_unsent = on_closed_unsent
 
     def write(self, data: bytes) -> None:
         if self._held is None:
@@ -106,8 +120,12 @@ class CoalescingTransport:
         return self._transport.get_write_buffer_size() + held
 
     def close(self) -> None:
+        """Close once what is written is sent (``on_closed_unsent`` is called where some of
+        it waits on the client)."""
         self.flush()
         self._transport.close()
+        if self._on_closed_unsent is not None and self._transport.get_write_buffer_size():
+            self._on_closed_unsent()
 
     def abort(self) -> None:
         self._held = None
@@ -203,8 +221,11 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
     """HttpToolsProtocol over a :class:`CoalescingTransport`."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        coalescing: Any = CoalescingTransport(transport, self.loop)
+        coalescing: Any = CoalescingTransport(transport, self.loop, self.closed_unsent)
         super().connection_made(coalescing)
+
+    def closed_unsent(self) -> None:
+        """Called when the connection is closed with some of what was written unsent."""
 
 
 @dataclass(frozen=True)
@@ -216,16 +237,18 @@ class ConnectionLimits:
     keepalive_timeout: float = 5.0
     max_connections: int = 1000
     max_header_bytes: int = 65536
+    send_timeout: float = 30.0
 
     @classmethod
     def of(cls, settings: GatewaySettings) -> ConnectionLimits:
         """The limits of a gateway with ``settings``."""
         return cls(
-            settings.header_timeout,
-            settings.body_timeout,
-            settings.keepalive_timeout,
-            settings.max_connections,
-            settings.max_header_bytes,
+            header_timeout=settings.header_timeout,
+            body_timeout=settings.body_timeout,
+            keepalive_timeout=settings.keepalive_timeout,
+            max_connections=settings.max_connections,
+            max_header_bytes=settings.max_header_bytes,
+            send_timeout=settings.send_timeout,
         )
 
     @classmethod
@@ -237,7 +260,9 @@ class ConnectionLimits:
 
     @property
     def sweep_period(self) -> float:
-        shortest = min(self.header_timeout, self.body_timeout, self.keepalive_timeout)
+        shortest = min(
+            self.header_timeout, self.body_timeout, self.keepalive_timeout, self.send_timeout
+        )
         return max(0.01, min(SWEEP_PERIOD_S, shortest / 4))
 
 
@@ -261,6 +286,9 @@ def _raw_response(status: str, error: str, message: str, v2: bool, extra: str = 
     return head.encode("ascii") + body
 
 
+_CLOSED_FOR = ("headers", "body", "unread", "large", "pipelined", "refused")  # counted, reported
+
+
 class _Sweeper:
     """Enforces the deadlines of one server's connections; reports what it closed."""
 
@@ -268,7 +296,7 @@ class _Sweeper:
         self.loop = loop
         self.connections = connections
         self.period = period
-        self.counts = {"headers": 0, "body": 0, "refused": 0, "large": 0, "pipelined": 0}
+        self.counts = dict.fromkeys(_CLOSED_FOR, 0)
         self.reported = -math.inf
         self.handle: asyncio.TimerHandle | None = None
 
@@ -282,6 +310,8 @@ class _Sweeper:
         for protocol in list(self.connections):
             if getattr(protocol, "deadline", NO_DEADLINE) <= now:
                 protocol.expire()
+            if getattr(protocol, "send_deadline", NO_DEADLINE) <= now:
+                protocol.sending_expired()
         self.report()
         if self.connections or any(self.counts.values()):
             self.start()
@@ -298,10 +328,11 @@ class _Sweeper:
         self.reported = time.monotonic()
         log.warning(
             "closed %d connection(s) whose headers, and %d whose body, came too slowly, %d "
-            "whose headers were too large, and %d that pipelined over %d requests; refused %d "
-            "over the connection cap",
+            "whose client did not take its answers, %d whose headers were too large, and %d that "
+            "pipelined over %d requests; refused %d over the connection cap",
             counts["headers"],
             counts["body"],
+            counts["unread"],
             counts["large"],
             counts["pipelined"],
             MAX_PIPELINED,
@@ -318,6 +349,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
     limits: ClassVar[ConnectionLimits | None] = None  # None: ConnectionLimits.from_settings()
 
     deadline = NO_DEADLINE
+    send_deadline = NO_DEADLINE  # by when the client must take what waits to be sent
     phase = HEADERS
     header_bytes = 0  # of the request being read: its URL and headers parsed so far
     overflowed = False  # more requests were pipelined than are queued: read no more
@@ -359,7 +391,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         self._sweeper.start()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.deadline = NO_DEADLINE
+        self.deadline = self.send_deadline = NO_DEADLINE
         cycle = self.cycle
         super().connection_lost(exc)
         if cycle is not None and cycle.disconnected:
@@ -485,6 +517,29 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         elif self.phase == BUSY:
             self.phase = IDLE
             self.deadline = self.loop.time() + self._limits.keepalive_timeout
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.send_deadline == NO_DEADLINE:
+            self.send_deadline = self.loop.time() + self._limits.send_timeout
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.send_deadline != NO_DEADLINE and not self.transport.is_closing():
+            self.send_deadline = NO_DEADLINE
+
+    def closed_unsent(self) -> None:
+        """Closed with answers unsent, they get the send timeout to leave (a transport waits
+        for them before it lets the connection go, however long)."""
+        if self.send_deadline == NO_DEADLINE:
+            self.send_deadline = self.loop.time() + self._limits.send_timeout
+
+    def sending_expired(self) -> None:
+        """The client took too little of its answers within the send timeout: abort the
+        connection (its answers are dropped; the app sees the client gone)."""
+        self.deadline = self.send_deadline = NO_DEADLINE
+        self._sweeper.count("unread")
+        self.transport.abort()
 
     def expire(self) -> None:
         """The deadline passed: answer 408 where nothing was answered yet, and close."""

@@ -150,6 +150,12 @@ class GatewaySettings(BaseSettings):
     keepalive_timeout: float = Field(
         default=5.0, gt=0, description="Seconds an idle connection stays open between requests."
     )
+    send_timeout: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds a client may leave its answers untaken (the gateway's send buffer "
+        "full) before its connection is aborted.",
+    )
     max_connections: int = Field(
         default=1000,
         ge=1,

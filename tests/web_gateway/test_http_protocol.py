@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from web_gateway.http_protocol import (
     HEADERS,
     IDLE,
@@ -304,6 +306,95 @@ def test_one_connection_over_the_cap_is_refused() -> None:
     first, second, third = asyncio.run(main())
     assert not first.closed and not second.closed
     assert written(third).startswith(b"HTTP/1.1 503 Service Unavailable\r\n") and third.closed
+
+
+class Untaken(RecordingTransport):
+    """A transport whose client takes nothing: all that is written waits in its buffer."""
+
+    def get_write_buffer_size(self) -> int:
+        return len(written(self))
+
+
+class SendLimited(GatewayHttpProtocol):
+    limits = ConnectionLimits(keepalive_timeout=1, send_timeout=3)
+
+
+def test_a_client_that_takes_no_answers_is_aborted_after_the_send_timeout(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Writing paused (the client takes nothing) arms the send deadline and writing resumed
+    clears it; past it, the connection is aborted and the app waiting to send sees it gone."""
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    seen: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await answer_ok(send)  # waits while writing is paused
+        seen.append("sent")
+        seen.append((await receive())["type"])
+
+    async def main() -> tuple[Any, Untaken, float]:
+        config = Config(app, lifespan="off", log_level="warning")
+        config.load()
+        loop = asyncio.get_running_loop()
+        protocol = SendLimited(config, ServerState(), {}, loop)
+        raw = Untaken()
+        protocol.connection_made(raw)  # type: ignore[arg-type]
+        protocol.pause_writing()  # as the transport does over its high-water mark
+        armed = protocol.send_deadline - loop.time()
+        protocol.resume_writing()
+        assert protocol.send_deadline == float("inf")
+        protocol.pause_writing()
+        protocol.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert seen == [] and not raw.aborted  # the app waits to send
+        protocol.sending_expired()  # as the sweep does once the deadline has passed
+        assert raw.aborted
+        protocol.connection_lost(None)  # as the transport does once aborted
+        for _ in range(10):
+            await asyncio.sleep(0)
+        return protocol, raw, armed
+
+    protocol, raw, armed = asyncio.run(main())
+    assert 2.9 < armed <= 3.0 and protocol.send_deadline == float("inf")
+    assert seen == ["sent", "http.disconnect"] and written(raw) == b""
+    assert "1 whose client did not take its answers" in caplog.text  # the sweeper's summary
+
+
+def test_a_connection_closed_with_answers_unsent_gives_them_the_send_timeout() -> None:
+    """A transport closed with data unsent waits for it to leave, however long: the send
+    deadline bounds that wait; closed with nothing unsent, there is no deadline."""
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await answer_ok(send)
+
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    async def main(transport_class: type[RecordingTransport]) -> tuple[Any, RecordingTransport]:
+        config = Config(app, lifespan="off", log_level="warning")
+        config.load()
+        protocol = SendLimited(config, ServerState(), {}, asyncio.get_running_loop())
+        raw = transport_class()
+        protocol.connection_made(raw)  # type: ignore[arg-type]
+        protocol.data_received(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert protocol.phase == IDLE and protocol.send_deadline == float("inf")
+        protocol.expire()  # idle past the keep-alive timeout: closed
+        assert raw.closed
+        return protocol, raw
+
+    for transport_class, deadline in ((Untaken, True), (RecordingTransport, False)):
+        protocol, raw = asyncio.run(main(transport_class))
+        assert (protocol.send_deadline < float("inf")) == deadline
+        if deadline:
+            protocol.sending_expired()
+            assert raw.aborted
 
 
 def watch_gone(chunks: list[bytes], end: str) -> list[str]:

@@ -311,3 +311,48 @@ def test_a_client_pipelining_without_end_gets_its_first_answers_and_a_close(
             while received.count(b'{"status":"ok"}') < 10:
                 received += sock.recv(65536)
         assert received.count(b"HTTP/1.1 200 OK\r\n") == 10
+
+
+def untaking_client(port: int) -> socket.socket:
+    """A connection whose client reads nothing (and whose receive buffer is small)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.settimeout(5)
+    return sock
+
+
+def test_clients_that_take_no_answers_are_aborted_after_the_send_timeout(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A client sending requests and reading no answers held its connection, and megabytes of
+    kernel buffers, for ever: the app waited to send, no read deadline applied, and a
+    connection closed with answers unsent waited for them to leave. 10 such clients held every
+    connection of a process allowing 10, and new clients got 503. Now each is aborted once its
+    answers have waited the send timeout."""
+    clients, send_timeout = 10, 2.0
+    args = [f"--send-timeout={send_timeout}", f"--max-connections={clients}"]
+    with gateway_process(redis_server.url, [DOUBLER], prefix, *args) as (base, _):
+        port = int(base.rsplit(":", 1)[1])
+        request = b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n"
+        answer = len(httpx.get(f"{base}/openapi.json").content)
+        with open("/proc/sys/net/ipv4/tcp_wmem") as wmem:
+            send_buffer = int(wmem.read().split()[2])  # the most the kernel holds unsent
+        answers = (send_buffer + 2**20) // answer  # more than the kernel and gateway hold
+        socks = [untaking_client(port) for _ in range(clients)]
+        sending = list(socks)
+        for _ in range(0, answers, 8):  # paced: within the pipelining bound
+            for sock in list(sending):
+                try:
+                    sock.sendall(request * 8)
+                except ConnectionResetError:  # aborted already: its first answers waited
+                    sending.remove(sock)
+            time.sleep(0.05)
+        time.sleep(send_timeout + SLACK)
+        others = [untaking_client(port) for _ in range(clients)]  # as many as the cap
+        for sock in others:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        for sock in others:  # served: the untaking clients' connections were let go
+            assert read_until_closed(sock).startswith(b"HTTP/1.1 200 OK\r\n")
+        for sock in socks:  # reset, their answers dropped (a connection left open would
+            assert len(read_until_closed(sock)) < answers * answer  # send them all here)
