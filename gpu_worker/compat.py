@@ -625,11 +625,12 @@ class _WorkerGroup:
     def _relay(self) -> None:
         """Copy the supervisor's messages to our stderr, keeping the last lines for errors."""
         assert self.process is not None and self.process.stderr is not None
-        for raw in self.process.stderr:
-            line = raw.decode(errors="replace")
-            self.lines.append(line.rstrip())
-            with contextlib.suppress(Exception):
-                sys.stderr.write(line)
+        with self.process.stderr:  # closed once the supervisor has said its last
+            for raw in self.process.stderr:
+                line = raw.decode(errors="replace")
+                self.lines.append(line.rstrip())
+                with contextlib.suppress(Exception):
+                    sys.stderr.write(line)
 
     def failure(self, code: int | None) -> str:
         errors = [line for line in self.lines if line.startswith("Error:")]

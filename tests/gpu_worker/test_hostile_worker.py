@@ -255,5 +255,8 @@ def test_entries_with_timeout_0_are_never_computed(
     assert [(r.request_id, r.error_type) for r in replies] == [
         (f"zero-{n}", "DeadlineExceeded") for n in range(30)
     ]
-    computed = [json.loads(line) for path in record.glob("items-*.jsonl") for line in path.open()]
+    lines = [
+        line for path in record.glob("items-*.jsonl") for line in path.read_text().splitlines()
+    ]
+    computed = [json.loads(line) for line in lines]
     assert computed == ["c"]
