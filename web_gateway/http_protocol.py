@@ -26,8 +26,12 @@ A process holds at most ``max_connections`` connections: one more is answered 50
 once. A request whose URL and headers grow past ``max_header_bytes`` is answered 431 and its
 connection closed (uvicorn's httptools protocol holds them all, however many). At most
 ``MAX_PIPELINED`` requests pipelined behind the one being answered are queued; past that, the
-connection reads no more, answers those, and is closed. Limits come from the gateway's settings
-(``MICROBATCH_GATEWAY_HEADER_TIMEOUT`` etc.).
+connection reads no more, answers those, and is closed. A process holds at most
+``max_held_body_bytes`` of request bodies at once (counted from their first byte until each is
+answered): a body arriving past that is answered 503 and its connection closed (without it,
+connections sending large bodies each held up to ``--max-body-bytes``, all of them together
+without bound). Limits come from the gateway's settings (``MICROBATCH_GATEWAY_HEADER_TIMEOUT``
+etc.).
 
 **Disconnects without a task.** :func:`when_gone` calls back when a request's client goes (its
 connection lost, or cut by a read deadline), so the app need not keep a task waiting on
@@ -53,7 +57,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, NoReturn
+from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, cast
 
 import orjson
 from uvicorn.protocols.http.httptools_impl import (
@@ -145,6 +149,7 @@ class GatewayCycle(RequestResponseCycle):
     # uvicorn's default headers as written (they change each second: the date), and the list
     # they were written from; None where send() must write them (it checks them each time)
     _defaults: ClassVar[tuple[Any, bytes | None]] = (None, None)
+    held = 0  # bytes of its body counted as held by the process, until it is answered
 
     def whole_body(self) -> bytes | None:
         """The request's body, when all of it has arrived and nothing has read it: what the
@@ -238,6 +243,7 @@ class ConnectionLimits:
     max_connections: int = 1000
     max_header_bytes: int = 65536
     send_timeout: float = 30.0
+    max_held_body_bytes: int = 512 * 2**20
 
     @classmethod
     def of(cls, settings: GatewaySettings) -> ConnectionLimits:
@@ -249,6 +255,7 @@ class ConnectionLimits:
             max_connections=settings.max_connections,
             max_header_bytes=settings.max_header_bytes,
             send_timeout=settings.send_timeout,
+            max_held_body_bytes=settings.max_held_body_bytes,
         )
 
     @classmethod
@@ -286,17 +293,20 @@ def _raw_response(status: str, error: str, message: str, v2: bool, extra: str = 
     return head.encode("ascii") + body
 
 
-_CLOSED_FOR = ("headers", "body", "unread", "large", "pipelined", "refused")  # counted, reported
+# why connections were closed: counted, and reported together
+_CLOSED_FOR = ("headers", "body", "unread", "large", "pipelined", "held", "refused")
 
 
 class _Sweeper:
-    """Enforces the deadlines of one server's connections; reports what it closed."""
+    """Enforces the deadlines of one server's connections, counts the bytes of request bodies
+    they hold, and reports what it closed."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, connections: set[Any], period: float):
         self.loop = loop
         self.connections = connections
         self.period = period
         self.counts = dict.fromkeys(_CLOSED_FOR, 0)
+        self.held_body_bytes = 0
         self.reported = -math.inf
         self.handle: asyncio.TimerHandle | None = None
 
@@ -328,14 +338,16 @@ class _Sweeper:
         self.reported = time.monotonic()
         log.warning(
             "closed %d connection(s) whose headers, and %d whose body, came too slowly, %d "
-            "whose client did not take its answers, %d whose headers were too large, and %d that "
-            "pipelined over %d requests; refused %d over the connection cap",
+            "whose client did not take its answers, %d whose headers were too large, %d that "
+            "pipelined over %d requests, and %d whose body came past the bytes of bodies held; "
+            "refused %d over the connection cap",
             counts["headers"],
             counts["body"],
             counts["unread"],
             counts["large"],
             counts["pipelined"],
             MAX_PIPELINED,
+            counts["held"],
             counts["refused"],
         )
 
@@ -353,6 +365,8 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
     phase = HEADERS
     header_bytes = 0  # of the request being read: its URL and headers parsed so far
     overflowed = False  # more requests were pipelined than are queued: read no more
+    held_body_bytes = 0  # of this connection's requests' bodies, counted until answered
+    answering: GatewayCycle | None = None  # the request whose app runs
     unparsed_header_bytes = 0  # and the bytes read while its headers were incomplete
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -392,6 +406,8 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.deadline = self.send_deadline = NO_DEADLINE
+        self._sweeper.held_body_bytes -= self.held_body_bytes
+        self.held_body_bytes = 0
         cycle = self.cycle
         super().connection_lost(exc)
         if cycle is not None and cycle.disconnected:
@@ -473,8 +489,44 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             self.phase = QUEUED
             self.deadline = NO_DEADLINE
         else:
+            self.answering = cast(GatewayCycle, self.cycle)
             self.phase = BODY
             self.deadline = self.loop.time() + self._limits.body_timeout
+
+    def on_body(self, body: bytes) -> None:
+        cycle = cast(GatewayCycle, self.cycle)
+        if not cycle.response_complete:  # (else uvicorn drops it)
+            size = len(body)
+            cycle.held += size
+            self.held_body_bytes += size
+            sweeper = self._sweeper
+            sweeper.held_body_bytes += size
+            if sweeper.held_body_bytes > self._limits.max_held_body_bytes:
+                self._refuse_over_held()
+        super().on_body(body)
+
+    def _refuse_over_held(self) -> NoReturn:
+        """Answer 503 (unless the app has answered) and close: the process holds its limit of
+        request bodies; the app sees the client gone."""
+        cycle = self.cycle
+        self.phase, self.deadline = REFUSED, NO_DEADLINE
+        if not cycle.response_started:
+            limit = self._limits.max_held_body_bytes
+            self.transport.write(
+                _raw_response(
+                    "503 Service Unavailable",
+                    "TooManyBodyBytes",
+                    f"this gateway process holds its limit of {limit} bytes of request bodies",
+                    v2=is_v2(str(cycle.scope.get("path", ""))),
+                    extra="retry-after: 1\r\n",
+                )
+            )
+        cycle.disconnected = True  # the app's receive() says the client has gone
+        cycle.message_event.set()
+        gone(cycle)
+        self.transport.close()
+        self._sweeper.count("held")
+        self._stop_parsing()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -500,6 +552,11 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
     def on_response_complete(self) -> None:
         # uvicorn's, with the keep-alive timer replaced by the idle deadline
         self.server_state.total_requests += 1
+        answered = self.answering
+        if answered is not None and answered.held:  # its body is no longer held
+            self.held_body_bytes -= answered.held
+            self._sweeper.held_body_bytes -= answered.held
+            answered.held = 0
         if self.transport.is_closing():
             return
         if self.overflowed:
@@ -510,6 +567,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             self.flow.resume_reading()
         if self.pipeline:
             cycle, app = self.pipeline.pop()
+            self.answering = cast(GatewayCycle, cycle)
             self._start_asgi_task(cycle, app)
             if cycle.more_body:
                 self.phase = BODY

@@ -82,6 +82,13 @@ class GatewaySettings(BaseSettings):
     max_body_bytes: int = Field(
         default=16 * 1024 * 1024, ge=1, description="Largest request body (413)."
     )
+    max_held_body_bytes: int = Field(
+        default=512 * 1024 * 1024,
+        ge=1,
+        description="Most bytes of request bodies one gateway process holds at once (from "
+        "their first byte until each is answered); a body arriving past it is answered 503 "
+        "and its connection closed. At least --max-body-bytes.",
+    )
     max_queue_items: int = Field(
         default=0,
         ge=0,
@@ -208,6 +215,8 @@ class GatewaySettings(BaseSettings):
     def _check(self) -> GatewaySettings:
         if self.default_timeout > self.max_timeout:
             raise ValueError("--default-timeout must not exceed --max-timeout")
+        if self.max_held_body_bytes < self.max_body_bytes:
+            raise ValueError("--max-held-body-bytes must be at least --max-body-bytes")
         return self
 
     def tokens(self) -> frozenset[str]:

@@ -397,6 +397,78 @@ def test_a_connection_closed_with_answers_unsent_gives_them_the_send_timeout() -
             assert raw.aborted
 
 
+class SmallBudget(GatewayHttpProtocol):
+    limits = ConnectionLimits(max_held_body_bytes=1000)
+
+
+def test_request_bodies_are_held_within_the_process_budget_and_released_when_answered() -> None:
+    """Two connections' bodies are counted together: the one that takes the process past its
+    budget is answered 503 and closed, and the app sees its client gone; answered requests,
+    pipelined or answered before their body was read, release what they held."""
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    seen: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["path"] == "/early":  # answered before reading its body
+            await answer_ok(send)
+            return
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                seen.append(f"{scope['path']} gone")
+                return
+            more = message["more_body"]
+        await answer_ok(send)
+        seen.append(f"{scope['path']} answered")
+
+    def post(path: str, length: int, body: bytes) -> bytes:
+        return b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (
+            path.encode(),
+            length,
+            body,
+        )
+
+    async def turns() -> None:
+        for _ in range(20):
+            await asyncio.sleep(0)
+
+    async def main() -> tuple[RecordingTransport, RecordingTransport, int, list[int]]:
+        config = Config(app, lifespan="off", log_level="warning")
+        config.load()
+        state, loop = ServerState(), asyncio.get_running_loop()
+        first, second = (SmallBudget(config, state, {}, loop) for _ in range(2))
+        one, two = RecordingTransport(), RecordingTransport()
+        first.connection_made(one)  # type: ignore[arg-type]
+        second.connection_made(two)  # type: ignore[arg-type]
+        first.data_received(post("/one", 900, b"a" * 600))
+        await turns()
+        second.data_received(post("/two", 900, b"b" * 600))  # 1200 held: over the budget
+        await turns()
+        held = [first._sweeper.held_body_bytes]
+        second.connection_lost(None)  # as the transport does once closed
+        held.append(first._sweeper.held_body_bytes)
+        first.data_received(b"a" * 300)  # the rest of /one: answered
+        await turns()
+        held.append(first._sweeper.held_body_bytes)
+        pipelined = post("/three", 400, b"c" * 400) + post("/four", 400, b"d" * 400)
+        first.data_received(pipelined + post("/early", 500, b"e" * 100))
+        await turns()
+        first.data_received(b"e" * 400)
+        await turns()
+        return one, two, first._sweeper.held_body_bytes, held
+
+    one, two, after, held = asyncio.run(main())
+    assert written(two).startswith(b"HTTP/1.1 503 Service Unavailable\r\n") and two.closed
+    assert b'"TooManyBodyBytes"' in written(two) and b"retry-after: 1\r\n" in written(two)
+    assert held == [1200, 600, 0]
+    assert seen == ["/two gone", "/one answered", "/three answered", "/four answered"]
+    assert written(one).count(b"HTTP/1.1 200 OK\r\n") == 4 and not one.closed
+    assert after == 0
+
+
 def watch_gone(chunks: list[bytes], end: str) -> list[str]:
     """Serve ``chunks`` to an app that reads the body and waits on ``when_gone`` (no task on
     ``receive``); then end the connection as ``end`` says: "lost", "expire" or "answer"."""

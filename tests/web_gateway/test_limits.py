@@ -356,3 +356,42 @@ def test_clients_that_take_no_answers_are_aborted_after_the_send_timeout(
             assert read_until_closed(sock).startswith(b"HTTP/1.1 200 OK\r\n")
         for sock in socks:  # reset, their answers dropped (a connection left open would
             assert len(read_until_closed(sock)) < answers * answer  # send them all here)
+
+
+def test_the_request_bodies_a_process_holds_stay_within_its_budget(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Connections sending large bodies each held up to --max-body-bytes, all of them together
+    without bound (100 connections sending 15 MB each grew a gateway process by 1.5 GB in 4 s).
+    Now a process holds at most --max-held-body-bytes of them: a body arriving past it is
+    answered 503 and its connection closed, and once bodies are let go requests are served."""
+    budget, senders, sent = 64 * 2**20, 20, 8 * 2**20
+    args = [f"--max-held-body-bytes={budget}", "--body-timeout=3"]
+    with (
+        worker_process(redis_server.url, DOUBLER, prefix),
+        gateway_process(redis_server.url, [DOUBLER], prefix, *args) as (base, gunicorn),
+    ):
+        port = int(base.rsplit(":", 1)[1])
+        pid = worker_pid(gunicorn.pid)
+        idle = rss_bytes(pid)
+        head = (
+            b"POST /v1/models/doubler/predict HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (16 * 2**20)
+        )
+        socks = []
+        for _ in range(senders):  # each sends half its body, then nothing
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            with contextlib.suppress(ConnectionError):  # refused: closed by the gateway
+                sock.sendall(head + b"1" * sent)
+            socks.append(sock)
+        time.sleep(0.5)
+        assert rss_bytes(pid) - idle < budget + 48 * 2**20  # not senders * sent (160 MB)
+        answers = [read_until_closed(sock) for sock in socks]  # 503 at once, or 408 later
+        refused = [a for a in answers if a.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")]
+        assert len(refused) >= senders - budget // sent
+        assert all(b"TooManyBodyBytes" in answer for answer in refused)
+        assert all(a.startswith(b"HTTP/1.1 408 ") for a in answers if a not in refused)
+        response = httpx.post(
+            f"{base}/v1/models/doubler/predict", json={"inputs": [[1, 2, 3, 4]]}, timeout=10
+        )
+        assert response.json() == {"outputs": [[2.0, 4.0, 6.0, 8.0]]}
