@@ -59,6 +59,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, NoReturn, cast
 
+import httptools
 import orjson
 from uvicorn.protocols.http.httptools_impl import (
     HEADER_RE,
@@ -281,9 +282,6 @@ class _StopParsing(Exception):
     """Raised in the parser's callbacks to stop it (headers too large, too many pipelined)."""
 
 
-_SILENT = logging.Logger("refused", level=logging.CRITICAL + 1)  # outside logging's tree
-
-
 def _raw_response(status: str, error: str, message: str, v2: bool, extra: str = "") -> bytes:
     body = orjson.dumps((v2_error_body if v2 else error_body)(error, message))
     head = (
@@ -294,7 +292,7 @@ def _raw_response(status: str, error: str, message: str, v2: bool, extra: str = 
 
 
 # why connections were closed: counted, and reported together
-_CLOSED_FOR = ("headers", "body", "unread", "large", "pipelined", "held", "refused")
+_CLOSED_FOR = ("headers", "body", "unread", "invalid", "large", "pipelined", "held", "refused")
 
 
 class _Sweeper:
@@ -338,12 +336,13 @@ class _Sweeper:
         self.reported = time.monotonic()
         log.warning(
             "closed %d connection(s) whose headers, and %d whose body, came too slowly, %d "
-            "whose client did not take its answers, %d whose headers were too large, %d that "
-            "pipelined over %d requests, and %d whose body came past the bytes of bodies held; "
-            "refused %d over the connection cap",
+            "whose client did not take its answers, %d not valid HTTP, %d whose headers were too "
+            "large, %d that pipelined over %d requests, and %d whose body came past the bytes of "
+            "bodies held; refused %d over the connection cap",
             counts["headers"],
             counts["body"],
             counts["unread"],
+            counts["invalid"],
             counts["large"],
             counts["pipelined"],
             MAX_PIPELINED,
@@ -419,7 +418,17 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         if self.phase == IDLE:  # the next request starts
             self.phase = HEADERS
             self.deadline = self.loop.time() + self._limits.header_timeout
-        super().data_received(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:  # and _StopParsing, raised in a callback
+            if self.phase != REFUSED and not self.overflowed:  # (those answer for themselves)
+                self._refuse_invalid(exc)
+            return
+        except httptools.HttpParserUpgrade:
+            # served as plain HTTP/1.1 (the gateway has no WebSocket routes); uvicorn said so
+            # in two warning lines per request, for clients as common as `curl --http2`
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
         if self.phase == HEADERS:
             # The parser hands over a header only once it is whole: one that never ends is
             # held, and grown, inside it. Bounded here, with one read's slack (a read may also
@@ -454,11 +463,20 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         self._stop_parsing()
 
     def _stop_parsing(self) -> NoReturn:
-        """Stop the parser from one of its callbacks. uvicorn takes that for a malformed
-        request and says so in a log line of its own: silenced, as the sweeper's periodic line
-        counts the connection."""
-        self.logger = _SILENT
+        """Stop the parser from one of its callbacks (the connection has been answered)."""
         raise _StopParsing
+
+    def _refuse_invalid(self, exc: Exception) -> None:
+        """Answer 400 to what is not HTTP/1.1 and close; counted, not logged one by one (as
+        uvicorn did: a line per connection sending garbage)."""
+        self.phase, self.deadline = REFUSED, NO_DEADLINE
+        self.transport.write(
+            _raw_response(
+                "400 Bad Request", "BadRequest", f"the request is not valid HTTP: {exc}", v2=False
+            )
+        )
+        self.transport.close()
+        self._sweeper.count("invalid")
 
     def _refuse_large_headers(self) -> None:
         """Answer 431 and close the connection; what else it sends is ignored."""
@@ -544,10 +562,6 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         self.flow.pause_reading()
         self._sweeper.count("pipelined")
         self._stop_parsing()
-
-    def send_400_response(self, msg: str) -> None:
-        if self.phase != REFUSED and not self.overflowed:  # (those answer for themselves)
-            super().send_400_response(msg)
 
     def on_response_complete(self) -> None:
         # uvicorn's, with the keep-alive timer replaced by the idle deadline

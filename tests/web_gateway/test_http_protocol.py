@@ -469,6 +469,24 @@ def test_request_bodies_are_held_within_the_process_budget_and_released_when_ans
     assert after == 0
 
 
+def test_what_is_not_http_gets_a_json_400_and_upgrades_are_served_without_a_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await answer_ok(send)
+
+    _, garbage = run_protocol(app, [b"GARBAGE\x00\r\n\r\n"], expire=False)
+    refused = written(garbage)
+    assert refused.startswith(b"HTTP/1.1 400 Bad Request\r\n") and garbage.closed
+    assert b'{"error":{"type":"BadRequest","message":"the request is not valid HTTP: ' in refused
+    upgrade = b"GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n"
+    _, upgraded = run_protocol(app, [upgrade, upgrade.replace(b"h2c", b"websocket")], False)
+    assert written(upgraded).count(b"HTTP/1.1 200 OK\r\n") == 2 and not upgraded.closed
+    said = [record.getMessage() for record in caplog.records]
+    assert len(said) == 1 and "1 not valid HTTP" in said[0]  # the sweeper's summary alone
+
+
 def watch_gone(chunks: list[bytes], end: str) -> list[str]:
     """Serve ``chunks`` to an app that reads the body and waits on ``when_gone`` (no task on
     ``receive``); then end the connection as ``end`` says: "lost", "expire" or "answer"."""

@@ -395,3 +395,26 @@ def test_the_request_bodies_a_process_holds_stay_within_its_budget(
             f"{base}/v1/models/doubler/predict", json={"inputs": [[1, 2, 3, 4]]}, timeout=10
         )
         assert response.json() == {"outputs": [[2.0, 4.0, 6.0, 8.0]]}
+
+
+def test_clients_sending_garbage_or_upgrades_do_not_flood_the_log(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    """uvicorn logged a warning line for every connection that sent what is not HTTP, and two
+    for every request asking for an upgrade (as `curl --http2` does): one client could write
+    thousands of lines a second. Now they are counted in the periodic summary."""
+    log = tmp_path / "gateway.log"
+    with gateway_process(redis_server.url, [DOUBLER], prefix, log_path=log) as (base, _):
+        port = int(base.rsplit(":", 1)[1])
+        for _ in range(50):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                sock.sendall(b"GARBAGE\x00\r\n\r\n")
+                assert read_until_closed(sock).startswith(b"HTTP/1.1 400 Bad Request\r\n")
+        upgrade = b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: %s\r\n\r\n"
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            for protocol in (b"h2c", b"websocket") * 25:  # one keep-alive connection
+                sock.sendall(upgrade % protocol)
+                assert sock.recv(65536).startswith(b"HTTP/1.1 200 OK\r\n")
+    said = log.read_text()
+    assert "Invalid HTTP request" not in said and "upgrade" not in said.lower()
+    assert said.count("not valid HTTP") <= 2  # the summary, at most one line every 10 s
