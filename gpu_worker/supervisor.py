@@ -390,12 +390,11 @@ class SupervisorMetrics:
 
     def __init__(self, port: int, keys: ModelKeys, heartbeats: Heartbeats) -> None:
         self.directory = multiproc_metrics.fresh_directory("microbatch-metrics-")
-        from prometheus_client import start_http_server
-
         from . import metrics
+        from .metrics_server import start_metrics_server
 
         self._metrics = metrics
-        self.server, self.thread = start_http_server(port, registry=multiproc_metrics.registry())
+        self.server, self.thread = start_metrics_server(port, multiproc_metrics.registry())
         self.keys = keys
         self.client = heartbeats.client
         self._next_sample = 0.0

@@ -1,0 +1,78 @@
+"""The worker's ``/metrics`` endpoint: prometheus_client's WSGI app on a threaded server whose
+connections time out and are capped.
+
+prometheus_client's ``start_http_server`` gives each connection a thread that waits for its
+request without a timeout: 1,000 connections that sent nothing held 1,000 threads of a
+`worker start` process for ever. Here a connection has ``timeout`` seconds for each read and
+write, and past ``max_connections`` at once a new one is closed unanswered.
+"""
+
+from __future__ import annotations
+
+import logging
+import socketserver
+import threading
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+
+log = logging.getLogger("microbatch.metrics")
+
+TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 32
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No line per request on stderr (as prometheus_client's own handler)."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most ``max_connections`` of them."""
+
+    daemon_threads = True
+    max_connections = MAX_CONNECTIONS
+    request_queue_size = 64  # the listen backlog (socketserver's 5 made connects wait 1 s)
+
+    def server_bind(self) -> None:
+        super().server_bind()
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # over the cap: closed at once
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # a client that timed out or went away; socketserver would print a traceback
+        log.debug("metrics connection from %s failed", client_address, exc_info=True)
+
+
+def start_metrics_server(
+    port: int,
+    registry: CollectorRegistry,
+    host: str = "0.0.0.0",
+    timeout: float = TIMEOUT_S,
+) -> tuple[MetricsServer, threading.Thread]:
+    """Serve ``registry`` on ``http://host:port/metrics`` from a daemon thread."""
+    handler = type("Handler", (_QuietHandler,), {"timeout": timeout})
+    server: Any = make_server(
+        host, port, make_wsgi_app(registry), server_class=MetricsServer, handler_class=handler
+    )
+    thread = threading.Thread(target=server.serve_forever, name="metrics-server", daemon=True)
+    thread.start()
+    return server, thread
