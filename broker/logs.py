@@ -19,6 +19,21 @@ FORMATS = ("text", "json")
 LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
+class TextFormatter(logging.Formatter):
+    """``TEXT_FORMAT``, one line per event: a line break in a message (a value a client
+    chose, say) is written as ``\\n``, so it cannot start a line of its own (an exception's
+    traceback still follows on lines of its own)."""
+
+    def __init__(self, fmt: str | None = TEXT_FORMAT, **kwargs: Any) -> None:
+        super().__init__(fmt, **kwargs)
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        line = super().formatMessage(record)
+        if "\n" in line or "\r" in line:
+            line = line.replace("\r", "\\r").replace("\n", "\\n")
+        return line
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, pid, message (and the exception)."""
 
@@ -60,7 +75,7 @@ def check_level(level: str) -> str:
 
 def formatter(fmt: str = "text") -> logging.Formatter:
     """The formatter every process uses for ``text`` or ``json`` logs."""
-    return JsonFormatter() if parse_format(fmt) == "json" else logging.Formatter(TEXT_FORMAT)
+    return JsonFormatter() if parse_format(fmt) == "json" else TextFormatter()
 
 
 def configure_logging(level: str = "INFO", fmt: str = "text") -> None:
@@ -77,8 +92,8 @@ def dict_config(level: str = "info", fmt: str = "text", loggers: tuple[str, ...]
     (for servers that take one, e.g. gunicorn's ``logconfig_dict``); ``loggers`` are routed to
     the same handler without propagating (e.g. ``gunicorn.error``)."""
     name = parse_level(level).upper()
-    factory = "broker.logs.JsonFormatter" if parse_format(fmt) == "json" else None
-    chosen: dict[str, Any] = {"()": factory} if factory else {"format": TEXT_FORMAT}
+    json_lines = parse_format(fmt) == "json"
+    chosen = {"()": "broker.logs.JsonFormatter" if json_lines else "broker.logs.TextFormatter"}
     return {
         "version": 1,
         "disable_existing_loggers": False,

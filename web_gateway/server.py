@@ -22,8 +22,6 @@ from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
-from broker.logs import TEXT_FORMAT
-
 from .settings import GatewaySettings
 
 APP = "web_gateway.app:create_app()"
@@ -72,7 +70,9 @@ def _log_config(level: str, fmt: str) -> dict[str, Any]:
         "formatter": "microbatch",
         "stream": "ext://sys.stderr",
     }
-    formatter = {"()": "broker.logs.JsonFormatter"} if fmt == "json" else {"format": TEXT_FORMAT}
+    formatter = {
+        "()": "broker.logs.JsonFormatter" if fmt == "json" else "broker.logs.TextFormatter"
+    }
     return {
         "version": 1,
         "disable_existing_loggers": False,

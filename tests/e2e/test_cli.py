@@ -120,8 +120,18 @@ def test_every_process_logs_in_one_format(capfd: pytest.CaptureFixture[str]) -> 
     try:
         logging.getLogger("microbatch.test").info("hello %s", "there")
         line = capfd.readouterr().err.strip().splitlines()[-1]
+        # one line per event, whatever a message holds (a client's value, say)
+        logging.getLogger("microbatch.test").info("a %s b", "\n2026-01-01 fake\r\n")
+        injected = capfd.readouterr().err
+        try:
+            raise ValueError("boom")
+        except ValueError:
+            logging.getLogger("microbatch.test").exception("failed")
+        traceback = capfd.readouterr().err
     finally:
         logging.getLogger().handlers.clear()
+    assert injected.count("\n") == 1 and injected.endswith("a \\n2026-01-01 fake\\r\\n b\n")
+    assert traceback.splitlines()[1] == "Traceback (most recent call last):"
     assert TEXT_FORMAT == "%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"
     assert re.fullmatch(
         rf"\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d{{3}} INFO microbatch.test \[{os.getpid()}\] "
