@@ -26,6 +26,7 @@ from . import access_log, operations, package_version, reading, v1, v2
 from .disconnects import gateway_cycle
 from .docs import install_docs
 from .errors import HTTPError, to_response
+from .http_protocol import report_closed_connections
 from .openapi import install_openapi
 from .responses import JSONBody
 from .settings import GatewaySettings
@@ -105,6 +106,7 @@ def create_app(settings: GatewaySettings | None = None) -> GatewayApp:
             yield
         finally:
             await gateway.stop()
+            report_closed_connections()
 
     app = GatewayApp(
         title="microbatch gateway",

@@ -328,9 +328,12 @@ class _Sweeper:
         self.counts[kind] += 1
         self.report()
 
-    def report(self) -> None:
-        """At most one log line per REPORT_EVERY_S, however many connections misbehave."""
-        if not any(self.counts.values()) or time.monotonic() - self.reported < REPORT_EVERY_S:
+    def report(self, now: bool = False) -> None:
+        """At most one log line per REPORT_EVERY_S, however many connections misbehave (with
+        ``now``, what is counted is reported at once)."""
+        if not any(self.counts.values()):
+            return
+        if not now and time.monotonic() - self.reported < REPORT_EVERY_S:
             return
         counts, self.counts = self.counts, dict.fromkeys(self.counts, 0)
         self.reported = time.monotonic()
@@ -352,6 +355,12 @@ class _Sweeper:
 
 
 _sweepers: weakref.WeakKeyDictionary[Any, _Sweeper] = weakref.WeakKeyDictionary()
+
+
+def report_closed_connections() -> None:
+    """Log the connections closed or refused since the last periodic line (at a stop)."""
+    for sweeper in list(_sweepers.values()):
+        sweeper.report(now=True)
 
 
 class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
