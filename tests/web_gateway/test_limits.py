@@ -323,6 +323,7 @@ def untaking_client(port: int) -> socket.socket:
     return sock
 
 
+@pytest.mark.slow
 def test_clients_that_take_no_answers_are_aborted_after_the_send_timeout(
     redis_server: RedisServer, prefix: str
 ) -> None:
@@ -359,6 +360,7 @@ def test_clients_that_take_no_answers_are_aborted_after_the_send_timeout(
             assert len(read_until_closed(sock)) < answers * answer  # send them all here)
 
 
+@pytest.mark.slow
 def test_the_request_bodies_a_process_holds_stay_within_its_budget(
     redis_server: RedisServer, prefix: str
 ) -> None:
