@@ -357,6 +357,14 @@ class _Sweeper:
 _sweepers: weakref.WeakKeyDictionary[Any, _Sweeper] = weakref.WeakKeyDictionary()
 
 
+def _tell_app_gone(cycle: RequestResponseCycle) -> None:
+    """The app's ``receive()`` says the request's client has gone; :func:`when_gone` calls
+    back."""
+    cycle.disconnected = True
+    cycle.message_event.set()
+    gone(cycle)
+
+
 def report_closed_connections() -> None:
     """Log the connections closed or refused since the last periodic line (at a stop)."""
     for sweeper in list(_sweepers.values()):
@@ -394,19 +402,15 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         if len(self.connections) > self._limits.max_connections:
-            self.phase = REFUSED
             cap = self._limits.max_connections
-            self.transport.write(
-                _raw_response(
-                    "503 Service Unavailable",
-                    "TooManyConnections",
-                    f"this gateway process is at its limit of {cap} connections",
-                    v2=False,
-                    extra="retry-after: 1\r\n",
-                )
+            refusal = _raw_response(
+                "503 Service Unavailable",
+                "TooManyConnections",
+                f"this gateway process is at its limit of {cap} connections",
+                v2=False,
+                extra="retry-after: 1\r\n",
             )
-            self.transport.close()
-            self._sweeper.count("refused")
+            self._close_refused("refused", refusal)
             return
         self.phase = HEADERS
         self.deadline = self.loop.time() + self._limits.header_timeout
@@ -478,29 +482,29 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
     def _refuse_invalid(self, exc: Exception) -> None:
         """Answer 400 to what is not HTTP/1.1 and close; counted, not logged one by one (as
         uvicorn did: a line per connection sending garbage)."""
+        message = f"the request is not valid HTTP: {exc}"
+        refusal = _raw_response("400 Bad Request", "BadRequest", message, v2=False)
+        self._close_refused("invalid", refusal)
+
+    def _close_refused(self, counted_as: str, response: bytes | None) -> None:
+        """Write ``response`` (if any) and close; what else the connection sends is ignored.
+        Counted in the sweeper's summary as ``counted_as``."""
         self.phase, self.deadline = REFUSED, NO_DEADLINE
-        self.transport.write(
-            _raw_response(
-                "400 Bad Request", "BadRequest", f"the request is not valid HTTP: {exc}", v2=False
-            )
-        )
+        if response is not None:
+            self.transport.write(response)
         self.transport.close()
-        self._sweeper.count("invalid")
+        self._sweeper.count(counted_as)
 
     def _refuse_large_headers(self) -> None:
         """Answer 431 and close the connection; what else it sends is ignored."""
-        self.phase, self.deadline = REFUSED, NO_DEADLINE
         limit = self._max_header_bytes
-        self.transport.write(
-            _raw_response(
-                "431 Request Header Fields Too Large",
-                "HeadersTooLarge",
-                f"the request's URL and headers are over the limit of {limit} bytes",
-                v2=is_v2(getattr(self, "url", b"").decode("latin-1")),
-            )
+        refusal = _raw_response(
+            "431 Request Header Fields Too Large",
+            "HeadersTooLarge",
+            f"the request's URL and headers are over the limit of {limit} bytes",
+            v2=is_v2(getattr(self, "url", b"").decode("latin-1")),
         )
-        self.transport.close()
-        self._sweeper.count("large")
+        self._close_refused("large", refusal)
 
     def on_headers_complete(self) -> None:
         cycle = self.cycle
@@ -536,23 +540,18 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         """Answer 503 (unless the app has answered) and close: the process holds its limit of
         request bodies; the app sees the client gone."""
         cycle = self.cycle
-        self.phase, self.deadline = REFUSED, NO_DEADLINE
+        refusal = None
         if not cycle.response_started:
             limit = self._limits.max_held_body_bytes
-            self.transport.write(
-                _raw_response(
-                    "503 Service Unavailable",
-                    "TooManyBodyBytes",
-                    f"this gateway process holds its limit of {limit} bytes of request bodies",
-                    v2=is_v2(str(cycle.scope.get("path", ""))),
-                    extra="retry-after: 1\r\n",
-                )
+            refusal = _raw_response(
+                "503 Service Unavailable",
+                "TooManyBodyBytes",
+                f"this gateway process holds its limit of {limit} bytes of request bodies",
+                v2=is_v2(str(cycle.scope.get("path", ""))),
+                extra="retry-after: 1\r\n",
             )
-        cycle.disconnected = True  # the app's receive() says the client has gone
-        cycle.message_event.set()
-        gone(cycle)
-        self.transport.close()
-        self._sweeper.count("held")
+        _tell_app_gone(cycle)
+        self._close_refused("held", refusal)
         self._stop_parsing()
 
     def on_message_complete(self) -> None:
@@ -647,7 +646,5 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         if phase in (HEADERS, BODY):
             self._sweeper.count("headers" if phase == HEADERS else "body")
         if cycle is not None and not cycle.response_complete:
-            cycle.disconnected = True  # the app's receive() says the client has gone
-            cycle.message_event.set()
-            gone(cycle)
+            _tell_app_gone(cycle)
         self.transport.close()

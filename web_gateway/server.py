@@ -22,6 +22,8 @@ from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
+from broker.logs import dict_config
+
 from .settings import GatewaySettings
 
 APP = "web_gateway.app:create_app()"
@@ -65,30 +67,14 @@ def on_exit(server: Any) -> None:
 def _log_config(level: str, fmt: str) -> dict[str, Any]:
     """The same log format as `worker start` (broker.logs), for gunicorn's, uvicorn's and the
     app's loggers alike."""
-    stderr = {
-        "class": "logging.StreamHandler",
-        "formatter": "microbatch",
-        "stream": "ext://sys.stderr",
+    config: dict[str, Any] = dict_config(level, fmt, loggers=("gunicorn.error",))
+    # --access-log: the app's own access log (web_gateway.access_log), whatever the level
+    config["loggers"]["microbatch.gateway.access"] = {
+        "level": "INFO",
+        "handlers": ["stderr"],
+        "propagate": False,
     }
-    formatter = {
-        "()": "broker.logs.JsonFormatter" if fmt == "json" else "broker.logs.TextFormatter"
-    }
-    return {
-        "version": 1,
-        "disable_existing_loggers": False,
-        "formatters": {"microbatch": formatter},
-        "handlers": {"stderr": stderr},
-        "root": {"level": level.upper(), "handlers": ["stderr"]},
-        "loggers": {
-            "gunicorn.error": {"level": level.upper(), "handlers": ["stderr"], "propagate": False},
-            # --access-log: the app's own access log (web_gateway.access_log), whatever the level
-            "microbatch.gateway.access": {
-                "level": "INFO",
-                "handlers": ["stderr"],
-                "propagate": False,
-            },
-        },
-    }
+    return config
 
 
 def gunicorn_options(settings: GatewaySettings) -> dict[str, Any]:
