@@ -4,14 +4,18 @@ connections time out and are capped.
 prometheus_client's ``start_http_server`` gives each connection a thread that waits for its
 request without a timeout: 1,000 connections that sent nothing held 1,000 threads of a
 `worker start` process for ever. Here a connection has ``timeout`` seconds for each read and
-write, and past ``max_connections`` at once a new one is closed unanswered.
+write and ``deadline`` seconds in all (a client trickling its request a byte at a time is cut
+off too), and past ``max_connections`` at once a new one is closed unanswered.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import socketserver
 import threading
+import time
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -19,7 +23,8 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 
 log = logging.getLogger("microbatch.metrics")
 
-TIMEOUT_S = 10.0
+TIMEOUT_S = 10.0  # for each read and write
+DEADLINE_S = 10.0  # for a connection in all (Prometheus's own default scrape timeout)
 MAX_CONNECTIONS = 32
 
 
@@ -31,31 +36,52 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 class MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
-    """A thread per connection, at most ``max_connections`` of them."""
+    """A thread per connection, at most ``max_connections`` of them, each cut off
+    ``deadline`` seconds after it was accepted."""
 
     daemon_threads = True
     max_connections = MAX_CONNECTIONS
+    deadline = DEADLINE_S
     request_queue_size = 64  # the listen backlog (socketserver's 5 made connects wait 1 s)
 
     def server_bind(self) -> None:
         super().server_bind()
         self._slots = threading.BoundedSemaphore(self.max_connections)
+        self._lock = threading.Lock()
+        self._deadlines: dict[socket.socket, float] = {}
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
             self.shutdown_request(request)  # over the cap: closed at once
             return
+        with self._lock:
+            self._deadlines[request] = time.monotonic() + self.deadline
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self._let_go(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self._let_go(request)
+
+    def _let_go(self, request: Any) -> None:
+        with self._lock:
+            self._deadlines.pop(request, None)
+        self._slots.release()
+
+    def service_actions(self) -> None:
+        """Run by ``serve_forever`` between polls (every 0.5 s): a connection past its deadline
+        is shut down, which ends its thread's blocked read or write."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [sock for sock, deadline in self._deadlines.items() if deadline <= now]
+        for sock in expired:
+            with contextlib.suppress(OSError):  # closed meanwhile
+                sock.shutdown(socket.SHUT_RDWR)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # a client that timed out or went away; socketserver would print a traceback
@@ -67,12 +93,14 @@ def start_metrics_server(
     registry: CollectorRegistry,
     host: str = "0.0.0.0",
     timeout: float = TIMEOUT_S,
+    deadline: float = DEADLINE_S,
 ) -> tuple[MetricsServer, threading.Thread]:
     """Serve ``registry`` on ``http://host:port/metrics`` from a daemon thread."""
     handler = type("Handler", (_QuietHandler,), {"timeout": timeout})
     server: Any = make_server(
         host, port, make_wsgi_app(registry), server_class=MetricsServer, handler_class=handler
     )
+    server.deadline = deadline
     thread = threading.Thread(target=server.serve_forever, name="metrics-server", daemon=True)
     thread.start()
     return server, thread

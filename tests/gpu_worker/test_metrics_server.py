@@ -51,3 +51,44 @@ def test_idle_connections_hold_a_bounded_number_of_threads_until_their_timeout()
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_clients_trickling_their_requests_are_cut_off_at_the_deadline() -> None:
+    """A byte every 0.3 s keeps each read within its timeout: without a deadline for the whole
+    connection, such clients held every slot for as long as they kept trickling, and no scrape
+    got in."""
+    registry = CollectorRegistry()
+    Counter("microbatch_test", "a counter", registry=registry).inc()
+    port = free_port()
+    server, _ = start_metrics_server(port, registry, host="127.0.0.1", timeout=1.0, deadline=2.0)
+    request = b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"a" * 1000
+    tricklers = [
+        socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_CONNECTIONS)
+    ]
+    for sock in tricklers:
+        sock.setblocking(False)  # (with a timeout, recv waits for data despite MSG_DONTWAIT)
+    opened = time.monotonic()
+    cut_off: set[int] = set()
+    try:
+        for position in range(len(request)):
+            for index, sock in enumerate(tricklers):
+                if index in cut_off:
+                    continue
+                try:
+                    sock.send(request[position : position + 1])
+                except OSError:
+                    cut_off.add(index)
+                    continue
+                if closed(sock):
+                    cut_off.add(index)
+            if len(cut_off) == len(tricklers):
+                break
+            assert time.monotonic() - opened < 2.0 + 3.0, "trickling connections were kept"
+            time.sleep(0.3)
+        response = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
+        assert response.status_code == 200 and "microbatch_test_total 1.0" in response.text
+    finally:
+        for sock in tricklers:
+            sock.close()
+        server.shutdown()
+        server.server_close()
