@@ -731,8 +731,10 @@ def write(
             f"{s['busy_poll_us'] / 1000:g} ms before it sleeps: a tuned setting, not the "
             "default)."
             if s.get("busy_poll_us")
-            else " and every other `worker start` and `gateway start` default (no busy "
-            "polling: a worker with nothing to do sleeps at once)."
+            else " and every other `worker start` and `gateway start` default (`--busy-poll-us "
+            "auto`: a worker with nothing to do polls up to 1 ms before it sleeps, only while "
+            "requests arrive less than 1 ms apart and a whole core is spare by the load average: "
+            "part of the worker's CPU per item at low concurrency)."
         ),
         f"- Closed loop: {s['warmup_s']:g} s warm-up, then {s['repeats']} windows of "
         f"{s['duration_s']:g} s per arm and concurrency; each figure is the median of the windows. "
