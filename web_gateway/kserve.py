@@ -25,6 +25,7 @@ import orjson
 from gpu_worker.model import DATATYPES, TensorSpec, Unfit, to_datatype
 
 from .errors import HTTPError, bad_request, invalid_input
+from .reading import json_document
 
 HEADER_LENGTH = "inference-header-content-length"
 VERSIONS = ("1",)  # a model's versions in the protocol's sense: each served model has one
@@ -202,11 +203,7 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvi
 
 
 def _document(head: bytes) -> dict[str, Any]:
-    try:
-        document = orjson.loads(head)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
-    return _object(document, "the request body")
+    return _object(json_document(head), "the request body")
 
 
 class _Binary:

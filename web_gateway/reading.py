@@ -1,4 +1,5 @@
-"""Reading one HTTP request: its bearer token, its timeout, its priority, its body and its files.
+"""Reading one HTTP request: its bearer token, its timeout, its priority, its body (and its
+JSON) and its files.
 
 Each function raises :class:`web_gateway.errors.HTTPError` for what it refuses (400, 401, 413,
 415), or :class:`web_gateway.errors.ClientGone` when the client leaves mid-body.
@@ -12,6 +13,7 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+import orjson
 from starlette.datastructures import Headers, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -23,6 +25,7 @@ from .disconnects import gateway_cycle
 from .errors import ClientGone, HTTPError, bad_request, too_large
 
 TIMEOUT_HEADER = "x-request-timeout"
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 class IndexedHeaders(Headers):
@@ -165,6 +168,18 @@ async def body(request: Request, limit: int) -> bytes:
         raise HTTPError(415, "UnsupportedMediaType", f"Content-Encoding {encoding!r}")
     request._body = data  # so request.form() parses what was read here
     return data
+
+
+def json_document(text: bytes) -> Any:
+    """A body's JSON text, parsed (400 if it is not JSON). A UTF-8 byte order mark before it,
+    which some tools write (Windows PowerShell 5's UTF-8 files), is ignored, as RFC 8259 lets a
+    parser do."""
+    if text[:3] == UTF8_BOM:
+        text = text[3:]
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
 
 
 async def _received(receive: Any, limit: int) -> bytes:

@@ -12,7 +12,6 @@ from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
-import orjson
 from fastapi import APIRouter, Path, Request
 from starlette.responses import Response
 
@@ -81,10 +80,7 @@ async def _predict(gateway: Gateway, request: Request, served: ServedModel) -> R
 
 def parse_and_prepare(served: ServedModel, body: bytes, max_items: int) -> list[Any]:
     """A v1 JSON body's items, prepared for ``served`` (400, 413 or 422 if they cannot be)."""
-    try:
-        document = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    document = reading.json_document(body)
     if not isinstance(document, dict) or not isinstance(document.get("inputs"), list):
         raise bad_request('the body must be a JSON object {"inputs": [item, ...]}')
     raw_items = document["inputs"]

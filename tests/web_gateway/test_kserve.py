@@ -54,6 +54,14 @@ def test_several_inputs_make_one_dict_per_row() -> None:
     assert [item["b"] for item in items] == ["p", "q"]
 
 
+def test_a_byte_order_mark_before_the_json_is_ignored() -> None:
+    """RFC 8259 lets a parser ignore it; Windows PowerShell 5 writes UTF-8 files with one."""
+    blob = np.array([[1.5, 2.5]], dtype="<f4").tobytes()
+    head = b"\xef\xbb\xbf" + body(tensor(parameters={"binary_data_size": len(blob)}))
+    parsed = kserve.parse_request(head + blob, str(len(head)))
+    assert parsed.inputs["x"].tolist() == [[1.5, 2.5]]
+
+
 def test_binary_tensors_follow_the_json_header() -> None:
     blob = np.array([[1.5, 2.5]], dtype="<f4").tobytes()
     strings = struct.pack("<I", 2) + b"hi" + struct.pack("<I", 0)

@@ -110,6 +110,11 @@ def test_results_health_readiness_and_metrics(live: TestClient) -> None:
         headers={"Content-Encoding": "gzip", "X-Request-Timeout": "10"},
     )
     assert result.status_code == 200 and result.json() == {"outputs": [[2.0, 4.0, 6.0, 8.0]]}
+    # a UTF-8 byte order mark before the JSON (some Windows tools write one) is ignored
+    marked = live.post(
+        "/v1/models/doubler/predict", content=b'\xef\xbb\xbf{"inputs": [[1, 2, 3, 4]]}'
+    )
+    assert marked.status_code == 200 and marked.json() == {"outputs": [[2.0, 4.0, 6.0, 8.0]]}
     v2 = live.post(
         "/v2/models/doubler/infer",
         json={
