@@ -488,8 +488,18 @@ class ClientCore:
             self._fail_items(call, error.with_index)
 
     def _expire(self, call: _Call) -> None:
+        """The call's deadline passed: its unanswered items fail, and those still queued are
+        withdrawn (a worker would only skip them, and until then they count against the
+        queue bound: with no worker reading, expired items alone could fill it)."""
+        pending = self._pending
+        unanswered = [index for index, rid in enumerate(call.ids) if rid in pending]
         message = f"no reply within {call.timeout_s:g} s"
+        call.abandoned = True  # (still being queued: withdrawn once it is)
         self._fail_items(call, lambda index: DeadlineExceeded(message, index=index))
+        if call.entries and unanswered:
+            # only the unanswered: marks for answered items would outlive them in the
+            # cancelled set, and cost workers a check per batch while they stand
+            self._withdraw(call, unanswered)
 
     # -- NoWorkers ---------------------------------------------------------------------------
     def _no_workers(self) -> NoWorkers:
@@ -567,12 +577,14 @@ class ClientCore:
         if call.entries:
             self._withdraw(call)
 
-    def _withdraw(self, call: _Call) -> None:
+    def _withdraw(self, call: _Call, indexes: Sequence[int] | None = None) -> None:
+        """Take back the call's queued items: those at ``indexes``, or all of them."""
         entries = list(zip(call.entries, map(len, call.requests.payloads), strict=True))
+        ids = call.ids
+        if indexes is not None:
+            entries, ids = [entries[i] for i in indexes], [ids[i] for i in indexes]
         call.entries = []
-        task = self.loop.create_task(
-            self._cancel_entries(call.queue or self.keys, entries, call.ids)
-        )
+        task = self.loop.create_task(self._cancel_entries(call.queue or self.keys, entries, ids))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

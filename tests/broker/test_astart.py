@@ -1,11 +1,14 @@
 """Streamer.astart: a call's future on the running loop, without a coroutine; cancelling it
-withdraws the call's items (on a real Redis with a real worker, and on a LocalStreamer)."""
+withdraws the call's items, as its deadline passing does (on a real Redis with a real worker,
+and on a LocalStreamer)."""
 
 from __future__ import annotations
 
 import asyncio
 
-from broker import Streamer
+import pytest
+
+from broker import DeadlineExceeded, Streamer
 from broker.devserver import RedisServer
 from broker.keys import ModelKeys
 from gpu_worker import LocalStreamer
@@ -41,6 +44,34 @@ def test_astart_gives_the_outputs_and_a_cancel_withdraws(
     assert [output["item"] for output in done] == ["first"]  # type: ignore[index]
     # "never" was not computed: "after" is the model's second item
     assert [(output["item"], output["seq"]) for output in after] == [("after", 1)]  # type: ignore[index]
+
+
+def test_a_call_past_its_deadline_withdraws_its_queued_items(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Expired items left queued would wait for a worker only to be skipped, counted against
+    the queue bound meanwhile: with no worker reading, they alone could fill it."""
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+
+    async def scenario() -> None:
+        streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix)
+        try:
+            with pytest.raises(DeadlineExceeded):
+                await streamer.apredict(["a", "b", "c"], timeout=0.3)  # one multi-item entry
+            with pytest.raises(DeadlineExceeded):
+                await streamer.apredict(["d"], timeout=0.3)  # a v1 entry
+            deadline = asyncio.get_running_loop().time() + 5
+            while client.xlen(keys.stream) and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+        finally:
+            await streamer.aclose()
+
+    asyncio.run(scenario())
+    assert client.xlen(keys.stream) == 0
+    assert int(client.get(keys.queued_bytes) or 0) == 0
+    assert int(client.get(keys.packed_items) or 0) == 0
+    assert client.zcard(keys.cancelled) == 0
 
 
 def test_astart_on_a_local_streamer_runs_the_model_with_its_postprocess() -> None:

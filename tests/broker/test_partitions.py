@@ -315,12 +315,22 @@ def test_the_queue_bound_holds_per_partition(redis_server: Any, prefix: str) -> 
     assert client.hget(keys.of(1).queue_bound, "items") == b"4"
     streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True)
     with streamer:
-        futures = [streamer.submit([i], timeout=2) for i in range(10)]
-        too_big = streamer.submit(list(range(5)), timeout=2)  # more than a partition's share
+        futures = [streamer.submit([i], timeout=4) for i in range(10)]
+        too_big = streamer.submit(list(range(5)), timeout=4)  # more than a partition's share
+        queued: list[int] = []
+        until = time.monotonic() + 3  # while the accepted calls wait (read before their deadline)
+        while queued != [4, 4] and time.monotonic() < until:
+            queued = [queued_items(client, part) for part in keys.each()]
+            time.sleep(0.01)
+        assert queued == [4, 4]
         outcomes = [_outcome(future) for future in futures]
         assert outcomes.count("QueueFull") == 2 and outcomes.count("DeadlineExceeded") == 8
         assert _outcome(too_big) == "QueueFull"
-    assert [queued_items(client, part) for part in keys.each()] == [4, 4]
+    # at their deadline the expired calls' items were withdrawn
+    until = time.monotonic() + 5
+    while any(queued_items(client, part) for part in keys.each()) and time.monotonic() < until:
+        time.sleep(0.05)
+    assert [queued_items(client, part) for part in keys.each()] == [0, 0]
 
 
 def _outcome(future: Future[Any]) -> str:

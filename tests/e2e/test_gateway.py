@@ -350,9 +350,13 @@ def test_queue_bound_holds_with_two_gateways_pushing_at_once(redis_server: Redis
         keys = ModelKeys("doubler", prefix)
         r = redis.Redis.from_url(url)
 
-        async def run() -> list[httpx.Response]:
+        def queued() -> int:
+            # the items queued (in entries that may each hold several: protocol.md, 5.1)
+            return int(r.xlen(keys.stream)) + int(r.get(keys.packed_items) or 0)
+
+        async def run() -> tuple[list[httpx.Response], list[int]]:
             async with httpx.AsyncClient(timeout=30) as http:
-                return await asyncio.gather(
+                posts = asyncio.gather(
                     *(
                         http.post(
                             f"{(first, second)[i % 2]}/v1/models/doubler/predict",
@@ -362,13 +366,22 @@ def test_queue_bound_holds_with_two_gateways_pushing_at_once(redis_server: Redis
                         for i in range(total)
                     )
                 )
+                seen = []
+                while not posts.done():  # until the deadlines: the queue at its bound
+                    seen.append(queued())
+                    await asyncio.sleep(0.05)
+                return await posts, seen
 
         started = time.monotonic()
-        responses = asyncio.run(run())
+        responses, seen = asyncio.run(run())
         codes = sorted(response.status_code for response in responses)
         assert codes == [503] * (total - bound) + [504] * bound
-        # the items queued (in entries that may each hold several: protocol.md, 5.1)
-        assert int(r.xlen(keys.stream)) + int(r.get(keys.packed_items) or 0) == bound
+        assert max(seen) == bound
+        # at their deadline the expired requests' items were withdrawn
+        settled = time.monotonic() + 5
+        while queued() and time.monotonic() < settled:
+            time.sleep(0.05)
+        assert queued() == 0 and int(r.get(keys.queued_bytes) or 0) == 0
         for response in responses:
             if response.status_code == 503:
                 check_error(response, 503, "QueueFull")
