@@ -245,6 +245,7 @@ class ConnectionLimits:
     max_header_bytes: int = 65536
     send_timeout: float = 30.0
     max_held_body_bytes: int = 512 * 2**20
+    max_body_bytes: int = 16 * 2**20  # of one request: the app answers 413 past it
 
     @classmethod
     def of(cls, settings: GatewaySettings) -> ConnectionLimits:
@@ -257,6 +258,7 @@ class ConnectionLimits:
             max_header_bytes=settings.max_header_bytes,
             send_timeout=settings.send_timeout,
             max_held_body_bytes=settings.max_held_body_bytes,
+            max_body_bytes=settings.max_body_bytes,
         )
 
     @classmethod
@@ -355,6 +357,14 @@ class _Sweeper:
 
 
 _sweepers: weakref.WeakKeyDictionary[Any, _Sweeper] = weakref.WeakKeyDictionary()
+
+
+def _declared_length(cycle: RequestResponseCycle) -> int:
+    """The request's Content-Length (-1 where it has none, or not a number)."""
+    for name, value in cycle.scope["headers"]:
+        if name == b"content-length":
+            return int(value) if value.isdigit() else -1
+    return -1
 
 
 def _tell_app_gone(cycle: RequestResponseCycle) -> None:
@@ -538,18 +548,29 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
 
     def _refuse_over_held(self) -> NoReturn:
         """Answer 503 (unless the app has answered) and close: the process holds its limit of
-        request bodies; the app sees the client gone."""
-        cycle = self.cycle
+        request bodies; the app sees the client gone. A body over the limit of one request is
+        answered 413 instead, as the app would have (no retry could succeed)."""
+        cycle = cast(GatewayCycle, self.cycle)
         refusal = None
         if not cycle.response_started:
-            limit = self._limits.max_held_body_bytes
-            refusal = _raw_response(
-                "503 Service Unavailable",
-                "TooManyBodyBytes",
-                f"this gateway process holds its limit of {limit} bytes of request bodies",
-                v2=is_v2(str(cycle.scope.get("path", ""))),
-                extra="retry-after: 1\r\n",
-            )
+            v2 = is_v2(str(cycle.scope.get("path", "")))
+            limits = self._limits
+            if max(cycle.held, _declared_length(cycle)) > limits.max_body_bytes:
+                refusal = _raw_response(
+                    "413 Request Entity Too Large",
+                    "PayloadTooLarge",
+                    f"request body is over {limits.max_body_bytes} bytes",
+                    v2=v2,
+                )
+            else:
+                refusal = _raw_response(
+                    "503 Service Unavailable",
+                    "TooManyBodyBytes",
+                    f"this gateway process holds its limit of {limits.max_held_body_bytes} "
+                    "bytes of request bodies",
+                    v2=v2,
+                    extra="retry-after: 1\r\n",
+                )
         _tell_app_gone(cycle)
         self._close_refused("held", refusal)
         self._stop_parsing()

@@ -680,3 +680,58 @@ def test_a_json_body_has_the_headers_starlette_gives_a_json_response() -> None:
     for body, status in ((b"{}", 200), (b'{"outputs":[]}', 422), (b"", 200)):
         plain = Response(body, status, media_type="application/json")
         assert JSONBody(body, status).raw_headers == plain.raw_headers
+
+
+class EqualLimits(GatewayHttpProtocol):
+    limits = ConnectionLimits(max_held_body_bytes=1000, max_body_bytes=1000)
+
+
+def test_a_body_over_the_request_limit_is_answered_413_when_it_also_trips_the_budget() -> None:
+    """A body over --max-body-bytes that arrived with its headers took the process past its
+    budget before the app could look at its Content-Length: the client got a retryable 503
+    for what can never be accepted. Over the request limit (as it arrived, or as declared),
+    it is 413, as the app answers; a body within it that trips the budget is still 503."""
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    def post(path: str, length: int, body: bytes) -> bytes:
+        head = b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (
+            path.encode(),
+            length,
+        )
+        return head + body
+
+    async def main() -> list[tuple[bytes, bool]]:
+        config = Config(app, lifespan="off", log_level="warning")
+        config.load()
+        state, loop = ServerState(), asyncio.get_running_loop()
+        transports = []
+        for data in (
+            post("/v1/models/m/predict", 1500, b"a" * 1500),  # over as it arrives
+            post("/v2/models/m/infer", 5000, b"b" * 1100),  # declared over, v2
+            post("/v1/models/m/predict", 900, b"c" * 600),  # within, held on
+            post("/v1/models/m/predict", 900, b"d" * 600),  # within: the budget's 503
+        ):
+            protocol = EqualLimits(config, state, {}, loop)
+            transport = RecordingTransport()
+            protocol.connection_made(transport)  # type: ignore[arg-type]
+            protocol.data_received(data)
+            if transport.closed:
+                protocol.connection_lost(None)  # as the transport does once closed
+            transports.append(transport)
+            for _ in range(5):
+                await asyncio.sleep(0)
+        # (read before the loop ends: it would cancel the app still reading its body)
+        return [(written(transport), transport.closed) for transport in transports]
+
+    over, declared, held, budget = asyncio.run(main())
+    assert over[0].startswith(b"HTTP/1.1 413 ") and over[1]
+    assert b'{"error":{"type":"PayloadTooLarge"' in over[0] and b"retry-after" not in over[0]
+    assert declared[0].startswith(b"HTTP/1.1 413 ") and declared[1]
+    assert b'{"error":"PayloadTooLarge: ' in declared[0]  # the v2 error shape
+    assert held == (b"", False)
+    assert budget[0].startswith(b"HTTP/1.1 503 ") and b'"TooManyBodyBytes"' in budget[0]
