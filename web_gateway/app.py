@@ -76,6 +76,10 @@ class GatewayApp(FastAPI):
                         return
                 await response(scope, receive, send)
                 return
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            # HEAD is GET without the body (the server leaves it out): load balancers and
+            # uptime checks probe /healthz with it, and FastAPI routes answer GET alone
+            scope = {**scope, "method": "GET"}
         await super().__call__(scope, receive, send)
 
 

@@ -80,6 +80,17 @@ def test_errors_take_the_shape_of_their_protocol(guarded: TestClient) -> None:
     assert method.status_code == 405 and method.json()["error"]["type"] == "MethodNotAllowed"
 
 
+def test_head_is_get_without_the_body(guarded: TestClient) -> None:
+    """Load balancers and uptime checks probe with HEAD; FastAPI's routes answered it 405."""
+    health = guarded.head("/healthz")
+    assert health.status_code == 200 and health.content == b""
+    assert health.headers["content-length"] == str(len(guarded.get("/healthz").content))
+    assert guarded.head("/v2/health/live").status_code == 200
+    assert guarded.head("/v1/models", headers=AUTH).status_code == 200
+    assert guarded.head("/v1/models").status_code == 401  # the same guard as GET
+    assert guarded.head("/v1/models/doubler/predict", headers=AUTH).status_code == 405
+
+
 def test_limits_and_malformed_requests(guarded: TestClient) -> None:
     def v1(content: bytes, **headers: str) -> tuple[int, str]:
         response = guarded.post(
