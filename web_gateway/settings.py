@@ -132,9 +132,11 @@ class GatewaySettings(BaseSettings):
     )
     auth_tokens_file: Path | None = Field(
         default=None,
-        description="File of bearer tokens, one per line; with it (or "
-        "MICROBATCH_GATEWAY_AUTH_TOKENS) every route except health needs "
-        "'Authorization: Bearer <token>'.",
+        description="File of bearer tokens, one per line (a line starting with # is a "
+        "comment; the rest of a line, spaces trimmed, is the token); with it (or "
+        "MICROBATCH_GATEWAY_AUTH_TOKENS) the model routes need 'Authorization: Bearer "
+        "<token>' (health, readiness, /metrics, /docs, /openapi.json and /v2 stay open: "
+        "docs/gateway.md, Auth).",
     )
     header_timeout: float = Field(
         default=10.0,
