@@ -198,7 +198,8 @@ class ThreadedStreamer(_BaseStreamer):
     """Batch ``predict_function`` on a background thread of this process.
 
     ``max_latency`` (seconds, default 0.1 as in service_streamer) is how long an item may wait
-    for batch-mates, counted from its arrival; a full batch never waits.
+    for batch-mates, counted from its arrival; a full batch never waits. The function runs on a
+    thread of its own, so callers' timeouts end their waits while it computes (or hangs).
     """
 
     def __init__(
@@ -216,6 +217,7 @@ class ThreadedStreamer(_BaseStreamer):
             batch_size=batch_size,
             max_latency=max_latency,
             timeout=timeout,
+            model_thread="on",
         )
         super().__init__(local)
 

@@ -351,8 +351,11 @@ def test_values_travel_as_msgpack_never_pickle() -> None:
 
 def test_timeouts_are_timeout_errors_and_destroyed_streamers_refuse() -> None:
     streamer = compat.ThreadedStreamer(picky.predict, batch_size=8, max_latency=0)
+    started = time.monotonic()
     with pytest.raises(TimeoutError) as raised:
         streamer.predict(["sleep"], timeout=0.2)
+    # at the caller's timeout, not once the model's 1 s is over (it computes on its own thread)
+    assert time.monotonic() - started < 0.9
     assert isinstance(raised.value, DeadlineExceeded)
     with pytest.raises(TimeoutError):
         streamer.submit(["sleep"], timeout=0.2).result()
