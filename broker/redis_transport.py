@@ -953,9 +953,10 @@ def _enqueue_outcome(result: Any) -> list[str] | MicrobatchError:
     bound = int(result[1])
     if code == 3:
         return QueueFull(
-            f"the call has more items than the model's queue bound of {bound} items and can "
-            "never be queued whole: split it, or raise the bound (worker start "
-            "--max-queue-items)"
+            f"the call has more items than the queue bound of {bound} items and can never be "
+            "queued whole: split it, or raise the bound (the model's: worker start "
+            "--max-queue-items, times its live workers; or the caller's own max_queue_items, "
+            "whichever is tighter)"
         )
     unit = "items" if code == 1 else "bytes"
     return QueueFull(f"queue is at its bound of {bound} {unit}")

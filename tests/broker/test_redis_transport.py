@@ -356,7 +356,7 @@ def test_a_call_larger_than_the_whole_bound_says_it_can_never_fit(
             await transport.close()
 
     outcome = run(main())
-    assert "more items than the model's queue bound of 4 items" in str(outcome)
+    assert "more items than the queue bound of 4 items" in str(outcome)
     assert "split it" in str(outcome) and redis_server.client().xlen(keys.stream) == 0
 
 
