@@ -488,18 +488,27 @@ class ClientCore:
             self._fail_items(call, error.with_index)
 
     def _expire(self, call: _Call) -> None:
-        """The call's deadline passed: its unanswered items fail, and those still queued are
-        withdrawn (a worker would only skip them, and until then they count against the
-        queue bound: with no worker reading, expired items alone could fill it)."""
-        pending = self._pending
-        unanswered = [index for index, rid in enumerate(call.ids) if rid in pending]
+        """The call's deadline passed: its unanswered items fail and are withdrawn (a worker
+        would only skip them, and until then they count against the queue bound: with no
+        worker reading, expired items alone could fill it)."""
         message = f"no reply within {call.timeout_s:g} s"
-        call.abandoned = True  # (still being queued: withdrawn once it is)
-        self._fail_items(call, lambda index: DeadlineExceeded(message, index=index))
+        self._give_up(call, lambda index: DeadlineExceeded(message, index=index))
+
+    def _give_up(self, call: _Call, make_error: Callable[[int], MicrobatchError]) -> None:
+        """Fail ``call``'s unanswered items with ``make_error`` and withdraw them (a call still
+        being queued is withdrawn once it is)."""
+        unanswered = self._unanswered(call)
+        call.abandoned = True
+        self._fail_items(call, make_error)
         if call.entries and unanswered:
-            # only the unanswered: marks for answered items would outlive them in the
-            # cancelled set, and cost workers a check per batch while they stand
             self._withdraw(call, unanswered)
+
+    def _unanswered(self, call: _Call) -> list[int]:
+        """The indexes of ``call``'s items still waiting for a reply: the ones to withdraw
+        (marks for answered items would stand in the cancelled set for nothing, and cost
+        workers a check per batch while they stand)."""
+        pending = self._pending
+        return [index for index, rid in enumerate(call.ids) if rid in pending]
 
     # -- NoWorkers ---------------------------------------------------------------------------
     def _no_workers(self) -> NoWorkers:
@@ -557,10 +566,7 @@ class ClientCore:
         if self._watch_log.due():
             log.warning("%s; failing %d call(s)", error.message, len(calls))
         for call in calls:
-            call.abandoned = True
-            self._fail_items(call, error.with_index)
-            if call.entries:
-                self._withdraw(call)
+            self._give_up(call, error.with_index)
 
     def _on_cancelled(self, call: _Call) -> None:
         if not self.loop.is_closed():
@@ -572,10 +578,11 @@ class ClientCore:
             return
         if call.deadline is not None:
             self._deadlines.discard(call, call.deadline)
+        unanswered = self._unanswered(call)
         for rid in call.ids:
             self._pending.pop(rid, None)
-        if call.entries:
-            self._withdraw(call)
+        if call.entries and unanswered:
+            self._withdraw(call, unanswered)
 
     def _withdraw(self, call: _Call, indexes: Sequence[int] | None = None) -> None:
         """Take back the call's queued items: those at ``indexes``, or all of them."""
