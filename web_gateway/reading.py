@@ -174,7 +174,7 @@ def json_document(text: bytes) -> Any:
     """A body's JSON text, parsed (400 if it is not JSON). A UTF-8 byte order mark before it,
     which some tools write (Windows PowerShell 5's UTF-8 files), is ignored, as RFC 8259 lets a
     parser do."""
-    if text[:3] == UTF8_BOM:
+    if text.startswith(UTF8_BOM):
         text = text[3:]
     try:
         return orjson.loads(text)
