@@ -14,6 +14,7 @@ from starlette.responses import Response
 from broker.liveness import alive_consumers
 
 from . import kserve, package_version, reading
+from .errors import bad_request
 from .openapi import V2_INFER
 from .responses import JSONBody, json_response
 from .serving import ServedModel
@@ -102,6 +103,9 @@ async def _readiness(gateway: Gateway, name: str, version: str | None = None) ->
     return json_response(body, 200 if ok else 503)
 
 
+MAX_TIMEOUT_MICROS = 10**15  # far past any --max-timeout, within a float's whole numbers
+
+
 @router.post("/v2/models/{name}/infer", tags=["v2"], openapi_extra=V2_INFER)
 async def infer(name: str = MODEL_NAME, *, request: Request) -> Response:
     """KServe v2 inference, with Triton's binary tensor data extension."""
@@ -149,11 +153,17 @@ async def _infer(gateway: Gateway, request: Request, served: ServedModel) -> Res
 
 
 def _timeout_parameter(parsed: kserve.InferRequest) -> float | None:
-    """The request's ``timeout`` parameter (microseconds, as Triton's), in seconds."""
+    """The request's ``timeout`` parameter (whole microseconds, as Triton's) in seconds; None
+    where it is absent or 0 (Triton's "no timeout of the request's own"); 400 for anything
+    else, as a bad ``X-Request-Timeout`` is."""
     micros = parsed.parameters.get("timeout")
-    if isinstance(micros, int) and not isinstance(micros, bool) and micros > 0:
-        return micros / 1e6
-    return None
+    if micros is None or (type(micros) is int and micros == 0):
+        return None
+    if type(micros) is not int or micros < 0:
+        raise bad_request(
+            f"the 'timeout' parameter must be a whole number of microseconds, not {micros!r:.40}"
+        )
+    return min(micros, MAX_TIMEOUT_MICROS) / 1e6
 
 
 def parse_and_prepare(

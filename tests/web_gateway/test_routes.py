@@ -109,6 +109,18 @@ def test_limits_and_malformed_requests(guarded: TestClient) -> None:
     assert v1(bomb, **{"Content-Encoding": "gzip"}) == (413, "PayloadTooLarge")
     assert v1(b"{", **{"Content-Type": "multipart/form-data; boundary=x"}) == (400, "BadRequest")
 
+    def v2_timeout(micros: object) -> tuple[int, str]:
+        tensor = {"name": "input", "datatype": "FP32", "shape": [1, 4], "data": [1, 1, 1, 1]}
+        body = {"parameters": {"timeout": micros}, "inputs": [tensor]}
+        response = guarded.post("/v2/models/doubler/infer", headers=AUTH, json=body)
+        return response.status_code, response.json()["error"]
+
+    # Triton's timeout parameter is whole microseconds: anything else is refused, as a bad
+    # X-Request-Timeout is, not silently replaced by the default
+    for bad in (-1, 1.5, "5000", True, [1], {"us": 1}):
+        status, error = v2_timeout(bad)
+        assert status == 400 and "'timeout' parameter" in error, bad
+
 
 def test_results_health_readiness_and_metrics(live: TestClient) -> None:
     assert live.get("/v2/health/ready").json() == {"ready": True}
@@ -139,6 +151,16 @@ def test_results_health_readiness_and_metrics(live: TestClient) -> None:
     assert v2.status_code == 200 and v2.json()["id"] == "a"
     assert v2.headers["content-type"] == "application/json"
     assert v2.json()["outputs"][0]["data"] == [2.0, 2.0, 2.0, 2.0]
+    no_own_timeout = live.post(  # Triton's 0: the gateway's default timeout
+        "/v2/models/doubler/infer",
+        json={
+            "parameters": {"timeout": 0},
+            "inputs": [
+                {"name": "input", "datatype": "FP32", "shape": [1, 4], "data": [1, 1, 1, 1]}
+            ],
+        },
+    )
+    assert no_own_timeout.status_code == 200
     metadata = live.get("/v2/models/doubler").json()
     assert metadata["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 4]}]
     text = live.get("/metrics").text
