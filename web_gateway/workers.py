@@ -23,6 +23,9 @@ class GatewayWorker(UvicornWorker):  # type: ignore[misc]
         # httptools with read deadlines, a connection cap and one system call per response
         "http": "web_gateway.http_protocol:GatewayHttpProtocol" if _have("httptools") else "h11",
         "lifespan": "on",
+        # no "server: uvicorn" on every response: it tells a scanner what to try, a client
+        # nothing
+        "server_header": False,
         # no WebSocket routes: an upgrade request is served as HTTP, never handed to uvicorn's
         # WebSocket protocol (which has none of the connection limits) where one is installed
         "ws": "none",

@@ -82,6 +82,7 @@ def gateway_process(
 def check_error(response: httpx.Response, status: int, type_: str) -> dict[str, Any]:
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("application/json")
+    assert "server" not in response.headers  # uvicorn's "server: uvicorn", left out
     body = response.json()
     assert set(body) == {"error"}
     assert body["error"]["type"] == type_
