@@ -41,6 +41,10 @@ connection lost, or cut by a read deadline), so the app need not keep a task wai
 (status line, uvicorn's default headers, content-length and content-type, the body: the bytes
 uvicorn's ``send`` writes for the two ASGI messages) without those messages, for the hot routes.
 
+**HTTP/1.0 keep-alive.** uvicorn closes every HTTP/1.0 connection after its answer; one whose
+request asks to be kept alive (``Connection: keep-alive``, as ApacheBench's ``-k``) is kept, and
+its answer says so (:class:`Http10KeepAliveCycle`).
+
 **One write per response.** uvicorn writes a response's status line and headers, then its body,
 as two ``transport.write`` calls: two ``send`` system calls (and two TCP segments) per response,
 about a sixth of the gateway's CPU at high request rates. The connection's transport holds back
@@ -151,6 +155,7 @@ class GatewayCycle(RequestResponseCycle):
     # they were written from; None where send() must write them (it checks them each time)
     _defaults: ClassVar[tuple[Any, bytes | None]] = (None, None)
     held = 0  # bytes of its body counted as held by the process, until it is answered
+    kept_alive = b""  # the header line a response kept alive carries (HTTP/1.1: none)
 
     def whole_body(self) -> bytes | None:
         """The request's body, when all of it has arrived and nothing has read it: what the
@@ -194,7 +199,7 @@ class GatewayCycle(RequestResponseCycle):
         self.waiting_for_100_continue = False
         self.chunked_encoding = False
         self.expected_content_length = 0
-        close = b"" if self.keep_alive else b"connection: close\r\n"
+        close = self.kept_alive if self.keep_alive else b"connection: close\r\n"
         length = str(len(body)).encode("latin-1")
         self.transport.write(
             b"".join((STATUS_LINE[status], written, b"content-length: ", length, _JSON_TYPE))
@@ -208,6 +213,25 @@ class GatewayCycle(RequestResponseCycle):
             self.transport.close()
         self.on_response()
         return True
+
+
+class Http10KeepAliveCycle(GatewayCycle):
+    """An HTTP/1.0 request that asked to be kept alive (``Connection: keep-alive``, as
+    ApacheBench's ``-k`` sends): kept alive, which uvicorn never does for HTTP/1.0, where its
+    response has a Content-Length, and the response says so (an HTTP/1.0 client takes a
+    response without ``connection: keep-alive`` as the connection's last)."""
+
+    kept_alive = b"connection: keep-alive\r\n"
+
+    async def send(self, message: Any) -> None:
+        if message["type"] == "http.response.start" and not self.response_started:
+            headers = list(message.get("headers", ()))
+            if any(name.lower() == b"content-length" for name, _ in headers):
+                headers.append((b"connection", b"keep-alive"))
+                message = {**message, "headers": headers}
+            else:  # its end is the connection's close
+                self.keep_alive = False
+        await super().send(message)
 
 
 def _written(headers: list[tuple[bytes, bytes]]) -> bytes | None:
@@ -520,7 +544,11 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         cycle = self.cycle
         super().on_headers_complete()
         if self.cycle is not cycle:  # a new request's cycle: when_gone may watch it
-            self.cycle.__class__ = GatewayCycle
+            if self.cycle.keep_alive or not self.parser.should_keep_alive():
+                self.cycle.__class__ = GatewayCycle
+            else:  # HTTP/1.0 with Connection: keep-alive
+                self.cycle.__class__ = Http10KeepAliveCycle
+                self.cycle.keep_alive = True
             setattr(self.cycle, ON_GONE, None)
         if self.pipeline and self.pipeline[0][0] is self.cycle:
             if len(self.pipeline) > MAX_PIPELINED:

@@ -609,6 +609,23 @@ def test_answer_json_writes_what_the_asgi_messages_would() -> None:
     assert written(closed).endswith(b"connection: close\r\n\r\n" + b'{"outputs":[1]}')
 
 
+def test_http10_clients_asking_for_keep_alive_are_kept_alive() -> None:
+    """ApacheBench -k sends HTTP/1.0 with Connection: keep-alive; uvicorn closed after each
+    answer, so every request paid for a new connection."""
+    post10 = b"POST /v1/models/m/predict HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}"
+    kept = post10.replace(b"HTTP/1.0\r\n", b"HTTP/1.0\r\nConnection: Keep-Alive\r\n")
+    for direct in (True, False):
+        protocol, transport = answer_twice(direct, kept + kept)
+        answers = written(transport).split(b"HTTP/1.1 ")[1:]
+        assert len(answers) == 2 and answers[1].startswith(b"422")
+        assert all(b"\r\nconnection: keep-alive\r\n\r\n" in answer for answer in answers)
+        assert protocol.phase == IDLE and not transport.closed
+        # without the header an HTTP/1.0 request is its connection's last, as before
+        _, transport = answer_twice(direct, post10 + post10)
+        assert written(transport).count(b"HTTP/1.1 ") == 1 and transport.closed
+        assert b"connection: close" in written(transport)
+
+
 def test_answer_json_leaves_to_send_what_it_cannot_write_as_send_would() -> None:
     from web_gateway.http_protocol import GatewayCycle
 
