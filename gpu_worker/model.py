@@ -92,7 +92,8 @@ class TensorSpec:
                 ) from None
         if not self.takes_shape(value.shape):
             raise InvalidInput(
-                f"input {self.name!r} has shape {list(value.shape)}, expected {self.shape}"
+                f"input {self.name!r} has shape {list(value.shape)}, "
+                f"the model takes {list(self.shape)}"
             )
         return value
 

@@ -67,7 +67,7 @@ def test_scalars_and_shapes() -> None:
     assert TensorSpec("x", "FP32", []).coerce(2).shape == ()
     with pytest.raises(InvalidInput, match=r"^input 'x': null is not a number \(FP32\)$"):
         TensorSpec("x", "FP32", []).coerce(None)
-    with pytest.raises(InvalidInput, match=r"has shape \[3\], expected \[2\]"):
+    with pytest.raises(InvalidInput, match=r"has shape \[3\], the model takes \[2\]"):
         TensorSpec("x", "FP32", [2]).coerce([1, 2, 3])
     with pytest.raises(InvalidInput, match="is not a tensor of FP32"):
         TensorSpec("x", "FP32", [2, -1]).coerce([[1, 2], [3]])

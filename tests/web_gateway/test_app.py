@@ -122,7 +122,9 @@ def test_nested_lists_of_the_wrong_shape_are_refused_everywhere(
             client, redis_server.url, prefix, Doubler, items, v2
         )
         assert v1_message == python_message
-        assert re.fullmatch(r"item 0: input 'input' has shape \[.*\], expected \[4\]", v1_message)
+        assert re.fullmatch(
+            r"item 0: input 'input' has shape \[.*\], the model takes \[4\]", v1_message
+        )
         assert "input 'input' has shape" in v2_message
     ragged = [[[1.0, 2.0], [3.0]]]
     response = client.post("/v1/models/doubler/predict", json={"inputs": ragged})

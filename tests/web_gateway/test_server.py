@@ -37,7 +37,7 @@ def check_serving(base: str) -> None:
     refused = httpx.post(f"{base}/v1/models/doubler/predict", json={"inputs": [[1, 2]]})
     assert refused.status_code == 422, refused.text
     assert refused.json()["error"]["message"] == (
-        "item 0: input 'input' has shape [2], expected [4]"
+        "item 0: input 'input' has shape [2], the model takes [4]"
     )
 
 
