@@ -418,6 +418,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
     held_body_bytes = 0  # of this connection's requests' bodies, counted until answered
     answering: GatewayCycle | None = None  # the request whose app runs
     unparsed_header_bytes = 0  # and the bytes read while its headers were incomplete
+    upgrade_body_left = 0  # body bytes still to come of a request served despite its upgrade
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -462,6 +463,8 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self.phase == REFUSED or self.overflowed:
             return
+        if self.upgrade_body_left and not (data := self._take_upgrade_body(data)):
+            return
         if self.phase == IDLE:  # the next request starts
             self.phase = HEADERS
             self.deadline = self.loop.time() + self._limits.header_timeout
@@ -471,11 +474,14 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             if self.phase != REFUSED and not self.overflowed:  # (those answer for themselves)
                 self._refuse_invalid(exc)
             return
-        except httptools.HttpParserUpgrade:
+        except httptools.HttpParserUpgrade as exc:
             # served as plain HTTP/1.1 (the gateway has no WebSocket routes); uvicorn said so
             # in two warning lines per request, for clients as common as `curl --http2`
             if self._should_upgrade():
                 self.handle_websocket_upgrade()
+            else:
+                self._serve_upgrade_as_http(data[exc.args[0] :])
+            return
         if self.phase == HEADERS:
             # The parser hands over a header only once it is whole: one that never ends is
             # held, and grown, inside it. Bounded here, with one read's slack (a read may also
@@ -483,6 +489,41 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             self.unparsed_header_bytes += len(data)
             if self.unparsed_header_bytes > self._max_header_bytes + READ_SLACK_BYTES:
                 self._refuse_large_headers()
+
+    def _serve_upgrade_as_http(self, rest: bytes) -> None:
+        """Serve a request asking for an upgrade (``Upgrade: h2c``, as ``curl --http2`` sends)
+        as HTTP/1.1. The parser ended it at its headers and took what follows as the new
+        protocol's: its body, and any request after it. Without this the app saw an empty body,
+        and a body that read as a request was served as one (a proxy passing the upgrade on
+        would have seen one request where the gateway ran two)."""
+        cycle = cast(GatewayCycle, self.cycle)
+        if any(name == b"transfer-encoding" for name, _ in cycle.scope["headers"]):
+            _tell_app_gone(cycle)
+            self._refuse_invalid(ValueError("an upgrade request's body must have a Content-Length"))
+            return
+        length = _declared_length(cycle)
+        if length > 0 and not cycle.response_complete:  # its body is still to come: reopened
+            cycle.more_body = True
+            cycle.message_event.clear()
+            self.upgrade_body_left = length
+            if self.answering is cycle:
+                self.phase = BODY
+                self.deadline = self.loop.time() + self._limits.body_timeout
+        if rest:
+            self.data_received(rest)
+
+    def _take_upgrade_body(self, data: bytes) -> bytes:
+        """The body of a request served despite its upgrade, taken from ``data``; what follows
+        it is returned, for the parser."""
+        size = min(len(data), self.upgrade_body_left)
+        self.upgrade_body_left -= size
+        try:
+            self.on_body(data[:size])
+            if not self.upgrade_body_left:
+                self.on_message_complete()
+        except _StopParsing:
+            return b""
+        return data[size:]
 
     def on_message_begin(self) -> None:
         super().on_message_begin()

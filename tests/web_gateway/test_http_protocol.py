@@ -689,6 +689,35 @@ def test_a_body_all_arrived_is_taken_from_the_cycle_as_receive_would_give_it() -
     assert echo_bodies(cases[-1], whole=True)[1].startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
 
 
+def test_a_request_asking_for_an_upgrade_is_served_with_its_body() -> None:
+    """`curl --http2` asks for h2c: the parser ends such a request at its headers and takes
+    what follows as the new protocol's. The body is the request's, and a body that reads as a
+    request is never served as one."""
+    inner = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    head = (
+        b"POST /v1/models/m/predict HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings"
+        b"\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n"
+    )
+    upgrade = head + b"Content-Length: %d\r\n\r\n" % len(inner)
+    plain = b"POST /v1/models/m/predict HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"
+    for whole in (True, False):
+        for chunks in (
+            [upgrade + inner],
+            [upgrade, inner],  # the body in a later read
+            [upgrade + inner[:7], inner[7:] + plain],  # and a request after it
+            [upgrade[:-5], upgrade[-5:] + inner + plain[:20], plain[20:]],
+        ):
+            bodies, answers = echo_bodies(chunks, whole)
+            expected = [inner, b"hello"] if plain[20:] in b"".join(chunks) else [inner]
+            assert bodies == expected, chunks
+            assert answers.count(b"HTTP/1.1 200 OK") == len(expected)
+    empty_upgrade = head.replace(b"POST", b"GET") + b"\r\n"
+    assert echo_bodies([empty_upgrade + plain], whole=True)[0] == [b"", b"hello"]
+    chunked = head + b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+    bodies, answers = echo_bodies([chunked], whole=True)
+    assert answers.startswith(b"HTTP/1.1 400 Bad Request") and bodies in ([], [b""])
+
+
 def test_a_json_body_has_the_headers_starlette_gives_a_json_response() -> None:
     from starlette.responses import Response
 
