@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from broker.codec import MAX_NDIM
 from gpu_worker.model import DATATYPES, TensorSpec, Unfit, to_datatype
 
 from .errors import HTTPError, bad_request, invalid_input
@@ -72,6 +73,11 @@ def _shape(value: Any, name: str) -> list[int]:
         raise bad_request(f"input {name!r}: shape must be a list of non-negative integers")
     if not value:
         raise bad_request(f"input {name!r}: shape needs a batch dimension")
+    if len(value) > MAX_NDIM + 1:
+        raise bad_request(
+            f"input {name!r}: shape has {len(value)} dimensions, at most {MAX_NDIM + 1} "
+            f"(the batch dimension and {MAX_NDIM} of each item)"
+        )
     return value
 
 

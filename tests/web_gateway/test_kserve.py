@@ -109,6 +109,11 @@ def test_binary_tensors_follow_the_json_header() -> None:
             None,
             "all inputs must have the same batch size",
         ),
+        (  # past numpy's 64 dimensions this was a 500
+            body(tensor(shape=(1,) * 65, data=[1])),
+            None,
+            "input 'x': shape has 65 dimensions, at most 33",
+        ),
         (body(tensor(data=[1, 2]), outputs={}), None, "'outputs' must be a list"),
         (body(tensor(data=[1, 2]), outputs=[{}]), None, "every requested output needs a 'name'"),
         (body(tensor(data=[1, 2])), "x", "Inference-Header-Content-Length must be an integer"),
@@ -134,6 +139,9 @@ def test_malformed_bodies_are_400_saying_what_is_wrong(
 
 
 def test_binary_framing_errors_are_400() -> None:
+    head = body(tensor(shape=(1,) * 34, parameters={"binary_data_size": 4}))
+    status, said = refused(head + b"\0" * 4, str(len(head)))
+    assert status == 400 and said.startswith("input 'x': shape has 34 dimensions, at most 33")
     head = body(tensor(parameters={"binary_data_size": 8}))
     assert refused(head + b"\0" * 12, str(len(head))) == (
         400,
