@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 from starlette.datastructures import Headers, UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 
 from broker.priorities import HEADER as PRIORITY_HEADER
@@ -221,6 +222,12 @@ async def uploaded_files(request: Request, max_items: int) -> list[bytes]:
         form = await request.form(max_files=max_items + 1, max_fields=max_items + 1)
     except StarletteHTTPException as exc:
         raise bad_request(f"malformed multipart body: {exc.detail}") from None
+    except MultiPartException as exc:  # starlette's limits (above), and what it could not parse
+        if exc.message.startswith("Too many files"):
+            raise too_large(
+                f"more than {max_items + 1} items is over the limit of {max_items}"
+            ) from None
+        raise bad_request(f"malformed multipart body: {exc.message}") from None
     except Exception as exc:  # python-multipart's own parse errors
         raise bad_request(f"malformed multipart body: {type(exc).__name__}") from None
     try:

@@ -182,3 +182,28 @@ def test_the_schema_names_the_served_models(guarded: TestClient) -> None:
     assert infer["responses"]["422"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/V2Error"
     }
+
+
+def test_multipart_bodies_over_the_limits_say_so(redis_server: RedisServer, prefix: str) -> None:
+    app = create_app(settings(redis_server.url, prefix, max_items=2))
+    file_part = b'name="file"; filename="a"'
+
+    def post(parts: list[bytes]) -> tuple[int, str]:
+        body = b"".join(
+            b"--b\r\nContent-Disposition: form-data; %s\r\n\r\nx\r\n" % part for part in parts
+        )
+        response = http.post(
+            "/v1/models/doubler/predict",
+            content=body + b"--b--\r\n",
+            headers={"Content-Type": "multipart/form-data; boundary=b"},
+        )
+        return response.status_code, response.json()["error"]["message"]
+
+    with TestClient(app, raise_server_exceptions=False) as http:
+        # one more file than the limit is counted; more than that, starlette stops reading
+        assert post([file_part] * 3) == (413, "3 items is over the limit of 2")
+        assert post([file_part] * 4) == (413, "more than 3 items is over the limit of 2")
+        status, message = post([b'name="text"'] * 4)  # fields, not files
+        assert status == 400 and message == (
+            "malformed multipart body: Too many fields. Maximum number of fields is 3."
+        )
