@@ -238,6 +238,37 @@ def _ext_hook(code: int, data: bytes) -> Any:
     raise CodecError(f"unknown extension type {code}")
 
 
+# msgpack decodes extension type -1 (its timestamp) itself, never through the ext_hook: a
+# payload holding one is found by the headers such an extension starts with (4, 8 or 12 bytes
+# of data), and then by looking for the Timestamp it became.
+TIMESTAMP_EXT_TYPE = -1
+_TIMESTAMP_HEADS = (
+    b"\xd6\xff",
+    b"\xd7\xff",
+    b"\xc7\x0c\xff",
+    b"\xc8\x00\x0c\xff",
+    b"\xc9\x00\x00\x00\x0c\xff",
+)
+
+
+def _may_hold_timestamp(data: bytes) -> bool:
+    return b"\xff" in data and any(head in data for head in _TIMESTAMP_HEADS)
+
+
+def _holds_timestamp(value: Any) -> bool:
+    pending = [value]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, msgpack.Timestamp):
+            return True
+        if isinstance(value, list):
+            pending.extend(value)
+        elif isinstance(value, dict):
+            pending.extend(value)
+            pending.extend(value.values())
+    return False
+
+
 _local = threading.local()
 
 
@@ -281,7 +312,10 @@ def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:
         array = _unpack_bare_array(data)
         if array is not None:
             return array
-        return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+        value = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+        if _may_hold_timestamp(data) and _holds_timestamp(value):
+            raise CodecError(f"unknown extension type {TIMESTAMP_EXT_TYPE}")
+        return value
     except CodecError:
         raise
     except Exception as exc:  # msgpack (and numpy) raise several unrelated types

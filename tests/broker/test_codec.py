@@ -83,6 +83,18 @@ def test_malformed_payloads_raise_codec_error() -> None:
             codec.decode(data)
 
 
+def test_msgpack_timestamps_are_an_unknown_extension_too() -> None:
+    """msgpack decodes extension type -1 itself, around the hook that refuses the others."""
+    stamps = [msgpack.Timestamp(1), msgpack.Timestamp(1, 5), msgpack.Timestamp(2**40, 1)]
+    for stamp in stamps:  # its 4-, 8- and 12-byte forms, anywhere in the payload
+        for value in (stamp, [1, {"t": stamp}], {stamp: 1}):
+            with pytest.raises(CodecError, match="unknown extension type -1"):
+                codec.decode(msgpack.packb(value))
+    # the same bytes inside binary data, or a 255, are data
+    lookalike = [255, b"\xd6\xff\x00\x00\x00\x01", "\xff"]
+    assert codec.decode(msgpack.packb(lookalike)) == lookalike
+
+
 def test_size_limit() -> None:
     data = codec.encode(b"x" * 1000)
     with pytest.raises(CodecError, match="limit"):
