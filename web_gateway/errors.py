@@ -25,7 +25,9 @@ DeadlineExceeded           504     no result within the request's timeout
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import math
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
@@ -49,6 +51,36 @@ from broker.errors import (
 log = logging.getLogger("microbatch.gateway")
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the logs do
+
+
+class WithdrawalLog:
+    """Requests whose client left before the answer, their items withdrawn: one INFO line
+    each was one line per request a client (or a load tool stopping) could cause by the
+    thousand a second. The first is logged at once, later ones summed into at most one line
+    per ``every_s`` (those after the last line are in the metrics' ClientGone outcome)."""
+
+    def __init__(self, every_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
+        self.every_s = every_s
+        self.clock = clock
+        self.unlogged = 0
+        self.logged_at = -math.inf
+
+    def note(self, path: str) -> None:
+        self.unlogged += 1
+        now = self.clock()
+        if now - self.logged_at < self.every_s:
+            return
+        log.info(
+            "clients left before their answers: %d request(s) withdrawn since the last such "
+            "line (the latest to %s); at most one such line every %g s",
+            self.unlogged,
+            path,
+            self.every_s,
+        )
+        self.unlogged, self.logged_at = 0, now
+
+
+withdrawals = WithdrawalLog()
 
 STATUS_BY_ERROR: dict[type[MicrobatchError], int] = {
     InvalidInput: 422,
@@ -176,7 +208,7 @@ def to_response(exc: Exception, method: str, path: str) -> Response:
         if exc.args:  # nothing was queued: not worth a line each (the protocol sums them)
             log.debug("client left %s (%s %s)", exc.args[0], method, path)
         else:
-            log.info("client left; its request to %s was withdrawn", path)
+            withdrawals.note(path)
         return Response(status_code=CLIENT_CLOSED)
     error = as_http_error(exc)
     if error.status == 500 and not isinstance(exc, HTTPError):
