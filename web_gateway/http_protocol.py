@@ -590,6 +590,8 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             else:  # HTTP/1.0 with Connection: keep-alive
                 self.cycle.__class__ = Http10KeepAliveCycle
                 self.cycle.keep_alive = True
+            if self.cycle.waiting_for_100_continue and self.parser.get_http_version() == "1.0":
+                self.cycle.waiting_for_100_continue = False  # RFC 9110, 10.1.1: ignored in HTTP/1.0
             setattr(self.cycle, ON_GONE, None)
         if self.pipeline and self.pipeline[0][0] is self.cycle:
             if len(self.pipeline) > MAX_PIPELINED:

@@ -687,6 +687,10 @@ def test_a_body_all_arrived_is_taken_from_the_cycle_as_receive_would_give_it() -
         assert taken == received and answer == same_answer
         assert set(taken) <= {b"hello", b""} and taken
     assert echo_bodies(cases[-1], whole=True)[1].startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+    # an HTTP/1.0 client cannot ask for it (RFC 9110, 10.1.1): the expectation is ignored
+    expect10 = [cases[-1][0].replace(b"HTTP/1.1", b"HTTP/1.0"), b"hello"]
+    taken, answer = echo_bodies(expect10, whole=True)
+    assert taken == [b"hello"] and answer.startswith(b"HTTP/1.1 200 OK")
 
 
 def test_a_request_asking_for_an_upgrade_is_served_with_its_body() -> None:
