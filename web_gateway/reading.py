@@ -205,15 +205,30 @@ async def _received(receive: Any, limit: int) -> bytes:
 
 
 def _decompress(data: bytes, encoding: str, limit: int) -> bytes:
+    """``data`` decompressed, checked whole: a stream cut short (for gzip, its CRC and length
+    trailer) or followed by other bytes is a 400; gzip members one after another are one body,
+    as RFC 1952 and the gzip tool take them; 413 past ``limit`` bytes."""
     wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
-    inflater = zlib.decompressobj(wbits)
-    try:
-        out = inflater.decompress(data, limit + 1)
-    except zlib.error as exc:
-        raise bad_request(f"body is not valid {encoding}: {exc}") from None
-    if len(out) > limit or inflater.unconsumed_tail:
-        raise too_large(f"decompressed request body is over {limit} bytes")
-    return out
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        inflater = zlib.decompressobj(wbits)
+        try:
+            out = inflater.decompress(data, limit - size + 1)
+        except zlib.error as exc:
+            what = "bytes follow its end" if parts else str(exc)
+            raise bad_request(f"body is not valid {encoding}: {what}") from None
+        size += len(out)
+        if size > limit or inflater.unconsumed_tail:
+            raise too_large(f"decompressed request body is over {limit} bytes")
+        if not inflater.eof:
+            raise bad_request(f"body is not valid {encoding}: it is cut short")
+        parts.append(out)
+        data = inflater.unused_data
+        if not data:
+            return parts[0] if len(parts) == 1 else b"".join(parts)
+        if encoding != "gzip":
+            raise bad_request(f"body is not valid {encoding}: bytes follow its end")
 
 
 async def uploaded_files(request: Request, max_items: int) -> list[bytes]:

@@ -4,6 +4,7 @@ each protocol's shape, limits, health and readiness, metrics, and results from a
 from __future__ import annotations
 
 import gzip
+import zlib
 from collections.abc import Iterator
 
 import pytest
@@ -105,6 +106,10 @@ def test_limits_and_malformed_requests(guarded: TestClient) -> None:
     assert v1(b"{}", **{"X-Request-Timeout": "-1"}) == (400, "BadRequest")
     assert v1(b"{}", **{"Content-Encoding": "br"}) == (415, "UnsupportedMediaType")
     assert v1(b"not gzip", **{"Content-Encoding": "gzip"}) == (400, "BadRequest")
+    whole = gzip.compress(b'{"inputs": [[1, 2, 3, 4]]}')
+    for damaged in (whole[:-8], whole + b"junk", zlib.compress(b"{}") + b"x"):  # cut, or followed
+        encoding = "gzip" if damaged.startswith(b"\x1f") else "deflate"
+        assert v1(damaged, **{"Content-Encoding": encoding}) == (400, "BadRequest")
     bomb = gzip.compress(b" " * 10_000)
     assert v1(bomb, **{"Content-Encoding": "gzip"}) == (413, "PayloadTooLarge")
     assert v1(b"{", **{"Content-Type": "multipart/form-data; boundary=x"}) == (400, "BadRequest")
@@ -126,7 +131,8 @@ def test_results_health_readiness_and_metrics(live: TestClient) -> None:
     assert live.get("/v2/health/ready").json() == {"ready": True}
     ready = live.get("/v2/models/doubler/ready")
     assert ready.status_code == 200 and ready.json()["workers"] == 1
-    gzipped = gzip.compress(b'{"inputs": [[1, 2, 3, 4]]}')
+    # two gzip members, one after the other, are one body (RFC 1952; `gzip -c a b` writes it)
+    gzipped = gzip.compress(b'{"inputs": [[1, 2,') + gzip.compress(b" 3, 4]]}")
     result = live.post(
         "/v1/models/doubler/predict",
         content=gzipped,
