@@ -483,12 +483,7 @@ class RedisTransport:
         for result in results:
             if isinstance(result, Exception):
                 log.warning("an acknowledgement could not be completed: %s", result)
-        last = commands[-1] if commands else ()
-        released = results[-1] if last[:2] == ("DECRBY", keys.queued_bytes) else 0
-        if isinstance(released, int) and released < 0:
-            # A caller that XADDed without counting its bytes (see docs/protocol.md) drove
-            # the counter below zero: bring it back, so that it never loosens the bound.
-            await self._floor_queued_bytes(keys, released)
+        await self._floor_counters(keys, commands, results)
 
     async def _reply_and_run(
         self,
@@ -645,9 +640,18 @@ class RedisTransport:
             withdrawn |= _withdrawn(partition, ids, scores)
         return withdrawn
 
-    async def _floor_queued_bytes(self, keys: ModelKeys, value: int) -> None:
-        with contextlib.suppress(*UNAVAILABLE, ResponseError):
-            await self.redis.incrby(keys.queued_bytes, -value)
+    async def _floor_counters(
+        self, keys: ModelKeys, commands: Sequence[tuple[Any, ...]], results: Sequence[Any]
+    ) -> None:
+        """Bring the queued-bytes and packed-items counters back to zero where these
+        commands' DECRBYs took them below it: a caller that XADDed without counting its
+        bytes or items (see docs/protocol.md) must never loosen the queue bound."""
+        counters = (keys.queued_bytes, keys.packed_items)
+        for command, result in zip(commands, results, strict=False):
+            counted = command[0] == "DECRBY" and command[1] in counters
+            if counted and isinstance(result, int) and result < 0:
+                with contextlib.suppress(*UNAVAILABLE, ResponseError):
+                    await self.redis.incrby(command[1], -result)
 
     async def reclaim(
         self, keys: ModelKeys, consumer: str, min_idle_ms: int, count: int, own: bool = False
@@ -824,9 +828,7 @@ class RedisTransport:
         for result in results:
             if isinstance(result, ResponseError):
                 raise result
-        released = results[-1] if commands[-1][:2] == ("DECRBY", keys.queued_bytes) else 0
-        if isinstance(released, int) and released < 0:  # floored as in finish
-            await self._floor_queued_bytes(keys, results[-1])
+        await self._floor_counters(keys, commands, results)
 
     def _removal(self, keys: ModelKeys, entries: Sequence[Entry]) -> list[tuple[Any, ...]]:
         """The ack, delete and byte release of entries this worker holds: an item of a v2

@@ -288,6 +288,27 @@ def test_a_malformed_item_fails_alone_and_a_failing_item_does_not_fail_its_entry
     assert int(client.get(keys.packed_items)) == 0
 
 
+def test_a_v2_entry_queued_without_its_counts_leaves_no_counter_below_zero(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A foreign client that XADDs without the INCRBYs of docs/protocol.md: its entry's release
+    took both counters below zero, and a packed-items count below zero let as many later items
+    past the queue bound."""
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+    inbox = keys.inbox("f")
+    client.xadd(keys.stream, {
+        "v": "2", "reply": inbox, "n": "3",
+        **{f"{field}.{k}": value for k in range(3) for field, value in (
+            ("id", f"f.{k}"), ("timeout", "30000"), ("data", codec.encode(f"ok{k}")))},
+    })  # fmt: skip
+    with worker_process(redis_server.url, "tests.models:Toy", prefix):
+        assert len(replies(client, inbox, 3)) == 3
+        wait_until(lambda: client.xlen(keys.stream) == 0, 10, "the entry's ack")
+        counters = (keys.packed_items, keys.queued_bytes)
+        wait_until(lambda: all(int(client.get(key) or 0) == 0 for key in counters), 10, "the floor")
+
+
 def test_a_v2_entry_without_a_valid_count_is_dead_lettered(
     redis_server: RedisServer, prefix: str
 ) -> None:
