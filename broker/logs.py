@@ -10,6 +10,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -162,22 +163,33 @@ class Every:
 
 
 class ThrottledWarning:
-    """A warning about something that may repeat without end (garbage an outsider keeps
-    writing): logged the first time, then at most once every ``every_s`` seconds, saying how
-    many times it happened meanwhile. ``message`` takes the count, then the latest detail."""
+    """A line about something that may repeat without end (garbage an outsider keeps writing,
+    a model failing on every item): logged the first time, then at most once every
+    ``every_s`` seconds, saying how many times it happened meanwhile. ``message`` takes the
+    count, then the latest detail. At ``level`` (WARNING unless given)."""
 
-    def __init__(self, logger: logging.Logger, message: str, every_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        logger: logging.Logger,
+        message: str,
+        every_s: float = 60.0,
+        level: int = logging.WARNING,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.logger = logger
         self.message = message
         self.every_s = every_s
+        self.level = level
+        self.clock = clock
         self.count = 0
         self._next = float("-inf")
 
-    def note(self, detail: str) -> None:
-        """Count one occurrence; log if the last line was long enough ago."""
+    def note(self, detail: str, traceback_of: BaseException | None = None) -> None:
+        """Count one occurrence; log if the last line was long enough ago (with the
+        traceback of ``traceback_of``, if given)."""
         self.count += 1
-        now = time.monotonic()
+        now = self.clock()
         if now >= self._next:
-            self.logger.warning(self.message, self.count, detail)
+            self.logger.log(self.level, self.message, self.count, detail, exc_info=traceback_of)
             self.count = 0
             self._next = now + self.every_s

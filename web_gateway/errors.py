@@ -25,9 +25,7 @@ DeadlineExceeded           504     no result within the request's timeout
 from __future__ import annotations
 
 import logging
-import math
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -47,40 +45,22 @@ from broker.errors import (
     ProtocolError,
     QueueFull,
 )
+from broker.logs import ThrottledWarning
 
 log = logging.getLogger("microbatch.gateway")
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": nobody reads it, the logs do
 
 
-class WithdrawalLog:
-    """Requests whose client left before the answer, their items withdrawn: one INFO line
-    each was one line per request a client (or a load tool stopping) could cause by the
-    thousand a second. The first is logged at once, later ones summed into at most one line
-    per ``every_s`` (those after the last line are in the metrics' ClientGone outcome)."""
-
-    def __init__(self, every_s: float = 10.0, clock: Callable[[], float] = time.monotonic):
-        self.every_s = every_s
-        self.clock = clock
-        self.unlogged = 0
-        self.logged_at = -math.inf
-
-    def note(self, path: str) -> None:
-        self.unlogged += 1
-        now = self.clock()
-        if now - self.logged_at < self.every_s:
-            return
-        log.info(
-            "clients left before their answers: %d request(s) withdrawn since the last such "
-            "line (the latest to %s); at most one such line every %g s",
-            self.unlogged,
-            path,
-            self.every_s,
-        )
-        self.unlogged, self.logged_at = 0, now
-
-
-withdrawals = WithdrawalLog()
+# A client (or a load tool stopping) can leave thousands of requests a second: one line each
+# flooded the log. Those after the last line are in the metrics' ClientGone outcome.
+withdrawals = ThrottledWarning(
+    log,
+    "clients left before their answers: %d request(s) withdrawn since the last such line "
+    "(the latest to %s); at most one such line every 10 s",
+    every_s=10.0,
+    level=logging.INFO,
+)
 
 STATUS_BY_ERROR: dict[type[MicrobatchError], int] = {
     InvalidInput: 422,
