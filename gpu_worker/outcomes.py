@@ -10,6 +10,7 @@ import numpy as np
 
 from broker import codec
 from broker.errors import CodecError, InvalidOutput, MicrobatchError, ModelError
+from broker.logs import ThrottledWarning
 from broker.protocol import RESULT_ID_HEADS, RESULT_OK, Request, encode_error, encode_result
 
 log = logging.getLogger("microbatch.worker")
@@ -86,11 +87,27 @@ def finish_predict(predict: PredictFn, items: list[Any], pending: PendingOutputs
     return _checked(outputs, items)
 
 
+# A model failing on every item fails each batch once per item and once per split: one line
+# each flooded the log. The traceback (where the model raised: the one thing the callers'
+# ModelError does not tell) is logged with the first failure and then with one every 10 s.
+failed_items = ThrottledWarning(
+    log,
+    "the model raised on %d item(s) since the last such line; the latest: %s",
+    every_s=10.0,
+)
+split_batches = ThrottledWarning(
+    log,
+    "%d batch(es) split since the last such line to find the failing items; the latest: %s",
+    every_s=10.0,
+)
+
+
 def _split(predict: PredictFn, items: list[Any], exc: Exception) -> list[Any]:
     if len(items) == 1:
+        failed_items.note(describe(exc), traceback_of=exc)
         return [ModelError(describe(exc))]
     kind = "out of memory" if is_out_of_memory(exc) else "failed"
-    log.warning("batch of %d %s (%s); splitting it", len(items), kind, describe(exc))
+    split_batches.note(f"a batch of {len(items)} {kind} ({describe(exc)})")
     middle = len(items) // 2
     return predict_robust(predict, items[:middle]) + predict_robust(predict, items[middle:])
 

@@ -4,13 +4,16 @@ pending."""
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
+import pytest
 
 from broker.errors import InvalidOutput, ModelError
 from broker.protocol import Request
+from gpu_worker import outcomes
 from gpu_worker.outcomes import (
     OutcomeEncoder,
     encode_outcome,
@@ -116,3 +119,35 @@ def test_pending_outputs_of_the_wrong_count_fail_each_item() -> None:
     predict = later(lambda items: [0])
     outcomes = finish_predict(predict, [1, 2], start_predict(predict, [1, 2]))
     assert all(isinstance(o, InvalidOutput) for o in outcomes) and len(outcomes) == 2
+
+
+def test_a_model_failing_on_every_item_logs_a_traceback_every_few_seconds(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The callers' ModelError says what was raised, not where: the worker's log has the
+    traceback, and not a line per item and per split for a model that always fails."""
+    now = [0.0]
+    for throttled in (outcomes.failed_items, outcomes.split_batches):
+        monkeypatch.setattr(throttled, "clock", lambda: now[0])
+        monkeypatch.setattr(throttled, "count", 0)
+        monkeypatch.setattr(throttled, "_next", float("-inf"))
+
+    def broken_model(batch: list[Any]) -> list[Any]:
+        raise RuntimeError("boom")
+
+    with caplog.at_level(logging.WARNING, logger="microbatch.worker"):
+        for _ in range(5):
+            got = predict_robust(broken_model, list(range(64)))
+            assert [str(error) for error in got] == ["RuntimeError: boom"] * 64
+            now[0] += 1
+        now[0] += 10
+        predict_robust(broken_model, [1])
+    items = [r for r in caplog.records if "raised on" in r.getMessage()]
+    splits = [r for r in caplog.records if "split since" in r.getMessage()]
+    assert len(caplog.records) == len(items) + len(splits) == 3
+    assert [r.getMessage().split(";")[0] for r in items] == [
+        "the model raised on 1 item(s) since the last such line",
+        "the model raised on 320 item(s) since the last such line",
+    ]
+    assert all(r.exc_info and "broken_model" in caplog.text for r in items)
+    assert "a batch of 64 failed (RuntimeError: boom)" in splits[0].getMessage()
