@@ -58,7 +58,9 @@ functions_app = new_app(
     "The Redis Functions library that gateways, callers and workers call (microbatch)."
 )
 app.add_typer(
-    functions_app, name="functions", short_help="Load or check the Redis Functions library."
+    functions_app,
+    name="functions",
+    short_help="Load the Redis Functions library, or print its code.",
 )
 
 
