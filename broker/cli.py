@@ -81,6 +81,9 @@ def _connect(url: str) -> redis.Redis:
         client.ping()
     except redis.RedisError as exc:
         fail(f"cannot reach Redis: {exc}", 1)
+    misuse = connections.cluster_node_misuse(client, url)
+    if misuse:
+        fail(f"--redis: {misuse}", 2)
     return client
 
 

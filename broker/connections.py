@@ -38,7 +38,15 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry as SyncRetry
 
 from .cluster_lane import UNSETTLED_FOR_S, ClusterLanes, ClusterMap, Settling
-from .redis_url import ClusterURL, DirectURL, RedisURL, SentinelURL, describe, parse
+from .redis_url import (
+    ClusterURL,
+    DirectURL,
+    RedisURL,
+    SentinelURL,
+    cluster_node_error,
+    describe,
+    parse,
+)
 from .resp_lane import (
     CONNECT_TIMEOUT_S,
     FOLLOW_EVERY_S,
@@ -350,6 +358,18 @@ def sync_client(url: str | RedisURL, **options: Any) -> redis.Redis:
     )
     client.sentinel_manager = manager
     return client
+
+
+def cluster_node_misuse(client: redis.Redis, url: str | RedisURL) -> str | None:
+    """:func:`broker.redis_url.cluster_node_error` of ``client``'s server (None where INFO is
+    refused or the URL is a redis+cluster:// one)."""
+    if isinstance(parse(url), ClusterURL):
+        return None
+    try:
+        cluster_info = client.info("cluster")
+    except redis.RedisError:
+        return None  # INFO refused (an ACL): nothing to check with
+    return cluster_node_error(url, cluster_info)
 
 
 def async_client(url: str | RedisURL, **options: Any) -> aioredis.Redis:

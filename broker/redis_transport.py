@@ -43,6 +43,7 @@ from .multi_item import ITEM_MARK, ItemAcks
 from .partition_reads import PartitionReads
 from .priorities import LevelKeep
 from .protocol import CallRequests, MalformedEntry, parse_request
+from .redis_url import CLUSTER_NODE_HINT, ClusterURL, RedisURL, cluster_node_error, describe
 from .redis_url import parse as parse_url
 from .reply_elements import pack as pack_replies
 from .reply_elements import reply_id
@@ -937,11 +938,28 @@ async def eviction_warning(client: aioredis.Redis) -> str | None:
     )
 
 
+async def startup_warnings(client: aioredis.Redis, url: str | RedisURL) -> list[str]:
+    """What a process starting to use ``url`` should log: Redis unreachable (for now), a
+    Cluster node given as a plain node, or keys that may be evicted."""
+    try:
+        cluster_info = (
+            {} if isinstance(parse_url(url), ClusterURL) else await client.info("cluster")
+        )
+    except ResponseError:
+        cluster_info = {}  # INFO refused (an ACL): nothing to check with
+    except UNAVAILABLE as exc:
+        return [
+            f"Redis at {describe(url)} does not answer ({exc}): requests get 503 "
+            "BrokerUnavailable until it does"
+        ]
+    warnings = [cluster_node_error(url, cluster_info)]
+    warnings.append(await eviction_warning(client))
+    return [warning for warning in warnings if warning]
+
+
 def _cluster_node(moved: str) -> BrokerUnavailable:
     """What a redis:// URL of a Redis Cluster node gets for a slot the node does not serve."""
-    return BrokerUnavailable(
-        f"Redis answered {moved!r}: it is a node of a Redis Cluster; give a redis+cluster:// URL"
-    )
+    return BrokerUnavailable(f"Redis answered {moved!r}: {CLUSTER_NODE_HINT}")
 
 
 def _text(value: Any) -> str:

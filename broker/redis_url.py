@@ -198,6 +198,18 @@ def describe(url: str | RedisURL) -> str:
     return f"{parsed.address} (db {parsed.db}{', TLS' if parsed.tls else ''})"
 
 
+CLUSTER_NODE_HINT = "it is a node of a Redis Cluster; give a redis+cluster:// URL"
+
+
+def cluster_node_error(url: str | RedisURL, cluster_info: Mapping[str, Any]) -> str | None:
+    """What is wrong where ``url``, not a redis+cluster:// one, names a Redis Cluster node
+    (``cluster_info``: the node's ``INFO cluster``), else None. Such a client gets MOVED for
+    most keys: the model's keys, its replies and its heartbeats fail, a few at a time."""
+    if isinstance(parse(url), ClusterURL) or str(cluster_info.get("cluster_enabled")) != "1":
+        return None
+    return f"Redis at {describe(url)} runs with cluster-enabled yes: {CLUSTER_NODE_HINT}"
+
+
 def _split_netloc(rest: str) -> tuple[str, str]:
     """(user info and hosts, the rest from the first '/', '?' or '#')."""
     ends = [i for i in (rest.find(c) for c in "/?#") if i >= 0]

@@ -23,6 +23,7 @@ from typing import Any
 import redis
 
 from broker import multiproc_metrics
+from broker.connections import cluster_node_misuse
 from broker.keys import ModelKeys
 from broker.logs import redact_url
 
@@ -278,8 +279,16 @@ class Supervisor:
                 continue
             if waited_before:
                 log.info("Redis at %s answers", where)
+            self._check_not_a_cluster_node()
             return True
         return False
+
+    def _check_not_a_cluster_node(self) -> None:
+        """Raise RedisUnreachable where a plain URL names a Redis Cluster node: its workers
+        would die at their first MOVED reply and be restarted without end."""
+        error = cluster_node_misuse(self.heartbeats.client, self.config.redis_url)
+        if error:
+            raise RedisUnreachable(error)
 
     def _step(self, start_deadline: float) -> None:
         for key, _ in self.selector.select(timeout=min(0.2, self._heartbeat_every)):

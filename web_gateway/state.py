@@ -17,7 +17,7 @@ from broker.connections import async_client
 from broker.errors import MicrobatchError
 from broker.keys import NORMAL
 from broker.protocol import valid_traceparent
-from broker.redis_transport import eviction_warning
+from broker.redis_transport import startup_warnings
 
 from . import kserve, metrics, reading
 from .disconnects import when_gone
@@ -81,8 +81,7 @@ class Gateway:
             self.settings.preprocess_threads, thread_name_prefix="gateway-cpu"
         )
         self.redis = async_client(self.settings.redis_url, socket_timeout=PING_TIMEOUT_S)
-        warning = await eviction_warning(self.redis)
-        if warning:
+        for warning in await startup_warnings(self.redis, self.settings.redis_url):
             log.warning("%s", warning)
         for served in self.models.values():
             await served.streamer.aconnect()  # the first request need not pay for connecting

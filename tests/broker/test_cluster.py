@@ -474,6 +474,44 @@ def test_a_redis_url_of_a_cluster_node_says_to_use_redis_cluster(
     asyncio.run(read())
 
 
+def test_the_commands_refuse_a_redis_url_of_a_cluster_node_at_start(
+    cluster: LocalCluster, prefix: str
+) -> None:
+    """`broker` printed a MovedError traceback, and `worker start` served, died at its first
+    MOVED and was restarted without end; the gateway started as if all was well."""
+    import sys
+
+    from broker.devserver import free_port
+    from broker.redis_transport import startup_warnings
+    from tests.conftest import ROOT
+
+    url = f"redis://127.0.0.1:{cluster.nodes[0].port}/0"
+    hint = "runs with cluster-enabled yes: it is a node of a Redis Cluster; give a redis+cluster://"
+    status = CliRunner().invoke(app, ["status", "--redis", url, "--prefix", prefix])
+    assert status.exit_code == 2 and hint in status.output and "Traceback" not in status.output
+    done = subprocess.run(
+        [sys.executable, "-m", "gpu_worker.cli", "start", "--model", "tests.models:Toy",
+         "--redis", url, "--prefix", prefix],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert hint in done.stderr.strip().splitlines()[-1] and "restarting" not in done.stderr
+
+    async def warnings(of_url: str) -> list[str]:
+        client = connections.async_client(of_url)
+        try:
+            return await startup_warnings(client, of_url)
+        finally:
+            await client.aclose()
+
+    assert any(hint in warning for warning in asyncio.run(warnings(url)))
+    cluster_url = f"redis+cluster://127.0.0.1:{cluster.nodes[0].port}"
+    assert asyncio.run(warnings(cluster_url)) == []
+    (nobody,) = asyncio.run(warnings(f"redis://127.0.0.1:{free_port()}/0"))
+    assert "does not answer" in nobody and "503 BrokerUnavailable until it does" in nobody
+
+
 def test_a_worker_started_before_the_cluster_answers_waits_for_it() -> None:
     """As with one Redis: no node answering is `--redis-wait` seconds of waiting, then one
     error line (exit status 2), never a traceback; the password never shows."""
