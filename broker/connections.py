@@ -124,12 +124,20 @@ def _found(
     MasterNotFoundError of redis-py's sentinel ``module`` if none names one."""
     index, address, failures = found
     if address is None:
-        errors = ", ".join(f"{asked[i]} - {error_text(exc)}" for i, exc in failures)
-        raise module.MasterNotFoundError(f"No master found for {service_name!r} : {errors}")
+        errors = "; ".join(
+            f"sentinel {_address_of(asked[i])}: {error_text(exc)}" for i, exc in failures
+        )
+        raise module.MasterNotFoundError(f"No master found for {service_name!r} ({errors})")
     if asked[index] in preferred:
         preferred.remove(asked[index])
         preferred.insert(0, asked[index])
     return address
+
+
+def _address_of(client: Any) -> str:
+    """host:port of a sentinel's client (its repr is its whole connection pool's)."""
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
+    return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
 
 
 class _ConcurrentSentinel(async_sentinel.Sentinel):

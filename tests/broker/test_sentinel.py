@@ -22,7 +22,7 @@ from broker.errors import BrokerUnavailable
 from broker.redis_transport import RedisTransport
 from broker.resp_lane import ReplicaError, RespLane
 from broker.sentinel import MasterNotFound
-from tests.sentinel_local import LocalSentinel, wait_for
+from tests.sentinel_local import SERVICE, LocalSentinel, wait_for
 
 
 @pytest.fixture
@@ -291,3 +291,9 @@ def test_the_broker_commands_and_a_streamer_take_a_sentinel_url(
     assert letters.exit_code == 0 and json.loads(letters.output)[0]["reason"] == "test"
     bad = cli.invoke(app, ["status", "--redis", "redis+sentinel://s1:26379"])
     assert bad.exit_code == 2 and "names no service" in bad.output
+    # a service name the sentinels do not know: one short line naming each sentinel's answer
+    # (it quoted the repr of each sentinel's client, connection pool and options: ~1 KB)
+    typo = cli.invoke(app, ["status", "--redis", url.replace(f"/{SERVICE}/", "/nosuch/")])
+    (port,) = sentinel.sentinel_ports
+    assert typo.exit_code == 1 and len(typo.output) < 200, typo.output
+    assert f"sentinel 127.0.0.1:{port}: names no up master of 'nosuch'" in typo.output
