@@ -293,20 +293,32 @@ def use_app_dir(app_dir: str | os.PathLike[str] = ".") -> str:
     return path
 
 
-def load_model_class(path: str) -> type[ManagedModel]:
-    """Import ``module:Class`` and check that it is a ManagedModel subclass."""
+def import_object(path: str, what: str, example: str = "ClassName") -> Any:
+    """The object at ``module:attribute`` (``what`` names the option, for the errors)."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ModelLoadError(f"--model {path!r} must look like 'package.module:ClassName'")
+        raise ModelLoadError(f"{what} {path!r} must look like 'package.module:{example}'")
     try:
-        module = importlib.import_module(module_name)
+        obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ModelLoadError(f"cannot import module {module_name!r}: {exc}") from exc
-    obj: Any = module
+        hint = ""
+        if isinstance(exc, ModuleNotFoundError) and exc.name == module_name.split(".")[0]:
+            searched = os.path.abspath(sys.path[0] or os.curdir)  # the app dir, else the cwd
+            hint = (
+                f" (neither installed nor in {searched}: run from the directory that holds "
+                "it, or name that directory with --app-dir)"
+            )
+        raise ModelLoadError(f"cannot import module {module_name!r}: {exc}{hint}") from exc
     for part in attr.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
             raise ModelLoadError(f"module {module_name!r} has no attribute {attr!r}")
+    return obj
+
+
+def load_model_class(path: str) -> type[ManagedModel]:
+    """Import ``module:Class`` and check that it is a ManagedModel subclass."""
+    obj = import_object(path, "--model")
     if not (isinstance(obj, type) and issubclass(obj, ManagedModel)):
         raise ModelLoadError(f"{path!r} is not a ManagedModel subclass")
     return obj

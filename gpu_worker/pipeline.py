@@ -10,34 +10,17 @@ postprocessing. The wire: docs/pipelines.md.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from broker.keys import ModelKeys, check_name, stage_keys_name
 
-from .model import ManagedModel, ModelLoadError, TensorSpec, load_model_class
+from .model import ManagedModel, ModelLoadError, TensorSpec, import_object, load_model_class
 
 __all__ = ["Pipeline", "Stage", "load_stage"]
 
 Transform = Callable[[Any], Any]
-
-
-def _import(path: str, what: str) -> Any:
-    """The object at ``module:attribute``."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ModelLoadError(f"{what} {path!r} must look like 'package.module:name'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ModelLoadError(f"cannot import module {module_name!r}: {exc}") from exc
-    for part in attr.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            raise ModelLoadError(f"module {module_name!r} has no attribute {attr!r}")
-    return obj
 
 
 @dataclass(frozen=True)
@@ -71,7 +54,7 @@ class Stage:
         """The stage's transform (imported if given by path), or None."""
         fn: Any
         if isinstance(self.transform, str):
-            fn = _import(self.transform, f"stage {self.name!r}: transform")
+            fn = import_object(self.transform, f"stage {self.name!r}: transform", "name")
         else:
             fn = self.transform
         if fn is not None and not callable(fn):

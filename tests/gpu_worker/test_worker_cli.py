@@ -26,6 +26,14 @@ def test_a_bad_model_path_gives_one_line() -> None:
     ]
     result = run_worker_cli("--model", "examples.mlp")
     assert "must look like 'package.module:ClassName'" in result.stderr
+    # a package not found at all: where it was looked for, and what to do
+    result = run_worker_cli("--model", "elsewhere.models:Model", "--app-dir", "/tmp")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "Error: cannot import module 'elsewhere.models': No module named 'elsewhere' (neither "
+        "installed nor in /tmp: run from the directory that holds it, or name that directory "
+        "with --app-dir)"
+    ]
     result = run_worker_cli("--model", "broker.client:Streamer")
     assert "is not a ManagedModel subclass" in result.stderr
 
