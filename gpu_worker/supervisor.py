@@ -209,7 +209,11 @@ class Supervisor:
     def request_stop(self, signum: int = signal.SIGTERM, frame: FrameType | None = None) -> None:
         """Begin a graceful stop: children finish their batch, answer it and exit."""
         if not self._stopping:
-            log.info("stopping %d worker(s)", len(self.slots))
+            running = sum(s.process is not None and s.process.poll() is None for s in self.slots)
+            if running:
+                log.info("stopping %d worker(s)", running)
+            else:  # still waiting for Redis: nothing started
+                log.info("stopping before any worker started")
         self._stopping = True
         for slot in self.slots:
             if slot.process is not None and slot.process.poll() is None:

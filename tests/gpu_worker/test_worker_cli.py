@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -172,6 +173,21 @@ def test_waiting_for_redis_says_so_every_10_s(monkeypatch: pytest.MonkeyPatch, c
     waiting = [r.getMessage() for r in caplog.records if "waiting for Redis" in r.getMessage()]
     assert len(waiting) == 3  # at 0, 1 and 2 s
     assert "giving up in 2 s" in waiting[1] or "giving up in 1 s" in waiting[1]
+
+
+def test_a_stop_while_waiting_for_redis_says_no_worker_started(caplog: Any) -> None:
+    from gpu_worker import supervisor
+
+    config = WorkerConfig(
+        model="tests.models:Toy", redis_url=f"redis://127.0.0.1:{free_port()}/0", redis_wait=60
+    )
+    waiting = supervisor.Supervisor(config)
+    threading.Timer(0.5, waiting.request_stop).start()
+    with caplog.at_level(logging.INFO, "microbatch.supervisor"):
+        assert waiting.run() == 0
+    said = [record.getMessage() for record in caplog.records]
+    assert "stopping before any worker started" in said
+    assert not any(message.startswith("stopping 1 worker") for message in said)
 
 
 @pytest.mark.slow
