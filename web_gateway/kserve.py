@@ -375,7 +375,9 @@ def _describe(name: str, array: np.ndarray, binary: bool) -> tuple[dict[str, Any
             for value in array.reshape(-1).tolist()
         ]
     else:
-        entry["data"] = array.reshape(-1).tolist()
+        # serialized by orjson as it is (float32 values in their shortest form, as v1 writes
+        # them, not as the float64 values tolist() would make of them)
+        entry["data"] = np.ascontiguousarray(array.reshape(-1), array.dtype.newbyteorder("="))
     return entry, None
 
 
@@ -398,7 +400,7 @@ def build_response(
     if request.id is not None:
         document["id"] = request.id
     document["outputs"] = described
-    head = orjson.dumps(document)
+    head = orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
     if not blobs:
         return head, {}
     return head + b"".join(blobs), {"Inference-Header-Content-Length": str(len(head))}

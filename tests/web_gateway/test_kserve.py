@@ -221,6 +221,17 @@ def test_responses_in_json_or_binary_as_asked() -> None:
     assert np.frombuffer(rest, dtype="<f4").tolist() == [1, 2, 3, 4]
 
 
+def test_json_outputs_keep_their_datatype_s_precision() -> None:
+    """FP32 values as v1 writes them (0.1, not the float64 0.10000000149011612), whatever
+    the outputs' byte order or layout."""
+    spec = [TensorSpec("y", "FP32", [2])]
+    request = kserve.parse_request(body(tensor(data=[0, 0])), None)
+    wide = np.array([[0.1, 9.0, 0.2], [0.3, 9.0, 0.4]], dtype=">f4")[:, ::2]  # strided, swapped
+    for outputs in ([np.array([0.1, 0.2], np.float32), np.array([0.3, 0.4], np.float32)], wide):
+        content, _ = kserve.build_response("m", request, list(outputs), spec)
+        assert b'"data":[0.1,0.2,0.3,0.4]' in content
+
+
 def test_requested_outputs_of_a_multi_output_model() -> None:
     specs = [TensorSpec("a", "INT64", [1]), TensorSpec("b", "BYTES", [])]
     outputs = [{"a": [1], "b": b"x"}, {"a": [2], "b": b"yz"}]
