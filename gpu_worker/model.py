@@ -178,8 +178,13 @@ class ItemCheck:
             info = np.iinfo(self.dtype)
             if array.min() < info.min or array.max() > info.max:
                 raise InvalidInput(f"input {name!r} has values out of range for {datatype}")
-        with np.errstate(all="ignore"):  # floats beyond the input's range become inf, as in coerce
-            return array.astype(self.dtype)
+        with np.errstate(all="ignore"):
+            converted = array.astype(self.dtype)
+        overflowed = self.dtype.kind == "f" and converted.size and np.isinf(converted).any()
+        if overflowed and (np.isinf(converted) & np.isfinite(array)).any():
+            # finite values past the input's range (inf and nan given as such pass)
+            raise InvalidInput(f"input {name!r} has values out of range for {datatype}")
+        return converted
 
 
 def input_check(inputs: Sequence[TensorSpec]) -> ItemCheck | None:

@@ -360,6 +360,12 @@ def test_the_input_check_passes_a_fitting_array_as_it_is_and_refuses_the_wrong_s
         with pytest.raises(InvalidInput):
             check(wrong)
     assert check([1] * 256).dtype == np.float32  # lists of numbers are converted
+    # finite values past FP32's range are refused, as the gateway and Streamer(model=) refuse
+    # them (they became inf); inf and nan given as such pass
+    for past in (np.full(256, 1e39), [1e39] + [0.0] * 255, np.full(256, -1e300)):
+        with pytest.raises(InvalidInput, match="values out of range for FP32"):
+            check(past)
+    assert np.isinf(check(np.full(256, np.inf))).all() and np.isnan(check([np.nan] * 256)).all()
     assert input_check([TensorSpec("input", "BYTES", [])]) is None
     assert input_check([TensorSpec("a", "FP32", [1]), TensorSpec("b", "FP32", [1])]) is None
 
