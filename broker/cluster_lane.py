@@ -277,6 +277,12 @@ class SlotLane:
     """A lane for the keys of one hash slot: commands go to the primary serving it now,
     redirections followed (see the module's docstring)."""
 
+    draining = False  # (a Sentinel master's lanes drain the master they left; see RespLane)
+
+    async def on_left_master(self, *args: Any) -> None:
+        """Nothing: a cluster's nodes stay where they are (see :class:`RespLane`)."""
+        return None
+
     def __init__(self, lanes: ClusterLanes, slot: int) -> None:
         self._lanes = lanes
         self.slot = slot

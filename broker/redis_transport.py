@@ -280,8 +280,13 @@ class RedisTransport:
         return parse_partitions(stored)
 
     async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:
+        lane = self._replies_lane(inbox)
+        if lane.draining:  # replies a worker still pushed to the master this lane left
+            drained = await lane.on_left_master("LPOP", inbox, count)
+            if drained:
+                return list(drained)
         try:
-            got: Any = await self._replies_lane(inbox).execute_blocking(
+            got: Any = await lane.execute_blocking(
                 timeout_s, "BLMPOP", timeout_s, 1, inbox, "LEFT", "COUNT", count
             )
         except UNAVAILABLE as exc:
@@ -422,6 +427,12 @@ class RedisTransport:
         high, normal = keys.at(HIGH).stream, keys.at(NORMAL).stream
         group = ("XREADGROUP", "GROUP", keys.group, consumer)
         if keep.empty():
+            if lane.draining:  # requests callers still put on the master this lane left
+                drained = await lane.on_left_master(
+                    *group, "COUNT", self._entries_for(count), "STREAMS", high, normal, ">", ">"
+                )
+                if drained:
+                    return [drained]
             block_ms = max(1, block_ms)
             got: Any = await lane.execute_blocking(
                 block_ms / 1000, *group, "COUNT", self._entries_for(count), "BLOCK", block_ms,
@@ -651,8 +662,9 @@ class RedisTransport:
         for command, result in zip(commands, results, strict=False):
             counted = command[0] == "DECRBY" and command[1] in counters
             if counted and isinstance(result, int) and result < 0:
-                with contextlib.suppress(*UNAVAILABLE, ResponseError):
-                    await self.redis.incrby(command[1], -result)
+                with contextlib.suppress(*UNAVAILABLE, ResponseError):  # (the lane: where the
+                    # DECRBY went, also while a Sentinel failover moves the master)
+                    await self._lane.at(command[1]).execute("INCRBY", command[1], -result)
 
     async def reclaim(
         self, keys: ModelKeys, consumer: str, min_idle_ms: int, count: int, own: bool = False

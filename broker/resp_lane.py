@@ -33,7 +33,7 @@ import ssl
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import hiredis
@@ -56,6 +56,10 @@ REPLY_TIMEOUT_S = 10.0
 # How often a lane whose address comes from a source (a Sentinel service's master) checks,
 # while connected, that the source still names the server it is connected to.
 FOLLOW_EVERY_S = 1.0
+# How long a lane that left a master for another (a failover) keeps reading, on request, what
+# is put there (see RespLane.on_left_master), and how often.
+DRAIN_S = 3.0
+DRAIN_EVERY_S = 0.2
 
 # TCP keepalive on every connection to Redis: a probe after 15 s idle, then every 5 s, dead
 # after 3 unanswered. Firewalls and NAT gateways that drop idle connections silently (often
@@ -319,6 +323,59 @@ class RespLane:
         self._follower: asyncio.Task[None] | None = None  # see _follow
         self._loop: asyncio.AbstractEventLoop | None = None
         self._connecting: asyncio.Future[_RespProtocol] | None = None
+        self._left: RespLane | None = None  # to the master this lane left, while drained
+        self._drain_until = self._next_drain = 0.0
+
+    @property
+    def draining(self) -> bool:
+        """Whether this lane left a master for another (a failover) and has not finished
+        reading what is put there: see :meth:`on_left_master`."""
+        return self._left is not None
+
+    async def on_left_master(self, *args: Any) -> Any:
+        """Run ``args`` (a non-blocking read) on the master this lane left, for
+        :data:`DRAIN_S` after it left, at most every :data:`DRAIN_EVERY_S`; None when there
+        is nothing to run now, or no answer.
+
+        Each connection of each process learns of a failover on its own timer (and from
+        whichever sentinel answers first), and Sentinel demotes a live old master only seconds
+        later: meanwhile writers that have not learnt of the move still write there. A worker
+        whose read left first never saw the requests callers put there, nor a caller the
+        replies a worker pushed there, which the old master then dropped at its demotion (10
+        to 33 calls per graceful failover at 80 calls/s). Readers that drain the old master
+        for a while read them; writers put nothing more there once they know."""
+        left = self._left
+        if left is None:
+            return None
+        now = asyncio.get_running_loop().time()
+        if now < self._next_drain:
+            return None
+        self._next_drain = now + DRAIN_EVERY_S
+        try:
+            reply = await asyncio.wait_for(left.execute(*args), CONNECT_TIMEOUT_S)
+        except Exception:  # demoted (READONLY), gone, or slow: nothing more to read there
+            reply, now = None, self._drain_until
+        if now >= self._drain_until and not reply:
+            self._stop_draining(left)
+        return reply
+
+    def _left_for_another(self, address: tuple[str, int]) -> None:
+        """Keep a way to the master at ``address``, which this lane is leaving, for
+        :meth:`on_left_master`."""
+        if self._left is not None:
+            self._left.close()
+        target = replace(self.target, host=address[0], port=address[1], source=None, label="")
+        left = self._left = RespLane(target, self._connect_timeout_s)
+        loop = asyncio.get_running_loop()
+        self._drain_until = loop.time() + DRAIN_S
+        self._next_drain = 0.0
+        # a lane nobody reads on any more (a writer's, an idle caller's) lets it go
+        loop.call_later(2 * DRAIN_S, self._stop_draining, left)
+
+    def _stop_draining(self, left: RespLane) -> None:
+        if self._left is left:
+            self._left = None
+        left.close()
 
     async def execute(self, *args: Any) -> Any:
         """Send one command; return its reply (raise ResponseError for an error reply)."""
@@ -387,6 +444,9 @@ class RespLane:
     def close(self) -> None:
         """Drop the connection, and the source's (a later command reconnects)."""
         self._drop()
+        left, self._left = self._left, None
+        if left is not None:
+            left.close()
         if self.target.source is not None:
             self.target.source.close()
 
@@ -450,6 +510,7 @@ class RespLane:
             except Exception:  # nothing is known now: the connection speaks for itself
                 continue
             if now != address and not protocol.lost:
+                self._left_for_another(address)
                 protocol.abort(f"the master moved to {now[0]}:{now[1]}")
 
     async def _open(self, loop: asyncio.AbstractEventLoop) -> _RespProtocol:
