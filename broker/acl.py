@@ -207,9 +207,11 @@ SCAN is not limited by key patterns: it lists the names (never the contents) of 
     User(
         f"{PLACEHOLDER}-keda",
         "KEDA",
-        f"%R~{_keys('requests')} resetchannels -@all {CONNECT} +xlen +xpending +xinfo|groups",
+        " ".join(f"%R~{pattern}" for pattern in _leveled("requests"))
+        + f" resetchannels -@all {CONNECT} +xlen +xpending +xinfo|groups",
         """KEDA's redis-streams scaler (deploy/k8s): XLEN for stream length, XPENDING for pending
-entries (XINFO GROUPS for lagCount, not used here). Reads request streams only.""",
+entries (XINFO GROUPS for lagCount, not used here). Reads request streams only, of both
+priority levels (the priorities overlay scales on the high level's too).""",
     ),
 )
 

@@ -268,7 +268,8 @@ def acl_users(
         typer.Option(
             "--server",
             help="Also print the server-wide users: default (off), operator (loads the "
-            "functions, reads every prefix, diagnosis), replication and sentinel.",
+            "functions, reads every prefix, diagnosis), replication, sentinel and cluster (a "
+            "Redis Cluster's administrator).",
         ),
     ] = False,
     password_env: Annotated[

@@ -27,7 +27,7 @@ from redis.retry import Retry
 
 from broker import Streamer, functions
 from broker.devserver import find_redis_server, free_port
-from broker.keys import ModelKeys
+from broker.keys import HIGH, ModelKeys
 from tests.conftest import ROOT, worker_process
 
 TENANTS = ("ta", "tb")
@@ -154,6 +154,12 @@ def test_tenants_serve_side_by_side_and_one_cannot_touch_the_other(
         assert predict("ta", ["a3"], priority="high") == ["a3"]
         assert asyncio.run(burst("ta", 20)) == [f"ta{i}" for i in range(20)]
         assert predict("tb", ["b1"]) == ["b1"]
+        # what KEDA's redis-streams scaler reads, of both levels: the priorities overlay
+        # scales on the high level's stream too (its triggers could not read it)
+        a_keda = client("ta", "KEDA")
+        for level_stream in (a.stream, a.at(HIGH).stream):
+            assert a_keda.xlen(level_stream) >= 0
+            assert a_keda.xpending(level_stream, "workers")["pending"] >= 0
         assert refusals(operator) == []
 
         # what tenant B has that A will go after: a queued request, a reply in an inbox,
