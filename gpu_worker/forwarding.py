@@ -223,10 +223,13 @@ class StageTransport:
         live: list[tuple[Request, bytes]] = []
         for request, data in items:
             if request.deadline_ms <= now_ms:
-                error = DeadlineExceeded(
-                    f"stage {self.route.stage!r}: deadline passed before the item was forwarded"
-                )
-                late.append((request.reply_key, encode_error(request.request_id, error)))
+                error = Reply(
+                    request.request_id,
+                    ok=False,
+                    error_type=DeadlineExceeded.__name__,
+                    error_message="deadline passed before the item was forwarded",
+                )  # with the stage in its map, as every error a stage answers
+                late.append((request.reply_key, stage_error(self.route.stage, error)))
             else:
                 live.append((request, data))
         if live:

@@ -35,6 +35,25 @@ def test_a_chain_and_a_fan_out_declare_their_graph() -> None:
     ]
 
 
+def test_an_item_too_late_to_forward_is_answered_naming_its_stage() -> None:
+    """As every error a stage answers: the stage before the message and in the error map."""
+    import asyncio
+
+    from broker.protocol import Request
+    from gpu_worker.forwarding import StageTransport
+
+    stage = StageTransport(None, StageRoute(Chain, "embed", "p"))  # type: ignore[arg-type]
+    stage.now_ms = lambda: 2_000.0
+    late = Request("1-0", "r1", Chain.keys("embed", "p").inbox("c"), 0, 1_000, b"")
+    [(reply_key, reply)] = asyncio.run(stage._forward([(late, b"output")], {}))
+    error = codec.decode(reply)["error"]
+    assert reply_key == late.reply_key and error == {
+        "type": "DeadlineExceeded",
+        "message": "stage 'embed': deadline passed before the item was forwarded",
+        "stage": "embed",
+    }
+
+
 def test_stage_keys_are_the_pipelines_own_then_their_own_with_the_pipelines_inboxes() -> None:
     first, later = Chain.keys("embed", "p"), Chain.keys("polarity", "p")
     assert first == ModelKeys("chain", "p")  # callers queue to the pipeline as to a model
