@@ -94,7 +94,8 @@ class RunResult:
         return (
             f"offered {self.rate:,.0f}/s achieved {self.achieved_rps:,.0f}/s "
             f"ok {self.ok_fraction:.2%} p50 {self.p50_ms:.1f} p90 {self.p90_ms:.1f} "
-            f"p99 {self.p99_ms:.1f} p99.9 {self.p999_ms:.1f} ms errors: {errors}; "
+            f"p99 {self.p99_ms:.1f} p99.9 {self.p999_ms:.1f} max {self.max_ms:.1f} ms "
+            f"(p99 wait to send {self.send_lag_p99_ms:.1f} ms) errors: {errors}; "
             f"generator {self.generator_cpu:.2f} core{flag}{stop}"
         )
 

@@ -663,3 +663,20 @@ def test_cpu_meter_counts_a_process_tree_and_its_time_per_item() -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         parent.wait()
+
+
+def test_an_open_loop_run_s_line_says_what_the_docs_say_it_does() -> None:
+    """docs/tuning.md: rates, success, percentiles and the maximum, the p99 wait before
+    sending, errors, and the generator's CPU (flagged when saturated)."""
+    from bench.openloop import RunResult
+
+    run = RunResult(
+        rate=500, duration_s=2, scheduled=1000, completed=999, ok=998, errors={"503": 1},
+        achieved_rps=499, p50_ms=1.2, p90_ms=2.0, p99_ms=4.5, p999_ms=9.0, max_ms=12.3,
+        send_lag_p99_ms=0.4, dispatch_lag_p99_ms=0.1, generator_cpu=0.9,
+        generator_saturated=True,
+    )  # fmt: skip
+    assert run.line() == (
+        "offered 500/s achieved 499/s ok 99.80% p50 1.2 p90 2.0 p99 4.5 p99.9 9.0 max 12.3 ms "
+        "(p99 wait to send 0.4 ms) errors: 503 1; generator 0.90 core GENERATOR-SATURATED"
+    )
