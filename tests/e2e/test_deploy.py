@@ -1030,7 +1030,13 @@ def test_images_run_the_compose_commands(tmp_path: Path) -> None:
         assert "COPY examples/ /app/models/examples/" in text and "PYTHONPATH=/app/models" in text
         assert "!examples/" in ignored
     gateway = (DEPLOY / "Dockerfile.gateway").read_text()
-    assert "torch" not in re.sub(r"#.*", "", gateway), "the gateway image must not install torch"
+    # no torch by default; with the examples' extra (whose preprocessing needs it), its CPU
+    # build: PyPI's Linux torch is a CUDA build, gigabytes a CPU-only gateway never uses
+    code = re.sub(r"#.*", "", gateway)
+    assert "ARG EXTRAS=gateway\n" in code
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu\n" in code
+    assert re.search(r'\*,examples,\*\) pip install --index-url "\$TORCH_INDEX_URL"', code)
+    assert code.count("torch==") == 1, "the gateway image installs torch only for the examples"
 
 
 # -- Kubernetes -----------------------------------------------------------------------------------
