@@ -662,9 +662,8 @@ class RedisTransport:
         for command, result in zip(commands, results, strict=False):
             counted = command[0] == "DECRBY" and command[1] in counters
             if counted and isinstance(result, int) and result < 0:
-                with contextlib.suppress(*UNAVAILABLE, ResponseError):  # (the lane: where the
-                    # DECRBY went, also while a Sentinel failover moves the master)
-                    await self._lane.at(command[1]).execute("INCRBY", command[1], -result)
+                with contextlib.suppress(*UNAVAILABLE, ResponseError):
+                    await self.redis.incrby(command[1], -result)
 
     async def reclaim(
         self, keys: ModelKeys, consumer: str, min_idle_ms: int, count: int, own: bool = False
