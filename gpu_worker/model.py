@@ -180,10 +180,11 @@ class ItemCheck:
                 raise InvalidInput(f"input {name!r} has values out of range for {datatype}")
         with np.errstate(all="ignore"):
             converted = array.astype(self.dtype)
-        overflowed = self.dtype.kind == "f" and converted.size and np.isinf(converted).any()
-        if overflowed and (np.isinf(converted) & np.isfinite(array)).any():
-            # finite values past the input's range (inf and nan given as such pass)
-            raise InvalidInput(f"input {name!r} has values out of range for {datatype}")
+        if self.dtype.kind == "f":
+            infinite = np.isinf(converted)
+            if infinite.any() and (infinite & np.isfinite(array)).any():
+                # finite values past the input's range (inf and nan given as such pass)
+                raise InvalidInput(f"input {name!r} has values out of range for {datatype}")
         return converted
 
 

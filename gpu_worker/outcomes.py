@@ -103,11 +103,12 @@ split_batches = ThrottledWarning(
 
 
 def _split(predict: PredictFn, items: list[Any], exc: Exception) -> list[Any]:
+    described = describe(exc)
     if len(items) == 1:
-        failed_items.note(describe(exc), traceback_of=exc)
-        return [ModelError(describe(exc))]
+        failed_items.note(described, traceback_of=exc)
+        return [ModelError(described)]
     kind = "out of memory" if is_out_of_memory(exc) else "failed"
-    split_batches.note(f"a batch of {len(items)} {kind} ({describe(exc)})")
+    split_batches.note(f"a batch of {len(items)} {kind} ({described})")
     middle = len(items) // 2
     return predict_robust(predict, items[:middle]) + predict_robust(predict, items[middle:])
 
