@@ -949,21 +949,28 @@ async def eviction_warning(client: aioredis.Redis) -> str | None:
     )
 
 
+async def cluster_node_misuse(client: aioredis.Redis, url: str | RedisURL) -> str | None:
+    """:func:`broker.redis_url.cluster_node_error` of ``client``'s server (None where INFO is
+    refused or the URL is a redis+cluster:// one); raises what an unreachable Redis raises."""
+    if isinstance(parse_url(url), ClusterURL):
+        return None
+    try:
+        cluster_info = await client.info("cluster")
+    except ResponseError:
+        return None  # INFO refused (an ACL): nothing to check with
+    return cluster_node_error(url, cluster_info)
+
+
 async def startup_warnings(client: aioredis.Redis, url: str | RedisURL) -> list[str]:
     """What a process starting to use ``url`` should log: Redis unreachable (for now), a
     Cluster node given as a plain node, or keys that may be evicted."""
     try:
-        cluster_info = (
-            {} if isinstance(parse_url(url), ClusterURL) else await client.info("cluster")
-        )
-    except ResponseError:
-        cluster_info = {}  # INFO refused (an ACL): nothing to check with
+        warnings = [await cluster_node_misuse(client, url)]
     except UNAVAILABLE as exc:
         return [
             f"Redis at {describe(url)} does not answer ({exc}): requests get 503 "
             "BrokerUnavailable until it does"
         ]
-    warnings = [cluster_node_error(url, cluster_info)]
     warnings.append(await eviction_warning(client))
     return [warning for warning in warnings if warning]
 

@@ -17,7 +17,7 @@ from broker.connections import async_client
 from broker.errors import MicrobatchError
 from broker.keys import NORMAL
 from broker.protocol import valid_traceparent
-from broker.redis_transport import startup_warnings
+from broker.redis_transport import cluster_node_misuse, startup_warnings
 
 from . import kserve, metrics, reading
 from .disconnects import when_gone
@@ -74,6 +74,8 @@ class Gateway:
         self.tokens = [token.encode() for token in settings.tokens()]
         self.pool: ThreadPoolExecutor | None = None
         self.redis: Any = None
+        self.misuse: str | None = None  # what is wrong with the Redis its URL names
+        self._server_checked = False
         self._flusher: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -216,8 +218,18 @@ class Gateway:
             served.metrics.answered(route, outcome, time.perf_counter() - started)
 
     async def ping(self) -> bool:
-        """Whether Redis answers."""
+        """Whether Redis answers, and is the kind of server its URL names (not a Redis Cluster
+        node named by a redis:// URL, where most of the models' keys are MOVED:
+        :attr:`misuse` then says so)."""
         try:
-            return bool(await asyncio.wait_for(self.redis.ping(), PING_TIMEOUT_S))
+            return await asyncio.wait_for(self._redis_usable(), PING_TIMEOUT_S)
         except Exception:
             return False
+
+    async def _redis_usable(self) -> bool:
+        if not await self.redis.ping():
+            return False
+        if not self._server_checked:  # once: a server does not turn into a cluster node
+            self.misuse = await cluster_node_misuse(self.redis, self.settings.redis_url)
+            self._server_checked = True
+        return self.misuse is None

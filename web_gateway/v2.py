@@ -50,9 +50,14 @@ async def live() -> Response:
 
 @router.get("/v2/health/ready", tags=["health"])
 async def ready(request: Request) -> Response:
-    """Ready when Redis answers (workers scaling to zero does not make the gateway unready)."""
-    ok = await _gateway(request).ping()
-    return json_response({"ready": ok}, 200 if ok else 503)
+    """Ready when Redis answers (workers scaling to zero does not make the gateway unready),
+    and is no Redis Cluster node named by a redis:// URL."""
+    gateway = _gateway(request)
+    ok = await gateway.ping()
+    body: dict[str, Any] = {"ready": ok}
+    if gateway.misuse:
+        body["error"] = gateway.misuse
+    return json_response(body, 200 if ok else 503)
 
 
 @router.get("/v2/models/{name}", tags=["v2"])

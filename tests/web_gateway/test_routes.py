@@ -178,6 +178,24 @@ def test_results_health_readiness_and_metrics(live: TestClient) -> None:
     )
 
 
+def test_a_redis_url_of_a_cluster_node_leaves_the_gateway_unready(prefix: str) -> None:
+    """Redis answers PING, yet a Cluster node named by a redis:// URL answers MOVED for most
+    of the model's keys: the gateway must not join a load balancer's pool as if all was
+    well."""
+    from broker.devserver import free_port
+
+    node = RedisServer({"cluster-enabled": "yes", "cluster-port": str(free_port())}).start()
+    try:
+        with TestClient(create_app(settings(node.url, prefix))) as http:
+            for _ in range(2):  # the verdict is remembered, and still refuses
+                ready = http.get("/v2/health/ready")
+                assert ready.status_code == 503, ready.text
+                assert ready.json()["ready"] is False
+                assert "give a redis+cluster:// URL" in ready.json()["error"]
+    finally:
+        node.stop()
+
+
 def test_the_schema_names_the_served_models(guarded: TestClient) -> None:
     schema = guarded.get("/openapi.json").json()
     operation = schema["paths"]["/v1/models/{name}/predict"]["post"]
