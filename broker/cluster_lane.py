@@ -48,7 +48,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .redis_url import Address, ClusterURL
-from .resp_lane import CONNECT_TIMEOUT_S, REPLY_TIMEOUT_S, LaneTarget, ReplicaError, RespLane
+from .resp_lane import (
+    CONNECT_TIMEOUT_S,
+    REPLY_TIMEOUT_S,
+    LaneTarget,
+    ReplicaError,
+    RespLane,
+    ScriptBusyError,
+)
 from .resp_lane import ssl_context as make_ssl_context
 
 log = logging.getLogger("microbatch.cluster")
@@ -63,7 +70,7 @@ REFRESH_EVERY_S = 0.1  # the most often the slot map is read again after failure
 _ASKING = hiredis.pack_command(("ASKING",))
 _MULTI = hiredis.pack_command(("MULTI",))
 _EXEC = hiredis.pack_command(("EXEC",))
-_RAISED = (ResponseError, BusyLoadingError, ReplicaError)
+_RAISED = (ResponseError, BusyLoadingError, ReplicaError, ScriptBusyError)
 _REDIRECTS = ("MOVED ", "ASK ", "TRYAGAIN", "CLUSTERDOWN")
 _FAILURES = (RedisConnectionError, RedisTimeoutError, OSError)
 

@@ -242,6 +242,26 @@ local function enqueue(keys, args)
   return results
 end
 
+-- The data bytes of an entry's fields, and the items it holds beyond one: n - 1 for a v2
+-- entry whose `n` the workers would take (1 to MAX_ENTRY_ITEMS), else 0. Such an `n` also
+-- bounds the loops over an entry's items: any other (a caller may XADD what it likes) is no
+-- count of items, and the entry is one the workers dead-letter.
+local function entry_size(fields)
+  local size, n, v2 = 0, nil, false
+  for f = 1, #fields - 1, 2 do
+    local name = fields[f]
+    if name == 'n' then
+      n = tonumber(fields[f + 1])
+    elseif name == 'v' then
+      v2 = fields[f + 1] == '2'
+    elseif name == 'data' or string.sub(name, 1, 5) == 'data.' then
+      size = size + #fields[f + 1]
+    end
+  end
+  if v2 and n and n >= 1 and n <= MAX_ENTRY_ITEMS and n % 1 == 0 then return size, n end
+  return size, nil
+end
+
 -- Withdraws items of v2 entries (handles `<entry id>#<i>`, grouped by entry): an entry no
 -- worker has read whose every item is withdrawn (now, or marked before) is deleted (its
 -- bytes and packed items released, the latter only when the packed-items counter is given);
@@ -256,14 +276,7 @@ local function withdraw_items(keys, group, entries, order, now_ms)
     if keys[4] and not read then  -- (no group yet: nobody has read it)
       local found = redis.pcall('XRANGE', keys[1], entry, entry)
       if type(found) == 'table' and found.err == nil and #found > 0 then
-        local fields, n, size = found[1][2], nil, 0
-        for f = 1, #fields - 1, 2 do
-          if fields[f] == 'n' then
-            n = tonumber(fields[f + 1])
-          elseif string.sub(fields[f], 1, 5) == 'data.' then
-            size = size + #fields[f + 1]
-          end
-        end
+        local size, n = entry_size(found[1][2])
         local seen, distinct = {}, 0
         for _, index in ipairs(handles) do
           if n and index >= 0 and index < n and not seen[index] then
@@ -290,8 +303,7 @@ local function withdraw_items(keys, group, entries, order, now_ms)
       end
     end
   end
-  if packed > 0 then redis.call('DECRBY', keys[4], packed) end
-  return released
+  return released, packed
 end
 
 -- KEYS: stream, queued-bytes counter, cancelled set, from version 2 the packed-items counter.
@@ -305,7 +317,7 @@ local function withdraw(keys, args)
   if #args - 2 > MAX_ENTRIES then return limit_error('mb_withdraw') end
   local time = redis.call('TIME')
   local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-  local released, items, order = 0, {}, {}
+  local released, packed, items, order = 0, 0, {}, {}
   for i = 3, #args do
     local id = args[i]
     local mark = string.find(id, '#', 1, true)
@@ -326,17 +338,17 @@ local function withdraw(keys, args)
       else
         local found = redis.pcall('XRANGE', keys[1], id, id)
         if type(found) == 'table' and found.err == nil and #found > 0 then
-          local fields = found[1][2]
-          for f = 1, #fields - 1, 2 do
-            if fields[f] == 'data' then released = released + #fields[f + 1] end
-          end
+          local size, n = entry_size(found[1][2])  -- a whole v2 entry too, by its id
+          released, packed = released + size, packed + (n or 1) - 1
           redis.call('XDEL', keys[1], id)
         end
       end
     end
   end
-  released = released + withdraw_items(keys, args[2], items, order, now_ms)
+  local item_bytes, item_packed = withdraw_items(keys, args[2], items, order, now_ms)
+  released, packed = released + item_bytes, packed + item_packed
   if released > 0 then redis.call('DECRBY', keys[2], released) end
+  if packed > 0 and keys[4] then redis.call('DECRBY', keys[4], packed) end
   redis.call('ZREMRANGEBYSCORE', keys[3], '-inf', now_ms)
   return released
 end

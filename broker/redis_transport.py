@@ -47,7 +47,7 @@ from .redis_url import CLUSTER_NODE_HINT, ClusterURL, RedisURL, cluster_node_err
 from .redis_url import parse as parse_url
 from .reply_elements import pack as pack_replies
 from .reply_elements import reply_id
-from .resp_lane import CONNECT_TIMEOUT_S, RespLane, bulk_strings
+from .resp_lane import CONNECT_TIMEOUT_S, RespLane, bulk_strings, is_script_busy
 from .transport import Entry, QueueBound, Redelivery, entry_data_size
 
 log = logging.getLogger("microbatch.redis")
@@ -65,6 +65,8 @@ connect = connections.async_client  # an asyncio redis-py client of a URL
 def _unavailable(exc: BaseException) -> BrokerUnavailable:
     if isinstance(exc, BusyLoadingError):  # Redis answers, but not before its data is loaded
         return BrokerUnavailable("Redis is loading its data (after a restart); try again shortly")
+    if is_script_busy(str(exc)):  # it answers nothing else until the script ends or is killed
+        return BrokerUnavailable(f"Redis is busy running a script or function: {exc}")
     return BrokerUnavailable(f"cannot reach Redis: {exc}")
 
 
@@ -316,6 +318,8 @@ class RedisTransport:
         try:
             await self.redis.xgroup_create(keys.stream, keys.group, id="0", mkstream=True)
         except ResponseError as exc:
+            if is_script_busy(str(exc)):  # (redis-py's client: BUSY is no connection error)
+                raise _unavailable(exc) from exc
             if "BUSYGROUP" not in str(exc):
                 raise
         except UNAVAILABLE as exc:

@@ -11,9 +11,10 @@ lane until it returns, so blocking reads get a lane of their own.
 
 Replies come back raw (RESP2: bytes, ints, lists, None); error replies as redis-py's
 :class:`~redis.exceptions.ResponseError`, except ``LOADING`` (a Redis reading its dataset after
-a restart), which is redis-py's :class:`~redis.exceptions.BusyLoadingError` as with redis-py, and
-a lost connection as its :class:`~redis.exceptions.ConnectionError`, so callers handle failures
-as they do with redis-py (both are connection errors: the server is not available yet).
+a restart), which is redis-py's :class:`~redis.exceptions.BusyLoadingError` as with redis-py,
+``BUSY`` (a script running past Redis's busy threshold) a :class:`ScriptBusyError`, and a lost
+connection as redis-py's :class:`~redis.exceptions.ConnectionError`, so callers handle failures
+as they do with redis-py (all three are connection errors: the server is not available yet).
 The lane reconnects on the next command after a connection is lost. Where it connects and how it
 logs in is a :class:`LaneTarget`: a fixed address read from a redis://, rediss:// or unix:// URL
 by redis-py, or an address asked of an :class:`AddressSource` at each connect (the current
@@ -89,16 +90,29 @@ class ReplicaError(RedisConnectionError):
     dropped, and the next command connects to wherever the master is now."""
 
 
+class ScriptBusyError(RedisConnectionError):
+    """``BUSY``: a script or function has run past Redis's busy threshold, and Redis answers
+    nothing else until it ends or is killed; the server is not available yet."""
+
+
+def is_script_busy(message: str) -> bool:
+    """Whether an error reply is ``BUSY`` (not ``BUSYGROUP``, and not ``BUSYKEY``)."""
+    return message.startswith("BUSY ")
+
+
 def _reply_error(message: str) -> Exception:
     """The exception an error reply becomes (hiredis calls this for each one)."""
     if message.startswith("LOADING"):
         return BusyLoadingError(message)
+    if is_script_busy(message):
+        return ScriptBusyError(message)
     if message.startswith(NOT_MASTER):
         return ReplicaError(f"Redis is not the master (failover?): {message}")
     return ResponseError(message)
 
 
-_RAISED = (ResponseError, BusyLoadingError, ReplicaError)  # error replies execute() raises
+# error replies execute() raises
+_RAISED = (ResponseError, BusyLoadingError, ReplicaError, ScriptBusyError)
 
 
 class ServerDown(RedisConnectionError):

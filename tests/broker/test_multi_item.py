@@ -421,3 +421,49 @@ def test_withdrawing_every_item_of_an_unread_entry_deletes_it_and_some_marks_the
     assert client.zrange(keys.cancelled, 0, -1) == [entry_id + b"#0"]
     assert int(client.get(keys.packed_items)) == 1
     assert int(client.get(keys.queued_bytes)) == len(fields[b"data.0"]) + len(fields[b"data.1"])
+
+
+def withdraw(client: redis.Redis, keys: ModelKeys, *handles: str) -> int:
+    """mb_withdraw as any caller may send it (version 2, with the packed-items counter)."""
+    from broker import functions
+
+    return int(client.fcall(  # type: ignore[union-attr]
+        functions.WITHDRAW, 4, keys.stream, keys.queued_bytes, keys.cancelled,
+        keys.packed_items, functions.VERSION, "workers", *handles,
+    ))  # fmt: skip
+
+
+def test_withdrawing_by_a_forged_item_count_never_loops_over_it(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """mb_withdraw looped over an entry's `n` as written: one XADD of n = 10**12 held Redis
+    (every tenant's) for days, beyond FUNCTION KILL of any generated user. An `n` the workers
+    would not take counts no items: the handle is only marked."""
+    from broker import functions
+
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+    functions.load(client)
+    bomb = client.xadd(keys.stream, {"v": "2", "n": str(10**12), "reply": "x"})
+    quick = redis.Redis(port=redis_server.port, socket_timeout=5)  # a loop would time out
+    for n in ("513", "-1", "1.5", "nan", str(10**12)):
+        client.xadd(keys.stream, {"v": "2", "n": n, "reply": "x"}, id="*")
+    assert withdraw(quick, keys, f"{bomb.decode()}#0", f"{bomb.decode()}#5") == 0
+    assert client.zcard(keys.cancelled) == 2 and client.xlen(keys.stream) == 6
+
+
+def test_withdrawing_a_v2_entry_by_its_id_releases_its_bytes_and_items(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A bare entry id of a v2 entry deleted the entry but released neither its data bytes
+    (only fields named `data` were counted) nor its packed items: the queue bound then stood
+    lower by that much, for good."""
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+    run(enqueue(redis_server.url, keys, calls_of(keys, "a", [1, 2, 3])))
+    ((entry_id, fields),) = client.xrange(keys.stream)
+    assert fields[b"n"] == b"3" and int(client.get(keys.packed_items)) == 2
+    size = sum(len(fields[f"data.{i}".encode()]) for i in range(3))
+    assert withdraw(client, keys, entry_id.decode()) == size
+    assert client.xlen(keys.stream) == 0
+    assert int(client.get(keys.queued_bytes)) == 0 and int(client.get(keys.packed_items)) == 0

@@ -472,3 +472,65 @@ def _wait_for(check: Callable[[], object], what: str, timeout: float = 10.0) -> 
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def test_a_redis_busy_running_a_script_is_unavailable_for_a_while(prefix: str) -> None:
+    """BUSY (a script past Redis's busy threshold: Redis answers nothing else until it ends)
+    was an error reply like any other: the worker's XGROUP CREATE raised it and the worker
+    died and was restarted until the script ended. It is Redis not available yet."""
+    import contextlib
+    import threading
+
+    server = RedisServer({"busy-reply-threshold": "50"}).start()
+    keys = ModelKeys("toy", prefix)
+    admin = server.client()
+
+    def hold() -> None:
+        with contextlib.suppress(redis.RedisError):  # killed, as meant
+            redis.Redis(port=server.port).eval("while true do end", 0)
+
+    blocker = threading.Thread(target=hold)
+    try:
+        blocker.start()
+        deadline = time.monotonic() + 10
+        while True:  # until Redis says BUSY
+            try:
+                admin.ping()
+            except redis.ResponseError as exc:
+                assert str(exc).startswith("BUSY ")
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+        async def worker_side() -> list[str]:
+            transport = RedisTransport(server.url)
+            said = []
+            try:
+                for attempt in (
+                    lambda: transport.ensure_group(keys),
+                    lambda: transport.read_batch(keys, "w", 8, 10),
+                ):
+                    with pytest.raises(BrokerUnavailable) as failed:
+                        await attempt()
+                    said.append(str(failed.value))
+            finally:
+                await transport.close()
+            return said
+
+        for message in run(worker_side()):
+            assert message.startswith("Redis is busy running a script or function: BUSY ")
+        admin.script_kill()
+        blocker.join(10)
+
+        async def once_it_ends() -> None:
+            transport = RedisTransport(server.url)
+            try:
+                await transport.ensure_group(keys)
+            finally:
+                await transport.close()
+
+        run(once_it_ends())
+        assert admin.xinfo_groups(keys.stream)[0]["name"] == keys.group.encode()
+    finally:
+        server.stop()
+        blocker.join(10)
