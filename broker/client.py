@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import numbers
 import os
 import random
 import socket
@@ -65,6 +66,11 @@ Outcome = AnyFuture | Waiter  # where a call's results go: a future, or a blocke
 # the first half while the rest still wake, where the client and the worker took turns.
 LET_OUT_AT_LEAST = 16
 STUCK_S = 5.0  # a blocked caller gives up this long after its deadline if the loop never answers
+# The longest timeout a call may have: a year, far below what thread waits accept
+# (threading.TIMEOUT_MAX) and what a request's timeout field holds.
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
+CLOSE_WITHDRAW_S = 2.0  # the longest a closing client waits for its withdrawals to go out
+CLOSED_WHILE_WAITING = "the Streamer was closed while the call waited (its items are withdrawn)"
 
 # Bumped in a forked child: a Streamer made before the fork must not use its parent's loop
 # thread or connections. (Cheaper than comparing os.getpid(), a system call, on every call.)
@@ -159,7 +165,7 @@ class ClientCore:
         # random one, so that many callers spread evenly.
         self._partitions = 1
         self._partitions_due: float | None = None  # loop time of the next read (None: never read)
-        self._partitions_task: asyncio.Task[None] | None = None
+        self._partitions_task: asyncio.Task[MicrobatchError | None] | None = None
         self._turn = random.randrange(1 << 16)
 
     def _new_call(
@@ -195,7 +201,11 @@ class ClientCore:
         try:
             return await future
         except asyncio.CancelledError:
-            self._forget(call)
+            # The task ends once its items are withdrawn: asyncio.run() and a loop's shutdown
+            # wait for cancelled tasks, never for a task they did not cancel.
+            withdrawal = self._forget(call)
+            if withdrawal is not None:
+                await asyncio.wait([withdrawal], timeout=CLOSE_WITHDRAW_S)
             raise
 
     def start_call(
@@ -271,6 +281,9 @@ class ClientCore:
     def _accept(self, call: _Call) -> None:
         if call.future.done():  # cancelled before it reached the loop
             return
+        if self._closing:  # nothing was queued
+            self._refuse(call, BrokerUnavailable(CLOSED_WHILE_WAITING))
+            return
         for index, rid in enumerate(call.ids):
             self._pending[rid] = (call, index)
         watch = self._watch
@@ -302,7 +315,10 @@ class ClientCore:
     async def _send(self, calls: list[_Call]) -> None:
         due = self._partitions_due
         if due is None:
-            await self._read_partitions()
+            unavailable = await self._read_partitions()
+            if unavailable is not None:  # the enqueue would only wait as long again
+                self._fail_calls(calls, unavailable)
+                return
         elif due <= self.loop.time() and self._partitions_task is None:
             self._partitions_task = self.loop.create_task(self._read_partitions())
         count = self._partitions
@@ -337,12 +353,15 @@ class ClientCore:
             inbox = self._inboxes[partition] = queue.of(partition).inbox(self.client_id)
         return inbox
 
-    async def _read_partitions(self) -> None:
-        """Read the model's partition count (kept as it was if Redis does not answer)."""
+    async def _read_partitions(self) -> MicrobatchError | None:
+        """Read the model's partition count (kept as it was if Redis does not answer). The
+        first read's failure to reach Redis is returned (it is read first again next time)."""
         try:
             self._partitions = await self.transport.partition_count(self.keys)
-        except MicrobatchError as exc:  # Redis is away: the enqueue that follows says so
+        except MicrobatchError as exc:  # Redis is away
             log.debug("could not read the partition count of %s: %s", self.keys.stream, exc)
+            if self._partitions_due is None:
+                return exc
         except Exception as exc:  # e.g. an ACL without GET on it: partition 0 is always read
             if self._partitions_due is None:
                 log.warning(
@@ -350,8 +369,9 @@ class ClientCore:
                     "0 only", self.keys.model, exc,
                 )  # fmt: skip
         finally:
-            self._partitions_due = self.loop.time() + PARTITIONS_EVERY_S
             self._partitions_task = None
+        self._partitions_due = self.loop.time() + PARTITIONS_EVERY_S
+        return None
 
     async def _send_to(self, queue: ModelKeys, calls: list[_Call], bound: QueueBound) -> None:
         try:
@@ -483,6 +503,13 @@ class ClientCore:
                 call.remaining -= 1
         self._settle(call)
 
+    def _refuse(self, call: _Call, error: MicrobatchError) -> None:
+        """Fail a call that was never accepted (nothing of it is queued)."""
+        for index in range(len(call.ids)):
+            call.errors[index] = error.with_index(index)
+        call.remaining = 0
+        self._settle(call)
+
     def _fail_calls(self, calls: Iterable[_Call], error: MicrobatchError) -> None:
         for call in calls:
             self._fail_items(call, error.with_index)
@@ -572,19 +599,21 @@ class ClientCore:
         if not self.loop.is_closed():
             self._forget_threadsafe(call)
 
-    def _forget(self, call: _Call) -> None:
-        """The caller gave up on ``call``: drop it, and withdraw its items still queued."""
+    def _forget(self, call: _Call) -> asyncio.Task[None] | None:
+        """The caller gave up on ``call``: drop it, and withdraw its items still queued (the
+        withdrawal's task, if any)."""
         if call.remaining == 0:  # settled meanwhile: nothing of it is left in Redis
-            return
+            return None
         if call.deadline is not None:
             self._deadlines.discard(call, call.deadline)
         unanswered = self._unanswered(call)
         for rid in call.ids:
             self._pending.pop(rid, None)
         if call.entries and unanswered:
-            self._withdraw(call, unanswered)
+            return self._withdraw(call, unanswered)
+        return None
 
-    def _withdraw(self, call: _Call, indexes: Sequence[int] | None = None) -> None:
+    def _withdraw(self, call: _Call, indexes: Sequence[int] | None = None) -> asyncio.Task[None]:
         """Take back the call's queued items: those at ``indexes``, or all of them."""
         entries = list(zip(call.entries, map(len, call.requests.payloads), strict=True))
         ids = call.ids
@@ -594,6 +623,7 @@ class ClientCore:
         task = self.loop.create_task(self._cancel_entries(call.queue or self.keys, entries, ids))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     async def _cancel_entries(
         self, queue: ModelKeys, entries: list[tuple[str, int]], request_ids: list[str]
@@ -607,11 +637,35 @@ class ClientCore:
                 "could not withdraw %d item(s) from %s: %s", len(entries), queue.stream, exc
             )
 
+    async def settled(self) -> None:
+        """Return once no call is waiting: each ends by its deadline (plus a second for its
+        reply or withdrawal), so this ends by the latest deadline of the calls now waiting."""
+        if not self._pending:
+            return
+        latest = max(call.timeout_s for call, _ in self._pending.values())
+        until = self.loop.time() + latest + 1.0
+        while self._pending and self.loop.time() < until:
+            await asyncio.sleep(0.01)
+
     async def aclose(self) -> None:
-        """Stop reading replies and close the transport (on this core's loop)."""
+        """Fail the calls still waiting with :class:`BrokerUnavailable` and withdraw what
+        they queued (nobody will read their replies now), then stop reading replies and close
+        the transport (on this core's loop). Withdrawals get up to ``CLOSE_WITHDRAW_S``."""
         self._closing = True
         if self._watch_timer is not None:
             self._watch_timer.cancel()
+        closed = BrokerUnavailable(CLOSED_WHILE_WAITING)
+        for call in self._incoming.take_all():
+            self._refuse(call, closed)
+        for call in list({id(call): call for call, _ in self._pending.values()}.values()):
+            self._give_up(call, closed.with_index)
+        # Withdrawals of calls given up on (now or before), and enqueues still in flight,
+        # whose calls are withdrawn as soon as they are queued.
+        finishing = [task for task in (self._flusher, *self._background) if task is not None]
+        if finishing:
+            await asyncio.wait(finishing, timeout=CLOSE_WITHDRAW_S)
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=CLOSE_WITHDRAW_S)
         running = (
             *self._readers.values(), self._flusher, self._watch_task, self._partitions_task,
             *self._background,
@@ -738,7 +792,7 @@ class Streamer:
             with self._lock:
                 core = self._thread_core
                 if core is None:
-                    thread = LoopThread(name=f"microbatch-{self.name}", on_exit=self.close)
+                    thread = LoopThread(name=f"microbatch-{self.name}", on_exit=self._close_at_exit)
                     core = thread.submit(self._start_core(thread.loop)).result()
                     self._thread, self._thread_core = thread, core
         return core
@@ -882,8 +936,21 @@ class Streamer:
         """
         return await self._get_loop_core().transport.ping()
 
+    def _close_at_exit(self) -> None:
+        """At interpreter exit, before the threads left are joined: the calls those threads
+        wait on end first (by their deadlines at the latest), then the Streamer closes."""
+        thread, core = self._thread, self._thread_core
+        if thread is not None and core is not None and _threads_left_to_join():
+            try:
+                thread.submit(core.settled()).result()
+            except Exception:  # closing goes on whatever happened
+                log.debug("waiting for the calls in flight at exit failed", exc_info=True)
+        self.close()
+
     def close(self) -> None:
-        """Release this process's connections and loop thread (the Streamer can be reused)."""
+        """Release this process's connections and loop thread (the Streamer can be reused).
+        Calls still waiting fail with :class:`BrokerUnavailable` and their queued items are
+        withdrawn."""
         if self._generation != _fork_generation:
             self._reset_for_process()
             return
@@ -893,7 +960,7 @@ class Streamer:
             self._thread = self._thread_core = None
         if thread is not None and core is not None:
             try:
-                thread.submit(core.aclose()).result(timeout=5)
+                thread.submit(core.aclose()).result(timeout=2 * CLOSE_WITHDRAW_S + 5)
             except Exception:  # closing is best effort
                 log.debug("closing the client failed", exc_info=True)
             thread.stop()
@@ -929,8 +996,23 @@ class Streamer:
         await self.aclose()
 
 
+def _threads_left_to_join() -> bool:
+    """Whether threads other than this one and the main thread will be joined at exit."""
+    current, main = threading.current_thread(), threading.main_thread()
+    return any(
+        thread.is_alive() and not thread.daemon and thread not in (current, main)
+        for thread in threading.enumerate()
+    )
+
+
 def check_timeout(timeout: float) -> float:
-    """``timeout`` as seconds (float); ValueError unless it is positive."""
-    if not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, not {timeout!r}")
+    """``timeout`` as seconds (float): TypeError unless it is a number (bool is not), and
+    ValueError unless it is positive and at most ``MAX_TIMEOUT_S``."""
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"timeout must be a number of seconds, not {timeout!r}")
+    if not 0 < timeout <= MAX_TIMEOUT_S:  # (NaN fails both)
+        raise ValueError(
+            f"timeout must be a positive number of seconds, not {timeout!r} (at most "
+            f"{MAX_TIMEOUT_S:g}: a year)"
+        )
     return float(timeout)

@@ -25,6 +25,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, InvalidStateError
+from concurrent.futures._base import CANCELLED as _CANCELLED  # the state a cancel() sets
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -67,6 +68,13 @@ class Mailbox(Generic[T]):
         if self._items and not self._scheduled:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to deliver to
                 self._schedule()
+
+    def take_all(self) -> list[T]:
+        """Take what was posted and not delivered yet (on the loop thread, as it closes)."""
+        taken = []
+        while self._items:
+            taken.append(self._items.popleft())
+        return taken
 
     def _schedule(self) -> None:
         self._scheduled = True
@@ -257,8 +265,15 @@ class CallFuture(Future[T]):
     def cancel(self) -> bool:
         on_cancel = self.on_cancel
         cancelled = super().cancel()
-        if cancelled and on_cancel is not None:
-            on_cancel()
+        if cancelled:
+            # As an executor does with a cancelled task: concurrent.futures.wait and
+            # as_completed count a cancelled future as done only once notified (once: it
+            # raises when notified again).
+            with self._condition:
+                if self._state == _CANCELLED:
+                    self.set_running_or_notify_cancel()
+            if on_cancel is not None:
+                on_cancel()
         return cancelled
 
     def _wait(self, timeout: float | None) -> None:

@@ -379,6 +379,23 @@ def test_a_cancelled_future_wakes_its_threads_and_withdraws_once() -> None:
     assert not done.cancel() and withdrawn == [1] and done.on_cancel is None
 
 
+def test_a_cancelled_future_is_done_for_wait_and_as_completed() -> None:
+    """concurrent.futures.wait counted a cancelled CallFuture as not done (it waited out its
+    timeout, or forever), and as_completed never yielded it."""
+    relay = Relay()
+    cancelled, settled = CallFuture[int](relay), CallFuture[int](relay)
+    threading.Timer(0.05, cancelled.cancel).start()
+    done, _ = concurrent.futures.wait(
+        [cancelled, settled], timeout=10, return_when="FIRST_COMPLETED"
+    )
+    assert done == {cancelled} and cancelled.cancel()  # a second cancel is harmless
+    threading.Timer(0.05, lambda: _settle_futures(relay, [(settled, 1)])).start()
+    assert set(concurrent.futures.as_completed([cancelled, settled], timeout=10)) == {
+        cancelled, settled,
+    }  # fmt: skip
+    assert not concurrent.futures.wait([cancelled], timeout=0).not_done
+
+
 def test_call_futures_work_with_wait_as_completed_callbacks_and_asyncio() -> None:
     relay = Relay()
     futures = [CallFuture[int](relay) for _ in range(3)]

@@ -1,0 +1,231 @@
+"""The Streamer's close: calls still waiting end at once and take their items back, and at
+interpreter exit the calls of threads still to be joined get their results first."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from broker import BrokerUnavailable, Streamer
+from broker.devserver import RedisServer
+from broker.keys import ModelKeys
+from tests.conftest import ROOT
+
+
+def queued(client: redis.Redis, keys: ModelKeys) -> tuple[int, int, int]:
+    """(entries, queued bytes, packed items) of a model's stream."""
+    return (
+        client.xlen(keys.stream),
+        int(client.get(keys.queued_bytes) or 0),
+        int(client.get(keys.packed_items) or 0),
+    )
+
+
+def test_closing_fails_the_calls_still_waiting_and_withdraws_them(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A submit() future pending at close() was never settled (result() blocked forever), and
+    a blocking predict() waited out its deadline: no worker answers a closed Streamer."""
+    keys = ModelKeys("toy", prefix)
+    streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True)
+    futures = [streamer.submit([[1.0, 2.0], [3.0, 4.0]], timeout=60) for _ in range(5)]
+    errors: list[BaseException] = []
+
+    def blocked() -> None:
+        try:
+            streamer.predict([[5.0]], timeout=60)
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=blocked)
+    thread.start()
+    client = redis_server.client()
+    deadline = time.monotonic() + 30
+    while sum(queued(client, keys)[::2]) < 11:  # entries plus packed items: all queued
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    streamer.close()
+    thread.join(10)
+    for future in futures:
+        error = future.exception(timeout=10)
+        assert isinstance(error, BrokerUnavailable), error
+        assert "closed while the call waited" in str(error)
+    assert len(errors) == 1 and isinstance(errors[0], BrokerUnavailable)
+    assert queued(client, keys) == (0, 0, 0)  # nothing left for a worker to compute
+
+
+def test_a_cancel_just_before_close_still_withdraws(redis_server: RedisServer, prefix: str) -> None:
+    """close() cancelled the withdrawals in flight: a worker computed what was cancelled, and
+    the items counted against the queue bound."""
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+    for _ in range(5):
+        with Streamer("toy", redis_url=redis_server.url, prefix=prefix) as streamer:
+            future = streamer.submit([[1.0], [2.0], [3.0]], timeout=60)
+            deadline = time.monotonic() + 30
+            while queued(client, keys)[0] == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            assert future.cancel()
+    assert queued(client, keys) == (0, 0, 0)
+
+
+def test_asyncio_callers_waiting_at_aclose_fail_at_once(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    keys = ModelKeys("toy", prefix)
+
+    async def scenario() -> BaseException:
+        streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True)
+        task = asyncio.ensure_future(streamer.apredict([[1.0]], timeout=60))
+        client = redis_server.client()
+        while client.xlen(keys.stream) == 0:
+            await asyncio.sleep(0.01)
+        await streamer.aclose()
+        return await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 10)
+
+    (error,) = asyncio.run(scenario())
+    assert isinstance(error, BrokerUnavailable)
+    assert queued(redis_server.client(), keys) == (0, 0, 0)
+
+
+def test_apredict_tasks_cancelled_as_asyncio_run_ends_are_withdrawn(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """asyncio.run() cancels the tasks left and closes the loop: the withdrawals those
+    cancellations started were destroyed pending, and a worker computed the items later."""
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+    streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True)
+
+    async def leave_calls_waiting() -> None:
+        waiting = [asyncio.ensure_future(streamer.apredict([[float(i)]], 60)) for i in range(5)]
+        assert not any(task.done() for task in waiting)
+        while sum(queued(client, keys)[::2]) < 5:  # entries plus packed items: all queued
+            await asyncio.sleep(0.01)
+
+    try:
+        asyncio.run(leave_calls_waiting())
+        assert queued(client, keys) == (0, 0, 0)
+    finally:
+        streamer.close()
+
+
+AT_EXIT = """\
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from broker import Streamer
+
+streamer = Streamer("toy", redis_url=sys.argv[1], prefix=sys.argv[2], timeout=20)
+printing = threading.Lock()
+
+
+def say(label, output):
+    with printing:
+        print(label, output[0]["item"]["label"], flush=True)
+
+
+def call(label):
+    say(label, streamer.predict([{"sleep": 1.0, "label": label}]))
+
+
+threading.Thread(target=call, args=("thread",)).start()
+ThreadPoolExecutor(1).submit(call, "pool")
+future = streamer.submit([{"sleep": 1.0, "label": "future"}])
+threading.Thread(target=lambda: say("future", future.result())).start()
+# the main thread ends here: the threads above are joined as the interpreter exits
+"""
+
+
+def test_threads_still_calling_at_exit_get_their_results(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    """The Streamer closed as the interpreter began to exit, before the threads still waiting
+    on it were joined: their calls failed after their deadline (or, a submit() future's, never
+    ended, and neither did the process)."""
+    from tests.conftest import worker_process
+
+    program = tmp_path / "at_exit.py"
+    program.write_text(AT_EXIT)
+    with worker_process(redis_server.url, "tests.models:Toy", prefix):
+        done = subprocess.run(
+            [sys.executable, str(program), redis_server.url, prefix],
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.split()) == sorted(
+        ["thread", "thread", "pool", "pool", "future", "future"]
+    ), done.stderr
+
+
+def test_a_call_s_timeout_is_checked_before_anything_is_sent() -> None:
+    """inf or 1e10 s raised OverflowError deep in a thread wait (after the Streamer accepted
+    them as its default), and "5" a TypeError naming an internal comparison."""
+    streamer = Streamer("toy", redis_url="redis://127.0.0.1:1/0")  # never reached
+    try:
+        for bad in (math.inf, 1e10, 0, -1, math.nan):
+            with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+                streamer.submit([[1.0]], timeout=bad)
+            with pytest.raises(ValueError, match=re.escape("(at most 3.1536e+07: a year)")):
+                Streamer("toy", timeout=bad)
+        for wrong in ("5", True, [1]):
+            with pytest.raises(TypeError, match="timeout must be a number of seconds"):
+                streamer.predict([[1.0]], timeout=wrong)  # type: ignore[arg-type]
+        assert Streamer("toy", timeout=np.int64(3)).timeout == 3.0
+    finally:
+        streamer.close()
+
+
+@pytest.mark.slow  # waits out the 10 s reply timeout once
+def test_a_redis_that_never_answers_fails_a_call_after_one_reply_timeout() -> None:
+    """The first call read the model's partition count, waited 10 s for it, then sent its
+    enqueue anyway and waited 10 s more: 20 s to the BrokerUnavailable documented at 10."""
+    import socket
+
+    from broker.resp_lane import REPLY_TIMEOUT_S
+
+    server = socket.create_server(("127.0.0.1", 0))
+    received: list[bytes] = []
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                connection, _ = server.accept()
+            except OSError:
+                return
+            held.append(connection)
+            threading.Thread(target=lambda c=connection: read_all(c), daemon=True).start()
+
+    def read_all(connection: socket.socket) -> None:
+        while data := connection.recv(65536):
+            received.append(data)
+
+    threading.Thread(target=accept, daemon=True).start()
+    url = f"redis://127.0.0.1:{server.getsockname()[1]}/0"
+    streamer = Streamer("toy", redis_url=url, timeout=60)
+    try:
+        with pytest.raises(
+            BrokerUnavailable, match=f"no reply from Redis in {REPLY_TIMEOUT_S:g} s"
+        ):
+            streamer.predict([[1.0]])
+        assert b"mb_enqueue" not in b"".join(received)  # it never waited a second time
+    finally:
+        streamer.close()
+        server.close()
+        for connection in held:
+            connection.close()
