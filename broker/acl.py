@@ -248,6 +248,25 @@ def password_variable(user: User, prefix: str | None, password_env: str) -> str:
     return password_env.format(ROLE=user.role, TENANT=tenant)
 
 
+def _refuse_shared_variables(prefixes: Sequence[str], password_env: str) -> None:
+    """ValueError where two prefixes' users would read their passwords from one variable
+    (``shop-eu`` and ``shop_eu`` both make ``SHOP_EU``): each tenant could log in as the
+    other."""
+    seen: dict[str, str] = {}
+    for prefix in dict.fromkeys(prefixes):
+        for user in TENANT_USERS:
+            if user.role is None:
+                continue
+            variable = password_variable(user, prefix, password_env)
+            other = seen.setdefault(variable, prefix)
+            if other != prefix:
+                raise ValueError(
+                    f"prefixes {other!r} and {prefix!r} would share the password variable "
+                    f"{variable} (their users could log in as each other): rename one, or "
+                    "give a --password-env that tells them apart"
+                )
+
+
 def _line(user: User, password: str, prefix: str | None) -> str:
     rules, name = user.rules, user.name
     if prefix is not None:
@@ -316,6 +335,7 @@ def render(
         raise ValueError(f"--redis-version must be {OLDEST_REDIS} or later, as X.Y")
     for prefix in prefixes:
         check_prefix(prefix)
+    _refuse_shared_variables(prefixes, password_env)
     lines, unset = [], []
     chosen: list[tuple[User, str | None]] = (
         [(user, None) for user in SERVER_USERS] if server else []

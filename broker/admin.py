@@ -17,7 +17,7 @@ from .protocol import F_DATA, F_DEADLINE, F_ID
 STREAM_KEY = re.compile(
     r"^mb:\{(?P<prefix>[^:}]+):(?P<model>[^:}]+)(?::p(?P<partition>[1-9][0-9]*))?\}:requests$"
 )
-DEAD_FIELDS = (b"dead_reason", b"dead_entry")
+DEAD_FIELDS = (b"dead_reason", b"dead_entry", b"dead_cut")
 REPLAY_DROPS = (*DEAD_FIELDS, F_DEADLINE)
 
 

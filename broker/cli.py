@@ -11,6 +11,7 @@ import typer
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from . import acl, admin, connections, functions
 from .cli_common import (
@@ -95,6 +96,12 @@ def _print(renderable: RenderableType) -> None:
     if needed > console.width:
         console = Console(width=needed)
     console.print(renderable)
+
+
+def _inert(value: str) -> Text:
+    """``value`` shown as it is, nothing in it read as markup, and unprintable characters
+    (escape sequences, newlines) written as Python escapes: never acted on by a terminal."""
+    return Text("".join(c if c.isprintable() else repr(c)[1:-1] for c in value))
 
 
 def _table(title: str, columns: list[str], right: tuple[str, ...] = ()) -> Table:
@@ -210,7 +217,7 @@ def list_dead(
     for letter in letters:
         table.add_row(
             letter.dead_id,
-            letter.request_id,
+            _inert(letter.request_id),  # written by any caller
             letter.reason,
             str(letter.data_bytes),
             f"{letter.age_s:.0f}",

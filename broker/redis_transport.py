@@ -831,7 +831,7 @@ class RedisTransport:
     ) -> None:
         commands: list[tuple[Any, ...]] = []
         for entry_id, fields in entries:
-            record: dict[Any, Any] = dict(fields)
+            record = dead_record(fields)
             record[b"dead_reason"] = reason
             record[b"dead_entry"] = entry_id
             commands.append(("XADD", keys.dead_letters, "*", *_flatten(record)))
@@ -1220,6 +1220,32 @@ def _pairs(flat: list[bytes] | None) -> dict[bytes, bytes]:
         return {}
     it = iter(flat)
     return dict(zip(it, it, strict=False))
+
+
+# The most bytes of a field other than an item's data that a dead letter keeps: an item of a
+# multi-item entry is dead-lettered with the entry's shared fields, so one field of a
+# megabyte in an entry of 512 items would otherwise be written 512 times.
+DEAD_FIELD_BYTES = 1024
+
+
+def dead_record(fields: Mapping[bytes, Any]) -> dict[Any, Any]:
+    """A dead letter's copy of an entry's (or item's) fields: any but the data cut to
+    ``DEAD_FIELD_BYTES``, with ``dead_cut`` naming the fields cut."""
+    record: dict[Any, Any] = dict(fields)
+    cut = [
+        name
+        for name, value in record.items()
+        if isinstance(value, bytes) and len(value) > DEAD_FIELD_BYTES and not _is_data(name)
+    ]
+    for name in cut:
+        record[name] = record[name][:DEAD_FIELD_BYTES]
+    if cut:
+        record[b"dead_cut"] = b",".join(cut)
+    return record
+
+
+def _is_data(name: bytes) -> bool:
+    return name == b"data" or name.startswith(b"data.")
 
 
 def _flatten(fields: Mapping[Any, Any]) -> list[Any]:

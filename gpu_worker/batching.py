@@ -323,7 +323,12 @@ class BatchLoop:
             self._observe_arrivals(entries)
             return entries
         fill = count // WINDOW_BATCHES if windows is not None else count
-        wait_until_ms = entry_time_ms(entries[0][0]) + settings.max_latency * 1000
+        # From the first entry's time, but never past max_latency from now: a caller may XADD
+        # with an id of its choosing, one from the future (and Redis then gives every later
+        # entry a later id still).
+        now_ms = self.clock.now_ms()
+        first_ms = min(entry_time_ms(entries[0][0]), now_ms)
+        wait_until_ms = first_ms + settings.max_latency * 1000
         while len(entries) < fill and not self._stopping:
             remaining_ms = int(wait_until_ms - self.clock.now_ms())
             if remaining_ms < 1:

@@ -120,6 +120,27 @@ def test_dead_letters_list_replay_purge(redis_server: RedisServer, prefix: str) 
     assert "purged 1" in purged.stdout and client.xlen(keys.dead_letters) == 0
 
 
+def test_dead_letters_list_never_hands_a_caller_s_text_to_the_terminal(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Request ids reached the operator's terminal raw: escape sequences (a window title, a
+    cleared screen), newlines that forged table rows, rich markup."""
+    client = redis_server.client()
+    keys = ModelKeys("toy", prefix)
+    hostile = "\x1b]0;pwned\x07\x1b[2J\n| forged row |[bold red]x[/]"
+    fields = request_fields(hostile, keys.inbox("c"), 30_000, msgpack.packb(1))
+    client.xadd(keys.dead_letters, {**fields, "dead_reason": "poison", "dead_entry": "1-1"})
+    listed = broker_cli("dead-letters", "list", "--name", "toy", "--prefix", prefix,
+                        "--redis", redis_server.url)  # fmt: skip
+    assert listed.returncode == 0, listed.stderr
+    assert "\x1b" not in listed.stdout and "\x07" not in listed.stdout
+    assert "\\x1b]0;pwned\\x07\\x1b[2J\\n" in listed.stdout.replace("\n", "")
+    assert "[bold red]x[/]" in listed.stdout  # shown, not read as markup
+    assert json.loads(broker_cli("dead-letters", "list", "--name", "toy", "--prefix", prefix,
+                                 "--redis", redis_server.url, "--json").stdout)[0][
+        "request_id"] == hostile  # fmt: skip
+
+
 def test_unreachable_redis_is_one_clear_line() -> None:
     result = broker_cli("status", "--redis", "redis://127.0.0.1:1/0")
     assert result.returncode == 1

@@ -320,6 +320,31 @@ def test_a_v2_entry_without_a_valid_count_is_dead_lettered(
         assert client.xlen(keys.stream) == 0
 
 
+def test_the_dead_letters_of_an_entry_s_items_do_not_copy_a_huge_shared_field(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Each item of a v2 entry whose reply key is no inbox was dead-lettered with the whole
+    shared reply field: 0.19 MiB written by a caller became 112 MiB in Redis (n = 512)."""
+    from broker.admin import DEAD_FIELDS
+    from broker.redis_transport import DEAD_FIELD_BYTES
+
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+    n, huge = 64, "x" * 100_000
+    client.xadd(keys.stream, {
+        "v": "2", "reply": huge, "n": str(n),
+        **{f"{field}.{k}": value for k in range(n) for field, value in (
+            ("id", f"f.{k}"), ("timeout", "30000"), ("data", codec.encode("d" * 2000)))},
+    })  # fmt: skip
+    with worker_process(redis_server.url, "tests.models:Toy", prefix):
+        wait_until(lambda: client.xlen(keys.dead_letters) == n, 20, "the dead letters")
+    for _, record in client.xrange(keys.dead_letters):
+        assert record[b"reply"] == huge[:DEAD_FIELD_BYTES].encode()
+        assert record[b"dead_cut"] == b"reply" and b"dead_cut" in DEAD_FIELDS
+        assert record[b"data"] == codec.encode("d" * 2000)  # the item's own data, whole
+        assert record[b"dead_reason"].startswith(b"reply key outside this model's inboxes")
+
+
 def test_a_withdrawn_call_in_a_shared_entry_is_not_computed(
     redis_server: RedisServer, prefix: str, tmp_path: Path
 ) -> None:

@@ -300,3 +300,21 @@ def test_the_users_of_a_tenant_are_printed_with_hashes_never_passwords(tmp_path:
     assert lines[0].split()[2:4] == ["reset", "on"] and lines[0].split()[4].startswith("#")
     assert all(line.split()[3] == "off" for line in lines[1:])  # no password: cannot log in
     assert "PW_SHOP_WORKER is not set" in done.stderr
+
+
+def test_tenants_whose_password_variables_would_clash_are_refused() -> None:
+    """`shop-eu` and `shop_eu` both read REDIS_SHOP_EU_*_PASSWORD: their users got the same
+    hashes, and each tenant could log in as the other."""
+    from broker.acl import render
+
+    with pytest.raises(ValueError, match="'shop-eu' and 'shop_eu' would share the password"):
+        render(["shop-eu", "shop_eu"], password_env="REDIS_{TENANT}_{ROLE}_PASSWORD")
+    lines, _ = render(["shop-eu", "shop-us"], password_env="REDIS_{TENANT}_{ROLE}_PASSWORD")
+    assert len(lines) == 8
+    done = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "acl", "--prefix", "Shop.EU", "--prefix", "shop-eu",
+         "--password-env", "PW_{TENANT}_{ROLE}"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 2 and "would share the password variable PW_SHOP_EU_" in done.stderr
+    assert "Traceback" not in done.stderr

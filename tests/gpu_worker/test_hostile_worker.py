@@ -260,3 +260,24 @@ def test_entries_with_timeout_0_are_never_computed(
     ]
     computed = [json.loads(line) for line in lines]
     assert computed == ["c"]
+
+
+def test_an_entry_id_from_the_future_does_not_hold_the_batches_behind_it(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A caller may XADD with an id of its choosing: one an hour ahead made a worker with a
+    max latency wait until that hour had passed before answering anything (and every later
+    entry, given a later id still by Redis, did the same)."""
+    client = redis_server.client()
+    keys = ModelKeys("toy", prefix)
+    reply = keys.inbox("future")
+    now_ms = int(client.time()[0]) * 1000
+    future = f"{now_ms + 3_600_000}-0"
+    client.xadd(keys.stream, request_fields("ahead", reply, 30_000, msgpack.packb(1)), id=future)
+    with (
+        worker_process(redis_server.url, "tests.models:Toy", prefix, "--max-latency", "0.05"),
+        Streamer("toy", redis_url=redis_server.url, prefix=prefix, timeout=10) as streamer,
+    ):
+        popped = client.blpop([reply], timeout=10)
+        assert popped is not None and decode_reply(popped[1]).request_id == "ahead"
+        assert [out["item"] for out in streamer.predict(["a", "b"])] == ["a", "b"]
