@@ -260,7 +260,8 @@ class CoalescingHttpToolsProtocol(HttpToolsProtocol):
 
 @dataclass(frozen=True)
 class ConnectionLimits:
-    """Per-connection read deadlines (seconds) and the connection cap of one process."""
+    """Per-connection read deadlines (seconds), the connection cap of one process, and the
+    Retry-After (seconds) of the 503s this protocol answers itself."""
 
     header_timeout: float = 10.0
     body_timeout: float = 30.0
@@ -270,6 +271,7 @@ class ConnectionLimits:
     send_timeout: float = 30.0
     max_held_body_bytes: int = 512 * 2**20
     max_body_bytes: int = 16 * 2**20  # of one request: the app answers 413 past it
+    retry_after: int = 1
 
     @classmethod
     def of(cls, settings: GatewaySettings) -> ConnectionLimits:
@@ -283,6 +285,7 @@ class ConnectionLimits:
             send_timeout=settings.send_timeout,
             max_held_body_bytes=settings.max_held_body_bytes,
             max_body_bytes=settings.max_body_bytes,
+            retry_after=settings.retry_after,
         )
 
     @classmethod
@@ -443,7 +446,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
                 "TooManyConnections",
                 f"this gateway process is at its limit of {cap} connections",
                 v2=False,
-                extra="retry-after: 1\r\n",
+                extra=f"retry-after: {self._limits.retry_after}\r\n",
             )
             self._close_refused("refused", refusal)
             return
@@ -640,7 +643,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
                     f"this gateway process holds its limit of {limits.max_held_body_bytes} "
                     "bytes of request bodies",
                     v2=v2,
-                    extra="retry-after: 1\r\n",
+                    extra=f"retry-after: {limits.retry_after}\r\n",
                 )
         _tell_app_gone(cycle)
         self._close_refused("held", refusal)

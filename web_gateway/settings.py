@@ -123,7 +123,12 @@ class GatewaySettings(BaseSettings):
         description="The most items of requests queued in one round trip that one stream entry "
         "carries (1: one entry per item, wire v1, for workers older than multi-item entries).",
     )
-    retry_after: int = Field(default=1, ge=0, description="Retry-After seconds sent with a 503.")
+    retry_after: int = Field(
+        default=1,
+        ge=0,
+        description="Retry-After seconds sent with every 503 error (QueueFull, "
+        "BrokerUnavailable, NoWorkers, TooManyConnections, TooManyBodyBytes).",
+    )
     preprocess_threads: int = Field(
         default=4, ge=1, description="Threads that run preprocess/validation off the event loop."
     )

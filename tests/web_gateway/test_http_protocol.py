@@ -291,7 +291,7 @@ def test_one_connection_over_the_cap_is_refused() -> None:
     from uvicorn.server import ServerState
 
     class Capped(GatewayHttpProtocol):
-        limits = ConnectionLimits(max_connections=2)
+        limits = ConnectionLimits(max_connections=2, retry_after=7)
 
     async def main() -> list[RecordingTransport]:
         config = Config(answer_ok, lifespan="off", log_level="warning")
@@ -306,6 +306,7 @@ def test_one_connection_over_the_cap_is_refused() -> None:
     first, second, third = asyncio.run(main())
     assert not first.closed and not second.closed
     assert written(third).startswith(b"HTTP/1.1 503 Service Unavailable\r\n") and third.closed
+    assert b"retry-after: 7\r\n" in written(third)  # the gateway's --retry-after setting
 
 
 class Untaken(RecordingTransport):
@@ -398,7 +399,7 @@ def test_a_connection_closed_with_answers_unsent_gives_them_the_send_timeout() -
 
 
 class SmallBudget(GatewayHttpProtocol):
-    limits = ConnectionLimits(max_held_body_bytes=1000)
+    limits = ConnectionLimits(max_held_body_bytes=1000, retry_after=7)
 
 
 def test_request_bodies_are_held_within_the_process_budget_and_released_when_answered() -> None:
@@ -462,7 +463,7 @@ def test_request_bodies_are_held_within_the_process_budget_and_released_when_ans
 
     one, two, after, held = asyncio.run(main())
     assert written(two).startswith(b"HTTP/1.1 503 Service Unavailable\r\n") and two.closed
-    assert b'"TooManyBodyBytes"' in written(two) and b"retry-after: 1\r\n" in written(two)
+    assert b'"TooManyBodyBytes"' in written(two) and b"retry-after: 7\r\n" in written(two)
     assert held == [1200, 600, 0]
     assert seen == ["/two gone", "/one answered", "/three answered", "/four answered"]
     assert written(one).count(b"HTTP/1.1 200 OK\r\n") == 4 and not one.closed

@@ -204,10 +204,10 @@ def test_connections_over_the_cap_are_refused_at_once(
     redis_server: RedisServer, prefix: str
 ) -> None:
     cap = 20
-    with gateway_process(redis_server.url, [DOUBLER], prefix, f"--max-connections={cap}") as (
-        base,
-        _,
-    ):
+    env = {"MICROBATCH_GATEWAY_RETRY_AFTER": "7"}
+    with gateway_process(
+        redis_server.url, [DOUBLER], prefix, f"--max-connections={cap}", env=env
+    ) as (base, _):
         port = int(base.rsplit(":", 1)[1])
         held = [Stalled(port, b"") for _ in range(cap)]
         time.sleep(0.5)
@@ -215,7 +215,7 @@ def test_connections_over_the_cap_are_refused_at_once(
         wait_until_closed([extra], 5)
         assert extra.closed_after is not None and extra.closed_after < 5
         assert extra.received.startswith(b"HTTP/1.1 503 Service Unavailable\r\n")
-        assert b"retry-after: 1\r\n" in extra.received and b"TooManyConnections" in extra.received
+        assert b"retry-after: 7\r\n" in extra.received and b"TooManyConnections" in extra.received
         for connection in held[: cap // 2]:
             connection.sock.close()
         time.sleep(0.5)
