@@ -283,9 +283,9 @@ def acl_users(
         str,
         typer.Option(
             help="Name of the environment variable holding each user's password; {ROLE} "
-            "becomes GATEWAY, WORKER, ADMIN, KEDA, OPERATOR, REPLICATION or SENTINEL and "
-            "{TENANT} the prefix in upper case ('.' and '-' as '_'). Several prefixes need "
-            "{TENANT}.",
+            "becomes GATEWAY, WORKER, ADMIN, KEDA, OPERATOR, REPLICATION, SENTINEL or CLUSTER "
+            "and {TENANT} the prefix in upper case ('.' and '-' as '_'). Several prefixes "
+            "need {TENANT}.",
         ),
     ] = acl.DEFAULT_PASSWORD_ENV,
     redis_version: Annotated[

@@ -1,4 +1,5 @@
-"""`broker status` and `broker dead-letters`, checked against what Redis holds."""
+"""`broker status` and `broker dead-letters`, checked against what Redis holds; `broker acl`'s
+help."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import msgpack
 
-from broker import Streamer, admin
+from broker import Streamer, acl, admin
 from broker.devserver import RedisServer
 from broker.keys import ModelKeys
 from broker.protocol import decode_reply, request_fields
@@ -146,3 +147,10 @@ def test_unreachable_redis_is_one_clear_line() -> None:
     assert result.returncode == 1
     assert result.stderr.startswith("Error: cannot reach Redis")
     assert "Traceback" not in result.stderr
+
+
+def test_acl_help_names_the_role_of_every_password_variable() -> None:
+    roles = [user.role for user in (*acl.TENANT_USERS, *acl.SERVER_USERS) if user.role]
+    help_text = " ".join(broker_cli("acl", "--help").stdout.split())
+    named = help_text.split("{ROLE} becomes ", 1)[1].split(" and {TENANT}", 1)[0]
+    assert sorted(named.replace(" or ", ", ").split(", ")) == sorted(roles)
