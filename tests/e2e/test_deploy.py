@@ -1340,6 +1340,15 @@ def test_grafana_dashboard_queries_the_documented_metrics() -> None:
     assert len(ids) == len(set(ids))
 
 
+def test_env_example_names_every_setting_of_the_compose_files() -> None:
+    """The compose-config test above checks the values .env.example gives, not that it gives
+    every variable: a setting missing from both passes it."""
+    listed = set(re.findall(r"^([A-Z_0-9]+)=", (ROOT / ".env.example").read_text(), re.M))
+    for path in sorted(ROOT.glob("docker-compose*.yml")):
+        used = set(re.findall(r"\$\{(MICROBATCH_[A-Z_0-9]+)", path.read_text()))
+        assert used <= listed, f"{path.name}: not in .env.example: {sorted(used - listed)}"
+
+
 def test_docs_describe_the_deployment() -> None:
     text = (ROOT / "docs" / "deployment.md").read_text()
     for needle in (
