@@ -1,7 +1,9 @@
 """The OpenAPI descriptions the routes cannot give themselves (their bodies are parsed by hand).
 
 ``install_openapi(app, names)`` adds the request bodies and error responses of the inference
-routes, the two error schemas and the served model names (as each ``name`` parameter's enum).
+routes, the two error schemas and the served model names (as each ``name`` parameter's enum),
+and drops the 422 FastAPI declares for its parameter validation: the gateway answers that 400.
+The other routes declare their responses here too (``responses=``).
 """
 
 from __future__ import annotations
@@ -33,14 +35,16 @@ PRIORITY_PARAMETER = {
     "schema": {"type": "string", "enum": ["high", "normal", "1", "0"]},
 }
 
+UNAUTHORIZED = "Missing or wrong bearer token"
 ERROR_CODES = (
     (400, "Malformed request"),
-    (401, "Missing or wrong bearer token"),
+    (401, UNAUTHORIZED),
     (404, "Unknown model"),
     (413, "Body or item count too large"),
+    (415, "Content-Encoding other than gzip, deflate or identity"),
     (422, "Input does not fit the model's declared inputs"),
     (500, "The model raised (ModelError)"),
-    (503, "Queue full or Redis unavailable (Retry-After)"),
+    (503, "Queue full, no live worker, or Redis unavailable (Retry-After)"),
     (504, "Deadline exceeded"),
 )
 
@@ -66,12 +70,15 @@ ERROR_SCHEMAS: dict[str, Any] = {
 ANY_ARRAY = {"type": "array", "items": {}}
 
 
-def _errors_as(schema: str) -> dict[str, Any]:
-    ref = {"$ref": f"#/components/schemas/{schema}"}
+def _error(text: str, schema: str) -> dict[str, Any]:
     return {
-        str(code): {"description": text, "content": {JSON: {"schema": ref}}}
-        for code, text in ERROR_CODES
+        "description": text,
+        "content": {JSON: {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
     }
+
+
+def _errors_as(schema: str) -> dict[str, Any]:
+    return {str(code): _error(text, schema) for code, text in ERROR_CODES}
 
 
 def _object(required: list[str], properties: dict[str, Any]) -> dict[str, Any]:
@@ -135,6 +142,49 @@ V2_INFER: dict[str, Any] = {
 }
 
 
+def _answer(text: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"description": text, "content": {JSON: {"schema": schema}}}
+
+
+UNKNOWN_MODEL = "Unknown model or version"
+SERVER_READY_BODY = _object(["ready"], {"ready": {"type": "boolean"}, "error": {"type": "string"}})
+MODEL_READY_BODY = _object(
+    ["name", "ready", "workers"],
+    {"name": {"type": "string"}, "ready": {"type": "boolean"}, "workers": {"type": "integer"}},
+)
+Responses = dict[int | str, dict[str, Any]]
+MODELS: Responses = {401: _error(UNAUTHORIZED, "Error")}
+SERVER_READY: Responses = {
+    200: _answer("Redis answers", SERVER_READY_BODY),
+    503: _answer(
+        "Redis does not answer, or the Redis URL names a Redis Cluster node (error says so)",
+        SERVER_READY_BODY,
+    ),
+}
+METADATA: Responses = {401: _error(UNAUTHORIZED, "V2Error"), 404: _error(UNKNOWN_MODEL, "V2Error")}
+MODEL_READY: Responses = {
+    200: _answer(
+        "A live worker consumes the model (of every stage, for a pipeline)", MODEL_READY_BODY
+    ),
+    404: _error(UNKNOWN_MODEL, "V2Error"),
+    503: _answer("No live worker consumes the model, or Redis does not answer", MODEL_READY_BODY),
+}
+VALIDATION_ERROR = {"$ref": "#/components/schemas/HTTPValidationError"}
+
+
+def _drop_validation_errors(schema: dict[str, Any]) -> None:
+    """Remove the 422 FastAPI adds to every route with parameters, and its schemas."""
+    for path in schema.get("paths", {}).values():
+        for operation in path.values():
+            responses = operation.get("responses", {})
+            if responses.get("422", {}).get("content", {}).get(JSON, {}).get("schema") == (
+                VALIDATION_ERROR
+            ):
+                del responses["422"]
+    for name in ("HTTPValidationError", "ValidationError"):
+        schema.get("components", {}).get("schemas", {}).pop(name, None)
+
+
 def _name_enums(schema: dict[str, Any], names: list[str]) -> None:
     """Each ``name`` path parameter takes a served model's name; each ``version``, "1"."""
     enums = {"name": names, "version": list(kserve.VERSIONS)}
@@ -154,6 +204,7 @@ def install_openapi(app: FastAPI, names: list[str]) -> None:
             schema = generate()
             schema.setdefault("components", {}).setdefault("schemas", {}).update(ERROR_SCHEMAS)
             _name_enums(schema, names)
+            _drop_validation_errors(schema)
             app.openapi_schema = schema
         return app.openapi_schema
 

@@ -19,7 +19,7 @@ from gpu_worker.model import TensorSpec
 
 from . import reading
 from .errors import bad_request
-from .openapi import V1_PREDICT
+from .openapi import MODELS, V1_PREDICT
 from .responses import json_response
 from .serving import ServedModel
 from .state import Gateway
@@ -35,7 +35,7 @@ def _gateway(request: Request) -> Gateway:
     return gateway
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=MODELS)
 async def list_models(request: Request) -> Response:
     """The models this gateway serves."""
     gateway = _gateway(request)

@@ -15,7 +15,7 @@ from broker.liveness import alive_consumers
 
 from . import kserve, package_version, reading
 from .errors import bad_request
-from .openapi import V2_INFER
+from .openapi import METADATA, MODEL_READY, SERVER_READY, V2_INFER
 from .responses import JSONBody, json_response
 from .serving import ServedModel
 from .state import INLINE_BYTES, PING_TIMEOUT_S, Gateway
@@ -48,7 +48,7 @@ async def live() -> Response:
     return json_response({"live": True})
 
 
-@router.get("/v2/health/ready", tags=["health"])
+@router.get("/v2/health/ready", tags=["health"], responses=SERVER_READY)
 async def ready(request: Request) -> Response:
     """Ready when Redis answers (workers scaling to zero does not make the gateway unready),
     and is no Redis Cluster node named by a redis:// URL."""
@@ -60,13 +60,13 @@ async def ready(request: Request) -> Response:
     return json_response(body, 200 if ok else 503)
 
 
-@router.get("/v2/models/{name}", tags=["v2"])
+@router.get("/v2/models/{name}", tags=["v2"], responses=METADATA)
 async def model_metadata(name: str = MODEL_NAME, *, request: Request) -> Response:
     """The model's declared inputs and outputs (batch dimension -1) and its versions."""
     return _metadata(request, name)
 
 
-@router.get("/v2/models/{name}/versions/{version}", tags=["v2"])
+@router.get("/v2/models/{name}/versions/{version}", tags=["v2"], responses=METADATA)
 async def version_metadata(
     name: str = MODEL_NAME, version: str = MODEL_VERSION, *, request: Request
 ) -> Response:
@@ -80,13 +80,13 @@ def _metadata(request: Request, name: str, version: str | None = None) -> Respon
     return json_response(gateway.model(name, version).metadata())
 
 
-@router.get("/v2/models/{name}/ready", tags=["health"])
+@router.get("/v2/models/{name}/ready", tags=["health"], responses=MODEL_READY)
 async def model_ready(name: str = MODEL_NAME, *, request: Request) -> Response:
     """Ready when at least one live worker consumes this model."""
     return await _readiness(_gateway(request), name)
 
 
-@router.get("/v2/models/{name}/versions/{version}/ready", tags=["health"])
+@router.get("/v2/models/{name}/versions/{version}/ready", tags=["health"], responses=MODEL_READY)
 async def version_ready(
     name: str = MODEL_NAME, version: str = MODEL_VERSION, *, request: Request
 ) -> Response:
