@@ -61,7 +61,7 @@ class ClientSettings(BaseSettings):
     workers_grace: float = Field(
         default=DEFAULT_GRACE_S,
         description="Seconds the model may have no live worker before its calls fail with "
-        "NoWorkers (at least twice the workers' --heartbeat-ttl).",
+        "NoWorkers (keep it at least twice the workers' --heartbeat-ttl).",
     )
 
     entry_items: int = Field(

@@ -114,7 +114,7 @@ class GatewaySettings(BaseSettings):
         default=DEFAULT_GRACE_S,
         gt=0,
         description="Seconds a model may have no live worker before its requests get 503 "
-        "NoWorkers (at least twice the workers' --heartbeat-ttl).",
+        "NoWorkers (keep it at least twice the workers' --heartbeat-ttl).",
     )
     entry_items: int = Field(
         default=DEFAULT_ENTRY_ITEMS,

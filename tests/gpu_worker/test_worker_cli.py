@@ -50,6 +50,12 @@ def test_an_init_model_that_raises_stops_the_worker_with_its_reason(
     assert "Traceback" not in result.stderr
 
 
+def test_the_help_gives_the_exit_statuses_of_a_bad_model_and_a_failing_init() -> None:
+    help_text = " ".join(run_worker_cli("--help").stdout.split())
+    assert "1 when the workers cannot start (the model's init_model raised" in help_text
+    assert "2 for a bad option, a --model that cannot be imported" in help_text
+
+
 def test_options_read_their_environment_variables(redis_server: RedisServer, prefix: str) -> None:
     env = {"MICROBATCH_WORKER_BATCH_SIZE": "0", "REDIS_URL": redis_server.url}
     result = run_worker_cli("--model", "tests.models:Toy", env=env)
