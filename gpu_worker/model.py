@@ -285,12 +285,16 @@ class ModelLoadError(ValueError):
     """A ``module:Class`` path that does not name a ManagedModel subclass."""
 
 
+_app_dir: str | None = None  # where use_app_dir() said models are imported from
+
+
 def use_app_dir(app_dir: str | os.PathLike[str] = ".") -> str:
     """Import models from ``app_dir`` (default: the current directory) first, as uvicorn's
     ``--app-dir`` does, so that ``--model examples.mlp:MLP`` works from a project directory
     that is not installed. The directory goes first on ``sys.path`` here and on ``PYTHONPATH``
     for the processes this one starts (workers, gunicorn's); returns it as an absolute path."""
-    path = os.path.abspath(app_dir)
+    global _app_dir
+    path = _app_dir = os.path.abspath(app_dir)
     if path not in sys.path:
         sys.path.insert(0, path)
     entries = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
@@ -309,7 +313,7 @@ def import_object(path: str, what: str, example: str = "ClassName") -> Any:
     except ImportError as exc:
         hint = ""
         if isinstance(exc, ModuleNotFoundError) and exc.name == module_name.split(".")[0]:
-            searched = os.path.abspath(sys.path[0] or os.curdir)  # the app dir, else the cwd
+            searched = _app_dir or os.path.abspath(os.curdir)
             hint = (
                 f" (neither installed nor in {searched}: run from the directory that holds "
                 "it, or name that directory with --app-dir)"

@@ -196,4 +196,5 @@ def _describe(value: Any) -> str:
         return "an object"
     if isinstance(value, (int, float, np.integer, np.floating)):
         return f"the number {value!r}"
-    return f"a {type(value).__name__}"
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"

@@ -47,6 +47,20 @@ def test_a_model_outside_the_import_path_is_found_only_through_the_app_dir(app: 
     assert load_model_class(path).name == "echo_app_dir"
 
 
+def test_the_hint_names_the_app_dir_even_when_it_was_on_the_path_already(
+    app: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run as .venv/bin/worker with PYTHONPATH=., the hint named the script's directory
+    (sys.path[0]) as where the model was looked for."""
+    import gpu_worker.model as model
+
+    monkeypatch.setattr(model, "_app_dir", None, raising=False)
+    monkeypatch.setattr(sys, "path", ["/somewhere/bin", str(app.parent), *sys.path])
+    assert use_app_dir(app.parent) == str(app.parent)
+    with pytest.raises(ModelLoadError, match=f"neither installed nor in {app.parent}:"):
+        load_model_class("no_such_module_here:Model")
+
+
 def test_the_default_app_dir_is_the_current_directory(
     app: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
