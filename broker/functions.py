@@ -28,6 +28,8 @@ from typing import Any
 
 from redis.cluster import RedisCluster
 
+from .keys import GROUP
+
 LIBRARY = "microbatch"
 VERSION = 2
 
@@ -57,14 +59,29 @@ local VERSION = @VERSION@
 local MAX_ENTRIES, MAX_BYTES = @MAX_ENTRIES@, @MAX_BYTES@
 local MAX_ENTRY_ITEMS = @MAX_ENTRY_ITEMS@
 local CANCELLED_TTL_MS, PUSH_CHUNK = @CANCELLED_TTL_MS@, @PUSH_CHUNK@
+local GROUP = '@GROUP@'
 
 -- Every call names the library version its caller was written for: a newer one is refused.
+-- A version that is no whole number from 1 (`0`, `1.0`, `02`) is a malformed call: loading
+-- a library would not help it.
 local function version_error(args)
-  local wanted = tonumber(args[1])
-  if wanted and wanted >= 1 and wanted <= VERSION then return nil end
+  local given = args[1]
+  if type(given) ~= 'string' or not string.match(given, '^[1-9][0-9]*$') then
+    return redis.error_reply('MBARGS the library version (the first argument after the ' ..
+      'keys) must be a whole number from 1, not ' ..
+      string.format('%q', string.sub(tostring(given), 1, 32)))
+  end
+  if tonumber(given) <= VERSION then return nil end
   return redis.error_reply('MBVERSION this Redis holds version ' .. VERSION ..
-    ' of the microbatch library; the caller needs version ' .. tostring(args[1]) ..
+    ' of the microbatch library; the caller needs version ' .. given ..
     ': run `broker functions load`')
+end
+
+-- Each function names the keys it needs (docs/protocol.md, section 2.1).
+local function keys_error(keys, needed, name)
+  if #keys >= needed then return nil end
+  return redis.error_reply('MBARGS ' .. name .. ' takes at least ' .. needed .. ' keys, not ' ..
+    #keys)
 end
 
 local function limit_error(name)
@@ -168,7 +185,7 @@ end
 -- by the byte bound, {3, bound} when the call alone has more items than the item bound (it
 -- can never be queued whole).
 local function enqueue(keys, args)
-  local err = version_error(args)
+  local err = version_error(args) or keys_error(keys, 4, 'mb_enqueue')
   if err then return err end
   local max_items, max_bytes = tonumber(args[2]) or 0, tonumber(args[3]) or 0
   local pack, at = 1, 4
@@ -312,8 +329,11 @@ end
 -- marked in the cancelled set (scored by expiry, ms) for the worker to skip. Items of v2
 -- entries (`<entry id>#<i>`): see withdraw_items. Returns the bytes released.
 local function withdraw(keys, args)
-  local err = version_error(args)
+  local err = version_error(args) or keys_error(keys, 3, 'mb_withdraw')
   if err then return err end
+  if args[2] ~= GROUP then  -- another name finds nothing read, and would delete what is
+    return redis.error_reply('MBARGS the group (after the version) must be ' .. GROUP)
+  end
   if #args - 2 > MAX_ENTRIES then return limit_error('mb_withdraw') end
   local time = redis.call('TIME')
   local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
@@ -341,6 +361,7 @@ local function withdraw(keys, args)
           local size, n = entry_size(found[1][2])  -- a whole v2 entry too, by its id
           released, packed = released + size, packed + (n or 1) - 1
           redis.call('XDEL', keys[1], id)
+          for index = 0, (n or 0) - 1 do redis.call('ZREM', keys[3], id .. MARK[index]) end
         end
       end
     end
@@ -356,7 +377,7 @@ end
 -- KEYS: stream, the consumer's heartbeat key. ARGV: version, group, consumer.
 -- Removes the consumer from the group only if it holds no entries and has no heartbeat.
 local function retire(keys, args)
-  local err = version_error(args)
+  local err = version_error(args) or keys_error(keys, 2, 'mb_retire')
   if err then return err end
   if redis.call('EXISTS', keys[2]) == 1 then return 0 end
   if #redis.call('XPENDING', keys[1], args[2], '-', '+', 1, args[3]) > 0 then return 0 end
@@ -406,6 +427,7 @@ redis.register_function{function_name='mb_reply', callback=reply, flags={'allow-
     .replace("@MAX_ENTRY_ITEMS@", str(MAX_ENTRY_ITEMS))
     .replace("@CANCELLED_TTL_MS@", str(CANCELLED_TTL_MS))
     .replace("@PUSH_CHUNK@", str(PUSH_CHUNK))
+    .replace("@GROUP@", GROUP)
 )
 
 LOAD_COMMAND = ("FUNCTION", "LOAD", "REPLACE", CODE)

@@ -70,8 +70,8 @@ STAGE_TEMPLATE = "{pipeline}.{stage}"
 # The priority levels, lowest first: a level's number is its index. Every worker reads both.
 LEVELS = ("normal", "high")
 NORMAL, HIGH = 0, 1
-# Appended to a partition's stream, dead-letter, cancelled and queued-bytes keys for its high
-# level (the normal level's keys have none).
+# Appended to a partition's stream, dead-letter, cancelled, answered, queued-bytes and
+# packed-items keys for its high level (the normal level's keys have none).
 LEVEL_SUFFIX = ":high"
 
 NAME_PATTERN = re.compile(r"^[a-z0-9_-]+$")

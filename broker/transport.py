@@ -163,6 +163,14 @@ class Transport(Protocol):
 
 
 def entry_data_size(fields: Mapping[Any, Any]) -> int:
-    """Bytes an entry counts for against a queue's byte bound: the size of its data field."""
+    """Bytes an entry counts for against a queue's byte bound: the size of its data field, or
+    of its ``data.<i>`` fields (a multi-item entry released whole, not item by item: one whose
+    item count is not one the workers take)."""
     value = fields.get(b"data", fields.get("data"))
-    return 0 if value is None else len(value)
+    if value is not None:
+        return len(value)
+    return sum(
+        len(value)
+        for name, value in fields.items()
+        if isinstance(name, bytes) and name.startswith(b"data.") and isinstance(value, bytes)
+    )

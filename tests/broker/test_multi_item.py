@@ -312,12 +312,18 @@ def test_a_v2_entry_queued_without_its_counts_leaves_no_counter_below_zero(
 def test_a_v2_entry_without_a_valid_count_is_dead_lettered(
     redis_server: RedisServer, prefix: str
 ) -> None:
+    """... and the bytes its caller counted, as docs/protocol.md says, are released with it
+    (the release counted only a `data` field, which such an entry has not)."""
     keys = ModelKeys("toy", prefix)
     client = redis_server.client()
-    client.xadd(keys.stream, {"v": "2", "reply": keys.inbox("f"), "n": "0", "id.0": "f.0"})
+    data = codec.encode("x" * 100)
+    client.xadd(keys.stream, {"v": "2", "reply": keys.inbox("f"), "n": "0", "id.0": "f.0",
+                              "data.0": data, "data.1": data})  # fmt: skip
+    client.incrby(keys.queued_bytes, 2 * len(data))
     with worker_process(redis_server.url, "tests.models:Toy", prefix):
         wait_until(lambda: client.xlen(keys.dead_letters) == 1, 20, "the dead letter")
         assert client.xlen(keys.stream) == 0
+        assert int(client.get(keys.queued_bytes)) == 0
 
 
 def test_the_dead_letters_of_an_entry_s_items_do_not_copy_a_huge_shared_field(

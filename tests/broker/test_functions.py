@@ -1,0 +1,90 @@
+"""The functions library's checks of what any caller (a foreign client, a hostile one) sends:
+malformed calls are refused with MBARGS before anything is written."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from broker import codec, functions
+from broker.devserver import RedisServer
+from broker.keys import ModelKeys
+
+
+@pytest.fixture
+def client(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    client = redis_server.client()
+    functions.load(client)
+    yield client
+
+
+def refusal(client: redis.Redis, *command: object) -> str:
+    with pytest.raises(redis.ResponseError) as refused:
+        client.execute_command("FCALL", *command)
+    return str(refused.value)
+
+
+def test_a_version_that_is_no_whole_number_is_malformed_not_missing(client: redis.Redis) -> None:
+    """`0` or `abc` was told to load the library (MBVERSION), `1.0` was taken as 1 and `02`
+    as 2."""
+    keys = ModelKeys("toy", "fn")
+    for version in ("0", "abc", "1.0", "02", "", "x" * 1000):
+        said = refusal(client, functions.RETIRE, 2, keys.stream, keys.heartbeat("w"), version,
+                       "workers", "w")  # fmt: skip
+        assert said.startswith("MBARGS the library version") and len(said) < 200, said
+    newer = str(functions.VERSION + 1)
+    said = refusal(
+        client, functions.RETIRE, 2, keys.stream, keys.heartbeat("w"), newer, "workers", "w"
+    )
+    assert said.startswith(f"MBVERSION this Redis holds version {functions.VERSION}")
+
+
+def test_too_few_keys_are_refused_before_anything_is_written(client: redis.Redis) -> None:
+    """mb_withdraw with 2 keys, or mb_enqueue with 3, failed with a raw Lua error, the latter
+    only once the stream outgrew one worker's share (having queued until then)."""
+    keys = ModelKeys("toy", "fn")
+    v = functions.VERSION
+    said = refusal(
+        client, functions.WITHDRAW, 2, keys.stream, keys.queued_bytes, v, "workers", "1-1"
+    )
+    assert said == "MBARGS mb_withdraw takes at least 3 keys, not 2"
+    said = refusal(client, functions.ENQUEUE, 3, keys.stream, keys.queued_bytes, keys.queue_bound,
+                   v, 0, 0, 1, 1, keys.inbox("c"), 1000, "", "c.0", codec.encode(1))  # fmt: skip
+    assert said == "MBARGS mb_enqueue takes at least 4 keys, not 3"
+    assert client.exists(keys.stream, keys.queued_bytes) == 0
+
+
+def test_withdrawing_through_another_group_is_refused(client: redis.Redis) -> None:
+    """With a group other than the workers', an entry a worker had read looked unread: it was
+    deleted and its bytes released while the worker computed it."""
+    keys = ModelKeys("toy", "fn")
+    entry = client.xadd(keys.stream, {"v": "1", "id": "c.0", "reply": keys.inbox("c"),
+                                      "timeout": "1000", "data": codec.encode(1)})  # fmt: skip
+    client.xgroup_create(keys.stream, keys.group, id="0")
+    client.xreadgroup(keys.group, "w", {keys.stream: ">"})
+    said = refusal(client, functions.WITHDRAW, 4, keys.stream, keys.queued_bytes, keys.cancelled,
+                   keys.packed_items, functions.VERSION, "nosuch", entry)  # fmt: skip
+    assert said == f"MBARGS the group (after the version) must be {keys.group}"
+    assert client.xlen(keys.stream) == 1
+    marked = client.execute_command("FCALL", functions.WITHDRAW, 4, keys.stream, keys.queued_bytes,
+                                    keys.cancelled, keys.packed_items, functions.VERSION,
+                                    keys.group, entry)  # fmt: skip
+    assert marked == 0 and client.zscore(keys.cancelled, entry) is not None
+
+
+def test_a_v2_entry_withdrawn_whole_by_its_id_takes_its_item_marks_along(
+    client: redis.Redis,
+) -> None:
+    keys = ModelKeys("toy", "fn2")
+    fields = {"v": "2", "reply": keys.inbox("c"), "n": "2"}
+    for k in range(2):
+        fields |= {f"id.{k}": f"c.{k}", f"timeout.{k}": "1000", f"data.{k}": codec.encode(k)}
+    entry = client.xadd(keys.stream, fields).decode()
+    base = (functions.WITHDRAW, 3, keys.stream, keys.queued_bytes, keys.cancelled,
+            functions.VERSION, keys.group)  # fmt: skip
+    client.execute_command("FCALL", *base, f"{entry}#0")  # three keys: only marked
+    assert client.zcard(keys.cancelled) == 1
+    client.execute_command("FCALL", *base, entry)
+    assert client.xlen(keys.stream) == 0 and client.zcard(keys.cancelled) == 0
