@@ -278,7 +278,7 @@ class RedisTransport:
         try:
             stored = await self._lane.at(keys.partitions_key).execute("GET", keys.partitions_key)
         except UNAVAILABLE as exc:
-            raise _unavailable(exc) from exc
+            raise self._caller_unavailable(exc) from exc
         return parse_partitions(stored)
 
     async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:
