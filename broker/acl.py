@@ -142,7 +142,7 @@ TENANT_USERS = (
             for pattern in _leveled(kind)
         )
         + f" %RW~{_keys('inbox:*')} %R~{_keys('partitions')} resetchannels -@all {CONNECT} "
-        "+time +info +fcall +blmpop +blpop +lpop +multi +exec +discard "
+        "+time +info +fcall +blmpop +blpop +lpop "
         "+zrangebyscore +zcount +hmget +xlen +get +xpending +xrange "
         f"({_any('requests')} +xadd +xdel) "
         f"({_any('queued-bytes', 'packed-items')} +incrby +decrby) "
@@ -156,8 +156,9 @@ TENANT_USERS = (
     ZREMRANGEBYSCORE of its request ids on the withdrawn set (for
     a pipeline's later stages)
   replies: BLMPOP on its inboxes (those of every partition: mb:{prefix:model:pk}:inbox:*);
-    BLPOP and LPOP, and MULTI/EXEC around a bare XADD and its INCRBYs, for foreign callers
-    that follow docs/protocol.md without the functions
+    BLPOP and LPOP for foreign callers that read replies as docs/protocol.md says. No MULTI:
+    a transaction of any length runs as one, holding Redis for every tenant (a foreign caller
+    queues through mb_enqueue, whose calls are capped)
   the model's partition count: GET (read only)
   health and model readiness: PING, TIME, ZRANGEBYSCORE (live consumers)
   the eviction-policy check at start: INFO (its memory section names maxmemory_policy)
