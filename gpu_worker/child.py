@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 CONFIG_ENV = "MICROBATCH_CHILD_CONFIG"
 STATUS_FD_ENV = "MICROBATCH_CHILD_STATUS_FD"
+SUPERVISOR_PID_ENV = "MICROBATCH_CHILD_SUPERVISOR"  # the pid whose death stops the child
 DEVICE_ENV = "MICROBATCH_CHILD_DEVICE"
 
 log = logging.getLogger("microbatch.worker")
@@ -92,7 +93,7 @@ async def serve(model: ManagedModel, config: WorkerConfig, consumer: str) -> Non
     if stage is not None:
         stage.now_ms = batch_loop.clock.now_ms
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # as worker start stops
         loop.add_signal_handler(sig, batch_loop.stop)
     log.info(
         "worker %s serving %s on %s (batch_size=%d, max_latency=%gs, max_batch_cost=%d, "
@@ -123,6 +124,11 @@ def main() -> int:
 
     config = WorkerConfig.from_json(os.environ[CONFIG_ENV])
     configure_logging(config.log_level, config.log_format)
+    supervisor = int(os.environ.get(SUPERVISOR_PID_ENV, "0"))
+    if supervisor:
+        from .parent_watch import stop_when_orphaned
+
+        stop_when_orphaned(supervisor, "its worker start process")
     device = os.environ.get(DEVICE_ENV, "cpu")
     try:
         from .pipeline import load_stage

@@ -40,8 +40,8 @@ from .model import ModelLoadError, use_app_dir
 app = new_app("Run GPU (or CPU) worker processes that serve a model from Redis streams.")
 
 EXIT_STATUS = (
-    "Exit status: 0 after a graceful stop (SIGTERM, Ctrl-C); 1 when the workers cannot start "
-    "(the model's init_model raised: its error is printed; or they were not ready within "
+    "Exit status: 0 after a graceful stop (SIGTERM, SIGHUP, Ctrl-C); 1 when the workers cannot "
+    "start (the model's init_model raised: its error is printed; or they were not ready within "
     "--start-timeout) or one did not stop in time; 2 for a bad option, a --model that cannot "
     "be imported or is not a ManagedModel, or when Redis did not answer within --redis-wait "
     "when starting."

@@ -42,7 +42,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 import weakref
 from collections import deque
@@ -691,16 +690,11 @@ def _supervise() -> int:
 
     from .cli import run_supervisor
     from .config import WorkerConfig
+    from .parent_watch import stop_when_orphaned
 
     config = WorkerConfig(**json.loads(os.environ[CONFIG_ENV]))
     parent = int(os.environ.get(PARENT_ENV, "0"))
-
-    def orphaned() -> None:  # the process that started us is gone: stop the workers
-        while os.getppid() == parent:
-            time.sleep(1.0)
-        os.kill(os.getpid(), signal.SIGTERM)
-
     if parent:
-        threading.Thread(target=orphaned, name="compat-parent-watch", daemon=True).start()
+        stop_when_orphaned(parent, "the program that started these workers")
     configure_logging(config.log_level, config.log_format)
     return run_supervisor(config)

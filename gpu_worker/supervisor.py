@@ -28,7 +28,7 @@ from broker.keys import ModelKeys
 from broker.logs import redact_url
 
 from .batch_state import STATE_FILE_ENV, BatchState
-from .child import CONFIG_ENV, DEVICE_ENV, STATUS_FD_ENV
+from .child import CONFIG_ENV, DEVICE_ENV, STATUS_FD_ENV, SUPERVISOR_PID_ENV
 from .config import WorkerConfig
 from .devices import child_environment, plan_devices
 from .heartbeat import Heartbeats
@@ -115,6 +115,7 @@ class Supervisor:
         slot.state.idle()
         env[STATE_FILE_ENV] = slot.state.path
         env[DEVICE_ENV] = slot.device
+        env[SUPERVISOR_PID_ENV] = str(os.getpid())
         slot.process = subprocess.Popen(
             [sys.executable, "-m", "gpu_worker.child"], env=env, pass_fds=(write_fd,)
         )
@@ -211,7 +212,7 @@ class Supervisor:
         if not self._stopping:
             running = sum(s.process is not None and s.process.poll() is None for s in self.slots)
             if running:
-                log.info("stopping %d worker(s)", running)
+                log.info("stopping %d worker(s) (%s)", running, signal.Signals(signum).name)
             else:  # still waiting for Redis: nothing started
                 log.info("stopping before any worker started")
         self._stopping = True
@@ -224,7 +225,9 @@ class Supervisor:
 
         The signal handlers it installs are put back as they were when it returns.
         """
-        stopping = (signal.SIGTERM, signal.SIGINT)
+        # SIGHUP too (a closed terminal, a `systemctl reload`): there is nothing to reload,
+        # and its default action killed this process alone, leaving the workers behind.
+        stopping = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
         previous = {signum: signal.signal(signum, self.request_stop) for signum in stopping}
         try:
             return self._serve()

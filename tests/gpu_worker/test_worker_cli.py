@@ -62,18 +62,53 @@ def test_options_read_their_environment_variables(redis_server: RedisServer, pre
     assert result.returncode == 2 and "batch-size" in result.stderr.lower()
 
 
-def test_sigterm_drains_and_exits_zero(redis_server: RedisServer, prefix: str) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_drains_and_exits_zero(
+    redis_server: RedisServer, prefix: str, stop: signal.Signals
+) -> None:
+    """SIGHUP (a closed terminal, `systemctl reload`) killed `worker start` alone, at once,
+    and its workers served on without it."""
     with worker_process(redis_server.url, "tests.models:Toy", prefix, "--batch-size", "4") as proc:
         streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix)
         streamer.predict(["warm"])
         future = streamer.submit([{"sleep": 1.0}, "a", "b"])
-        time.sleep(0.3)  # the worker is inside the slow batch when SIGTERM arrives
-        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # the worker is inside the slow batch when the signal arrives
+        proc.send_signal(stop)
         outputs = future.result(timeout=20)
         assert [out["item"] for out in outputs] == [{"sleep": 1.0}, "a", "b"]
         assert {out["batch"] for out in outputs} == {3}
         assert proc.wait(30) == 0
         streamer.close()
+
+
+def test_a_worker_whose_supervisor_was_killed_stops_after_its_batch(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """With `worker start` killed (SIGKILL), its worker process was re-parented and served on,
+    unwatched and without heartbeats, with the model's old code after a redeploy."""
+    import subprocess
+
+    with worker_process(redis_server.url, "tests.models:Toy", prefix) as proc:
+        found = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+        (child,) = [int(pid) for pid in found.stdout.split()]
+        with Streamer("toy", redis_url=redis_server.url, prefix=prefix) as streamer:
+            future = streamer.submit([{"sleep": 1.5}])
+            time.sleep(0.5)  # inside the batch
+            proc.kill()
+            assert [out["item"] for out in future.result(timeout=20)] == [{"sleep": 1.5}]
+        deadline = time.monotonic() + 20
+        while running(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not running(child), "the worker process outlived its supervisor"
+
+
+def running(pid: int) -> bool:
+    """Whether a process runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_a_model_returning_the_wrong_number_of_outputs_gets_a_clear_error() -> None:
