@@ -45,7 +45,11 @@ def library_at(revision: str) -> str:
         text=True,
         check=True,
     ).stdout
-    namespace: dict[str, Any] = {"__name__": "bench_functions_at_revision"}
+    # (as a module of the broker package, so that its relative imports resolve)
+    namespace: dict[str, Any] = {
+        "__name__": "broker.bench_functions_at_revision",
+        "__package__": "broker",
+    }
     exec(compile(source, f"{revision}:broker/functions.py", "exec"), namespace)
     return str(namespace["CODE"])
 
