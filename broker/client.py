@@ -1008,7 +1008,12 @@ def _threads_left_to_join() -> bool:
 def check_timeout(timeout: float) -> float:
     """``timeout`` as seconds (float): TypeError unless it is a number (bool is not), and
     ValueError unless it is positive and at most ``MAX_TIMEOUT_S``."""
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+    kind = type(timeout)
+    if (
+        kind is not float
+        and kind is not int
+        and (kind is bool or not isinstance(timeout, numbers.Real))
+    ):
         raise TypeError(f"timeout must be a number of seconds, not {timeout!r}")
     if not 0 < timeout <= MAX_TIMEOUT_S:  # (NaN fails both)
         raise ValueError(
