@@ -14,8 +14,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from broker.connections import async_client
-from broker.errors import MicrobatchError
+from broker.errors import BrokerUnavailable, MicrobatchError
 from broker.keys import NORMAL
+from broker.logs import ThrottledWarning
 from broker.protocol import valid_traceparent
 from broker.redis_transport import cluster_node_misuse, startup_warnings
 
@@ -37,6 +38,8 @@ log = logging.getLogger("microbatch.gateway")
 T = TypeVar("T")
 
 PING_TIMEOUT_S = 1.0
+UNAVAILABLE = BrokerUnavailable.__name__  # its outcome label
+UNAVAILABLE_LOG_S = 10.0  # as a worker says its outage: at its start, then every 10 s
 GC_YOUNG_THRESHOLD = 10_000  # net allocations between collections of the young generation
 INLINE_BYTES = 64 * 1024  # bodies up to this size are parsed on the event loop (~0.1 ms)
 
@@ -75,6 +78,9 @@ class Gateway:
         self.pool: ThreadPoolExecutor | None = None
         self.redis: Any = None
         self.misuse: str | None = None  # what is wrong with the Redis its URL names
+        self._unavailable = ThrottledWarning(
+            log, "%d request(s) answered 503 BrokerUnavailable; the last: %s", UNAVAILABLE_LOG_S
+        )
         self._server_checked = False
         self._flusher: asyncio.Task[None] | None = None
 
@@ -213,6 +219,8 @@ class Gateway:
             return await handler(*args)
         except Exception as exc:
             outcome = outcome_of(exc)
+            if outcome == UNAVAILABLE:  # the workers log their outage; so does the gateway
+                self._unavailable.note(str(exc))
             return to_response(exc, request.scope["method"], request.scope["path"])
         finally:
             served.metrics.answered(route, outcome, time.perf_counter() - started)

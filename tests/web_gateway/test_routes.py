@@ -196,6 +196,29 @@ def test_a_redis_url_of_a_cluster_node_leaves_the_gateway_unready(prefix: str) -
         node.stop()
 
 
+def test_requests_failing_while_redis_is_away_are_logged_once_a_while(
+    prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The gateway answered 503 to every request during an outage and logged nothing (the
+    workers logged theirs)."""
+    import logging
+
+    from broker.devserver import free_port
+
+    body = {"inputs": [[1.0, 2.0, 3.0, 4.0]]}
+    with (
+        caplog.at_level(logging.WARNING, logger="microbatch.gateway"),
+        TestClient(create_app(settings(f"redis://127.0.0.1:{free_port()}/0", prefix))) as http,
+    ):
+        for _ in range(3):
+            answer = http.post("/v1/models/doubler/predict", json=body)
+            assert answer.status_code == 503 and answer.json()["error"]["type"] == (
+                "BrokerUnavailable"
+            )
+    lines = [r.getMessage() for r in caplog.records if "answered 503" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("1 request(s) answered 503 BrokerUnavailable")
+
+
 def test_the_schema_names_the_served_models(guarded: TestClient) -> None:
     schema = guarded.get("/openapi.json").json()
     operation = schema["paths"]["/v1/models/{name}/predict"]["post"]
