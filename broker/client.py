@@ -659,11 +659,10 @@ class ClientCore:
             self._refuse(call, closed)
         for call in list({id(call): call for call, _ in self._pending.values()}.values()):
             self._give_up(call, closed.with_index)
-        # Withdrawals of calls given up on (now or before), and enqueues still in flight,
-        # whose calls are withdrawn as soon as they are queued.
-        finishing = [task for task in (self._flusher, *self._background) if task is not None]
-        if finishing:
-            await asyncio.wait(finishing, timeout=CLOSE_WITHDRAW_S)
+        # An enqueue still in flight withdraws its calls once they are queued; then every
+        # withdrawal (of those, of the calls given up on now or before) goes out.
+        if self._flusher is not None:
+            await asyncio.wait([self._flusher], timeout=CLOSE_WITHDRAW_S)
         if self._background:
             await asyncio.wait(list(self._background), timeout=CLOSE_WITHDRAW_S)
         running = (

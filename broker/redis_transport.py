@@ -48,7 +48,7 @@ from .redis_url import parse as parse_url
 from .reply_elements import pack as pack_replies
 from .reply_elements import reply_id
 from .resp_lane import CONNECT_TIMEOUT_S, RespLane, bulk_strings, is_script_busy
-from .transport import Entry, QueueBound, Redelivery, entry_data_size
+from .transport import Entry, QueueBound, Redelivery, entry_data_size, is_data_field
 
 log = logging.getLogger("microbatch.redis")
 
@@ -1235,17 +1235,13 @@ def dead_record(fields: Mapping[bytes, Any]) -> dict[Any, Any]:
     cut = [
         name
         for name, value in record.items()
-        if isinstance(value, bytes) and len(value) > DEAD_FIELD_BYTES and not _is_data(name)
+        if isinstance(value, bytes) and len(value) > DEAD_FIELD_BYTES and not is_data_field(name)
     ]
     for name in cut:
         record[name] = record[name][:DEAD_FIELD_BYTES]
     if cut:
         record[b"dead_cut"] = b",".join(cut)
     return record
-
-
-def _is_data(name: bytes) -> bool:
-    return name == b"data" or name.startswith(b"data.")
 
 
 def _flatten(fields: Mapping[Any, Any]) -> list[Any]:

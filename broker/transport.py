@@ -162,6 +162,12 @@ class Transport(Protocol):
         ...
 
 
+def is_data_field(name: Any) -> bool:
+    """Whether a stream entry's field holds an item's data (``data``, or ``data.<i>`` of a
+    multi-item entry's item i)."""
+    return isinstance(name, bytes) and (name == b"data" or name.startswith(b"data."))
+
+
 def entry_data_size(fields: Mapping[Any, Any]) -> int:
     """Bytes an entry counts for against a queue's byte bound: the size of its data field, or
     of its ``data.<i>`` fields (a multi-item entry released whole, not item by item: one whose
@@ -172,5 +178,5 @@ def entry_data_size(fields: Mapping[Any, Any]) -> int:
     return sum(
         len(value)
         for name, value in fields.items()
-        if isinstance(name, bytes) and name.startswith(b"data.") and isinstance(value, bytes)
+        if is_data_field(name) and isinstance(value, bytes)
     )

@@ -327,15 +327,15 @@ class BatchLoop:
         # with an id of its choosing, one from the future (and Redis then gives every later
         # entry a later id still).
         now_ms = self.clock.now_ms()
-        first_ms = min(entry_time_ms(entries[0][0]), now_ms)
-        wait_until_ms = first_ms + settings.max_latency * 1000
+        wait_until_ms = min(entry_time_ms(entries[0][0]), now_ms) + settings.max_latency * 1000
         while len(entries) < fill and not self._stopping:
-            remaining_ms = int(wait_until_ms - self.clock.now_ms())
+            remaining_ms = int(wait_until_ms - now_ms)
             if remaining_ms < 1:
                 break
             entries += await self.transport.read_batch(
                 keys, self.consumer, fill - len(entries), remaining_ms
             )
+            now_ms = self.clock.now_ms()
         self._observe_arrivals(entries)
         return entries
 
