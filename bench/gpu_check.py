@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.http_bench import wait_workers
+from bench.http_bench import python_path, wait_workers
 from broker import Streamer
 from broker.devserver import RedisServer
 from broker.keys import ModelKeys
@@ -313,7 +313,7 @@ def main() -> None:
         print(f"\nwrote {output}")
         sys.exit(0 if same_outputs(transfers) else 1)
     count = torch.cuda.device_count()
-    base = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    base = {**os.environ, "PYTHONPATH": python_path(), "OMP_NUM_THREADS": "1"}
     base.pop("CUDA_VISIBLE_DEVICES", None)
     uuids = smi("--query-gpu=uuid")
     cases = []

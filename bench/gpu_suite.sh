@@ -9,13 +9,15 @@
 #   bash bench/gpu_suite.sh pending OUTDIR    # outputs returned pending (the examples' MLP and
 #                                             # the wide model) against predict that waits
 #   bash bench/gpu_suite.sh pending_ab OUTDIR # the same at the defaults, each pair both ways
+#   bash bench/gpu_suite.sh recheck OUTDIR    # a later revision: both models at the defaults, and
+#                                             # the MLP's GPU setting twice
 #
 # GPU=<index> picks the device (default 0); GPU=none runs the same on the CPU (a dry run of the
 # script). DURATION (default 2) is the seconds of each measured window, three windows an arm.
 # Each harness run writes OUTDIR/<name>/harness.json; everything it prints goes to stderr.
 set -euo pipefail
 
-part=${1:?defaults, settings, repeat, pending or pending_ab}
+part=${1:?defaults, settings, repeat, pending, pending_ab or recheck}
 out=${2:?an output folder}
 gpu=${GPU:-0}
 python=${PYTHON:-python3}
@@ -71,8 +73,14 @@ pending_ab)
     harness pending_ab2 --models mlp_sync,mlp "${at256[@]}"
     harness pending_ab3 --models wide_sync,wide "${at256[@]}"
     ;;
+recheck)
+    at256=(--concurrency 256 --scenarios batched,asyncio)
+    harness recheck_defaults --models ${MODELS:-mlp,wide} "${at256[@]}"
+    harness recheck_mlp_workers2_a --models mlp "${at256[@]}" --load-processes 4 --workers 2
+    harness recheck_mlp_workers2_b --models mlp "${at256[@]}" --load-processes 4 --workers 2
+    ;;
 *)
-    echo "unknown part $part: defaults, settings, repeat, pending or pending_ab" >&2
+    echo "unknown part $part: defaults, settings, repeat, pending, pending_ab or recheck" >&2
     exit 2
     ;;
 esac

@@ -63,7 +63,7 @@ from typing import Any
 
 from bench import venvs
 from bench.cpu import CpuMeter, children_cpu_seconds, per_item
-from bench.http_bench import post_script, wait_workers, wrk_counts
+from bench.http_bench import post_script, python_path, wait_workers, wrk_counts
 from bench.load import BatchProbe, sample_input
 from broker.devserver import free_port
 from broker.keys import ModelKeys
@@ -114,7 +114,7 @@ class Harness:
         self.tmp = Path(tempfile.mkdtemp(prefix="microbatch-bench-"))
         self.env = {
             **os.environ,
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": python_path(),
             "OMP_NUM_THREADS": str(args.torch_threads),
             "MKL_NUM_THREADS": str(args.torch_threads),
             "BENCH_TORCH_THREADS": str(args.torch_threads),

@@ -37,7 +37,14 @@ from broker.devserver import RedisServer, free_port  # noqa: E402
 from broker.keys import ModelKeys  # noqa: E402
 from broker.liveness import wait_for_consumers  # noqa: E402
 
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+def python_path() -> str:
+    """PYTHONPATH for the processes a benchmark starts: this tree first, then the caller's own
+    (where packages installed outside the interpreter's site-packages may be)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
+ENV = {**os.environ, "PYTHONPATH": python_path()}
 UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3}
 
 
