@@ -28,7 +28,17 @@ from typing import Any
 
 from redis.cluster import RedisCluster
 
-from .keys import GROUP
+from .keys import (
+    CANCELLED_TEMPLATE,
+    CONSUMERS_TEMPLATE,
+    GROUP,
+    HEARTBEAT_TEMPLATE,
+    LEVEL_SUFFIX,
+    PACKED_ITEMS_TEMPLATE,
+    QUEUE_BOUND_TEMPLATE,
+    QUEUED_BYTES_TEMPLATE,
+    STREAM_TEMPLATE,
+)
 
 LIBRARY = "microbatch"
 VERSION = 2
@@ -52,6 +62,14 @@ MAX_ENTRY_ITEMS = 512
 CANCELLED_TTL_MS = 10 * 60 * 1000  # how long a withdrawal is remembered for workers to skip
 PUSH_CHUNK = 1000  # replies per RPUSH inside mb_reply (Lua's unpack has a stack limit)
 
+
+def _key_name(template: str) -> str:
+    """A key template's own name, after ``mb:{prefix:model}:`` (``heartbeat:`` for a consumer's
+    heartbeat key, whose name goes on)."""
+    key = template.format(prefix="p", model="m", consumer="")
+    return key.removeprefix("mb:{p:m}:")
+
+
 CODE = (
     r"""#!lua name=microbatch
 -- microbatch's functions: broker/functions.py and docs/protocol.md are their documentation.
@@ -60,6 +78,7 @@ local MAX_ENTRIES, MAX_BYTES = @MAX_ENTRIES@, @MAX_BYTES@
 local MAX_ENTRY_ITEMS = @MAX_ENTRY_ITEMS@
 local CANCELLED_TTL_MS, PUSH_CHUNK = @CANCELLED_TTL_MS@, @PUSH_CHUNK@
 local GROUP = '@GROUP@'
+local LEVEL_SUFFIX = '@LEVEL_SUFFIX@'
 
 -- Every call names the library version its caller was written for: a newer one is refused.
 -- A version that is no whole number from 1 (`0`, `1.0`, `02`) is a malformed call: loading
@@ -83,6 +102,45 @@ local function keys_error(keys, needed, name)
   return redis.error_reply('MBARGS ' .. name .. ' takes at least ' .. needed .. ' keys, not ' ..
     #keys)
 end
+
+-- The keys a function takes must be one model's (one partition's, one level's): key 1 a
+-- request stream `mb:{tag}:requests` (with the high level's suffix or not), each other key
+-- `mb:{tag}:` and its own name, the level's suffix on the leveled ones; a name ending in ':'
+-- is a prefix (a consumer's heartbeat key). Otherwise a call could queue to one model and
+-- count its bytes in another's counter, where no worker would ever release them.
+local function model_keys_error(keys, names, name)
+  local base, level = string.match(keys[1], '^(mb:{[^}]*}:)@REQUESTS@(.*)$')
+  if not base or (level ~= '' and level ~= LEVEL_SUFFIX) then
+    return redis.error_reply('MBARGS ' .. name .. ': key 1 must be a request stream ' ..
+      '(mb:{prefix:model}:@REQUESTS@), not ' .. string.format('%q', string.sub(keys[1], 1, 200)))
+  end
+  for i = 2, #keys do
+    local want = names[i]
+    if want then
+      local key, expected = keys[i], base .. want[1]
+      local ok
+      if string.sub(want[1], -1) == ':' then
+        ok = #key > #expected and string.sub(key, 1, #expected) == expected
+      else
+        if want[2] then expected = expected .. level end
+        ok = key == expected
+      end
+      if not ok then
+        return redis.error_reply('MBARGS ' .. name .. ': key ' .. i .. ' must be ' .. expected ..
+          (string.sub(expected, -1) == ':' and '<consumer>' or '') .. ' (the keys of key 1\'s ' ..
+          'model), not ' .. string.format('%q', string.sub(key, 1, 200)))
+      end
+    end
+  end
+  return nil
+end
+
+-- Each function's keys after the stream: the name and whether it is leveled.
+local ENQUEUE_KEYS = {nil, {'@QUEUED_BYTES@', true}, {'@QUEUE_BOUND@', false},
+  {'@CONSUMERS@', false}, {'@PACKED_ITEMS@', true}}
+local WITHDRAW_KEYS = {nil, {'@QUEUED_BYTES@', true}, {'@CANCELLED@', true},
+  {'@PACKED_ITEMS@', true}}
+local RETIRE_KEYS = {nil, {'@HEARTBEAT@', false}}
 
 local function limit_error(name)
   return redis.error_reply('MBLIMIT one ' .. name .. ' may carry at most ' .. MAX_ENTRIES ..
@@ -186,8 +244,14 @@ end
 -- can never be queued whole).
 local function enqueue(keys, args)
   local err = version_error(args) or keys_error(keys, 4, 'mb_enqueue')
+    or model_keys_error(keys, ENQUEUE_KEYS, 'mb_enqueue')
   if err then return err end
-  local max_items, max_bytes = tonumber(args[2]) or 0, tonumber(args[3]) or 0
+  if not (string.match(args[2] or '', '^[0-9]+$') and string.match(args[3] or '', '^[0-9]+$'))
+  then
+    return redis.error_reply("MBARGS the caller's max items and max bytes (the arguments " ..
+      'after the version) must be whole numbers from 0 (0: no bound of the caller\'s)')
+  end
+  local max_items, max_bytes = tonumber(args[2]), tonumber(args[3])
   local pack, at = 1, 4
   if tonumber(args[1]) >= 2 then
     pack = tonumber(args[4])
@@ -330,6 +394,7 @@ end
 -- entries (`<entry id>#<i>`): see withdraw_items. Returns the bytes released.
 local function withdraw(keys, args)
   local err = version_error(args) or keys_error(keys, 3, 'mb_withdraw')
+    or model_keys_error(keys, WITHDRAW_KEYS, 'mb_withdraw')
   if err then return err end
   if args[2] ~= GROUP then  -- another name finds nothing read, and would delete what is
     return redis.error_reply('MBARGS the group (after the version) must be ' .. GROUP)
@@ -378,6 +443,7 @@ end
 -- Removes the consumer from the group only if it holds no entries and has no heartbeat.
 local function retire(keys, args)
   local err = version_error(args) or keys_error(keys, 2, 'mb_retire')
+    or model_keys_error(keys, RETIRE_KEYS, 'mb_retire')
   if err then return err end
   if redis.call('EXISTS', keys[2]) == 1 then return 0 end
   if #redis.call('XPENDING', keys[1], args[2], '-', '+', 1, args[3]) > 0 then return 0 end
@@ -428,6 +494,14 @@ redis.register_function{function_name='mb_reply', callback=reply, flags={'allow-
     .replace("@CANCELLED_TTL_MS@", str(CANCELLED_TTL_MS))
     .replace("@PUSH_CHUNK@", str(PUSH_CHUNK))
     .replace("@GROUP@", GROUP)
+    .replace("@LEVEL_SUFFIX@", LEVEL_SUFFIX)
+    .replace("@REQUESTS@", _key_name(STREAM_TEMPLATE))
+    .replace("@QUEUED_BYTES@", _key_name(QUEUED_BYTES_TEMPLATE))
+    .replace("@QUEUE_BOUND@", _key_name(QUEUE_BOUND_TEMPLATE))
+    .replace("@CONSUMERS@", _key_name(CONSUMERS_TEMPLATE))
+    .replace("@PACKED_ITEMS@", _key_name(PACKED_ITEMS_TEMPLATE))
+    .replace("@CANCELLED@", _key_name(CANCELLED_TEMPLATE))
+    .replace("@HEARTBEAT@", _key_name(HEARTBEAT_TEMPLATE))
 )
 
 LOAD_COMMAND = ("FUNCTION", "LOAD", "REPLACE", CODE)

@@ -88,3 +88,86 @@ def test_a_v2_entry_withdrawn_whole_by_its_id_takes_its_item_marks_along(
     assert client.zcard(keys.cancelled) == 1
     client.execute_command("FCALL", *base, entry)
     assert client.xlen(keys.stream) == 0 and client.zcard(keys.cancelled) == 0
+
+
+def enqueue_command(keys: ModelKeys, *, max_items: object = 0, max_bytes: object = 0,
+                    bytes_key: str | None = None, bound_key: str | None = None,
+                    packed_key: str | None = None) -> tuple[object, ...]:  # fmt: skip
+    """One mb_enqueue of one call of one item, with the keys and bounds given."""
+    return (functions.ENQUEUE, 5, keys.stream, bytes_key or keys.queued_bytes,
+            bound_key or keys.queue_bound, keys.consumers, packed_key or keys.packed_items,
+            functions.VERSION, max_items, max_bytes, 1, 1, keys.inbox("c"), 1000, "", "c.0",
+            codec.encode(1))  # fmt: skip
+
+
+def test_an_enqueue_whose_keys_are_not_one_models_is_refused(client: redis.Redis) -> None:
+    """On a Redis that is not a cluster, keys of two models were taken: the entry went to one
+    model's stream and its bytes to the other's counter, where no worker ever released them."""
+    toy, other = ModelKeys("toy", "fnk"), ModelKeys("other", "fnk")
+    high = toy.at(1)
+    cases = {
+        "bytes of another model": enqueue_command(toy, bytes_key=other.queued_bytes),
+        "bytes of the other level": enqueue_command(toy, bytes_key=high.queued_bytes),
+        "bound of another prefix": enqueue_command(
+            toy, bound_key=ModelKeys("toy", "fnkx").queue_bound
+        ),
+        "packed items of another model": enqueue_command(toy, packed_key=other.packed_items),
+        "a counter as the stream": (
+            functions.ENQUEUE,
+            4,
+            toy.queued_bytes,
+            toy.queued_bytes,
+            toy.queue_bound,
+            toy.consumers,
+            functions.VERSION,
+            0,
+            0,
+            1,
+            1,
+            toy.inbox("c"),
+            1000,
+            "",
+            "c.0",
+            "x",
+        ),
+    }
+    for case, command in cases.items():
+        said = refusal(client, *command)
+        assert said.startswith("MBARGS mb_enqueue: key "), (case, said)
+    assert client.keys("*fnk*") == [], "nothing written"
+    # the model's own keys, at either level, are taken
+    assert client.execute_command("FCALL", *enqueue_command(toy))[0][0] == 0
+    assert client.execute_command("FCALL", *enqueue_command(high))[0][0] == 0
+    assert client.xlen(toy.stream) == 1 and client.xlen(high.stream) == 1
+    assert not client.exists(other.queued_bytes)
+
+
+def test_an_enqueue_with_malformed_bounds_is_refused(client: redis.Redis) -> None:
+    """`abc` and `-1` meant no bound, `0.5` refused every call with an item bound of 0."""
+    keys = ModelKeys("toy", "fnb")
+    for bad in ("abc", "-1", "0.5", "1e3", "", " 5", "0x10"):
+        for where in ("max_items", "max_bytes"):
+            said = refusal(client, *enqueue_command(keys, **{where: bad}))
+            assert said.startswith("MBARGS the caller's max items and max bytes"), (bad, said)
+    assert client.keys("*fnb*") == []
+    assert client.execute_command("FCALL", *enqueue_command(keys, max_items=5))[0][0] == 0
+
+
+def test_withdraw_and_retire_take_only_one_models_keys(client: redis.Redis) -> None:
+    toy, other = ModelKeys("toy", "fnw"), ModelKeys("other", "fnw")
+    entry = client.xadd(toy.stream, {"v": "1", "id": "c.0", "reply": toy.inbox("c"),
+                                     "timeout": "1000", "data": codec.encode(1)})  # fmt: skip
+    said = refusal(client, functions.WITHDRAW, 4, toy.stream, other.queued_bytes, toy.cancelled,
+                   toy.packed_items, functions.VERSION, toy.group, entry)  # fmt: skip
+    assert said.startswith("MBARGS mb_withdraw: key 2 must be " + toy.queued_bytes), said
+    said = refusal(client, functions.WITHDRAW, 3, toy.stream, toy.queued_bytes, other.cancelled,
+                   functions.VERSION, toy.group, entry)  # fmt: skip
+    assert said.startswith("MBARGS mb_withdraw: key 3 must be "), said
+    assert client.xlen(toy.stream) == 1 and not client.exists(other.queued_bytes, other.cancelled)
+    said = refusal(client, functions.RETIRE, 2, toy.stream, other.heartbeat("w"),
+                   functions.VERSION, toy.group, "w")  # fmt: skip
+    assert said.startswith("MBARGS mb_retire: key 2 must be "), said
+    for bare in (toy.stream.replace(":requests", ":heartbeat:"), "x"):
+        said = refusal(client, functions.RETIRE, 2, toy.stream, bare, functions.VERSION,
+                       toy.group, "w")  # fmt: skip
+        assert said.startswith("MBARGS mb_retire: key 2 must be "), said
