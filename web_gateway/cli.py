@@ -82,6 +82,7 @@ def start(
     max_timeout: float = _option("max_timeout"),
     max_items: int = _option("max_items"),
     max_body_bytes: int = _option("max_body_bytes"),
+    max_json_containers: int = _option("max_json_containers"),
     max_held_body_bytes: int = _option("max_held_body_bytes"),
     max_queue_items: int = _option("max_queue_items"),
     max_queue_bytes: int = _option("max_queue_bytes"),

@@ -26,7 +26,7 @@ from broker.codec import MAX_NDIM
 from gpu_worker.model import DATATYPES, TensorSpec, Unfit, to_datatype
 
 from .errors import HTTPError, bad_request, invalid_input
-from .reading import json_document
+from .reading import DEFAULT_MAX_JSON_CONTAINERS, json_document
 
 HEADER_LENGTH = "inference-header-content-length"
 VERSIONS = ("1",)  # a model's versions in the protocol's sense: each served model has one
@@ -192,7 +192,10 @@ def _tensor(spec: dict[str, Any], blob: bytes | None) -> tuple[str, str, np.ndar
         array = _from_binary(blob, name, datatype, shape, count)
     else:
         array = _from_json(spec, name, datatype, shape, count)
-    return name, datatype, array.reshape(shape)
+    try:
+        return name, datatype, array.reshape(shape)
+    except ValueError:  # no elements, but nonzero dims whose product numpy cannot size
+        raise bad_request(f"input {name!r}: shape {shape} is too large") from None
 
 
 def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
@@ -208,8 +211,8 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvi
     return body[:json_size], memoryview(body)[json_size:]
 
 
-def _document(head: bytes) -> dict[str, Any]:
-    return _object(json_document(head), "the request body")
+def _document(head: bytes, max_containers: int) -> dict[str, Any]:
+    return _object(json_document(head, max_containers), "the request body")
 
 
 class _Binary:
@@ -271,10 +274,13 @@ def _requested_outputs(wanted: Any, all_binary: bool) -> list[tuple[str, bool]] 
     return outputs
 
 
-def parse_request(body: bytes, header_length: str | None) -> InferRequest:
-    """Parse a v2 infer body (JSON, or JSON + binary tensors); 400 when malformed."""
+def parse_request(
+    body: bytes, header_length: str | None, max_containers: int = DEFAULT_MAX_JSON_CONTAINERS
+) -> InferRequest:
+    """Parse a v2 infer body (JSON, or JSON + binary tensors); 400 when malformed, 413 when
+    its JSON holds more than ``max_containers`` arrays and objects."""
     head, binary = _split_body(body, header_length)
-    document = _document(head)
+    document = _document(head, max_containers)
     request_id = document.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise bad_request("'id' must be a string")

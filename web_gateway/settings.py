@@ -24,6 +24,8 @@ from broker.multi_item import DEFAULT_ENTRY_ITEMS, MAX_ENTRY_ITEMS
 from broker.redis_url import parse as parse_redis_url
 from broker.worker_watch import DEFAULT_GRACE_S
 
+from .reading import DEFAULT_MAX_JSON_CONTAINERS
+
 ENV_PREFIX = "MICROBATCH_GATEWAY_"
 
 
@@ -81,6 +83,13 @@ class GatewaySettings(BaseSettings):
     max_items: int = Field(default=256, ge=1, description="Most items in one request (413).")
     max_body_bytes: int = Field(
         default=16 * 1024 * 1024, ge=1, description="Largest request body (413)."
+    )
+    max_json_containers: int = Field(
+        default=DEFAULT_MAX_JSON_CONTAINERS,
+        ge=1,
+        description="Most arrays and objects a JSON body may hold, counted before it is "
+        "parsed (413 above): each costs the parse about 90 bytes of memory for as little as "
+        "2 bytes of JSON.",
     )
     max_held_body_bytes: int = Field(
         default=512 * 1024 * 1024,

@@ -67,20 +67,28 @@ async def _predict(gateway: Gateway, request: Request, served: ServedModel) -> R
         gateway.check_items(len(raw_items))
         items = await gateway.in_pool(served.prepare, raw_items)
     else:
-        max_items = gateway.settings.max_items
+        settings = gateway.settings
+        max_items, max_containers = settings.max_items, settings.max_json_containers
         if gateway.inline(served, len(body)):  # no coroutine for the common case
-            items = parse_and_prepare(served, body, max_items)
+            items = parse_and_prepare(served, body, max_items, max_containers)
         else:
-            items = await gateway.in_pool(parse_and_prepare, served, body, max_items)
+            items = await gateway.in_pool(
+                parse_and_prepare, served, body, max_items, max_containers
+            )
     outputs = await gateway.predict(request, served, items, timeout, priority)
     if served.has_postprocess:
         outputs = await gateway.in_pool(served.finish, outputs)
     return json_response({"outputs": outputs})
 
 
-def parse_and_prepare(served: ServedModel, body: bytes, max_items: int) -> list[Any]:
+def parse_and_prepare(
+    served: ServedModel,
+    body: bytes,
+    max_items: int,
+    max_containers: int = reading.DEFAULT_MAX_JSON_CONTAINERS,
+) -> list[Any]:
     """A v1 JSON body's items, prepared for ``served`` (400, 413 or 422 if they cannot be)."""
-    document = reading.json_document(body)
+    document = reading.json_document(body, max_containers)
     if not isinstance(document, dict) or not isinstance(document.get("inputs"), list):
         raise bad_request('the body must be a JSON object {"inputs": [item, ...]}')
     raw_items = document["inputs"]

@@ -138,12 +138,13 @@ def handle_infer(
 async def _infer(gateway: Gateway, request: Request, served: ServedModel) -> Response:
     body = await gateway.body(request)
     header_length = request.headers.get(kserve.HEADER_LENGTH)
-    max_items = gateway.settings.max_items
+    settings = gateway.settings
+    max_items, max_containers = settings.max_items, settings.max_json_containers
     if gateway.inline(served, len(body)):  # no coroutine for the common case
-        parsed, items = parse_and_prepare(served, body, header_length, max_items)
+        parsed, items = parse_and_prepare(served, body, header_length, max_items, max_containers)
     else:
         parsed, items = await gateway.in_pool(
-            parse_and_prepare, served, body, header_length, max_items
+            parse_and_prepare, served, body, header_length, max_items, max_containers
         )
     timeout = gateway.timeout(request, _timeout_parameter(parsed))
     priority = reading.priority(request, parsed.parameters.get("priority"))
@@ -172,10 +173,14 @@ def _timeout_parameter(parsed: kserve.InferRequest) -> float | None:
 
 
 def parse_and_prepare(
-    served: ServedModel, body: bytes, header_length: str | None, max_items: int
+    served: ServedModel,
+    body: bytes,
+    header_length: str | None,
+    max_items: int,
+    max_containers: int = reading.DEFAULT_MAX_JSON_CONTAINERS,
 ) -> tuple[kserve.InferRequest, list[Any]]:
     """A v2 body parsed, checked against ``served``'s inputs, and its items prepared."""
-    parsed = kserve.parse_request(body, header_length)
+    parsed = kserve.parse_request(body, header_length, max_containers)
     reading.check_items(parsed.batch_size, max_items)
     kserve.check_inputs(parsed, served.inputs, strict_datatypes=not served.has_preprocess)
     return parsed, served.prepare(parsed.items())

@@ -268,3 +268,27 @@ def test_outputs_that_cannot_be_sent_are_500_invalid_output() -> None:
 def test_tensor_metadata_has_a_batch_dimension() -> None:
     specs = [TensorSpec("x", "FP32", [3, 4])]
     assert kserve.tensor_metadata(specs) == [{"name": "x", "datatype": "FP32", "shape": [-1, 3, 4]}]
+
+
+def test_a_shape_with_a_zero_and_dims_too_large_for_numpy_is_a_400() -> None:
+    """No elements (a zero dim), but nonzero dims whose product numpy cannot size: a 400
+    naming the input, not numpy's ValueError answered 500."""
+    raw = orjson.dumps(
+        {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 0, 2**62], "data": []}]}
+    )
+    with pytest.raises(HTTPError) as refused:
+        kserve.parse_request(raw, None)
+    assert refused.value.status == 400 and "is too large" in refused.value.message
+    within = orjson.dumps(
+        {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 0, 2**40], "data": []}]}
+    )
+    assert kserve.parse_request(within, None).inputs["x"].shape == (1, 0, 2**40)
+
+
+def test_the_json_header_is_held_to_the_container_budget() -> None:
+    tensor = {"name": "x", "datatype": "FP32", "shape": [2, 1], "data": [[1], [2]]}
+    raw = orjson.dumps({"inputs": [tensor]})  # 7 arrays and objects
+    assert kserve.parse_request(raw, None, max_containers=7).batch_size == 2
+    with pytest.raises(HTTPError) as refused:
+        kserve.parse_request(raw, None, max_containers=6)
+    assert refused.value.status == 413

@@ -9,6 +9,7 @@ keep-alive deadline, the per-process connection cap, and clients sending headers
 from __future__ import annotations
 
 import contextlib
+import gzip
 import re
 import resource
 import selectors
@@ -423,3 +424,49 @@ def test_clients_sending_garbage_or_upgrades_do_not_flood_the_log(
     # summed up: at most one line every 10 s, and what is left at the stop
     assert said.count("not valid HTTP") <= 2
     assert sum(map(int, re.findall(r"(\d+) not valid HTTP", said))) == 50
+
+
+def peak_growth(pid: int, idle: int) -> int:
+    """The process's peak resident memory (VmHWM, reset before ``idle`` was read) over
+    ``idle``."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 - idle
+    raise RuntimeError(f"no VmHWM for {pid}")
+
+
+def test_json_bodies_of_empty_lists_are_refused_before_they_are_parsed(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A 16 MiB JSON body of empty lists ("[],": 3 bytes each, ~90 bytes each once parsed)
+    raised a gateway process's peak memory by 500 MB, and 8 of them gzip-compressed to 24 KB
+    each (which --max-held-body-bytes counts as 24 KB) by 1.6 GB. Now it is answered 413 by a
+    count of its brackets, before orjson sees it: the process peaks within a few copies of the
+    body."""
+    with (
+        worker_process(redis_server.url, DOUBLER, prefix),
+        gateway_process(redis_server.url, [DOUBLER], prefix) as (base, gunicorn),
+    ):
+        pid = worker_pid(gunicorn.pid)
+        flood = b'{"inputs": [[1, 2, 3, 4]], "x": [' + b"[]," * (16 * 2**20 // 3 - 20) + b"[]]}"
+        tensor = b'{"name": "input", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}'
+        v2_flood = b'{"inputs": [' + tensor + b'], "x": [' + b"{}," * (16 * 2**20 // 3 - 40)
+        v2_flood += b"{}]}"
+        compressed = gzip.compress(flood)
+        with contextlib.suppress(OSError):  # reset the peak (where the kernel allows it)
+            Path(f"/proc/{pid}/clear_refs").write_text("5")
+        idle = rss_bytes(pid)
+        for path, body, headers in (
+            ("/v1/models/doubler/predict", flood, {}),
+            ("/v2/models/doubler/infer", v2_flood, {}),
+            ("/v1/models/doubler/predict", compressed, {"Content-Encoding": "gzip"}),
+        ):
+            response = httpx.post(f"{base}{path}", content=body, headers=headers, timeout=30)
+            assert response.status_code == 413, (path, response.text[:200])
+            assert "arrays and objects (--max-json-containers)" in response.text
+        assert peak_growth(pid, idle) < 100 * 2**20, f"{peak_growth(pid, idle) / 2**20:.0f} MB"
+        response = httpx.post(
+            f"{base}/v1/models/doubler/predict", json={"inputs": [[1, 2, 3, 4]]}, timeout=10
+        )
+        assert response.json() == {"outputs": [[2.0, 4.0, 6.0, 8.0]]}

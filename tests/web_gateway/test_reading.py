@@ -39,3 +39,46 @@ def test_a_gateway_request_reads_its_headers_once_indexed() -> None:
     assert isinstance(request.headers, IndexedHeaders)
     assert request.headers is request.headers
     assert request.headers.get("x-priority") == "high"
+
+
+# --- the JSON container budget (--max-json-containers) ---------------------------------------
+
+
+def test_json_containers_counts_brackets_outside_strings_once_past_the_limit() -> None:
+    from web_gateway.reading import json_containers
+
+    body = b'{"inputs": [[1, 2], [3, 4]], "x": [' + b"[]," * 50 + b"{}]}"
+    assert json_containers(body, 10) == 1 + 1 + 2 + 1 + 51
+    # brackets within strings (escaped quotes included) are not containers
+    quoted = b'{"a": "[[[{{{", "b\\"[[": ["\\\\", "[", {"c": "]"}], "d": ' + b"[]," * 10 + b"[]}"
+    assert json_containers(quoted, 5) == 1 + 1 + 1 + 1 + 10
+    # under twice the limit in bytes, a body cannot hold more: nothing is counted
+    assert json_containers(b"[[[[]]]]", 4) == 0
+    # a string that never ends (malformed JSON) hides the rest, in linear time
+    assert json_containers(b'[[[[[[[["' + b'\\"[' * 100_000, 4) == 8
+
+
+def test_an_unterminated_string_of_escaped_quotes_is_counted_in_linear_time() -> None:
+    """The exact count strips strings with a possessive pattern: one that never closes is
+    taken whole, never tried again from each quote within it (which would be quadratic)."""
+    import time
+
+    from web_gateway.reading import json_containers
+
+    text = b"[" * 100 + b'"' + b'\\"' * (4 * 2**20)  # 8 MiB, 4 Mi escaped quotes
+    started = time.process_time()
+    assert json_containers(text, 10) == 100
+    assert time.process_time() - started < 2.0
+
+
+def test_json_document_refuses_a_body_over_the_budget_before_parsing() -> None:
+    from web_gateway.errors import HTTPError
+    from web_gateway.reading import json_document
+
+    assert json_document(b'{"inputs": [[1], [2]]}', 4) == {"inputs": [[1], [2]]}
+    with pytest.raises(HTTPError) as refused:
+        json_document(b'{"inputs": [[1], [2]], "x": [[], []]}', 4)
+    assert refused.value.status == 413
+    assert "more than 4 arrays and objects" in refused.value.message
+    # a body within the budget whose strings hold brackets parses as before
+    assert json_document(b'{"t": "' + b"[{" * 50 + b'"}', 4) == {"t": "[{" * 50}

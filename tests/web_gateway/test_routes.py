@@ -272,3 +272,31 @@ def test_multipart_bodies_over_the_limits_say_so(redis_server: RedisServer, pref
         assert status == 400 and message == (
             "malformed multipart body: Too many fields. Maximum number of fields is 3."
         )
+
+
+def test_json_bodies_over_the_container_budget_get_413(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """--max-json-containers bounds the arrays and objects a JSON body may hold, counted before
+    it is parsed (each costs the parse ~90 bytes for as little as 2 bytes of JSON), on v1 and
+    v2 alike, gzip-compressed or not; a body within it is parsed as before."""
+    app = create_app(settings(redis_server.url, prefix, max_json_containers=8))
+    hostile = b'{"inputs": [[1, 2, 3, 4]], "x": [' + b"[]," * 20 + b"[]]}"
+    tensor = b'{"name": "input", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}'
+    v2_hostile = b'{"inputs": [' + tensor + b'], "x": [' + b"{}," * 20 + b"{}]}"
+    with TestClient(app, raise_server_exceptions=False) as http:
+        for path, body, shape in (
+            ("/v1/models/doubler/predict", hostile, "v1"),
+            ("/v2/models/doubler/infer", v2_hostile, "v2"),
+        ):
+            for encoding, content in (("identity", body), ("gzip", gzip.compress(body))):
+                response = http.post(path, content=content, headers={"Content-Encoding": encoding})
+                assert response.status_code == 413, (path, encoding)
+                error = response.json()["error"]
+                message = error if shape == "v2" else error["message"]
+                assert "more than 8 arrays and objects (--max-json-containers)" in message
+        # within the budget (brackets within strings do not count): parsed, checked (422:
+        # no worker is needed to refuse it)
+        within = b'{"inputs": [[1, 2, 3]], "x": "' + b"[]" * 40 + b'"}'
+        response = http.post("/v1/models/doubler/predict", content=within)
+        assert response.status_code == 422, response.text
