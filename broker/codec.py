@@ -22,6 +22,11 @@ from .errors import CodecError
 
 ARRAY_EXT_TYPE = 1
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# The most arrays and maps one message may decode to. Each is a Python list or dict of 64 bytes
+# or more for one byte of msgpack (0x90, 0x80): without a bound, a 16 MiB payload of empty
+# arrays written straight into a stream grew a worker by 1.7 GB, and a 64 MiB one (the message
+# limit) would have taken about 7 GB.
+DEFAULT_MAX_CONTAINERS = 1 << 20
 MAX_NDIM = 32
 
 ALLOWED_DTYPES: frozenset[str] = frozenset(
@@ -303,16 +308,50 @@ def encode(obj: Any, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> bytes:
     return data
 
 
-def decode(data: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Any:
+class _Containers:
+    """Counts the arrays and maps msgpack decodes (its list and object hook), and stops the
+    decode with :class:`CodecError` at one past ``limit``."""
+
+    __slots__ = ("left", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.left = self.limit = limit
+
+    def __call__(self, value: Any) -> Any:
+        self.left -= 1
+        if self.left < 0:
+            raise CodecError(f"message holds more than {self.limit} arrays and maps")
+        return value
+
+
+def decode(
+    data: bytes,
+    *,
+    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_containers: int = DEFAULT_MAX_CONTAINERS,
+) -> Any:
     """Decode bytes made by :func:`encode`; raises :class:`CodecError`, and nothing else, for
-    anything malformed (this is the boundary behind which every untrusted payload is read)."""
+    anything malformed (this is the boundary behind which every untrusted payload is read),
+    or for a message of more than ``max_bytes`` bytes, or of more than ``max_containers``
+    arrays and maps (counted as they are decoded: the decode stops there)."""
     try:
         if len(data) > max_bytes:
             raise CodecError(f"message of {len(data)} bytes is over the {max_bytes}-byte limit")
         array = _unpack_bare_array(data)
         if array is not None:
             return array
-        value = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+        if len(data) > max_containers:  # each array or map takes at least one byte
+            count = _Containers(max_containers)
+            value = msgpack.unpackb(
+                data,
+                ext_hook=_ext_hook,
+                raw=False,
+                strict_map_key=False,
+                list_hook=count,
+                object_hook=count,
+            )
+        else:
+            value = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
         if _may_hold_timestamp(data) and _holds_timestamp(value):
             raise CodecError(f"unknown extension type {TIMESTAMP_EXT_TYPE}")
         return value

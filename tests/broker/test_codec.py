@@ -123,3 +123,27 @@ def test_the_array_fast_path_packs_exactly_what_msgpack_packs(array: np.ndarray)
     decoded = codec.decode(generic)
     assert decoded.shape == array.shape
     np.testing.assert_array_equal(decoded, array)
+
+
+def test_messages_of_more_containers_than_the_budget_are_refused_as_they_decode() -> None:
+    """Each empty array or map is one byte of msgpack and a Python list or dict of 64 bytes or
+    more: a 16 MiB payload of them grew a worker by 1.7 GB. The decode counts them and stops
+    one past the budget, with CodecError naming it."""
+    nested = codec.encode({"rows": [[1.0, 2.0]] * 10, "meta": {"k": [1]}})  # 14 containers
+    assert codec.decode(nested, max_containers=14)["rows"][9] == [1.0, 2.0]
+    with pytest.raises(CodecError, match="more than 13 arrays and maps"):
+        codec.decode(nested, max_containers=13)
+    # a message of no more bytes than the budget cannot exceed it: decoded without counting
+    assert codec.decode(msgpack.packb([[]] * 3), max_containers=4) == [[], [], []]
+    # the default budget, against 2 Mi empty arrays (2 MiB): refused, not built
+    flood = b"\xdd" + (2 * codec.DEFAULT_MAX_CONTAINERS).to_bytes(4, "big")
+    flood += b"\x90" * (2 * codec.DEFAULT_MAX_CONTAINERS)
+    with pytest.raises(CodecError, match=f"more than {codec.DEFAULT_MAX_CONTAINERS} arrays"):
+        codec.decode(flood)
+    maps = b"\xdd" + (2 * codec.DEFAULT_MAX_CONTAINERS).to_bytes(4, "big")
+    maps += b"\x80" * (2 * codec.DEFAULT_MAX_CONTAINERS)
+    with pytest.raises(CodecError, match="arrays and maps"):
+        codec.decode(maps)
+    # arrays (extension type 1) are not containers: any number of them in budget
+    arrays = codec.encode([np.zeros(2, np.float32)] * 100)
+    assert len(codec.decode(arrays, max_containers=1)) == 100

@@ -281,3 +281,44 @@ def test_an_entry_id_from_the_future_does_not_hold_the_batches_behind_it(
         popped = client.blpop([reply], timeout=10)
         assert popped is not None and decode_reply(popped[1]).request_id == "ahead"
         assert [out["item"] for out in streamer.predict(["a", "b"])] == ["a", "b"]
+
+
+def test_a_payload_of_empty_arrays_is_refused_as_it_decodes(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Each empty msgpack array or map is one byte of a payload and a Python list or dict of
+    64 bytes or more: a 16 MiB payload of them, XADDed straight into a stream, grew a worker
+    by 1.7 GB (and one of 64 MiB, the message limit, would have taken about 7 GB). The decode
+    now stops one past codec.DEFAULT_MAX_CONTAINERS: CodecError, and the worker grows by
+    little more than the entry it read."""
+    client = redis_server.client()
+    keys = ModelKeys("doubler", prefix)
+    reply = keys.inbox("flood")
+    count = 16 * 2**20
+    with worker_process(redis_server.url, "tests.gateway_models:Doubler", prefix):
+        (member,) = child_pids(client, keys)
+        child_pid = int(member.rsplit("-", 1)[1])
+        Path(f"/proc/{child_pid}/clear_refs").write_text("5")  # reset the peak
+        idle = _status_bytes(child_pid, "VmRSS")
+        for n, unit in enumerate((b"\x90", b"\x80")):  # arrays, then maps
+            data = b"\xdd" + count.to_bytes(4, "big") + unit * count
+            client.xadd(keys.stream, request_fields(f"flood-{n}", reply, 60_000, data))
+            popped = client.blpop([reply], timeout=60)
+            assert popped is not None
+            answer = decode_reply(popped[1])
+            assert (answer.request_id, answer.error_type) == (f"flood-{n}", "CodecError")
+            assert "arrays and maps" in str(answer.error_message)
+        grown = _status_bytes(child_pid, "VmHWM") - idle
+        assert grown < 250 * 2**20, f"the worker grew {grown / 2**20:.0f} MB"
+        # and it still computes
+        client.xadd(keys.stream, request_fields("fine", reply, 60_000, codec.encode([1, 2, 3, 4])))
+        popped = client.blpop([reply], timeout=20)
+        assert popped is not None and decode_reply(popped[1]).ok
+
+
+def _status_bytes(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} for {pid}")
