@@ -172,8 +172,10 @@ class ItemCheck:
         except Exception:  # ragged nesting, or something numpy cannot hold
             array = None
         if array is None or array.dtype.kind not in self.kinds:
-            what = "not numeric data" if array is None else f"{array.dtype} data"
-            raise InvalidInput(f"input {name!r} is {what}, the model takes {datatype}")
+            what = "not numeric data" if array is None else _KIND_WORDS.get(array.dtype.kind)
+            raise InvalidInput(
+                f"input {name!r} is {what or 'not numeric data'}, the model takes {datatype}"
+            )
         if self.dtype.kind in "iu" and not np.can_cast(array.dtype, self.dtype) and array.size:
             info = np.iinfo(self.dtype)
             if array.min() < info.min or array.max() > info.max:
@@ -186,6 +188,21 @@ class ItemCheck:
                 # finite values past the input's range (inf and nan given as such pass)
                 raise InvalidInput(f"input {name!r} has values out of range for {datatype}")
         return converted
+
+
+# What an item that numpy made into an array of each kind holds, in a caller's words ("O":
+# mixed values, maps or nulls, is "not numeric data").
+_KIND_WORDS = {
+    "b": "booleans",
+    "i": "integers",
+    "u": "integers",
+    "f": "floating-point numbers",
+    "c": "complex numbers",
+    "U": "text",
+    "S": "bytes",
+    "M": "dates",
+    "m": "time spans",
+}
 
 
 def input_check(inputs: Sequence[TensorSpec]) -> ItemCheck | None:

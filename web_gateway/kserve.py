@@ -189,6 +189,8 @@ def _from_json(spec: dict[str, Any], name: str, datatype: str, shape: list[int],
 def _tensor(spec: dict[str, Any], blob: bytes | None) -> tuple[str, str, np.ndarray]:
     name, datatype, shape, count = _header(spec)
     if blob is not None:
+        if "data" in spec:  # which would win is nowhere said: neither does
+            raise bad_request(f"input {name!r} has both 'data' and binary data (binary_data_size)")
         array = _from_binary(blob, name, datatype, shape, count)
     else:
         array = _from_json(spec, name, datatype, shape, count)

@@ -227,6 +227,8 @@ def json_document(text: bytes, max_containers: int = DEFAULT_MAX_JSON_CONTAINERS
     try:
         return orjson.loads(text)
     except orjson.JSONDecodeError as exc:
+        if str(exc).startswith("str is not valid UTF-8"):  # orjson's words for any bad byte
+            raise bad_request("request body is not valid JSON: it is not UTF-8 text") from None
         raise bad_request(f"request body is not valid JSON: {exc}") from None
 
 

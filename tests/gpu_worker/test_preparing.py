@@ -87,3 +87,27 @@ def test_a_bigger_batch_is_cut_in_order_and_every_entry_is_in_exactly_one_part()
     assert parts[0].replies == replies and parts[0].dead == dead
     assert all(not part.replies and not part.dead for part in parts[1:])
     assert all(part.now_ms == 7.0 for part in parts)
+
+
+@pytest.mark.parametrize(
+    ("datatype", "item", "said"),
+    [
+        ("FP32", ["ab", "cd"], "input 'input' is text, the model takes FP32"),
+        ("FP32", [None, {"a": 1}], "input 'input' is not numeric data, the model takes FP32"),
+        ("FP32", [True, False], "input 'input' is booleans, the model takes FP32"),
+        ("INT32", [1.5, 2.0], "input 'input' is floating-point numbers, the model takes INT32"),
+        ("FP32", [1j, 2j], "input 'input' is complex numbers, the model takes FP32"),
+        ("BOOL", [1, 0], "input 'input' is integers, the model takes BOOL"),
+    ],
+)
+def test_an_item_of_the_wrong_kind_is_refused_in_a_callers_words(
+    datatype: str, item: object, said: str
+) -> None:
+    """The message named numpy's dtype: `input 'input' is <U2 data`, `is object data`."""
+    from broker.errors import InvalidInput
+
+    check = input_check([TensorSpec("input", datatype, [2])])
+    assert check is not None
+    with pytest.raises(InvalidInput) as refused:
+        check(item)
+    assert str(refused.value) == said

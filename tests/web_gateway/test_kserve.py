@@ -128,6 +128,11 @@ def test_binary_tensors_follow_the_json_header() -> None:
             None,
             "binary tensor data is shorter than binary_data_size says",
         ),
+        (  # which of the two was used was nowhere said (the binary data)
+            body(tensor(data=[1, 2], parameters={"binary_data_size": 8})) + bytes(8),
+            str(len(body(tensor(data=[1, 2], parameters={"binary_data_size": 8})))),
+            "input 'x' has both 'data' and binary data",
+        ),
     ],
 )
 def test_malformed_bodies_are_400_saying_what_is_wrong(
