@@ -22,6 +22,8 @@ import random
 import socket
 import threading
 import uuid
+import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -694,7 +696,9 @@ class Streamer:
     the workers' default heartbeat TTL) fails with :class:`NoWorkers`, and its items are
     withdrawn; with ``wait_for_workers=True`` calls wait for a worker until their timeout
     instead (e.g. while workers scale up from zero). Safe to share between threads, and across
-    fork: each process makes its own connections on first use.
+    fork: each process makes its own connections on first use. Close it (``close()``, or use
+    it as a context manager); one garbage-collected unclosed is closed then, with a
+    ResourceWarning.
 
     ``priority`` (``"normal"``, the default, or ``"high"``; also 0 or 1) is the calls' default
     priority; each call may name its own. Under load, workers batch high items first
@@ -758,10 +762,16 @@ class Streamer:
         self._reset_for_process()
 
     def _reset_for_process(self) -> None:
+        abandoned = getattr(self, "_abandoned", None)
+        if abandoned is not None:  # the parent's loop thread: not in this process
+            abandoned.detach()
         self._generation = _fork_generation
         self._lock = threading.Lock()
         self._thread: LoopThread | None = None
         self._thread_core: ClientCore | None = None
+        # closes the loop thread of a Streamer dropped without close() (a Streamer made per
+        # request would otherwise leave a thread and its connections behind each time)
+        self._abandoned: weakref.finalize[Any, Any] | None = None
         self._loop_cores: dict[asyncio.AbstractEventLoop, ClientCore] = {}
 
     @property
@@ -794,6 +804,8 @@ class Streamer:
                     thread = LoopThread(name=f"microbatch-{self.name}", on_exit=self._close_at_exit)
                     core = thread.submit(self._start_core(thread.loop)).result()
                     self._thread, self._thread_core = thread, core
+                    self._abandoned = weakref.finalize(self, _close_abandoned, thread, core)
+                    self._abandoned.atexit = False  # at exit, _close_at_exit does it
         return core
 
     async def _start_core(self, loop: asyncio.AbstractEventLoop) -> ClientCore:
@@ -957,6 +969,9 @@ class Streamer:
             thread, core = self._thread, self._thread_core
             loop_cores, self._loop_cores = self._loop_cores, {}
             self._thread = self._thread_core = None
+            if self._abandoned is not None:
+                self._abandoned.detach()
+                self._abandoned = None
         if thread is not None and core is not None:
             try:
                 thread.submit(core.aclose()).result(timeout=2 * CLOSE_WITHDRAW_S + 5)
@@ -993,6 +1008,18 @@ class Streamer:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+def _close_abandoned(thread: LoopThread, core: ClientCore) -> None:
+    """A Streamer was garbage-collected unclosed: close its connections and end its loop
+    thread, without waiting (this runs wherever the collector does)."""
+    warnings.warn(
+        "a Streamer was dropped without close(): its connections and loop thread are closed "
+        "now (close it, or use it as a context manager)",
+        ResourceWarning,
+        stacklevel=2,
+    )
+    thread.stop_soon(core.aclose(), timeout=2 * CLOSE_WITHDRAW_S + 5)
 
 
 def _threads_left_to_join() -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures.thread  # noqa: F401  # its exit hook must be registered before ours
+import contextlib
 import logging
 import threading
 import weakref
@@ -51,6 +52,7 @@ class LoopThread:
                 self._on_exit = weakref.WeakMethod(on_exit)
             else:
                 self._on_exit = lambda: on_exit
+        self._close_when_stopped = False  # stop_soon: the thread closes its loop itself
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         _live.add(self)
@@ -58,6 +60,8 @@ class LoopThread:
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
+        if self._close_when_stopped:
+            self.loop.close()
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Schedule a coroutine on the loop from any thread."""
@@ -90,6 +94,31 @@ class LoopThread:
             self._thread.join(timeout)
             if not self._thread.is_alive():
                 self.loop.close()
+
+    def stop_soon(
+        self, first: Coroutine[Any, Any, Any] | None = None, timeout: float = 5.0
+    ) -> None:
+        """Stop without waiting, from any thread (a garbage collector's included): run
+        ``first`` on the loop (for at most ``timeout`` seconds), then cancel the loop's tasks
+        and stop it; the thread closes the loop and ends."""
+        _live.discard(self)
+        if self.loop.is_closed() or not self._thread.is_alive():
+            if first is not None:
+                first.close()
+            return
+        self._close_when_stopped = True
+
+        async def finish() -> None:
+            if first is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(first, timeout)
+            await self._cancel_tasks_and_stop()
+
+        finishing = finish()
+        try:
+            self.submit(finishing)
+        except RuntimeError:  # the loop closed meanwhile
+            finishing.close()
 
     def _stop_at_exit(self) -> None:
         owner_close = self._on_exit() if self._on_exit is not None else None

@@ -229,3 +229,54 @@ def test_a_redis_that_never_answers_fails_a_call_after_one_reply_timeout() -> No
         server.close()
         for connection in held:
             connection.close()
+
+
+def test_a_streamer_dropped_without_close_ends_its_thread_and_connections(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A Streamer made per request and never closed left a loop thread and its Redis
+    connections behind each time: a web app doing so ran out of threads or connections."""
+    import gc
+    import warnings
+
+    client = redis_server.client()
+
+    def connections() -> int:
+        return len(client.client_list())
+
+    before = connections()
+    streamer = Streamer("dropped", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True)
+    future = streamer.submit([[1.0]], timeout=60)  # waits: no worker serves it
+    threads = [t for t in threading.enumerate() if t.name == f"microbatch-{streamer.name}"]
+    assert len(threads) == 1 and connections() > before
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del streamer
+        gc.collect()
+    assert any(issubclass(w.category, ResourceWarning) for w in caught), caught
+    threads[0].join(15)
+    assert not threads[0].is_alive()
+    with pytest.raises(BrokerUnavailable):  # the call waiting was failed, not left hanging
+        future.result(timeout=5)
+    deadline = time.monotonic() + 10
+    while connections() > before:
+        assert time.monotonic() < deadline, "the dropped Streamer's connections stayed open"
+        time.sleep(0.05)
+    keys = ModelKeys("dropped", prefix)
+    assert queued(client, keys) == (0, 0, 0)  # and its item withdrawn
+
+
+def test_a_closed_streamer_is_not_closed_again_when_dropped(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    import gc
+    import warnings
+
+    streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True)
+    streamer.submit([[1.0]], timeout=60)
+    streamer.close()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del streamer
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
