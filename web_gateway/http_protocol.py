@@ -156,6 +156,17 @@ class GatewayCycle(RequestResponseCycle):
     _defaults: ClassVar[tuple[Any, bytes | None]] = (None, None)
     held = 0  # bytes of its body counted as held by the process, until it is answered
     kept_alive = b""  # the header line a response kept alive carries (HTTP/1.1: none)
+    protocol: GatewayHttpProtocol | None = None  # the connection's (set for each request)
+
+    def hold(self, size: int) -> ConnectionLimits | None:
+        """Count ``size`` more bytes as held for this request until it is answered (its
+        body decompressed, beside the bytes that came in): None if counted (or nothing
+        counts them: the request is answered), else the limits whose
+        ``max_held_body_bytes`` they would take the process over (nothing is counted)."""
+        protocol = self.protocol
+        if protocol is None or self.response_complete or size <= 0:
+            return None
+        return protocol.hold_more(self, size)
 
     def whole_body(self) -> bytes | None:
         """The request's body, when all of it has arrived and nothing has read it: what the
@@ -596,6 +607,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             if self.cycle.waiting_for_100_continue and self.parser.get_http_version() == "1.0":
                 self.cycle.waiting_for_100_continue = False  # RFC 9110, 10.1.1: ignored in HTTP/1.0
             setattr(self.cycle, ON_GONE, None)
+            cast(GatewayCycle, self.cycle).protocol = self
         if self.pipeline and self.pipeline[0][0] is self.cycle:
             if len(self.pipeline) > MAX_PIPELINED:
                 self._stop_pipelining()
@@ -619,6 +631,17 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             if sweeper.held_body_bytes > self._limits.max_held_body_bytes:
                 self._refuse_over_held()
         super().on_body(body)
+
+    def hold_more(self, cycle: GatewayCycle, size: int) -> ConnectionLimits | None:
+        """See :meth:`GatewayCycle.hold`."""
+        sweeper, limits = self._sweeper, self._limits
+        if sweeper.held_body_bytes + size > limits.max_held_body_bytes:
+            sweeper.count("held")
+            return limits
+        cycle.held += size
+        self.held_body_bytes += size
+        sweeper.held_body_bytes += size
+        return None
 
     def _refuse_over_held(self) -> NoReturn:
         """Answer 503 (unless the app has answered) and close: the process holds its limit of

@@ -173,7 +173,18 @@ async def body(request: Request, limit: int) -> bytes:
     request._stream_consumed = True
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding in ("gzip", "deflate"):
+        received = len(data)
         data = _decompress(data, encoding, limit)
+        # what it grew by is held too, against the process's limit, until answered
+        over = None if cycle is None else cycle.hold(len(data) - received)
+        if over is not None:
+            raise HTTPError(
+                503,
+                "TooManyBodyBytes",
+                f"this gateway process holds its limit of {over.max_held_body_bytes} bytes of "
+                "request bodies (counted decompressed)",
+                headers={"Retry-After": str(over.retry_after)},
+            )
     elif encoding not in ("", "identity"):
         raise HTTPError(415, "UnsupportedMediaType", f"Content-Encoding {encoding!r}")
     request._body = data  # so request.form() parses what was read here

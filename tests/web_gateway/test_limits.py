@@ -470,3 +470,53 @@ def test_json_bodies_of_empty_lists_are_refused_before_they_are_parsed(
             f"{base}/v1/models/doubler/predict", json={"inputs": [[1, 2, 3, 4]]}, timeout=10
         )
         assert response.json() == {"outputs": [[2.0, 4.0, 6.0, 8.0]]}
+
+
+def test_compressed_bodies_are_held_at_their_decompressed_size(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """--max-held-body-bytes counted a gzip body as the bytes that came in: 12 KB sent held
+    12 MB in the process until answered, so many small compressed requests waiting for the
+    workers took the process far past the budget. Now what decompressing adds is held too: a
+    body that would take the process past the budget is answered 503, and the bytes are let go
+    when each request is answered."""
+    from tests.gateway_models import sleep_item
+
+    budget = 32 * 2**20
+    args = [f"--max-held-body-bytes={budget}"]
+    with (
+        worker_process(redis_server.url, DOUBLER, prefix),
+        gateway_process(redis_server.url, [DOUBLER], prefix, *args) as (base, _),
+    ):
+        url = f"{base}/v1/models/doubler/predict"
+        headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+
+        def body(seconds: float) -> bytes:  # 12 MiB of JSON, 12 KB gzipped
+            document = b'{"inputs": [%s], "pad": "%s"}' % (
+                str(sleep_item(seconds)).encode(),
+                b"a" * (12 * 2**20),
+            )
+            return gzip.compress(document)
+
+        slow = body(1.5)
+        answers: list[httpx.Response] = []
+
+        def send() -> None:
+            answers.append(httpx.post(url, content=slow, headers=headers, timeout=30))
+
+        senders = [threading.Thread(target=send) for _ in range(4)]
+        for sender in senders:
+            sender.start()
+            time.sleep(0.2)  # each arrives while the ones before wait for the worker
+        for sender in senders:
+            sender.join(60)
+        statuses = sorted(answer.status_code for answer in answers)
+        assert statuses.count(200) == 2 and statuses.count(503) == 2, statuses
+        for answer in answers:
+            if answer.status_code == 503:
+                assert answer.json()["error"]["type"] == "TooManyBodyBytes", answer.text
+                assert "counted decompressed" in answer.text
+                assert answer.headers["Retry-After"]
+        for _ in range(3):  # let go once answered: one at a time, each fits again
+            answer = httpx.post(url, content=body(0.0), headers=headers, timeout=30)
+            assert answer.status_code == 200, answer.text[:200]
