@@ -175,7 +175,7 @@ delete or expire anything, nor touch workers' keys.""",
         "+xgroup|delconsumer +xreadgroup +xack +xdel +xclaim +xpending +xinfo|consumers +xadd "
         "+xlen +decrby +incrby +zmscore +zcard +zadd +zrem +zrangebyscore +zremrangebyscore "
         f"+hset (~{_keys('heartbeat:*')} +set +del +exists) (~{_keys('partitions')} +set) "
-        f"({_any('packed-items')} +get) "
+        f"({_any('packed-items', 'queued-bytes')} +get) (~{_keys('queue-bound')} +hmget) "
         f"(~{_keys('inbox:*')} +type +pttl +rpush +expire) "
         f"(~{_keys('join:*')} +hgetall +pexpireat +del) +multi +exec",
         """The GPU/CPU workers of the prefix (worker start: supervisor and children):
@@ -188,7 +188,9 @@ delete or expire anything, nor touch workers' keys.""",
   dead letters: XADD
   a pipeline's stages (docs/pipelines.md): forwarding, MULTI, XADD and INCRBY on the next
     stage's stream and counter, EXEC; withdrawn request ids: ZMSCORE; fan-out joins: MULTI,
-    HSET, PEXPIREAT, HGETALL, EXEC, then DEL, on join hashes only (a selector)
+    HSET, PEXPIREAT, HGETALL, EXEC, then DEL, on join hashes only (a selector);
+    backpressure: HMGET of the next stage's queue bound, ZRANGEBYSCORE (its live workers), XLEN,
+    GET of its queued-bytes and packed-items counters (read only)
   heartbeats: TIME, ZADD, ZREMRANGEBYSCORE, ZREM; SET, DEL, EXISTS on heartbeat keys only
   the queue bound: HSET; the partition count: SET on its key only
   metrics (--metrics-port): XLEN, XPENDING, TIME, ZRANGEBYSCORE; GET of the packed-items

@@ -15,6 +15,11 @@ Only then are the stage's entries acknowledged (forward, then ack): a worker tha
 has its entries taken over and forwarded again, and the duplicate answers that can follow are
 dropped by the caller, which takes one answer per request id.
 
+A stage that forwards also reads no new batch while a next stage holds its queue bound (that
+stage's ``queue-bound`` hash, as ``mb_enqueue`` applies it): its own stream then fills, up to the
+first stage, whose bound refuses new calls with ``QueueFull``. Without this, a slow later stage
+behind a fast first one grew its stream without bound (callers saw only ``DeadlineExceeded``).
+
 A later stage also drops, unanswered, the items whose callers withdrew them (by request id, in the
 pipeline's ``withdrawn`` set) as it reads them, so that an item withdrawn after it moved on is
 not computed there.
@@ -34,6 +39,7 @@ import msgpack
 from broker import codec
 from broker.errors import BrokerUnavailable, DeadlineExceeded, InvalidOutput
 from broker.keys import HIGH, ModelKeys
+from broker.logs import ThrottledWarning
 from broker.partitions import is_high
 from broker.protocol import (
     F_DATA,
@@ -64,6 +70,10 @@ JOIN_GRACE_MS = 60_000  # a join hash outlives its request's deadline by this mu
 # The latest PEXPIREAT Redis takes: a deadline past it (a caller's timeout of 19 digits or
 # more) must still give a join hash a TTL, not an error that leaves it without one.
 MAX_EXPIRE_AT_MS = 2**63 - 1
+# Backpressure: how long a next stage found under its bound is trusted before it is checked again,
+# and how long a worker waits before it looks again at one found at its bound.
+BACKPRESSURE_CHECK_S = 0.01
+BACKPRESSURE_WAIT_S = 0.05
 
 
 class StageRoute:
@@ -123,6 +133,19 @@ class StageTransport:
         self.route = route
         # The broker's clock as the batch loop estimates it (set once the loop exists).
         self.now_ms: Callable[[], float] = lambda: time.time() * 1000
+        self._room_checked = float("-inf")  # monotonic time of the last check that found room
+        self._held_back = ThrottledWarning(
+            log,
+            "not reading new items: a next stage is at its queue bound (%d time(s) since the "
+            "last such line; latest: %s); its backlog holds this stage's stream back",
+            every_s=10.0,
+        )
+        self._check_failed = ThrottledWarning(
+            log,
+            "cannot check the next stage's queue bound, so no backpressure (%d time(s); "
+            "latest: %s); with ACL users, print them again (broker acl) and apply them",
+            every_s=60.0,
+        )
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -131,8 +154,56 @@ class StageTransport:
     async def read_batch(
         self, keys: ModelKeys, consumer: str, count: int, block_ms: int, busy_poll_s: float = 0.0
     ) -> list[Entry]:
+        full = await self.next_stage_full()
+        if full is not None:  # backpressure: leave the items in this stage's stream
+            self._held_back.note(full)
+            await asyncio.sleep(min(max(block_ms, 1) / 1000, BACKPRESSURE_WAIT_S))
+            return []
         entries = await self.inner.read_batch(keys, consumer, count, block_ms, busy_poll_s)
         return await self._drop_withdrawn(keys, entries)
+
+    async def next_stage_full(self) -> str | None:
+        """What holds a next stage at its queue bound (items per live worker, or bytes, at
+        either level, counted as ``mb_enqueue`` counts them), or None while every next stage
+        has room (or no bound). Checked at most every BACKPRESSURE_CHECK_S while there is
+        room; a failed check counts as room (reading goes on; forwarding then says what is
+        wrong)."""
+        if not self.route.next or time.monotonic() - self._room_checked < BACKPRESSURE_CHECK_S:
+            return None
+        now_ms = int(self.now_ms())
+        for keys in self.route.next:
+            high = keys.at(HIGH)
+            commands: list[tuple[Any, ...]] = [
+                ("HMGET", keys.queue_bound, "items", "bytes"),
+                ("ZRANGEBYSCORE", keys.consumers, now_ms, "+inf"),
+                ("XLEN", keys.stream),
+                ("XLEN", high.stream),
+                ("GET", keys.queued_bytes),
+                ("GET", high.queued_bytes),
+                ("GET", keys.packed_items),
+                ("GET", high.packed_items),
+            ]
+            try:
+                got = await self.inner.run_in_slot(keys.stream, commands, atomic=False)
+            except BrokerUnavailable:
+                return None
+            failed = [result for result in got if isinstance(result, Exception)]
+            if failed:  # e.g. NOPERM under an ACL user from before this check: say so
+                self._check_failed.note(f"{keys.model}: {failed[0]}")
+                return None
+            bound, live, length, high_length, size, high_size, packed, high_packed = got
+            per_worker, max_bytes = _number(bound[0]), _number(bound[1])
+            items = per_worker * max(len(live), 1)
+            for level, count, queued in (
+                ("", int(length) + _number(packed), _number(size)),
+                (" (high level)", int(high_length) + _number(high_packed), _number(high_size)),
+            ):
+                if per_worker > 0 and count >= items:
+                    return f"{keys.model}{level} holds {count} items, its bound {items}"
+                if max_bytes > 0 and queued >= max_bytes:
+                    return f"{keys.model}{level} holds {queued} bytes, its bound {max_bytes}"
+        self._room_checked = time.monotonic()
+        return None
 
     async def read_rest(self, keys: ModelKeys, consumer: str, count: int) -> list[Entry]:
         return await self._drop_withdrawn(keys, await self.inner.read_rest(keys, consumer, count))
@@ -297,6 +368,14 @@ class StageTransport:
                 out.append((request.reply_key, _joined(request.request_id, parts, route.leaves)))
                 answered.append(join)
         return out, answered
+
+
+def _number(value: Any) -> int:
+    """A counter or bound as Redis holds it (bytes of digits, or absent: 0)."""
+    try:
+        return max(int(value), 0) if value is not None else 0
+    except (TypeError, ValueError):
+        return 0
 
 
 def _parts(flat: Any) -> dict[str, bytes]:

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -295,6 +296,47 @@ def test_kill_9_of_a_stage_worker_mid_load_loses_nothing(
     np.testing.assert_allclose(answers, expected, rtol=1e-6)  # 0 lost, each its own answer
     for name in ("chain", "chain.polarity"):
         assert client.xlen(ModelKeys(name, prefix).stream) == 0
+
+
+@pytest.mark.slow
+def test_a_slow_later_stage_holds_the_intake_back_with_queue_full(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A fast first stage stops reading while the stage after it is at its bound: that stage's
+    stream stays near its bound (it grew with every call before, 30 times its bound in 12 s),
+    the first stage's fills, and new calls are refused with QueueFull rather than left to
+    time out."""
+    from broker import QueueFull
+
+    url = redis_server.url
+    client = redis_server.client()
+    later = ModelKeys("chain.polarity", prefix)
+    bound = ("--max-queue-items", "4")
+    with (
+        stages(url, prefix, "chain", ["embed"], "--batch-size", "2", *bound),
+        stages(
+            url, prefix, "chain", ["polarity"], "--batch-size", "2", *bound, env={DELAY_ENV: "0.3"}
+        ),  # fmt: skip
+        Streamer("chain", redis_url=url, prefix=prefix) as streamer,
+    ):
+        futures, refused, peak = [], 0, 0
+        for i in range(80):
+            try:
+                futures.append(streamer.submit(inputs(i + 1)[i:], timeout=60))
+            except QueueFull:
+                refused += 1
+            peak = max(peak, client.xlen(later.stream))
+            time.sleep(0.02)
+        outcomes = []
+        for future in futures:
+            try:
+                outcomes.append(type(future.result(timeout=90)).__name__)
+            except QueueFull:
+                outcomes.append("QueueFull")
+        wait_until(lambda: client.xlen(later.stream) == 0, 30, "the later stage drained")
+    refused += outcomes.count("QueueFull")
+    assert refused > 0 and outcomes.count("list") + refused == 80  # answered or refused
+    assert peak <= 4 + 8, peak  # its bound, and what the first stage had in hand
 
 
 @pytest.mark.slow

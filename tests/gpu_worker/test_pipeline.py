@@ -173,3 +173,83 @@ def test_a_pipeline_runs_its_stage_models_caller_side_processing() -> None:
     assert loud.preprocess("hi") == "HI"  # the first stage's
     # leaves b and c: each leaf's postprocess on its entry of the joined map
     assert loud.postprocess({"b": "x", "c": "y"}) == {"b": "x", "c": "y!"}
+
+
+class _Backlog:
+    """A transport whose next stage holds what ``state`` says (the replies of the commands
+    ``next_stage_full`` sends, in order)."""
+
+    def __init__(self, **state: object) -> None:
+        self.state = {
+            "bound": [b"4", b"1000"],
+            "live": [b"w1"],
+            "length": 0,
+            "high_length": 0,
+            "size": None,
+            "high_size": None,
+            "packed": None,
+            "high_packed": None,
+            **state,
+        }
+        self.calls: list[str] = []
+
+    async def run_in_slot(
+        self, key: str, commands: list[tuple[object, ...]], atomic: bool = True
+    ) -> list[object]:
+        self.calls.append(key)
+        assert not atomic and [c[0] for c in commands] == [
+            "HMGET", "ZRANGEBYSCORE", "XLEN", "XLEN", "GET", "GET", "GET", "GET"
+        ]  # fmt: skip
+        return list(self.state.values())
+
+
+@pytest.mark.parametrize(
+    ("state", "full"),
+    [
+        ({}, None),
+        ({"length": 3}, None),
+        ({"length": 4}, "chain.polarity holds 4 items, its bound 4"),
+        ({"length": 3, "packed": b"1"}, "chain.polarity holds 4 items, its bound 4"),
+        ({"length": 7, "live": [b"w1", b"w2"]}, None),  # the bound is per live worker
+        ({"length": 4, "live": []}, "chain.polarity holds 4 items, its bound 4"),  # at least one
+        ({"high_length": 4}, "chain.polarity (high level) holds 4 items, its bound 4"),
+        ({"size": b"1000"}, "chain.polarity holds 1000 bytes, its bound 1000"),
+        ({"bound": [None, None], "length": 10**6}, None),  # no bound written: no backpressure
+        ({"bound": [b"0", b"0"], "size": b"999999"}, None),
+    ],
+)
+def test_a_stage_reads_nothing_new_while_its_next_stage_is_at_its_bound(
+    state: dict[str, object], full: str | None
+) -> None:
+    """Backpressure: a slow later stage holds the stage before it back (and so, stream by
+    stream, the first stage, whose bound refuses new calls), as mb_enqueue counts."""
+    import asyncio
+
+    from gpu_worker.forwarding import StageTransport
+
+    inner = _Backlog(**state)
+    stage = StageTransport(inner, StageRoute(Chain, "embed", "p"))  # type: ignore[arg-type]
+    assert asyncio.run(stage.next_stage_full()) == full
+    assert inner.calls == [Chain.keys("polarity", "p").stream]
+    last = StageTransport(inner, StageRoute(Chain, "polarity", "p"))  # type: ignore[arg-type]
+    assert asyncio.run(last.next_stage_full()) is None  # a leaf forwards nothing: no check
+    assert len(inner.calls) == 1
+
+
+def test_a_full_next_stage_means_an_empty_read_and_no_xreadgroup() -> None:
+    import asyncio
+
+    from gpu_worker import forwarding
+    from gpu_worker.forwarding import StageTransport
+
+    class Inner(_Backlog):
+        async def read_batch(self, *args: object) -> list[object]:
+            raise AssertionError("read while the next stage is full")
+
+    stage = StageTransport(Inner(length=9), StageRoute(Chain, "embed", "p"))  # type: ignore[arg-type]
+    forwarding.BACKPRESSURE_WAIT_S, saved = 0.001, forwarding.BACKPRESSURE_WAIT_S
+    try:
+        keys = Chain.keys("embed", "p")
+        assert asyncio.run(stage.read_batch(keys, "c", 4, 1000)) == []
+    finally:
+        forwarding.BACKPRESSURE_WAIT_S = saved
