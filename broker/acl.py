@@ -191,7 +191,8 @@ delete or expire anything, nor touch workers' keys.""",
     HSET, PEXPIREAT, HGETALL, EXEC, then DEL, on join hashes only (a selector);
     backpressure: HMGET of the next stage's queue bound, ZRANGEBYSCORE (its live workers), XLEN,
     GET of its queued-bytes and packed-items counters (read only)
-  heartbeats: TIME, ZADD, ZREMRANGEBYSCORE, ZREM; SET, DEL, EXISTS on heartbeat keys only
+  heartbeats: TIME, ZADD, ZREMRANGEBYSCORE, ZREM; SET, DEL, EXISTS on heartbeat keys only;
+    ZREMRANGEBYSCORE of the expired marks of the cancelled, answered and withdrawn sets
   the queue bound: HSET; the partition count: SET on its key only
   metrics (--metrics-port): XLEN, XPENDING, TIME, ZRANGEBYSCORE; GET of the packed-items
     counters (queued items)

@@ -10,6 +10,13 @@ sorted set, scored by when its heartbeat expires. Readers (gateway readiness, `b
 takeover of a dead worker's entries) count a consumer as live while its score is in the future.
 The supervisor renews them from its own process, so a model that holds the GIL in a child cannot
 starve them.
+
+The supervisor also prunes, at most once a minute, the expired members of the model's sorted
+sets that are scored by expiry: each lane's cancelled and answered sets, and the withdrawn set.
+Callers prune the cancelled and withdrawn sets only when they withdraw something, and nothing
+else pruned the answered set, so after the last withdrawal their members stayed for good (a
+burst of cancelled calls held its 10 minutes' worth of marks in Redis until the next one); an
+emptied set is then removed by Redis itself.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ log = logging.getLogger("microbatch.heartbeat")
 
 DEFAULT_TTL_S = 5.0
 FORGET_AFTER_MS = 3_600_000
+PRUNE_EVERY_S = 60.0  # the expired marks of the model's sets: pruned at most this often
 
 
 class Heartbeats:
@@ -49,6 +57,7 @@ class Heartbeats:
         self.queue_bound = queue_bound
         self._warn = Every(10.0)  # during an outage: one line every 10 s, not one per renewal
         self._failing = False
+        self._prune = Every(PRUNE_EVERY_S)
 
     def renew(self, states: Mapping[str, Mapping[str, Any]]) -> bool:
         """Vouch for consumers for another TTL; False (logged) if Redis is unreachable.
@@ -78,6 +87,8 @@ class Heartbeats:
                     pipe.hset(part.queue_bound, mapping={"items": items, "bytes": size})
             if self.queue_bound is not None:  # the supervisor's: a child's first one has none
                 pipe.set(self.keys.partitions_key, count)
+                if self._prune.due():
+                    self._prune_expired(pipe, clocks)
             pipe.execute()
         except REDIS_ERRORS as exc:
             self._failing = True
@@ -89,6 +100,20 @@ class Heartbeats:
             self._warn.reset()
             log.info("heartbeats renewed again")
         return True
+
+    def _prune_expired(self, pipe: Any, clocks: list[int]) -> None:
+        """Remove the members whose expiry (their score, ms) has passed from the sorted sets
+        scored so: each lane's cancelled and answered sets (by its partition's clock) and
+        the withdrawn set of the model (or pipeline). A score is when its member may go:
+        callers already prune the cancelled and withdrawn sets so whenever they withdraw
+        something. An answered mark goes 10 minutes after its item was answered, as its
+        score says; a worker that takes over an entry open for longer than that computes
+        such an item again, and its caller drops the duplicate reply."""
+        for lane in self.keys.lanes():
+            now_ms = clocks[lane.partition]
+            pipe.zremrangebyscore(lane.cancelled, "-inf", now_ms)
+            pipe.zremrangebyscore(lane.answered, "-inf", now_ms)
+        pipe.zremrangebyscore(self.keys.withdrawn, "-inf", clocks[0])
 
     def retire(self, consumer: str) -> None:
         """Stop vouching for ``consumer`` (it exited)."""

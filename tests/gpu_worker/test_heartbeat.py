@@ -1,0 +1,57 @@
+"""Heartbeats against a real Redis: the supervisor's pruning of the model's expiry-scored sets."""
+
+from __future__ import annotations
+
+import time
+
+from broker.connections import sync_client
+from broker.devserver import RedisServer
+from broker.keys import HIGH, ModelKeys
+from gpu_worker.heartbeat import Heartbeats
+
+
+def test_the_supervisor_prunes_expired_marks_that_no_withdrawal_would_prune(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """After the last withdrawal, the cancelled and withdrawn sets kept their members for good
+    (callers prune them only when they withdraw again), and nothing ever pruned the answered
+    set: a burst of cancelled calls left its marks in Redis for good. The supervisor's
+    renewals now remove the expired ones (at most once a minute), each lane's and the
+    model's, and leave the members still to expire."""
+    url = redis_server.url
+    keys = ModelKeys("m", prefix, partitions=2)
+    client = sync_client(url)
+    now_ms = int(time.time() * 1000)
+    past, future = now_ms - 1000, now_ms + 600_000
+    lanes = keys.lanes()
+    assert len(lanes) == 4  # two partitions, two levels each
+    for lane in lanes:
+        client.zadd(lane.cancelled, {"1-0": past, "2-0#3": past})
+        client.zadd(lane.answered, {"3-0#0": past})
+    client.zadd(keys.withdrawn, {"old.1": past, "new.2": future})
+    kept = lanes[1].at(HIGH).cancelled  # partition 1's high level
+    client.zadd(kept, {"4-0": future})
+    child = Heartbeats(url, keys)  # a child's first renewal (no queue bound) prunes nothing
+    supervisor = Heartbeats(url, keys, queue_bound=(8, 0))
+    try:
+        assert child.renew({"w": {}})
+        assert client.zcard(keys.withdrawn) == 2
+        assert all(client.exists(lane.cancelled, lane.answered) == 2 for lane in lanes)
+
+        assert supervisor.renew({"w": {}})
+        assert client.zrange(keys.withdrawn, 0, -1) == [b"new.2"]
+        assert client.zrange(kept, 0, -1) == [b"4-0"]
+        emptied = [lane.cancelled for lane in lanes if lane.cancelled != kept]
+        emptied += [lane.answered for lane in lanes]
+        assert client.exists(*emptied) == 0  # emptied sets are gone, not left empty
+
+        client.zadd(keys.withdrawn, {"old.3": past})
+        assert supervisor.renew({"w": {}})  # within the minute: not again
+        assert client.zcard(keys.withdrawn) == 2
+        supervisor._prune.reset()
+        assert supervisor.renew({"w": {}})
+        assert client.zrange(keys.withdrawn, 0, -1) == [b"new.2"]
+    finally:
+        child.close()
+        supervisor.close()
+        client.close()
