@@ -24,7 +24,7 @@ import threading
 import uuid
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -169,6 +169,20 @@ class ClientCore:
         self._partitions_due: float | None = None  # loop time of the next read (None: never read)
         self._partitions_task: asyncio.Task[MicrobatchError | None] | None = None
         self._turn = random.randrange(1 << 16)
+        self._shutdown_hook: AsyncGenerator[None, None] | None = None  # close_at_loop_shutdown
+
+    def close_at_loop_shutdown(self) -> None:
+        """Close this core when its event loop shuts down, before the loop is closed (call it
+        on that loop). asyncio.run() (and any runner that calls ``loop.shutdown_asyncgens()``,
+        as asyncio.Runner, uvloop.run() and IsolatedAsyncioTestCase do) closes the loop's
+        async generators still open once it has cancelled its tasks, and this core holds one.
+        Without it, each asyncio.run() of a shared Streamer left its loop's connections open
+        until the garbage collector found them: one Redis connection and one file descriptor
+        per call for as long as the collector let them be (for good with it off)."""
+        hook = self._shutdown_hook = _close_at_shutdown(self)
+        starting: Any = hook.asend(None)  # run to its yield: the loop now knows of it
+        with contextlib.suppress(StopIteration):
+            starting.send(None)
 
     def _new_call(
         self,
@@ -649,6 +663,11 @@ class ClientCore:
         while self._pending and self.loop.time() < until:
             await asyncio.sleep(0.01)
 
+    @property
+    def closing(self) -> bool:
+        """Whether :meth:`aclose` has begun."""
+        return self._closing
+
     async def aclose(self) -> None:
         """Fail the calls still waiting with :class:`BrokerUnavailable` and withdraw what
         they queued (nobody will read their replies now), then stop reading replies and close
@@ -676,6 +695,19 @@ class ClientCore:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.transport.close()
+
+
+async def _close_at_shutdown(core: ClientCore) -> AsyncGenerator[None, None]:
+    """Waits at its yield until its loop shuts down (or the core is dropped), then closes
+    ``core`` unless it is closed already (:meth:`ClientCore.close_at_loop_shutdown`)."""
+    try:
+        yield
+    finally:
+        if not core.closing:
+            try:
+                await core.aclose()
+            except Exception:  # closing is best effort
+                log.debug("closing the client as its event loop shut down failed", exc_info=True)
 
 
 class Streamer:
@@ -819,12 +851,13 @@ class Streamer:
         self._check_process()
         loop = asyncio.get_running_loop()
         core = self._loop_cores.get(loop)
-        if core is None:
+        if core is None or core.closing:  # (closed as the loop shut down its async generators)
             for old in [old for old in self._loop_cores if old.is_closed()]:
                 del self._loop_cores[old]  # cores of loops that asyncio.run() already closed
             core = self._loop_cores[loop] = ClientCore(
                 self.keys, self._make_transport(), loop, self.bound, self._new_watch()
             )
+            core.close_at_loop_shutdown()  # asyncio.run() closes its connections, not the GC
         return core
 
     def _encode(self, batch: Sequence[Any]) -> list[bytes]:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import redis
 
-from broker import BrokerUnavailable, Streamer
+from broker import BrokerUnavailable, DeadlineExceeded, Streamer
 from broker.devserver import RedisServer
 from broker.keys import ModelKeys
 from tests.conftest import ROOT
@@ -119,6 +119,39 @@ def test_apredict_tasks_cancelled_as_asyncio_run_ends_are_withdrawn(
         asyncio.run(leave_calls_waiting())
         assert queued(client, keys) == (0, 0, 0)
     finally:
+        streamer.close()
+
+
+def test_asyncio_run_per_call_leaves_no_connection_open(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A shared Streamer called through asyncio.run() (a new event loop each call) left each
+    loop's connections open until the garbage collector found them: with the collector off,
+    one more Redis connection and file descriptor per call, for good."""
+    import gc
+
+    client = redis_server.client()
+    streamer = Streamer("runs", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True)
+
+    def connections() -> int:
+        return len(client.client_list())
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before, fds_before = connections(), fds()
+    gc.disable()
+    try:
+        for _ in range(10):  # no worker: each call ends by its deadline, its item withdrawn
+            with pytest.raises(DeadlineExceeded):
+                asyncio.run(streamer.apredict([[1.0]], timeout=0.05))
+        assert fds() <= fds_before + 1, "each asyncio.run() left a connection open"
+        deadline = time.monotonic() + 5
+        while connections() > before:  # Redis sees the last ones go a moment later
+            assert time.monotonic() < deadline, f"{connections() - before} connections stayed"
+            time.sleep(0.02)
+    finally:
+        gc.enable()
         streamer.close()
 
 
