@@ -151,6 +151,7 @@ TENANT_USERS = (
         """The HTTP gateways (web_gateway) and Python callers (broker.Streamer) of the prefix:
   enqueue: FCALL mb_enqueue -> HMGET, XLEN, GET, INCRBY, XADD; TIME and ZCOUNT (the live
     workers) once the queue outgrows one worker's share, DECRBY when it refuses a call
+    and when it finds counters left above 0 beside an empty stream
   withdraw a cancelled call: FCALL mb_withdraw -> TIME, XPENDING, ZADD, XRANGE, XDEL, DECRBY,
     ZREMRANGEBYSCORE (and, for items of multi-item entries, ZSCORE and ZREM); and ZADD,
     ZREMRANGEBYSCORE of its request ids on the withdrawn set (for

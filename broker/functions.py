@@ -280,10 +280,21 @@ local function enqueue(keys, args)
   end
   local bound = redis.call('HMGET', keys[3], 'items', 'bytes')
   local per_worker = tonumber(bound[1]) or 0
-  local length = 0
-  if max_items > 0 or per_worker > 0 then
-    length = redis.call('XLEN', keys[1])
-    if keys[5] then length = length + math.max(tonumber(redis.call('GET', keys[5])) or 0, 0) end
+  -- An empty stream holds no items and no bytes: counters above 0 beside it were left by
+  -- something that removed entries without releasing them (a worker older than multi-item
+  -- entries dead-letters a v2 entry and releases neither its data.<i> bytes nor its n - 1
+  -- packed items), and would refuse calls for good. They go back to 0 here. (A worker's
+  -- acknowledgement between its XDEL and its DECRBY then takes a counter below 0 for a
+  -- moment, which it adds back, as after a bare XADD: section 6 of docs/protocol.md.)
+  local length = redis.call('XLEN', keys[1])
+  local empty = length == 0
+  if keys[5] then
+    local packed_now = tonumber(redis.call('GET', keys[5])) or 0
+    if empty and packed_now > 0 then
+      redis.call('DECRBY', keys[5], packed_now)  -- (the commands a caller's ACL user runs)
+      packed_now = 0
+    end
+    length = length + math.max(packed_now, 0)
   end
   if per_worker > 0 then
     -- Live workers are counted only when the queue could outgrow one worker's share: the
@@ -300,6 +311,10 @@ local function enqueue(keys, args)
   -- The counter takes every call's bytes at once (one command rather than a read and a
   -- write); the bytes of calls refused below are given back at the end.
   local queued = redis.call('INCRBY', keys[2], bytes) - bytes
+  if empty and queued > 0 then
+    redis.call('DECRBY', keys[2], queued)
+    queued = 0
+  end
   local results, added, accepted = {}, 0, {}
   for c, call in ipairs(calls) do
     local n, size = call[2], call[3]

@@ -172,6 +172,52 @@ def test_the_models_bound_scales_with_its_live_workers_and_callers_may_only_tigh
     assert fits(run(enqueue([call(10)]))) == [True]
 
 
+def test_counters_left_beside_an_empty_stream_go_back_to_zero(redis_server: RedisServer) -> None:
+    """A worker older than multi-item entries (wire v1 only) dead-letters each v2 entry a
+    caller of this version writes during a rolling upgrade, acknowledging and deleting it
+    without releasing its packed items or its data.<i> bytes: the counters kept them for
+    good, and once they reached the item bound every later call was QueueFull, on upgraded
+    workers too. An enqueue that finds the stream empty takes them back to zero first."""
+    keys = ModelKeys("m", f"t{uuid.uuid4().hex[:8]}")
+    client = redis_server.client()
+
+    def call(n: int) -> CallRequests:
+        return CallRequests(keys.inbox("a"), 1000, [f"a.{i}" for i in range(n)], [b"xy"] * n)
+
+    async def enqueue(calls: list[CallRequests]) -> list[object]:
+        transport = RedisTransport(redis_server.url, entry_items=32)
+        try:
+            return list(await transport.enqueue(keys, calls, UNBOUNDED))
+        finally:
+            await transport.close()
+
+    def old_worker_dead_letters_everything() -> None:
+        """What a v1-only worker did with a v2 entry: no id field, so dead-lettered; its
+        acknowledgement released len(data), which a v2 entry has not: nothing."""
+        client.xgroup_create(keys.stream, "workers", id="0", mkstream=True)
+        for _, entries in client.xreadgroup("workers", "old", {keys.stream: ">"}):
+            for entry_id, fields in entries:
+                client.xadd(keys.dead_letters, fields)
+                client.xack(keys.stream, "workers", entry_id)
+                client.xdel(keys.stream, entry_id)
+                client.decrby(keys.queued_bytes, len(fields.get(b"data", b"")))
+
+    assert all(isinstance(o, list) for o in run(enqueue([call(1)] * 4)))  # one v2 entry of 4
+    old_worker_dead_letters_everything()
+    assert client.xlen(keys.stream) == 0
+    assert int(client.get(keys.packed_items)) == 3 and int(client.get(keys.queued_bytes)) == 8
+    client.hset(keys.queue_bound, mapping={"items": 3, "bytes": 9})
+    # 3 packed items left over + 2 would pass the bound of 3, 8 bytes + 4 that of 9 bytes
+    (ok,) = run(enqueue([call(2)]))
+    assert isinstance(ok, list) and len(ok) == 2
+    assert int(client.get(keys.packed_items)) == 1 and int(client.get(keys.queued_bytes)) == 4
+    # beside a stream that holds entries, the counters are theirs: left as they are
+    client.incrby(keys.packed_items, 5)
+    (refused,) = run(enqueue([call(1)]))
+    assert "bound of 3 items" in str(refused)
+    assert int(client.get(keys.packed_items)) == 6 and int(client.get(keys.queued_bytes)) == 4
+
+
 def test_calls_are_split_within_the_per_call_caps_and_one_too_large_is_refused(
     redis_server: RedisServer,
 ) -> None:
