@@ -113,6 +113,10 @@ class RedisTransport:
         self._loading_warned = False  # a warning about Redis loading its data is standing
         # the lane connections (of a cluster: per node) on which mb_reply has answered
         self._replies_checked: set[Hashable] = set()
+        # mb_reply calls that failed after their entries were acknowledged (the library gone
+        # or replaced by an older one under a live connection), oldest first: written before
+        # anything else once the library answers again, or they would be lost
+        self._unwritten: list[ReplyCall] = []
         self._refused = ""  # the last refusal of an enqueue warned of
 
     # -- the functions library ------------------------------------------------------------
@@ -175,6 +179,7 @@ class RedisTransport:
     async def check_functions(self) -> None:
         await self._fcall(REPLY, (), (0,), warn=False)  # no keys: a no-op it must answer
         self._note_replies_checked(self._lane.at(self._home).generation)
+        await self._write_unwritten()
 
     # -- caller side ----------------------------------------------------------------------
     async def enqueue(
@@ -540,8 +545,9 @@ class RedisTransport:
         for index, got in enumerate(results):
             ridden = riding.get(index, [])
             for call, written in zip(ridden, got, strict=False):
-                await self._replies_written(call, written)
+                self._replies_written(call, written)
             out.append(got[len(ridden) :])
+        await self._write_unwritten()
         return out
 
     def _route_replies(
@@ -565,15 +571,16 @@ class RedisTransport:
                 riding.setdefault(index, []).append(call)
         return alone, riding
 
-    async def _replies_written(self, call: ReplyCall, written: Any) -> None:
+    def _replies_written(self, call: ReplyCall, written: Any) -> None:
         """Check what an mb_reply sent with acknowledgements answered."""
         if _is_missing(written):
-            # The library went away under a live connection (FUNCTION FLUSH), or a slot moved
+            # The library went away under a live connection (FUNCTION FLUSH), was replaced by
+            # an older one (`broker functions load` of an older release), or a slot moved
             # during the round trip to a node without it: the entries are acknowledged
-            # already; their replies can still go once it is loaded.
+            # already, so their replies are kept until they are written (_write_unwritten).
             self._replies_checked.clear()
             log.error("replies failed (%s); the entries were acknowledged already", written)
-            await self._send_replies(call)
+            self._keep_unwritten(call)
         elif isinstance(written, ResponseError):
             log.warning("replies could not be written: %s", written)
         else:
@@ -621,6 +628,41 @@ class RedisTransport:
                 per_batch[i] = list(result[at : at + count])
                 at += count
         return per_batch
+
+    def _keep_unwritten(self, call: ReplyCall) -> None:
+        if len(self._unwritten) >= MAX_UNWRITTEN_CALLS:  # an outage without end: the oldest go
+            lost = self._unwritten.pop(0)
+            log.error("replies to %s dropped unwritten: %d more are waiting for the library",
+                      ", ".join(lost.keys), len(self._unwritten))  # fmt: skip
+        self._unwritten.append(call)
+
+    async def _write_unwritten(self) -> None:
+        """Write the replies of acknowledged entries that an mb_reply failed to write, oldest
+        first, each alone (loading the library first if this user may). Each is forgotten only
+        once written: BrokerUnavailable (the library still missing or old, Redis away) or a
+        cancellation leaves it and the later ones for the next try, which a worker makes when
+        the library answers again (check_functions, before it reads) or with its next replies."""
+        if not self._unwritten:
+            return
+        written = 0
+        try:
+            while self._unwritten:
+                call = self._unwritten[0]
+                await self._send_replies(call)
+                # (by identity: another task may have written it meanwhile, and written it
+                # twice, which its caller ignores, rather than skipped one)
+                for at, kept in enumerate(self._unwritten):
+                    if kept is call:
+                        del self._unwritten[at]
+                        break
+                written += 1
+        finally:
+            if written:
+                log.warning(
+                    "wrote the replies of %d acknowledged reply call(s) late%s",
+                    written,
+                    f"; {len(self._unwritten)} still waiting" if self._unwritten else "",
+                )
 
     async def _send_replies(self, call: ReplyCall) -> None:
         """Run one mb_reply alone and wait for it (loading the library if it must and may)."""
@@ -1091,6 +1133,9 @@ class ReplyCall:
     tag: str
     keys: list[str]
     args: list[Any]
+
+
+MAX_UNWRITTEN_CALLS = 4096  # mb_reply calls kept for a library that does not come back
 
 
 def _hash_tag(key: str) -> str:

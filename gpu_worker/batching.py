@@ -195,6 +195,7 @@ class BatchLoop:
     async def _turn(self) -> bool:
         """Read (or take from what is in hand) one batch, compute it and answer it; False once
         stopped with nothing left in hand."""
+        await self._settle_finished()
         # Also with a batch read ahead: under a backlog there always is one, and a dead
         # worker's entries must not wait for the backlog to drain.
         if time.monotonic() >= self._next_reclaim and not self._stopping:
@@ -436,6 +437,14 @@ class BatchLoop:
             self.transport.finish(self.keys, replies, answered, ttl)
         )
         await _let_writes_go_out()
+
+    async def _settle_finished(self) -> None:
+        """Settle the replies in flight if they have gone (or failed) already: replies that
+        could not go (BrokerUnavailable: Redis away, the library gone or older than this code)
+        say so at the next turn, not after the next batch has computed, and the outage's wait
+        for Redis and the library then writes the replies of what was acknowledged."""
+        if self._finishing is not None and self._finishing.done():
+            await self._settle_finish()
 
     async def _settle_finish(self) -> None:
         """Wait for the replies in flight (raises BrokerUnavailable if they could not go)."""

@@ -386,6 +386,70 @@ def test_a_worker_without_the_functions_reads_nothing_until_they_are_loaded(
     assert "broker answers again" in [r.getMessage() for r in caplog.records]
 
 
+@pytest.mark.parametrize("library", ["older", "flushed"])
+def test_replies_of_acknowledged_entries_wait_for_the_library_rather_than_being_lost(
+    redis_server: RedisServer, restricted: str, library: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker's replies ride with its acknowledgements once its connection has answered an
+    mb_reply. If the library is replaced by an older one under it (`broker functions load` of
+    an older release, as a rollback's first gateway pod runs) or flushed, that mb_reply fails
+    after the entries were acknowledged, and a user who may not load the library could not
+    write the replies again: they were dropped and their callers waited out their deadlines.
+    They are kept, and written as soon as the operator loads the library."""
+    from broker.protocol import decode_reply
+    from gpu_worker.batching import BatchLoop, BatchSettings
+
+    keys = ModelKeys("m", f"t{uuid.uuid4().hex[:8]}")
+    admin = redis_server.client()
+    functions.load(admin)
+
+    def send(rid: str) -> None:
+        fields = request_fields(rid, keys.inbox("c"), 60_000, b"\xa2hi")
+        admin.xadd(keys.stream, fields)  # type: ignore[arg-type]
+
+    async def main() -> tuple[list[str], int]:
+        transport = RedisTransport(restricted)
+        loop = BatchLoop(lambda items: items, transport, keys, "w", BatchSettings(block_ms=50))
+        serving = asyncio.ensure_future(loop.run())
+        got: list[str] = []
+        try:
+            send("r.1")  # answered alone, then the connection's replies ride with the acks
+            popped = await asyncio.to_thread(admin.blpop, [keys.inbox("c")], 10)
+            assert popped is not None
+            got.append(decode_reply(popped[1]).request_id)
+            if library == "older":
+                older = functions.VERSION - 1
+                admin.function_load(
+                    functions.CODE.replace(
+                        f"local VERSION = {functions.VERSION}", f"local VERSION = {older}"
+                    ),
+                    True,
+                )
+            else:
+                admin.function_flush()
+            send("r.2")
+            await asyncio.sleep(1.5)  # computed, acknowledged, its reply refused: retries
+            pending = int(admin.xpending(keys.stream, keys.group)["pending"])
+            assert admin.llen(keys.inbox("c")) == 0
+            functions.load(admin)  # the operator's `broker functions load`
+            popped = await asyncio.to_thread(admin.blpop, [keys.inbox("c")], 4)
+            assert popped is not None, "the reply of r.2 was lost"
+            got.append(decode_reply(popped[1]).request_id)
+            return got, pending
+        finally:
+            loop.stop()
+            await serving
+            await transport.close()
+
+    with caplog.at_level(logging.INFO):
+        got, pending = run(main())
+    assert got == ["r.1", "r.2"]
+    assert pending == 0  # r.2 had been acknowledged before its reply failed
+    assert admin.xlen(keys.stream) == 0 and admin.llen(keys.inbox("c")) == 0  # once each
+    assert any("acknowledged already" in r.getMessage() for r in caplog.records)
+    assert any("late" in r.getMessage() for r in caplog.records)
+
+
 def test_a_call_larger_than_the_whole_bound_says_it_can_never_fit(
     redis_server: RedisServer,
 ) -> None:
