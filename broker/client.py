@@ -560,8 +560,9 @@ class ClientCore:
         return NoWorkers(
             f"no live worker has consumed model {keys.model!r} under prefix {keys.prefix!r} "
             f"for over {self._watch.grace_s:g} s: check that a worker serves it (`worker start "
-            "--model ...`) with the same --prefix and --redis as this caller (`broker status` "
-            "lists the live workers)"
+            "--model ...`, or for a pipeline's first stage `worker start --model ... --stage "
+            "...`) with the same --prefix and --redis as this caller (`broker status` lists the "
+            "live workers)"
         )
 
     def _oldest_call_at(self) -> float:
