@@ -13,6 +13,7 @@ from .keys import MAX_PARTITIONS, ModelKeys, parse_partitions
 from .liveness import server_time_ms
 from .partitions import tag, untag
 from .protocol import F_DATA, F_DEADLINE, F_ID
+from .transport import counter_value
 
 STREAM_KEY = re.compile(
     r"^mb:\{(?P<prefix>[^:}]+):(?P<model>[^:}]+)(?::p(?P<partition>[1-9][0-9]*))?\}:requests$"
@@ -129,10 +130,10 @@ def _partition_status(client: redis.Redis, keys: ModelKeys) -> tuple[PartitionSt
         pending=int(summary["pending"]),
         queued_bytes=int(queued or 0),
         dead_letters=int(dead),
-        queue_bound_items=_count(bound[0]),
-        queue_bound_bytes=_count(bound[1]),
+        queue_bound_items=counter_value(bound[0]),
+        queue_bound_bytes=counter_value(bound[1]),
         priority=keys.priority,
-        queued_items=int(length) + _count(packed),
+        queued_items=int(length) + counter_value(packed),
     )
     return status, infos
 
@@ -191,13 +192,6 @@ def model_status(client: redis.Redis, keys: ModelKeys) -> ModelStatus:
         high_stream_length=sum(p.stream_length for p in high),
         queued_items=sum(p.queued_items for p in parts),
     )
-
-
-def _count(value: Any) -> int:
-    try:
-        return max(0, int(value or 0))
-    except ValueError:
-        return 0
 
 
 def _heartbeat_state(value: Any) -> dict[str, Any]:

@@ -162,6 +162,15 @@ class Transport(Protocol):
         ...
 
 
+def counter_value(value: Any) -> int:
+    """A counter or bound as Redis holds it (bytes of ASCII digits): 0 where it is absent,
+    negative or not a whole number (it is read, never trusted)."""
+    try:
+        return max(int(value), 0) if value is not None else 0
+    except (TypeError, ValueError):
+        return 0
+
+
 def is_data_field(name: Any) -> bool:
     """Whether a stream entry's field holds an item's data (``data``, or ``data.<i>`` of a
     multi-item entry's item i)."""

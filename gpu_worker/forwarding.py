@@ -57,7 +57,7 @@ from broker.protocol import (
     encode_error,
 )
 from broker.redis_transport import RedisTransport
-from broker.transport import Entry, Redelivery
+from broker.transport import Entry, Redelivery, counter_value
 
 from .config import WorkerConfig
 from .model import ItemCheck
@@ -192,11 +192,15 @@ class StageTransport:
                 self._check_failed.note(f"{keys.model}: {failed[0]}")
                 return None
             bound, live, length, high_length, size, high_size, packed, high_packed = got
-            per_worker, max_bytes = _number(bound[0]), _number(bound[1])
+            per_worker, max_bytes = counter_value(bound[0]), counter_value(bound[1])
             items = per_worker * max(len(live), 1)
             for level, count, queued in (
-                ("", int(length) + _number(packed), _number(size)),
-                (" (high level)", int(high_length) + _number(high_packed), _number(high_size)),
+                ("", int(length) + counter_value(packed), counter_value(size)),
+                (
+                    " (high level)",
+                    int(high_length) + counter_value(high_packed),
+                    counter_value(high_size),
+                ),
             ):
                 if per_worker > 0 and count >= items:
                     return f"{keys.model}{level} holds {count} items, its bound {items}"
@@ -368,14 +372,6 @@ class StageTransport:
                 out.append((request.reply_key, _joined(request.request_id, parts, route.leaves)))
                 answered.append(join)
         return out, answered
-
-
-def _number(value: Any) -> int:
-    """A counter or bound as Redis holds it (bytes of digits, or absent: 0)."""
-    try:
-        return max(int(value), 0) if value is not None else 0
-    except (TypeError, ValueError):
-        return 0
 
 
 def _parts(flat: Any) -> dict[str, bytes]:

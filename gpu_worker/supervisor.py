@@ -26,6 +26,7 @@ from broker import multiproc_metrics
 from broker.connections import cluster_node_misuse
 from broker.keys import ModelKeys
 from broker.logs import redact_url
+from broker.transport import counter_value
 
 from .batch_state import STATE_FILE_ENV, BatchState
 from .child import CONFIG_ENV, DEVICE_ENV, STATUS_FD_ENV, SUPERVISOR_PID_ENV
@@ -435,7 +436,7 @@ class SupervisorMetrics:
             for part in self.keys.lanes():  # the model's queue: every partition and level
                 length = self.client.xlen(part.stream)
                 depth += length
-                items += length + max(0, int(self.client.get(part.packed_items) or 0))
+                items += length + counter_value(self.client.get(part.packed_items))
                 try:
                     summary: Any = self.client.xpending(part.stream, part.group)
                 except redis.ResponseError:
