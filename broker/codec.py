@@ -340,18 +340,16 @@ def decode(
         array = _unpack_bare_array(data)
         if array is not None:
             return array
-        if len(data) > max_containers:  # each array or map takes at least one byte
-            count = _Containers(max_containers)
-            value = msgpack.unpackb(
-                data,
-                ext_hook=_ext_hook,
-                raw=False,
-                strict_map_key=False,
-                list_hook=count,
-                object_hook=count,
-            )
-        else:
-            value = msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+        # each array or map takes at least one byte: a shorter message needs no count
+        count = _Containers(max_containers) if len(data) > max_containers else None
+        value = msgpack.unpackb(
+            data,
+            ext_hook=_ext_hook,
+            raw=False,
+            strict_map_key=False,
+            list_hook=count,
+            object_hook=count,
+        )
         if _may_hold_timestamp(data) and _holds_timestamp(value):
             raise CodecError(f"unknown extension type {TIMESTAMP_EXT_TYPE}")
         return value

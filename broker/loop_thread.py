@@ -52,7 +52,6 @@ class LoopThread:
                 self._on_exit = weakref.WeakMethod(on_exit)
             else:
                 self._on_exit = lambda: on_exit
-        self._close_when_stopped = False  # stop_soon: the thread closes its loop itself
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         _live.add(self)
@@ -60,8 +59,7 @@ class LoopThread:
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
-        if self._close_when_stopped:
-            self.loop.close()
+        self.loop.close()  # stopped (stop, stop_soon): nothing runs on it again
 
     def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Schedule a coroutine on the loop from any thread."""
@@ -92,8 +90,6 @@ class LoopThread:
             self.submit(self._cancel_tasks_and_stop())
         if not self.in_loop_thread:
             self._thread.join(timeout)
-            if not self._thread.is_alive():
-                self.loop.close()
 
     def stop_soon(
         self, first: Coroutine[Any, Any, Any] | None = None, timeout: float = 5.0
@@ -106,7 +102,6 @@ class LoopThread:
             if first is not None:
                 first.close()
             return
-        self._close_when_stopped = True
 
         async def finish() -> None:
             if first is not None:

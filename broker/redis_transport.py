@@ -547,7 +547,8 @@ class RedisTransport:
             for call, written in zip(ridden, got, strict=False):
                 self._replies_written(call, written)
             out.append(got[len(ridden) :])
-        await self._write_unwritten()
+        if self._unwritten:  # (a worker's hot path: no coroutine unless there are some)
+            await self._write_unwritten()
         return out
 
     def _route_replies(
