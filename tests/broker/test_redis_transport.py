@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import redis
@@ -20,11 +22,31 @@ from broker.protocol import CallRequests, request_fields
 from broker.redis_transport import EnqueuePacker, RedisTransport, _within_caps
 from broker.transport import UNBOUNDED, QueueBound
 
+if TYPE_CHECKING:
+    from gpu_worker.batching import BatchLoop
+
 TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
 def run(coroutine):  # type: ignore[no-untyped-def]
     return asyncio.run(coroutine)
+
+
+@contextlib.asynccontextmanager
+async def echo_worker(url: str, keys: ModelKeys) -> AsyncIterator[BatchLoop]:
+    """A worker's batch loop serving ``keys`` with a model that returns its items, on this
+    event loop, until the block ends."""
+    from gpu_worker.batching import BatchLoop, BatchSettings
+
+    transport = RedisTransport(url)
+    loop = BatchLoop(lambda items: items, transport, keys, "w", BatchSettings(block_ms=50))
+    serving = asyncio.ensure_future(loop.run())
+    try:
+        yield loop
+    finally:
+        loop.stop()
+        await serving
+        await transport.close()
 
 
 @pytest.fixture
@@ -353,7 +375,6 @@ def test_a_worker_without_the_functions_reads_nothing_until_they_are_loaded(
     redis_server: RedisServer, restricted: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     from broker.protocol import decode_reply
-    from gpu_worker.batching import BatchLoop, BatchSettings
 
     keys = ModelKeys("m", f"t{uuid.uuid4().hex[:8]}")
     admin = redis_server.client()
@@ -362,20 +383,13 @@ def test_a_worker_without_the_functions_reads_nothing_until_they_are_loaded(
     admin.xadd(keys.stream, fields)  # type: ignore[arg-type]
 
     async def main() -> tuple[int, int]:
-        transport = RedisTransport(restricted)
-        loop = BatchLoop(lambda items: items, transport, keys, "w", BatchSettings(block_ms=50))
-        serving = asyncio.ensure_future(loop.run())
-        try:
+        async with echo_worker(restricted, keys) as loop:
             await asyncio.sleep(1.5)  # several retries
             pending = int(admin.xpending(keys.stream, keys.group)["pending"])
             functions.load(admin)  # the operator's `broker functions load`
             popped = await asyncio.to_thread(admin.blpop, [keys.inbox("c")], 10)
             assert popped is not None and decode_reply(popped[1]).result == "hi"
             return pending, loop.batches
-        finally:
-            loop.stop()
-            await serving
-            await transport.close()
 
     with caplog.at_level(logging.INFO):
         pending, batches = run(main())
@@ -397,7 +411,6 @@ def test_replies_of_acknowledged_entries_wait_for_the_library_rather_than_being_
     write the replies again: they were dropped and their callers waited out their deadlines.
     They are kept, and written as soon as the operator loads the library."""
     from broker.protocol import decode_reply
-    from gpu_worker.batching import BatchLoop, BatchSettings
 
     keys = ModelKeys("m", f"t{uuid.uuid4().hex[:8]}")
     admin = redis_server.client()
@@ -408,11 +421,8 @@ def test_replies_of_acknowledged_entries_wait_for_the_library_rather_than_being_
         admin.xadd(keys.stream, fields)  # type: ignore[arg-type]
 
     async def main() -> tuple[list[str], int]:
-        transport = RedisTransport(restricted)
-        loop = BatchLoop(lambda items: items, transport, keys, "w", BatchSettings(block_ms=50))
-        serving = asyncio.ensure_future(loop.run())
         got: list[str] = []
-        try:
+        async with echo_worker(restricted, keys):
             send("r.1")  # answered alone, then the connection's replies ride with the acks
             popped = await asyncio.to_thread(admin.blpop, [keys.inbox("c")], 10)
             assert popped is not None
@@ -436,10 +446,6 @@ def test_replies_of_acknowledged_entries_wait_for_the_library_rather_than_being_
             assert popped is not None, "the reply of r.2 was lost"
             got.append(decode_reply(popped[1]).request_id)
             return got, pending
-        finally:
-            loop.stop()
-            await serving
-            await transport.close()
 
     with caplog.at_level(logging.INFO):
         got, pending = run(main())
@@ -481,7 +487,7 @@ def test_redis_loading_its_data_is_broker_unavailable_with_one_warning_line(
 
     from broker import Streamer
     from broker.devserver import find_redis_server, free_port
-    from gpu_worker.batching import OUTAGE_LOG_EVERY_S, BatchLoop, BatchSettings
+    from gpu_worker.batching import OUTAGE_LOG_EVERY_S
     from gpu_worker.heartbeat import Heartbeats
 
     port, keys = free_port(), ModelKeys("m", "loading")
@@ -508,36 +514,31 @@ def test_redis_loading_its_data_is_broker_unavailable_with_one_warning_line(
 
         async def during_and_after() -> bytes:
             nonlocal loaded_s
-            transport = RedisTransport(url)  # the worker's
-            loop = BatchLoop(lambda items: items, transport, keys, "w", BatchSettings(block_ms=50))
-            serving = asyncio.ensure_future(loop.run())
             streamer = Streamer("m", redis_url=url, prefix="loading", timeout=30)
             beats = Heartbeats(url, keys)
-            try:
-                for _ in range(5):  # the caller: lean lanes
+            async with echo_worker(url, keys):  # the worker
+                try:
+                    for _ in range(5):  # the caller: lean lanes
+                        with pytest.raises(BrokerUnavailable, match="loading its data"):
+                            await asyncio.to_thread(streamer.predict, ["x"])
+                    other = RedisTransport(url)  # a redis-py path
                     with pytest.raises(BrokerUnavailable, match="loading its data"):
-                        await asyncio.to_thread(streamer.predict, ["x"])
-                other = RedisTransport(url)
-                with pytest.raises(BrokerUnavailable, match="loading its data"):  # a redis-py path
-                    await other.ensure_group(keys)
-                assert not await other.ping()
-                await other.close()
-                for _ in range(3):
-                    assert not beats.renew({"w": {}})
-                assert _loading(client), "Redis finished loading during the test: slow it more"
-                print(f"\nFIGURES loading: checks done {time.monotonic() - started:.1f} s in")
-                await asyncio.to_thread(_wait_for, lambda: not _loading(client), "loaded", 60)
-                loaded_s = time.monotonic() - started
-                print(f"FIGURES loading: loaded {loaded_s:.1f} s in")
-                assert beats.renew({"w": {}})
-                outputs = await asyncio.to_thread(streamer.predict, ["after"])
-                return outputs[0]  # type: ignore[no-any-return]
-            finally:
-                beats.close()
-                await streamer.aclose()
-                loop.stop()
-                await serving
-                await transport.close()
+                        await other.ensure_group(keys)
+                    assert not await other.ping()
+                    await other.close()
+                    for _ in range(3):
+                        assert not beats.renew({"w": {}})
+                    assert _loading(client), "Redis finished loading during the test: slow it more"
+                    print(f"\nFIGURES loading: checks done {time.monotonic() - started:.1f} s in")
+                    await asyncio.to_thread(_wait_for, lambda: not _loading(client), "loaded", 60)
+                    loaded_s = time.monotonic() - started
+                    print(f"FIGURES loading: loaded {loaded_s:.1f} s in")
+                    assert beats.renew({"w": {}})
+                    outputs = await asyncio.to_thread(streamer.predict, ["after"])
+                    return outputs[0]  # type: ignore[no-any-return]
+                finally:
+                    beats.close()
+                    await streamer.aclose()
 
         with caplog.at_level(logging.INFO):
             assert run(during_and_after()) == "after"
