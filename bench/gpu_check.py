@@ -7,11 +7,13 @@ what pinned, non-blocking copies change for the reference MLP.
 Starts a private redis-server, then one `worker start` after another, serving
 bench.models:DeviceReport (the reference MLP, answering with where it ran):
 
-1. ``--cuda 0``: one child;
+1. ``--cuda 0 --workers-per-device 1``: one child;
 2. ``--cuda 0 --workers-per-device 2``: two children on the same device;
-3. ``--cuda N`` where N is the number of devices (one past the last): must fail at once, naming
+3. ``--cuda 0`` (``--workers-per-device auto``): as many children as the rule gives for a
+   model of under 1 GiB (3 where the host has 3 cores), its log saying so;
+4. ``--cuda N`` where N is the number of devices (one past the last): must fail at once, naming
    the devices that exist;
-4. ``CUDA_VISIBLE_DEVICES=<device 0's UUID>`` and ``--cuda 0``: the index is relative to what
+5. ``CUDA_VISIBLE_DEVICES=<device 0's UUID>`` and ``--cuda 0``: the index is relative to what
    the command sees, and the child inherits that entry.
 
 For each child that answered: its CUDA_VISIBLE_DEVICES read from outside (/proc/PID/environ),
@@ -48,6 +50,8 @@ from broker import Streamer
 from broker.devserver import RedisServer
 from broker.keys import ModelKeys
 from examples.mlp import MLP
+from gpu_worker.devices import auto_workers_per_device
+from gpu_worker.polling import usable_cores
 from gpu_worker.staging import HostStaging
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -177,6 +181,8 @@ def served_case(
         ),
         "stopped cleanly (exit 0)": code == 0,
     }
+    if "log" in expect:
+        checks[f"the log says {expect['log']!r}"] = expect["log"] in worker.log()
     return {
         "case": title,
         "command": " ".join(["worker start", *worker.command[4:]]),
@@ -318,17 +324,20 @@ def main() -> None:
     uuids = smi("--query-gpu=uuid")
     cases = []
     with RedisServer() as server:
-        one = {"workers": 1, "cuda_visible_devices": "0"}
-        cases.append(served_case("--cuda 0", ["--cuda", "0"], base, one, server.url))
-        two = {"workers": 2, "cuda_visible_devices": "0"}
-        options = ["--cuda", "0", "--workers-per-device", "2"]
-        cases.append(served_case("--cuda 0 --workers-per-device 2", options, base, two, server.url))
+        for workers in (1, 2):
+            title = f"--cuda 0 --workers-per-device {workers}"
+            expect = {"workers": workers, "cuda_visible_devices": "0"}
+            cases.append(served_case(title, title.split(), base, expect, server.url))
+        auto = auto_workers_per_device(0, 1, usable_cores())  # the MLP holds a few MB
+        expect = {"workers": auto, "cuda_visible_devices": "0", "log": f"{auto} worker(s) on it"}
+        cases.append(served_case("--cuda 0 (auto)", ["--cuda", "0"], base, expect, server.url))
         cases.append(refused_case(count, server.url, base))
         if uuids:
             by_uuid = {**base, "CUDA_VISIBLE_DEVICES": uuids[0]}
             expect = {"workers": 1, "cuda_visible_devices": uuids[0]}
             title = "CUDA_VISIBLE_DEVICES=<UUID> --cuda 0"
-            cases.append(served_case(title, ["--cuda", "0"], by_uuid, expect, server.url))
+            options = ["--cuda", "0", "--workers-per-device", "1"]
+            cases.append(served_case(title, options, by_uuid, expect, server.url))
     transfers = transfer_arms("cuda:0", args.transfer_batch_size)
     report = {
         "gpus": smi("--query-gpu=index,name,uuid,driver_version,memory.total"),

@@ -11,13 +11,15 @@
 #   bash bench/gpu_suite.sh pending_ab OUTDIR # the same at the defaults, each pair both ways
 #   bash bench/gpu_suite.sh recheck OUTDIR    # a later revision: both models at the defaults, and
 #                                             # the MLP's GPU setting twice
+#   bash bench/gpu_suite.sh auto OUTDIR       # --workers-per-device auto (the default): both
+#                                             # models, then the MLP at 1 worker and auto again
 #
 # GPU=<index> picks the device (default 0); GPU=none runs the same on the CPU (a dry run of the
 # script). DURATION (default 2) is the seconds of each measured window, three windows an arm.
 # Each harness run writes OUTDIR/<name>/harness.json; everything it prints goes to stderr.
 set -euo pipefail
 
-part=${1:?defaults, settings, repeat, pending, pending_ab or recheck}
+part=${1:?defaults, settings, repeat, pending, pending_ab, recheck or auto}
 out=${2:?an output folder}
 gpu=${GPU:-0}
 python=${PYTHON:-python3}
@@ -73,6 +75,13 @@ pending_ab)
     harness pending_ab2 --models mlp_sync,mlp "${at256[@]}"
     harness pending_ab3 --models wide_sync,wide "${at256[@]}"
     ;;
+auto)
+    # six caller processes: enough to feed three workers (one asyncio process drives ~50k items/s)
+    at256=(--concurrency 256 --scenarios batched,asyncio --load-processes 6)
+    harness auto --models mlp,wide "${at256[@]}"
+    harness auto_mlp_workers1 --models mlp "${at256[@]}" --workers 1
+    harness auto_mlp_again --models mlp "${at256[@]}"
+    ;;
 recheck)
     at256=(--concurrency 256 --scenarios batched,asyncio)
     harness recheck_defaults --models ${MODELS:-mlp,wide} "${at256[@]}"
@@ -80,7 +89,7 @@ recheck)
     harness recheck_mlp_workers2_b --models mlp "${at256[@]}" --load-processes 4 --workers 2
     ;;
 *)
-    echo "unknown part $part: defaults, settings, repeat, pending, pending_ab or recheck" >&2
+    echo "unknown part $part: defaults, settings, repeat, pending, pending_ab, recheck or auto" >&2
     exit 2
     ;;
 esac

@@ -125,6 +125,7 @@ class Harness:
         self.body = body
         self.lua = post_script(self.tmp / "post.lua", body)
         self.memory: dict[str, dict[str, float]] = {}
+        self.workers_started: dict[str, int] = {}
         self.brackets: dict[str, dict[str, Any]] = {}
         self.open_loops: dict[str, dict[str, Any]] = {}
         self.redis_pid: int | None = None
@@ -358,7 +359,7 @@ class Harness:
         probe = BatchProbe(f"metrics:http://127.0.0.1:{metrics_port}/metrics")
         with ExitStack() as stack:
             worker_proc = stack.enter_context(self.process(worker, f"worker-{model}"))
-            self.wait_worker(redis_url, model, prefix, worker_proc, a.workers)
+            self.wait_worker(redis_url, model, prefix, worker_proc, f"worker-{model}")
             base: dict[str, Any] = {"name": model, "redis_url": redis_url, "prefix": prefix}
             base["probe"] = probe.kind + ":" + probe.where
             base["cpu_roots"] = {"worker": worker_proc.pid, "redis": self.redis_pid}
@@ -406,7 +407,8 @@ class Harness:
         a = self.args
         worker = [sys.executable, "-m", "gpu_worker.cli", "start", "--model", MODELS[model]]
         worker += ["--redis", redis_url, "--prefix", prefix, "--batch-size", str(a.batch_size)]
-        worker += ["--metrics-port", str(metrics_port), "--log-level", "WARNING"]
+        # INFO: its few start-up lines say how many workers it started (rare at steady state)
+        worker += ["--metrics-port", str(metrics_port), "--log-level", "INFO"]
         if a.busy_poll_us is not None:  # otherwise the worker's own default
             worker += ["--busy-poll-us", str(a.busy_poll_us)]
         if a.model_thread is not None:
@@ -432,7 +434,7 @@ class Harness:
         gateway = self.gateway_command(model, redis_url, prefix, port)
         with ExitStack() as stack:
             worker_proc = stack.enter_context(self.process(worker, f"open-worker-{model}"))
-            self.wait_worker(redis_url, model, prefix, worker_proc, self.args.workers)
+            self.wait_worker(redis_url, model, prefix, worker_proc, f"open-worker-{model}")
             gateway_proc = stack.enter_context(self.process(gateway, f"open-gateway-{model}"))
             url = f"http://127.0.0.1:{port}/v1/models/{model}/predict"
             self.wait_http(url, gateway_proc)
@@ -531,16 +533,35 @@ class Harness:
         return curve.to_dict()
 
     def wait_worker(
-        self, redis_url: str, model: str, prefix: str, proc: subprocess.Popen[bytes], count: int
+        self, redis_url: str, model: str, prefix: str, proc: subprocess.Popen[bytes], name: str
     ) -> None:
+        """Until the `worker start` ``proc`` (logging to ``name``.log) has all its workers
+        live; their number (chosen by the worker where --workers was not given) is recorded."""
+        count = self.args.workers
         try:
+            if count is None:
+                count = self.started_workers(name, proc)
             wait_workers(redis_url, ModelKeys(model, prefix), count, timeout=180, proc=proc)
         except RuntimeError as exc:
-            raise RuntimeError(f"{exc}: " + self.tail(f"worker-{model}")) from None
+            raise RuntimeError(f"{exc}: " + self.tail(name)) from None
+        self.workers_started[model] = count
 
-    def tail(self, name: str) -> str:
+    def started_workers(self, name: str, proc: subprocess.Popen[bytes]) -> int:
+        """How many workers `worker start` started, read from its log once all were ready."""
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            found = re.search(r"all (\d+) worker\(s\) ready", self.tail(name, None))
+            if found:
+                return int(found.group(1))
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker did not start (exit code {proc.returncode})")
+            time.sleep(0.1)
+        raise RuntimeError("worker did not say all its workers were ready within 180 s")
+
+    def tail(self, name: str, size: int | None = 2000) -> str:
         try:
-            return (self.tmp / f"{name}.log").read_text(errors="replace")[-2000:]
+            text = (self.tmp / f"{name}.log").read_text(errors="replace")
+            return text if size is None else text[-size:]
         except OSError:
             return ""
 
@@ -667,7 +688,8 @@ class Harness:
                 "wrk": wrk_version(),
                 "pinning": f"none ({os.cpu_count()} cores shared by every process)",
                 "device": self.device,
-                "workers": self.args.workers,
+                "workers": "default" if self.args.workers is None else self.args.workers,
+                "workers_started": self.workers_started,
                 "busy_poll_us": self.args.busy_poll_us,
                 "model_thread": self.args.model_thread,
                 "load_processes": self.args.load_processes,
@@ -809,11 +831,14 @@ def machine() -> str:
     return f"{model or platform.processor()}, {os.cpu_count()} cores, {platform.platform()}"
 
 
-def worker_placement(cuda: str | None, workers: int) -> list[str]:
-    """`worker start` options: WORKERS processes on CUDA device CUDA, or on the CPU."""
+def worker_placement(cuda: str | None, workers: int | None) -> list[str]:
+    """`worker start` options: WORKERS processes on CUDA device CUDA, or on the CPU (None:
+    the worker's default, `--workers-per-device auto` on a GPU and 1 process on the CPU)."""
     if cuda is not None:
-        return ["--cuda", cuda, "--workers-per-device", str(workers)]
-    return ["--workers", str(workers)] if workers > 1 else []
+        return ["--cuda", cuda] + (
+            [] if workers is None else ["--workers-per-device", str(workers)]
+        )
+    return ["--workers", str(workers)] if workers is not None and workers > 1 else []
 
 
 def gpu(cuda: str | None) -> dict[str, Any] | None:
@@ -887,8 +912,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--workers",
         type=int,
-        default=1,
-        help="model worker processes of the `worker start` arms (with --cuda: on that device)",
+        default=None,
+        help="model worker processes of the `worker start` arms (with --cuda: on that device; "
+        "default: the worker's own, 1 on the CPU and `--workers-per-device auto` on a GPU)",
     )
     parser.add_argument(
         "--busy-poll-us",
@@ -945,7 +971,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.open_loop_models = args.open_loop_models.split(",")
     if args.cuda is not None and not args.cuda.isdigit():
         parser.error(f"--cuda takes one device index, not {args.cuda!r}")
-    if args.workers < 1:
+    if args.workers is not None and args.workers < 1:
         parser.error("--workers must be at least 1")
     if args.load_processes < 1:
         parser.error("--load-processes must be at least 1")

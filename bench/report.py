@@ -258,8 +258,7 @@ def defaults_targets(
     """The targets for the shipped defaults, the blocking client, CPU per request and the open
     loop that this run can check (ratios between arms of this run)."""
     out: list[tuple[str, str, str]] = []
-    workers = (settings or {}).get("workers") or 1
-    out += client_targets(rows, verdict, cores, workers)
+    out += client_targets(rows, verdict, cores, worker_count(settings))
     device = (settings or {}).get("device", "cpu")
     shares = {"mlp": 0.8} if device == "cpu" else {"mlp": 0.3, "wide": 0.9}
     for model, goal in shares.items():
@@ -273,11 +272,11 @@ def defaults_targets(
         if bracket and bracket["concurrency"] == 256:
             share, how = bracket["share"], "bracketed"
             direct = statistics.median(bracket["direct_items_per_s"])
-        bound = ceiling(served, cores, workers) if device == "cpu" else None
+        bound = ceiling(served, cores, worker_count(settings, model)) if device == "cpu" else None
         if bound is not None:
             how += f"; {bound[1]}: {bound[0] / direct:.0%} of direct"
         out.append(
-            (f"{model} via Redis, c=256 (on {device}{tuned_label(settings)}): >= {goal:.0%} "
+            (f"{model} via Redis, c=256 (on {device}{tuned_label(settings, model)}): >= {goal:.0%} "
              "of direct batched", f"{share:.1%} ({how})", verdict(share >= goal))
         )  # fmt: skip
     out += http_targets(rows, verdict)
@@ -285,12 +284,29 @@ def defaults_targets(
     return out
 
 
-def tuned_label(settings: dict[str, Any] | None) -> str:
-    """What the served arms ran with beyond the shipped defaults, for a target's label."""
+def worker_count(settings: dict[str, Any] | None, model: str | None = None) -> int:
+    """The worker processes a run's `worker start` ran (for ``model``): as given by --workers,
+    else as many as the worker chose (--workers-per-device auto on a GPU)."""
+    settings = settings or {}
+    chosen = settings.get("workers")
+    if isinstance(chosen, int):
+        return chosen
+    started: dict[str, int] = settings.get("workers_started") or {}
+    if model in started:
+        return int(started[model])
+    return max(started.values(), default=1)
+
+
+def tuned_label(settings: dict[str, Any] | None, model: str | None = None) -> str:
+    """What the served arms ran with beyond the shipped defaults, for a target's label (and
+    how many workers the defaults chose, where more than one)."""
     settings = settings or {}
     parts = []
-    if (settings.get("workers") or 1) > 1:
-        parts.append(f"{settings['workers']} workers on the device")
+    workers = worker_count(settings, model)
+    if isinstance(settings.get("workers"), int) and workers > 1:
+        parts.append(f"{workers} workers on the device")
+    elif workers > 1:
+        parts.append(f"--workers-per-device auto: {workers} workers")
     if settings.get("model_thread"):
         parts.append(f"--model-thread {settings['model_thread']}")
     if settings.get("busy_poll_us") is not None:

@@ -149,7 +149,15 @@ def main() -> int:
     gc.collect()
     gc.freeze()
     consumer = consumer_name()
-    report("ready", device=device, pid=os.getpid(), consumer=consumer)
+    from .devices import device_footprint
+
+    report(
+        "ready",
+        device=device,
+        pid=os.getpid(),
+        consumer=consumer,
+        device_bytes=device_footprint(model),
+    )
     from broker.loop_thread import new_event_loop
 
     loop = new_event_loop()

@@ -108,16 +108,15 @@ def start(
         ),
     ] = None,
     workers_per_device: Annotated[
-        int,
+        str,
         typer.Option(
-            min=1,
-            help="Processes per CUDA device, each with its own copy of the weights. A model "
-            "whose predict returns its outputs pending (HostStaging.to_host_later) keeps the "
-            "GPU busy with 1; one that waits for them, or whose batch takes well under 1 ms "
-            "on the GPU, does better with 2 or 3 fed by enough callers (docs/deployment.md, "
-            "GPU workers).",
+            help="Processes per CUDA device, each with its own copy of the weights, or auto: "
+            "once the first has loaded the model, a model holding at most 1 GiB on its device "
+            "gets up to 3 per device (one per host core), a larger one 1. Small models are "
+            "bound by the host work of each batch, which more processes overlap; large ones by "
+            "the GPU (docs/deployment.md, GPU workers).",
         ),
-    ] = 1,
+    ] = "auto",
     workers: Annotated[
         int,
         typer.Option(min=1, help="CPU worker processes (without --cuda)."),

@@ -82,7 +82,7 @@ class WorkerConfig:
     name: str | None = None
     stage: str | None = None  # of the Pipeline ``model``
     cuda: list[int] | None = None
-    workers_per_device: int = 1
+    workers_per_device: int | None = None  # None: auto
     workers: int = 1
     prefix: str = DEFAULT_PREFIX
     redis_url: str = DEFAULT_REDIS_URL
@@ -112,6 +112,7 @@ class WorkerConfig:
         *,
         redis: str,
         cuda: str | None,
+        workers_per_device: str,
         busy_poll_us: str,
         max_queue_items: str,
         max_queue_bytes: str,
@@ -124,6 +125,9 @@ class WorkerConfig:
         return cls(
             redis_url=redis,
             cuda=parse_cuda(cuda) if cuda else None,
+            workers_per_device=_auto_or_count(
+                "--workers-per-device", workers_per_device, 1, "auto or at least 1"
+            ),
             busy_poll_s=_busy_poll_s(busy_poll_us),
             max_queue_items=_auto_or_count("--max-queue-items", max_queue_items),
             max_queue_bytes=_auto_or_count("--max-queue-bytes", max_queue_bytes),
@@ -159,6 +163,7 @@ class WorkerConfig:
         queue_bound = "must be auto, 0 (no bound) or a positive number"
         return [
             (self.workers < 1, "--workers must be at least 1"),
+            (below(self.workers_per_device, 1), "--workers-per-device must be auto or at least 1"),
             (below(self.batch_size, 1), "--batch-size must be at least 1"),
             (below(self.max_latency, 0), "--max-latency cannot be negative"),
             (below(self.max_batch_cost, 0), "--max-batch-cost cannot be negative"),
@@ -234,14 +239,19 @@ def _busy_poll_s(value: str) -> float | None:
         ) from None
 
 
-def _auto_or_count(option: str, value: str) -> int | None:
-    """None for auto, else a count of at least 0 (ValueError saying what is wrong)."""
+def _auto_or_count(
+    option: str,
+    value: str,
+    least: int = 0,
+    allowed: str = "auto, 0 (no bound) or a positive number",
+) -> int | None:
+    """None for auto, else a count of at least ``least`` (ValueError saying what is wrong)."""
     if value.strip().lower() == "auto":
         return None
     try:
         count = int(value)
     except ValueError:
         raise ValueError(f"{option} must be auto or a number, not {value!r}") from None
-    if count < 0:
-        raise ValueError(f"{option} must be auto, 0 (no bound) or a positive number")
+    if count < least:
+        raise ValueError(f"{option} must be {allowed}")
     return count

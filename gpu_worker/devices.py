@@ -10,6 +10,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .model import ManagedModel
 
 # Overrides the device count (for tests, and for hosts where torch cannot count devices). A
 # child pinned to one device then sees a count of 1, as it would with a real driver.
@@ -91,8 +95,14 @@ def parse_cuda(spec: str) -> list[int]:
     return indices
 
 
-def plan_devices(indices: list[int], workers_per_device: int = 1) -> list[str]:
-    """One CUDA_VISIBLE_DEVICES value per worker process, checked against what exists."""
+def plan_devices(indices: list[int], workers_per_device: int | None = 1) -> list[str]:
+    """One CUDA_VISIBLE_DEVICES value per worker process, checked against what exists.
+
+    ``None`` (auto) plans one process per device: the rest are added once the first has
+    loaded the model and told how much of its device it holds (:func:`auto_workers_per_device`).
+    """
+    if workers_per_device is None:
+        workers_per_device = 1
     if workers_per_device < 1:
         raise DeviceError("--workers-per-device must be at least 1")
     visible = visible_devices()
@@ -118,3 +128,52 @@ def child_environment(cuda_visible: str | None) -> dict[str, str]:
         if DEVICE_COUNT_ENV in env:
             env[DEVICE_COUNT_ENV] = "1"
     return env
+
+
+# Automatic workers per device. A model this small on its device is, on a GPU, almost always one
+# whose batch takes well under a millisecond there: one worker process spends more time on the
+# host work of a batch (reading, decoding, answering) than the GPU spends on it, and a second or
+# third process on the same device overlaps that host work. Larger models are bound by the GPU
+# (or by reading their weights) and lose from smaller batches and extra copies of the weights.
+AUTO_SMALL_MODEL_BYTES = 1 << 30
+AUTO_MAX_WORKERS_PER_DEVICE = 3
+
+
+def auto_workers_per_device(device_bytes: int | None, devices: int, cores: float) -> int:
+    """How many worker processes `--workers-per-device auto` runs on each device.
+
+    ``device_bytes``: what the first worker's model holds on its device (None: unknown).
+    Up to 3 for a model holding at most 1 GiB, one host core per process (``cores`` shared by
+    ``devices`` devices); 1 for a larger model, or one whose size is unknown.
+    """
+    if device_bytes is None or device_bytes > AUTO_SMALL_MODEL_BYTES:
+        return 1
+    per_device = int(cores // max(1, devices))
+    return max(1, min(AUTO_MAX_WORKERS_PER_DEVICE, per_device))
+
+
+def device_footprint(model: ManagedModel) -> int | None:
+    """Bytes the loaded ``model`` holds on its device; None where that cannot be told.
+
+    On a CUDA device: the memory torch has allocated there (the weights and whatever else the
+    model keeps on the GPU). Elsewhere: the parameters and buffers of the ``torch.nn.Module``
+    attributes of the model. A model without torch, or with no module to count: None.
+    """
+    torch: Any = sys.modules.get("torch")
+    if torch is None:
+        return None
+    if model.device.startswith("cuda") and torch.cuda.is_available():
+        torch.cuda.synchronize()
+        return int(torch.cuda.memory_allocated())
+    modules = [
+        value
+        for value in getattr(model, "__dict__", {}).values()
+        if isinstance(value, torch.nn.Module)
+    ]
+    if not modules:
+        return None
+    counted: dict[int, int] = {}
+    for module in modules:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            counted[id(tensor)] = tensor.numel() * tensor.element_size()
+    return sum(counted.values())

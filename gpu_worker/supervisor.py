@@ -31,9 +31,10 @@ from broker.transport import counter_value
 from .batch_state import STATE_FILE_ENV, BatchState
 from .child import CONFIG_ENV, DEVICE_ENV, STATUS_FD_ENV, SUPERVISOR_PID_ENV
 from .config import WorkerConfig
-from .devices import child_environment, plan_devices
+from .devices import auto_workers_per_device, child_environment, plan_devices
 from .heartbeat import Heartbeats
 from .pipeline import load_stage
+from .polling import usable_cores
 
 log = logging.getLogger("microbatch.supervisor")
 
@@ -68,6 +69,7 @@ class Slot:
     last_error: str = ""
     restarts: int = 0
     consumer: str | None = None
+    device_bytes: int | None = None  # what its model holds on its device, as it reported
     busy_since: float | None = None
     batch_items: int = 0
     state: BatchState | None = None
@@ -90,6 +92,11 @@ class Supervisor:
         else:
             devices = [None] * config.workers
         self.slots = [Slot(index, device) for index, device in enumerate(devices)]
+        # --workers-per-device auto: the devices whose first worker has yet to report its model's
+        # size, after which the rest of that device's workers are started
+        self._sizing: set[str | None] = set()
+        if config.cuda and config.workers_per_device is None:
+            self._sizing = set(devices)
         self.keys = config.keys(self.model_class)
         self.queue_bound = config.queue_bound(config.batch_settings(self.model_class).batch_size)
         self.heartbeats = Heartbeats(
@@ -149,6 +156,8 @@ class Supervisor:
             if message.get("event") == "ready":
                 slot.ready = True
                 slot.consumer = str(message.get("consumer"))
+                size = message.get("device_bytes")
+                slot.device_bytes = size if isinstance(size, int) else None
                 self._next_heartbeat = 0.0  # vouch for it at once
                 log.info(
                     "worker %d ready (pid %s) on %s",
@@ -303,6 +312,8 @@ class Supervisor:
             self._read_status(key.data)
         now = time.monotonic()
         self._tend_children(now)
+        if self._sizing:
+            self._size_devices()
         self._watchdog(now)
         if self.metrics is not None:
             self.metrics.maybe_sample(now)
@@ -329,9 +340,29 @@ class Supervisor:
             if slot.state is not None and slot.process is not None:
                 slot.batch_items, slot.busy_since = slot.state.read()
 
+    def _size_devices(self) -> None:
+        """`--workers-per-device auto`: once a device's first worker is ready, start as many
+        more on that device as its model's size and the host's cores call for."""
+        cores = usable_cores()
+        for slot in list(self.slots):
+            if slot.cuda_visible not in self._sizing or not slot.ready:
+                continue
+            self._sizing.discard(slot.cuda_visible)
+            count = auto_workers_per_device(slot.device_bytes, len(self.config.cuda or ()), cores)
+            held = "an unknown size" if slot.device_bytes is None else _mib(slot.device_bytes)
+            log.info(
+                "--workers-per-device auto: the model holds %s on device %s and %g core(s) "
+                "serve %d device(s): %d worker(s) on it",
+                held, slot.cuda_visible, cores, len(self.config.cuda or ()), count,
+            )  # fmt: skip
+            for _ in range(count - 1):
+                extra = Slot(len(self.slots), slot.cuda_visible)
+                self.slots.append(extra)
+                self._spawn(extra)
+
     def _check_started(self, now: float, start_deadline: float) -> None:
         """Say when all workers are ready for the first time; give up past --start-timeout."""
-        if all(slot.ready for slot in self.slots):
+        if not self._sizing and all(slot.ready for slot in self.slots):
             self.all_ready_once = True
             items, size = self.queue_bound
             log.info(
@@ -397,6 +428,10 @@ class Supervisor:
         if self.metrics is not None:
             self.metrics.close()
         return code
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
 
 
 class SupervisorMetrics:

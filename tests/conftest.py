@@ -11,6 +11,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -107,6 +108,15 @@ def worker_process(
         stop_process(process)
         if log is not None:
             log.close()
+
+
+def wait_for_line(path: Path, text: str, proc: Any, timeout: float = 60.0) -> None:
+    """Wait until ``text`` is in the log at ``path``; fail if ``proc`` exits or time is up."""
+    deadline = time.monotonic() + timeout
+    while text not in (path.read_text() if path.exists() else ""):
+        assert proc.poll() is None, path.read_text()
+        assert time.monotonic() < deadline, f"{text!r} never appeared in the worker's log"
+        time.sleep(0.05)
 
 
 def gateway_env(extra: dict[str, str] | None = None) -> dict[str, str]:

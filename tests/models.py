@@ -91,6 +91,30 @@ class DeviceProbe(ManagedModel):
         return [{"device": self.device, "pid": os.getpid()} for _ in batch]
 
 
+class SmallProbe(DeviceProbe):
+    """A DeviceProbe holding a small torch module (a few KiB of weights)."""
+
+    name = "smallprobe"
+
+    def init_model(self) -> None:
+        import torch
+
+        self.net = torch.nn.Linear(16, 16)
+        super().init_model()
+
+
+class LargeProbe(DeviceProbe):
+    """A DeviceProbe whose module has 2 GiB of weights, on torch's meta device (no memory)."""
+
+    name = "largeprobe"
+
+    def init_model(self) -> None:
+        import torch
+
+        self.net = torch.nn.Linear(32768, 16384, bias=False, device="meta")
+        super().init_model()
+
+
 class BrokenInit(ManagedModel):
     """A model whose init_model raises."""
 

@@ -204,7 +204,9 @@ def test_the_cuda_option_reaches_the_worker_command() -> None:
     assert parse_args(["--quick"]).cuda is None
     args = parse_args(["--quick", "--cuda", "0", "--workers", "2"])
     assert worker_placement(args.cuda, args.workers) == ["--cuda", "0", "--workers-per-device", "2"]
-    assert worker_placement(None, 1) == []
+    assert worker_placement("0", None) == ["--cuda", "0"]  # the worker's own auto
+    assert parse_args(["--quick"]).workers is None
+    assert worker_placement(None, None) == worker_placement(None, 1) == []
     assert worker_placement(None, 3) == ["--workers", "3"]
     with pytest.raises(SystemExit):
         parse_args(["--cuda", "0,1"])

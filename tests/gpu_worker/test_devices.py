@@ -15,8 +15,15 @@ from pathlib import Path
 import pytest
 
 from broker.devserver import RedisServer
-from gpu_worker.devices import DEVICE_COUNT_ENV, DeviceError, parse_cuda, plan_devices
-from tests.conftest import ROOT, worker_process
+from gpu_worker.devices import (
+    DEVICE_COUNT_ENV,
+    DeviceError,
+    auto_workers_per_device,
+    parse_cuda,
+    plan_devices,
+)
+from gpu_worker.polling import usable_cores
+from tests.conftest import ROOT, wait_for_line, worker_process
 from tests.models import RECORD_ENV
 
 
@@ -160,3 +167,68 @@ def test_a_device_count_that_fails_is_a_clear_error(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(devices, "COUNT_PROGRAM", "import no_such_torch_module_here as torch")
     with pytest.raises(DeviceError):  # an import error other than torch's own is not "0"
         devices._count_in_subprocess()
+
+
+def run_auto(
+    redis_url: str, prefix: str, tmp_path: Path, model: str, expect: int
+) -> tuple[list[dict[str, object]], str]:
+    """`worker start --cuda 0` at the default (auto) workers per device, on a faked device:
+    the probes of its children and its log, once all its workers were ready."""
+    log_path = tmp_path / "worker.log"
+    with worker_process(
+        redis_url,
+        f"tests.models:{model}",
+        prefix,
+        "--cuda",
+        "0",
+        env={RECORD_ENV: str(tmp_path), DEVICE_COUNT_ENV: "1"},
+        expect_consumers=None,
+        log_path=log_path,
+    ) as process:
+        wait_for_line(log_path, f"all {expect} worker(s) ready", process)
+    return probes(tmp_path), log_path.read_text()
+
+
+def test_auto_runs_more_workers_on_a_device_for_a_small_model(
+    redis_server: RedisServer, prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    expect = auto_workers_per_device(0, 1, usable_cores())  # one per core here, up to 3
+    seen, log = run_auto(redis_server.url, prefix, tmp_path, "SmallProbe", expect)
+    assert len(seen) == len({p["pid"] for p in seen}) == expect
+    assert {p["cuda_visible_devices"] for p in seen} == {"0"}
+    assert "--workers-per-device auto: the model holds 0.0 MiB on device 0" in log
+    assert f"{expect} worker(s) on it" in log
+
+
+@pytest.mark.parametrize("model", ["LargeProbe", "DeviceProbe"])
+def test_auto_runs_one_worker_per_device_for_a_large_or_unknown_model(
+    redis_server: RedisServer, prefix: str, tmp_path: Path, model: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    seen, log = run_auto(redis_server.url, prefix, tmp_path, model, 1)
+    assert len(seen) == 1
+    held = "2048.0 MiB" if model == "LargeProbe" else "an unknown size"
+    assert f"the model holds {held} on device 0" in log
+    assert "1 worker(s) on it" in log
+
+
+def test_auto_workers_per_device_rule() -> None:
+    small, large = 200 * 2**20, 2 * 2**30
+    assert auto_workers_per_device(small, 1, 16) == 3  # a GPU host: up to 3
+    assert auto_workers_per_device(small, 1, 2) == 2  # one per core
+    assert auto_workers_per_device(small, 8, 16) == 2  # the cores shared among the devices
+    assert auto_workers_per_device(small, 4, 2) == 1
+    assert auto_workers_per_device(small, 1, 1.5) == 1  # a CPU quota of 1.5 cores
+    assert auto_workers_per_device(2**30, 1, 16) == 3
+    assert auto_workers_per_device(large, 1, 16) == 1
+    assert auto_workers_per_device(None, 1, 16) == 1  # unknown: one copy of the weights
+
+
+def test_workers_per_device_takes_auto_or_a_positive_count() -> None:
+    for bad, reason in (("0", "must be auto or at least 1"), ("two", "must be auto or a number")):
+        result = run_worker_cli("--model", "tests.models:Toy", "--cuda", "0",
+                                "--workers-per-device", bad)  # fmt: skip
+        assert result.returncode == 2
+        assert f"--workers-per-device {reason}" in result.stderr

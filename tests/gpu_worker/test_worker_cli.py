@@ -15,7 +15,7 @@ from broker import Streamer
 from broker.devserver import RedisServer, free_port
 from broker.keys import ModelKeys
 from gpu_worker.config import WorkerConfig
-from tests.conftest import wait_for_consumers, worker_process
+from tests.conftest import wait_for_consumers, wait_for_line, worker_process
 from tests.gpu_worker.test_devices import run_worker_cli
 
 
@@ -265,14 +265,6 @@ def test_a_worker_waits_for_redis_then_rides_out_its_outages(tmp_path: Path, pre
     # outage messages: a line when it starts, then one every 10 s at most (not one per retry)
     assert log.count("broker unavailable") == 1
     assert log.count("cannot renew heartbeats") == 1
-
-
-def wait_for_line(path: Path, text: str, proc: Any, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while text not in (path.read_text() if path.exists() else ""):
-        assert proc.poll() is None, path.read_text()
-        assert time.monotonic() < deadline, f"{text!r} never appeared in the worker's log"
-        time.sleep(0.05)
 
 
 def test_workers_store_the_queue_bound_with_the_model(
