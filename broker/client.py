@@ -77,11 +77,15 @@ CLOSED_WHILE_WAITING = "the Streamer was closed while the call waited (its items
 # Bumped in a forked child: a Streamer made before the fork must not use its parent's loop
 # thread or connections. (Cheaper than comparing os.getpid(), a system call, on every call.)
 _fork_generation = 0
+# Held while a Streamer forgets its parent's state in a child, so that the child's threads
+# reset it once (made anew in the child: a thread of the parent may have held it at the fork).
+_fork_lock = threading.Lock()
 
 
 def _forked() -> None:
-    global _fork_generation
+    global _fork_generation, _fork_lock
     _fork_generation += 1
+    _fork_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forked)
@@ -798,7 +802,6 @@ class Streamer:
         abandoned = getattr(self, "_abandoned", None)
         if abandoned is not None:  # the parent's loop thread: not in this process
             abandoned.detach()
-        self._generation = _fork_generation
         self._lock = threading.Lock()
         self._thread: LoopThread | None = None
         self._thread_core: ClientCore | None = None
@@ -806,6 +809,9 @@ class Streamer:
         # request would otherwise leave a thread and its connections behind each time)
         self._abandoned: weakref.finalize[Any, Any] | None = None
         self._loop_cores: dict[asyncio.AbstractEventLoop, ClientCore] = {}
+        # Last: a thread that finds the generation current (without the lock) finds the state
+        # of this process, never the parent's core.
+        self._generation = _fork_generation
 
     @property
     def name(self) -> str:
@@ -825,7 +831,9 @@ class Streamer:
 
     def _check_process(self) -> None:
         if self._generation != _fork_generation:  # forked: the parent's loop thread is not here
-            self._reset_for_process()
+            with _fork_lock:  # the child's first calls may come from many threads at once
+                if self._generation != _fork_generation:
+                    self._reset_for_process()
 
     def _get_thread_core(self) -> ClientCore:
         self._check_process()
@@ -997,7 +1005,7 @@ class Streamer:
         Calls still waiting fail with :class:`BrokerUnavailable` and their queued items are
         withdrawn."""
         if self._generation != _fork_generation:
-            self._reset_for_process()
+            self._check_process()
             return
         with self._lock:
             thread, core = self._thread, self._thread_core
