@@ -25,7 +25,7 @@ import uuid
 import warnings
 import weakref
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import TYPE_CHECKING, Any
 
 from . import codec
@@ -146,7 +146,8 @@ class ClientCore:
         self._ids = itertools.count()
         self._pending: dict[str, tuple[_Call, int]] = {}
         self._outbox: list[_Call] = []
-        self._incoming: Mailbox[_Call] = Mailbox(loop, self._accept)  # calls from other threads
+        # calls from other threads; those posted once it is closing are refused in their own
+        self._incoming: Mailbox[_Call] = Mailbox(loop, self._accept, self._refuse_closed)
         self._relay = Relay()  # wakes the blocked threads of one batch of replies in turn
         self._waking: list[tuple[Waiter, Any, BaseException | None]] | None = None
         self._flusher: asyncio.Task[None] | None = None
@@ -516,6 +517,16 @@ class ClientCore:
         else:
             future.set_result(results)
 
+    def _refuse_closed(self, call: _Call) -> None:
+        """Fail a call posted from another thread once this core is closing: nothing of it was
+        queued. (It may run in the posting thread: the future is set directly, not through a
+        batch of replies being woken.)"""
+        future = call.future
+        call.remaining = 0
+        with contextlib.suppress(InvalidStateError):  # a submit() future cancelled meanwhile
+            if not future.done():
+                future.set_exception(BrokerUnavailable(CLOSED_WHILE_WAITING, index=0))
+
     def _fail_items(self, call: _Call, make_error: Callable[[int], MicrobatchError]) -> None:
         for index, rid in enumerate(call.ids):
             if self._pending.pop(rid, None) is not None:
@@ -681,8 +692,7 @@ class ClientCore:
         if self._watch_timer is not None:
             self._watch_timer.cancel()
         closed = BrokerUnavailable(CLOSED_WHILE_WAITING)
-        for call in self._incoming.take_all():
-            self._refuse(call, closed)
+        self._incoming.close()
         for call in list({id(call): call for call, _ in self._pending.values()}.values()):
             self._give_up(call, closed.with_index)
         # An enqueue still in flight withdraws its calls once they are queued; then every

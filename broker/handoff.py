@@ -39,18 +39,31 @@ class Mailbox(Generic[T]):
     the deque, so a post either lands before that emptying or sees the flag cleared.)
     """
 
-    __slots__ = ("_deliver", "_held", "_items", "_loop", "_scheduled")
+    __slots__ = ("_closed", "_deliver", "_held", "_items", "_loop", "_refuse", "_scheduled")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, deliver: Callable[[T], Any]) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        deliver: Callable[[T], Any],
+        refuse: Callable[[T], Any] | None = None,
+    ) -> None:
         self._loop = loop
         self._deliver = deliver
+        self._refuse = refuse  # what :meth:`close` does with what the loop will not deliver
         self._items: deque[T] = deque()
         self._scheduled = False
         self._held = False
+        self._closed = False
 
     def post(self, item: T) -> None:
-        """Hand ``item`` to the loop (from any thread; raises RuntimeError if it is closed)."""
+        """Hand ``item`` to the loop (from any thread; once :meth:`close` has run, refused in
+        the posting thread; raises RuntimeError if the loop is closed)."""
         self._items.append(item)
+        if self._closed:
+            # Closed before or meanwhile: the loop may stop before delivering it (then nothing
+            # would), so it is refused here (close's own sweep may have taken it already).
+            self._refuse_left()
+            return
         if not self._scheduled and not self._held:
             self._schedule()
 
@@ -69,12 +82,21 @@ class Mailbox(Generic[T]):
             with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to deliver to
                 self._schedule()
 
-    def take_all(self) -> list[T]:
-        """Take what was posted and not delivered yet (on the loop thread, as it closes)."""
-        taken = []
-        while self._items:
-            taken.append(self._items.popleft())
-        return taken
+    def close(self) -> None:
+        """Refuse what was posted and not delivered yet, and from now on whatever is posted
+        (on the loop thread, as it closes)."""
+        self._closed = True
+        self._refuse_left()
+
+    def _refuse_left(self) -> None:
+        items, refuse = self._items, self._refuse
+        while True:
+            try:
+                item = items.popleft()  # (several threads may sweep at once: each item once)
+            except IndexError:
+                return
+            if refuse is not None:
+                refuse(item)
 
     def _schedule(self) -> None:
         self._scheduled = True

@@ -312,6 +312,26 @@ def test_a_closed_loop_refuses_posts_and_a_release_is_harmless() -> None:
         Mailbox(loop, lambda item: None).post(2)
 
 
+def test_a_closed_mailbox_refuses_what_the_loop_did_not_take_and_later_posts(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """Posted after close (while the loop was stopping), an item was never delivered nor
+    refused: its caller waited for nothing until its own timeout."""
+    got: list[int] = []
+    refused: list[tuple[int, str]] = []
+    mailbox: Mailbox[int] = Mailbox(
+        loop, got.append, lambda item: refused.append((item, threading.current_thread().name))
+    )
+    loop.call_soon_threadsafe(mailbox.hold)
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(5)
+    mailbox.post(1)
+    loop.call_soon_threadsafe(mailbox.close)  # 1 was held: refused on the loop
+    asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(5)
+    mailbox.post(2)  # refused at once, in the posting thread: the loop may never run again
+    assert got == [] and [item for item, _ in refused] == [1, 2]
+    assert refused[1][1] == threading.current_thread().name
+
+
 def _settle_futures(relay: Relay, batch: list[tuple[CallFuture[Any], Any]]) -> None:
     """What the client's loop does with a batch of replies for futures."""
     waking: list[tuple[Waiter, Any, BaseException | None]] = []

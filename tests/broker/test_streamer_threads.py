@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from broker import Streamer
+from broker import BrokerUnavailable, Streamer
 from broker.devserver import RedisServer
 from broker.keys import ModelKeys
 from tests.broker.test_redis_transport import echo_worker
@@ -97,3 +97,49 @@ def _child_calls(streamer: Streamer, threads: int = 16) -> int:
     if len(loops) != 1:
         return 3
     return 4 if any(thread.is_alive() for thread in loops) else 0
+
+
+@pytest.mark.parametrize("how", ["predict", "submit"])
+def test_a_call_on_its_way_in_as_the_streamer_closes_fails_with_broker_unavailable(
+    how: str,
+) -> None:
+    """A call whose items were still being prepared when another thread closed the Streamer
+    posted them to the closed loop: RuntimeError('Event loop is closed') from predict() or
+    submit() rather than the BrokerUnavailable that close() promises (or, posted while the
+    loop was stopping, no answer until its timeout plus 5 s)."""
+    preparing, go_on = threading.Event(), threading.Event()
+
+    class Held:
+        def preprocess(self, item: object) -> object:
+            preparing.set()
+            go_on.wait(10)
+            return item
+
+        def postprocess(self, output: object) -> object:
+            return output
+
+    # never reached: nothing of the call is sent
+    streamer = Streamer("held", redis_url="redis://127.0.0.1:1/0", model=Held())
+    outcome: list[BaseException | None] = []
+
+    def call() -> None:
+        try:
+            if how == "predict":
+                streamer.predict(["x"], timeout=5)
+            else:
+                streamer.submit(["x"], timeout=5).result(10)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert preparing.wait(10)
+    streamer.close()
+    started = time.monotonic()
+    go_on.set()
+    caller.join(10)
+    assert len(outcome) == 1 and isinstance(outcome[0], BrokerUnavailable), outcome
+    assert "closed while the call waited" in str(outcome[0])
+    assert time.monotonic() - started < 2
+    streamer.close()
