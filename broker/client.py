@@ -261,6 +261,14 @@ class ClientCore:
         """
         if not payloads:
             return []
+        if asyncio._get_running_loop() is self.loop:
+            # A callback of a submit() future runs here: blocking would stop every call of
+            # this Streamer until the timeout, its own reply included.
+            raise RuntimeError(
+                "predict() cannot wait on the Streamer's own thread, where the callbacks of "
+                "submit() futures run: it would wait for itself. Use submit() there, or call "
+                "predict() from another thread"
+            )
         waiter = Waiter(self._relay)
         call = self._new_call(payloads, waiter, timeout_s, trace, level=level)
         try:
@@ -290,7 +298,7 @@ class ClientCore:
     ) -> Future[list[Any]]:
         """Queue encoded items from any thread; the future gets the raw results, or what
         ``post`` (run on the loop thread) makes of them. Cancelling it withdraws the call."""
-        future: CallFuture[list[Any]] = CallFuture(self._relay)
+        future: CallFuture[list[Any]] = CallFuture(self._relay, loop=self.loop)
         if not payloads:
             future.set_result([])
             return future
@@ -1025,11 +1033,7 @@ class Streamer:
                 self._abandoned.detach()
                 self._abandoned = None
         if thread is not None and core is not None:
-            try:
-                thread.submit(core.aclose()).result(timeout=2 * CLOSE_WITHDRAW_S + 5)
-            except Exception:  # closing is best effort
-                log.debug("closing the client failed", exc_info=True)
-            thread.stop()
+            _close_thread_core(thread, core)
         for loop, loop_core in loop_cores.items():
             if loop.is_closed():
                 continue
@@ -1060,6 +1064,19 @@ class Streamer:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+def _close_thread_core(thread: LoopThread, core: ClientCore) -> None:
+    """Close a Streamer's loop thread and its core: wait for that from any other thread; from
+    the loop's own (a submit() future's callback), which cannot wait for itself, only begin."""
+    if thread.in_loop_thread:
+        thread.stop_soon(core.aclose(), timeout=2 * CLOSE_WITHDRAW_S + 5)
+        return
+    try:
+        thread.submit(core.aclose()).result(timeout=2 * CLOSE_WITHDRAW_S + 5)
+    except Exception:  # closing is best effort
+        log.debug("closing the client failed", exc_info=True)
+    thread.stop()
 
 
 def _close_abandoned(thread: LoopThread, core: ClientCore) -> None:

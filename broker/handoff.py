@@ -249,9 +249,15 @@ class CallFuture(Future[T]):
     cancelling thread, if :meth:`cancel` cancels the future.
     """
 
-    def __init__(self, relay: Relay, on_cancel: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        relay: Relay,
+        on_cancel: Callable[[], Any] | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
         super().__init__()
         self._relay = relay
+        self._loop = loop  # the loop that settles it: waiting there would wait for itself
         self._sleepers: list[Waiter] = []
         self._quiet = False
         self.on_cancel = on_cancel
@@ -301,6 +307,12 @@ class CallFuture(Future[T]):
     def _wait(self, timeout: float | None) -> None:
         if self.done():
             return
+        if self._loop is not None and asyncio._get_running_loop() is self._loop:
+            raise RuntimeError(
+                "the result of a pending submit() future cannot be waited for on the "
+                "Streamer's own thread, where the callbacks of its futures run: it would wait "
+                "for itself. Wait for it from another thread"
+            )
         waiter = Waiter(self._relay)
         with self._condition:
             if self.done():

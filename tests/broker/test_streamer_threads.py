@@ -143,3 +143,40 @@ def test_a_call_on_its_way_in_as_the_streamer_closes_fails_with_broker_unavailab
     assert "closed while the call waited" in str(outcome[0])
     assert time.monotonic() - started < 2
     streamer.close()
+
+
+def test_a_submit_callback_that_would_wait_on_the_streamer_s_own_thread_is_told_at_once(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A submit() future's callbacks run on the Streamer's loop thread. A predict() there
+    waited for a reply that loop could no longer read (every call of the Streamer stalled),
+    then failed with a DeadlineExceeded 5 s after its timeout; result() of another pending
+    future stalled it for its whole timeout (forever without one); close() for 9 s."""
+    streamer = Streamer("idle", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True)
+    pending = streamer.submit(["waits"], timeout=30)  # no worker: it waits
+    seen: dict[str, object] = {}
+    done = threading.Event()
+
+    def callback(_: object) -> None:
+        started = time.monotonic()
+        for what, wait in (
+            ("predict", lambda: streamer.predict(["x"], timeout=1)),
+            ("result", lambda: pending.result(1)),
+        ):
+            try:
+                seen[what] = wait()
+            except Exception as exc:
+                seen[what] = exc
+        streamer.close()
+        seen["seconds"] = time.monotonic() - started
+        done.set()
+
+    streamer.submit(["expires"], timeout=0.2).add_done_callback(callback)
+    assert done.wait(30)
+    for what in ("predict", "result"):
+        assert isinstance(seen[what], RuntimeError), seen
+        assert "own thread" in str(seen[what])
+    assert isinstance(seen["seconds"], float) and seen["seconds"] < 1
+    error = pending.exception(5)  # the close from the callback ended it
+    assert isinstance(error, BrokerUnavailable), error
+    streamer.close()
