@@ -593,6 +593,8 @@ class _WorkerGroup:
             "model": f"{__name__}:CompatWorker",
             "name": name,
             "cuda": devices,
+            # worker_num processes in all, one per entry of devices: never sized by the model
+            "workers_per_device": 1,
             "workers": worker_num,
             "prefix": prefix,
             "batch_size": batch_size,

@@ -30,7 +30,9 @@ import pytest
 
 from broker.devserver import RedisServer, free_port
 from broker.errors import CodecError, DeadlineExceeded, ModelError
-from gpu_worker import compat
+from gpu_worker import compat, supervisor
+from gpu_worker.config import WorkerConfig
+from gpu_worker.devices import DEVICE_COUNT_ENV
 from tests.conftest import ROOT
 
 PROGRAMS = Path(__file__).resolve().parent / "compat_programs"
@@ -381,6 +383,25 @@ def test_streamer_refuses_what_workers_cannot_import_or_start(
     with pytest.raises(RuntimeError, match="CUDA device 1 does not exist"):
         compat.Streamer(picky.predict, 8, worker_num=2, cuda_devices=[1])
     assert time.monotonic() - started < 60
+
+
+def test_worker_num_is_all_the_worker_processes_on_cuda_devices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """worker_num=4 over cuda_devices=(0, 1) is 4 processes, as service_streamer starts, also
+    for a small model on a host with many cores (no `worker start --workers-per-device auto`)."""
+    monkeypatch.setenv(DEVICE_COUNT_ENV, "2")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(supervisor, "usable_cores", lambda: 16.0)
+    target = compat._reference(picky.predict)
+    group = compat._WorkerGroup(target, 8, 0.1, 4, (0, 1), None, None, "p", compat.COMPAT_NAME)
+    workers = supervisor.Supervisor(WorkerConfig(**group.config))
+    monkeypatch.setattr(workers, "_spawn", lambda slot: None)
+    for slot in workers.slots:  # each has loaded a small model
+        slot.ready, slot.device_bytes = True, 2**20
+    workers._size_devices()
+    workers.heartbeats.close()
+    assert [slot.cuda_visible for slot in workers.slots] == ["0", "1", "0", "1"]
 
 
 def test_redis_broker_addresses() -> None:
