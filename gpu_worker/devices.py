@@ -157,14 +157,20 @@ def device_footprint(model: ManagedModel) -> int | None:
 
     On a CUDA device: the memory torch has allocated there (the weights and whatever else the
     model keeps on the GPU). Elsewhere: the parameters and buffers of the ``torch.nn.Module``
-    attributes of the model. A model without torch, or with no module to count: None.
+    attributes of the model. A model without torch, with no module to count, or that put
+    nothing on its GPU through torch (ONNX Runtime, TensorRT, JAX, CuPy): None.
     """
     torch: Any = sys.modules.get("torch")
     if torch is None:
         return None
     if model.device.startswith("cuda") and torch.cuda.is_available():
+        # Every CUDA worker imports torch (to check its device), so torch being there says
+        # nothing; one that never initialised CUDA did not put the model there, and
+        # synchronize() would create a CUDA context (hundreds of MiB of the GPU) to report 0.
+        if not torch.cuda.is_initialized():
+            return None
         torch.cuda.synchronize()
-        return int(torch.cuda.memory_allocated())
+        return int(torch.cuda.memory_allocated()) or None
     modules = [
         value
         for value in getattr(model, "__dict__", {}).values()

@@ -19,12 +19,13 @@ from gpu_worker.devices import (
     DEVICE_COUNT_ENV,
     DeviceError,
     auto_workers_per_device,
+    device_footprint,
     parse_cuda,
     plan_devices,
 )
 from gpu_worker.polling import usable_cores
 from tests.conftest import ROOT, wait_for_line, worker_process
-from tests.models import RECORD_ENV
+from tests.models import RECORD_ENV, DeviceProbe
 
 
 def probes(directory: Path) -> list[dict[str, object]]:
@@ -232,3 +233,25 @@ def test_workers_per_device_takes_auto_or_a_positive_count() -> None:
                                 "--workers-per-device", bad)  # fmt: skip
         assert result.returncode == 2
         assert f"--workers-per-device {reason}" in result.stderr
+
+
+def test_a_model_that_put_nothing_on_its_gpu_through_torch_is_of_unknown_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every CUDA worker has torch imported; an ONNX Runtime or JAX model never initialises
+    torch's CUDA: unknown (one worker), not 0 bytes (three), and no CUDA context made for it."""
+    import torch
+
+    synchronized: list[bool] = []
+    initialized = [False]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: initialized[0])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: synchronized.append(True))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 0)
+    model = DeviceProbe(device="cuda:0")
+    assert device_footprint(model) is None
+    assert not synchronized
+    initialized[0] = True  # torch's CUDA in use, yet nothing allocated through it
+    assert device_footprint(model) is None
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 3 * 2**20)
+    assert device_footprint(model) == 3 * 2**20
