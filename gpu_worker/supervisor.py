@@ -343,6 +343,8 @@ class Supervisor:
     def _size_devices(self) -> None:
         """`--workers-per-device auto`: once a device's first worker is ready, start as many
         more on that device as its model's size and the host's cores call for."""
+        if self._stopping:  # a SIGTERM came as the first was ready: no new worker to leave behind
+            return
         cores = usable_cores()
         for slot in list(self.slots):
             if slot.cuda_visible not in self._sizing or not slot.ready:

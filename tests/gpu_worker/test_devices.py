@@ -255,3 +255,22 @@ def test_a_model_that_put_nothing_on_its_gpu_through_torch_is_of_unknown_size(
     assert device_footprint(model) is None
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 3 * 2**20)
     assert device_footprint(model) == 3 * 2**20
+
+
+def test_auto_starts_no_worker_once_asked_to_stop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SIGTERM handled just before the first worker's "ready" is read: the supervisor has
+    signalled the workers it had and drains them; one started now would never be told."""
+    from gpu_worker import supervisor
+    from gpu_worker.config import WorkerConfig
+
+    monkeypatch.setenv(DEVICE_COUNT_ENV, "1")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(supervisor, "usable_cores", lambda: 16.0)
+    workers = supervisor.Supervisor(WorkerConfig(model="tests.models:SmallProbe", cuda=[0]))
+    spawned: list[int] = []
+    monkeypatch.setattr(workers, "_spawn", lambda slot: spawned.append(slot.index))
+    workers.slots[0].ready, workers.slots[0].device_bytes = True, 2**20
+    workers.request_stop()
+    workers._size_devices()
+    workers.heartbeats.close()
+    assert spawned == [] and len(workers.slots) == 1
