@@ -164,7 +164,10 @@ def start(
     ] = None,
     start_timeout: Annotated[
         float,
-        typer.Option(help="Seconds to wait for workers to load."),
+        typer.Option(
+            help="Seconds each worker process may take to load the model, from its start "
+            "(the extra ones of --workers-per-device auto start once the first has loaded).",
+        ),
     ] = 600.0,
     graceful_timeout: Annotated[
         float,

@@ -250,11 +250,10 @@ class Supervisor:
         try:
             if not self._wait_for_redis():
                 return self._drain()
-            start_deadline = time.monotonic() + self.config.start_timeout
             for slot in self.slots:
                 self._spawn(slot)
             while not self._stopping:
-                self._step(start_deadline)
+                self._step()
             return self._drain()
         except BaseException:
             self._stopping = True
@@ -307,7 +306,7 @@ class Supervisor:
         if error:
             raise RedisUnreachable(error)
 
-    def _step(self, start_deadline: float) -> None:
+    def _step(self) -> None:
         for key, _ in self.selector.select(timeout=min(0.2, self._heartbeat_every)):
             self._read_status(key.data)
         now = time.monotonic()
@@ -327,7 +326,7 @@ class Supervisor:
                 }
             )
         if not self.all_ready_once:
-            self._check_started(now, start_deadline)
+            self._check_started(now)
 
     def _tend_children(self, now: float) -> None:
         """Reap the children that exited, restart those due, and read the others' batches."""
@@ -362,8 +361,10 @@ class Supervisor:
                 self.slots.append(extra)
                 self._spawn(extra)
 
-    def _check_started(self, now: float, start_deadline: float) -> None:
-        """Say when all workers are ready for the first time; give up past --start-timeout."""
+    def _check_started(self, now: float) -> None:
+        """Say when all workers are ready for the first time; give up on one that has not
+        loaded within --start-timeout of its start (the extra workers of
+        `--workers-per-device auto` start once the first has loaded)."""
         if not self._sizing and all(slot.ready for slot in self.slots):
             self.all_ready_once = True
             items, size = self.queue_bound
@@ -373,7 +374,10 @@ class Supervisor:
                 f"{items} items" if items else "no item bound",
                 f"{size} bytes in all" if size else "no byte bound",
             )  # fmt: skip
-        elif now > start_deadline:
+        elif any(
+            not slot.ready and now - slot.started_at > self.config.start_timeout
+            for slot in self.slots
+        ):
             raise StartError(
                 f"workers not ready within {self.config.start_timeout:g} s (--start-timeout)"
             )

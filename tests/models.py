@@ -115,6 +115,25 @@ class LargeProbe(DeviceProbe):
         super().init_model()
 
 
+class LateExtraProbe(SmallProbe):
+    """A SmallProbe whose first process loads at once and whose others finish loading
+    ``LATE_S`` seconds after the first did (told apart through MICROBATCH_TEST_RECORD_DIR)."""
+
+    name = "lateextraprobe"
+    LATE_S = 5.0
+
+    def init_model(self) -> None:
+        super().init_model()
+        first = os.path.join(os.environ[RECORD_ENV], "first-loaded")
+        try:
+            with open(first, "x") as out:
+                out.write(str(time.time()))
+        except FileExistsError:
+            with open(first) as record:
+                loaded = float(record.read())
+            time.sleep(max(0.0, loaded + self.LATE_S - time.time()))
+
+
 class BrokenInit(ManagedModel):
     """A model whose init_model raises."""
 

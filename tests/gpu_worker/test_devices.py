@@ -202,6 +202,32 @@ def test_auto_runs_more_workers_on_a_device_for_a_small_model(
     assert f"{expect} worker(s) on it" in log
 
 
+def test_the_extra_workers_of_auto_have_their_own_start_timeout(
+    redis_server: RedisServer, prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--start-timeout is each worker's time to load: the extras, started once the first has
+    loaded, are not held to what the first left of it (here 6 s, the extras ready 5 s after
+    the first, itself ready 1-3 s after its start)."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    expect = auto_workers_per_device(0, 1, usable_cores())
+    if expect == 1:
+        pytest.skip("one core: auto starts no extra worker")
+    log_path = tmp_path / "worker.log"
+    with worker_process(
+        redis_server.url,
+        "tests.models:LateExtraProbe",
+        prefix,
+        "--cuda",
+        "0",
+        "--start-timeout",
+        "6",
+        env={RECORD_ENV: str(tmp_path), DEVICE_COUNT_ENV: "1"},
+        expect_consumers=None,
+        log_path=log_path,
+    ) as process:
+        wait_for_line(log_path, f"all {expect} worker(s) ready", process, timeout=30)
+
+
 @pytest.mark.parametrize("model", ["LargeProbe", "DeviceProbe"])
 def test_auto_runs_one_worker_per_device_for_a_large_or_unknown_model(
     redis_server: RedisServer, prefix: str, tmp_path: Path, model: str,
