@@ -70,6 +70,7 @@ class Slot:
     restarts: int = 0
     consumer: str | None = None
     device_bytes: int | None = None  # what its model holds on its device, as it reported
+    auto_extra: bool = False  # started by --workers-per-device auto after the device's first
     busy_since: float | None = None
     batch_items: int = 0
     state: BatchState | None = None
@@ -182,6 +183,11 @@ class Supervisor:
             return
         reason = slot.last_error or f"exited with code {code}"
         if not self.all_ready_once:
+            if slot.auto_extra:  # one the user did not ask for by number
+                reason += (
+                    " (an extra worker of --workers-per-device auto, started once the device's "
+                    "first had loaded the model; --workers-per-device 1 runs one per device)"
+                )
             raise StartError(f"worker {slot.index} could not start: {reason}")
         healthy = was_ready and now - slot.started_at > HEALTHY_AFTER_S
         if healthy:
@@ -357,7 +363,7 @@ class Supervisor:
                 held, slot.cuda_visible, cores, len(self.config.cuda or ()), count,
             )  # fmt: skip
             for _ in range(count - 1):
-                extra = Slot(len(self.slots), slot.cuda_visible)
+                extra = Slot(len(self.slots), slot.cuda_visible, auto_extra=True)
                 self.slots.append(extra)
                 self._spawn(extra)
 

@@ -117,10 +117,11 @@ class LargeProbe(DeviceProbe):
 
 class LateExtraProbe(SmallProbe):
     """A SmallProbe whose first process loads at once and whose others finish loading
-    ``LATE_S`` seconds after the first did (told apart through MICROBATCH_TEST_RECORD_DIR)."""
+    ``LATE_S`` seconds after the first did (told apart through MICROBATCH_TEST_RECORD_DIR);
+    with ``LATE_S`` None they fail to load."""
 
     name = "lateextraprobe"
-    LATE_S = 5.0
+    LATE_S: float | None = 5.0
 
     def init_model(self) -> None:
         super().init_model()
@@ -129,9 +130,18 @@ class LateExtraProbe(SmallProbe):
             with open(first, "x") as out:
                 out.write(str(time.time()))
         except FileExistsError:
+            if self.LATE_S is None:
+                raise RuntimeError("only the first process loads") from None
             with open(first) as record:
                 loaded = float(record.read())
             time.sleep(max(0.0, loaded + self.LATE_S - time.time()))
+
+
+class FlakyExtraProbe(LateExtraProbe):
+    """A SmallProbe that loads in the first process only."""
+
+    name = "flakyextraprobe"
+    LATE_S = None
 
 
 class BrokenInit(ManagedModel):

@@ -228,6 +228,24 @@ def test_the_extra_workers_of_auto_have_their_own_start_timeout(
         wait_for_line(log_path, f"all {expect} worker(s) ready", process, timeout=30)
 
 
+def test_an_extra_worker_of_auto_that_cannot_start_is_named_as_such(
+    redis_server: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    if auto_workers_per_device(0, 1, usable_cores()) == 1:
+        pytest.skip("one core: auto starts no extra worker")
+    result = run_worker_cli(
+        "--model", "tests.models:FlakyExtraProbe", "--cuda", "0", "--redis", redis_server.url,
+        env={RECORD_ENV: str(tmp_path), DEVICE_COUNT_ENV: "1"},
+    )  # fmt: skip
+    assert result.returncode == 1
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("Error: worker 1 could not start: model tests.models:FlakyExtraProbe")
+    assert "RuntimeError: only the first process loads" in error
+    assert "an extra worker of --workers-per-device auto" in error
+    assert "--workers-per-device 1 runs one per device" in error
+
+
 @pytest.mark.parametrize("model", ["LargeProbe", "DeviceProbe"])
 def test_auto_runs_one_worker_per_device_for_a_large_or_unknown_model(
     redis_server: RedisServer, prefix: str, tmp_path: Path, model: str,
