@@ -112,7 +112,8 @@ def start(
         typer.Option(
             help="Processes per CUDA device, each with its own copy of the weights, or auto: "
             "once the first has loaded the model, a model holding at most 1 GiB on its device "
-            "gets up to 3 per device (one per host core), a larger one 1. Small models are "
+            "gets up to 3 per device (one per host core), a larger one (or one holding nothing "
+            "there through torch) 1. Small models are "
             "bound by the host work of each batch, which more processes overlap; large ones by "
             "the GPU (docs/deployment.md, GPU workers).",
         ),
