@@ -163,7 +163,8 @@ def device_footprint(model: ManagedModel) -> int | None:
     torch: Any = sys.modules.get("torch")
     if torch is None:
         return None
-    if model.device.startswith("cuda") and torch.cuda.is_available():
+    # str(): a model may have made its device a torch.device
+    if str(model.device).startswith("cuda") and torch.cuda.is_available():
         # Every CUDA worker imports torch (to check its device), so torch being there says
         # nothing; one that never initialised CUDA did not put the model there, and
         # synchronize() would create a CUDA context (hundreds of MiB of the GPU) to report 0.

@@ -25,7 +25,7 @@ from gpu_worker.devices import (
 )
 from gpu_worker.polling import usable_cores
 from tests.conftest import ROOT, wait_for_line, worker_process
-from tests.models import RECORD_ENV, DeviceProbe
+from tests.models import RECORD_ENV, DeviceProbe, SmallProbe
 
 
 def probes(directory: Path) -> list[dict[str, object]]:
@@ -318,3 +318,20 @@ def test_auto_starts_no_worker_once_asked_to_stop(monkeypatch: pytest.MonkeyPatc
     workers._size_devices()
     workers.heartbeats.close()
     assert spawned == [] and len(workers.slots) == 1
+
+
+def test_a_model_may_make_its_device_a_torch_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`self.device = torch.device(self.device)` in init_model, a common idiom: the worker
+    still reports its model's size (it crashed after loading, on the CPU too)."""
+    import torch
+
+    model = SmallProbe(device="cpu")
+    model.net = torch.nn.Linear(16, 16)
+    model.device = torch.device("cpu")  # type: ignore[assignment]
+    assert device_footprint(model) == (16 * 16 + 16) * 4
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 5 * 2**20)
+    model.device = torch.device("cuda:0")  # type: ignore[assignment]
+    assert device_footprint(model) == 5 * 2**20
