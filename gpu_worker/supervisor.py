@@ -183,11 +183,9 @@ class Supervisor:
             return
         reason = slot.last_error or f"exited with code {code}"
         if not self.all_ready_once:
-            if slot.auto_extra:  # one the user did not ask for by number
-                reason += (
-                    " (an extra worker of --workers-per-device auto, started once the device's "
-                    "first had loaded the model; --workers-per-device 1 runs one per device)"
-                )
+            if slot.auto_extra:  # one the user did not ask for: serve without it
+                self._drop_extra(slot, reason)
+                return
             raise StartError(f"worker {slot.index} could not start: {reason}")
         healthy = was_ready and now - slot.started_at > HEALTHY_AFTER_S
         if healthy:
@@ -366,6 +364,19 @@ class Supervisor:
                 extra = Slot(len(self.slots), slot.cuda_visible, auto_extra=True)
                 self.slots.append(extra)
                 self._spawn(extra)
+
+    def _drop_extra(self, slot: Slot, reason: str) -> None:
+        """An extra worker of `--workers-per-device auto` could not start (a second copy of
+        the model that does not fit, say): its device runs with the workers it has."""
+        self.slots.remove(slot)
+        if slot.state is not None:
+            slot.state.close(unlink=True)
+        left = sum(other.cuda_visible == slot.cuda_visible for other in self.slots)
+        log.warning(
+            "worker %d, an extra worker of --workers-per-device auto, could not start: %s; "
+            "device %s runs %d worker(s) (--workers-per-device N fixes the number)",
+            slot.index, reason, slot.cuda_visible, left,
+        )  # fmt: skip
 
     def _check_started(self, now: float) -> None:
         """Say when all workers are ready for the first time; give up on one that has not
