@@ -47,6 +47,9 @@ class InMemoryTransport:
         self._lists: dict[str, _List] = {}
         self._last_ms = 0
         self._seq = 0
+        # Entry ids and time_ms() read one clock: the wall clock as of now, run on by the
+        # monotonic one, so that a step of the wall clock moves no deadline.
+        self._base_ms = time.time() * 1000 - time.monotonic() * 1000
         self.dead: dict[str, list[tuple[Entry, str]]] = {}
         self.partition_counts: dict[str, int] = {}  # by ModelKeys.partitions_key
         self.cancellations_pending = True
@@ -64,8 +67,11 @@ class InMemoryTransport:
             found = self._lists[key] = _List()
         return found
 
+    def _now_ms(self) -> int:
+        return int(self._base_ms + time.monotonic() * 1000)
+
     def _next_id(self) -> str:
-        now = int(time.time() * 1000)
+        now = self._now_ms()
         if now > self._last_ms:
             self._last_ms, self._seq = now, 0
         else:
@@ -246,7 +252,7 @@ class InMemoryTransport:
         return 0.0  # the batch loop in this process is the model's worker
 
     async def time_ms(self) -> int:
-        return int(time.time() * 1000)
+        return self._now_ms()
 
     async def ping(self) -> bool:
         return True

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from broker.errors import BrokerUnavailable, PoisonRequest
@@ -60,30 +61,43 @@ class BrokerClock:
     """The broker's clock, estimated from one TIME round trip and refreshed now and then.
 
     Deadlines are stamped by the broker (entry ids), so workers compare them with its clock.
+    Between syncs the estimate runs on this host's monotonic clock, never on its wall clock:
+    a step of the wall clock (NTP, an operator) would otherwise shift every deadline by the
+    step until the next sync, refusing valid items as expired or computing stale ones.
     """
 
-    def __init__(self, transport: Transport) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        wall: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._transport = transport
-        self._offset_ms = 0.0
+        self._monotonic = monotonic
+        # until the first sync: this host's wall clock
+        self._base_ms = wall() * 1000
+        self._base_at = monotonic()
         self._synced_at = float("-inf")
         self._epoch = transport.clock_epoch
 
     async def sync(self) -> None:
         self._epoch = self._transport.clock_epoch
-        before = time.time()
+        before = self._monotonic()
         server_ms = await self._transport.time_ms()
-        after = time.time()
+        after = self._monotonic()
         # time_ms() is floored to the ms: the server's time lay half a ms above it on average
-        self._offset_ms = server_ms + 0.5 - (before + after) * 500
+        self._base_ms = server_ms + 0.5
+        self._base_at = (before + after) / 2
         self._synced_at = after
 
     async def maybe_sync(self, every_s: float) -> None:
         # also as soon as the stream may be on another server (a cluster's slot moved)
-        if time.time() - self._synced_at > every_s or self._epoch != self._transport.clock_epoch:
+        due = self._monotonic() - self._synced_at > every_s
+        if due or self._epoch != self._transport.clock_epoch:
             await self.sync()
 
     def now_ms(self) -> float:
-        return time.time() * 1000 + self._offset_ms
+        return self._base_ms + (self._monotonic() - self._base_at) * 1000
 
 
 class BatchLoop:
@@ -200,6 +214,9 @@ class BatchLoop:
         # worker's entries must not wait for the backlog to drain.
         if time.monotonic() >= self._next_reclaim and not self._stopping:
             await self.redeliver(own=False)
+        # Also under a backlog, where no read comes back empty: the broker's clock may have
+        # been stepped, and this host's monotonic clock drifts from it.
+        await self.clock.maybe_sync(self.settings.clock_sync_s)
         if self.ahead.held:
             await self._run_held()
             return True
@@ -218,7 +235,6 @@ class BatchLoop:
             entries, skip = await self.read_batch(), set()
         if not entries:
             await self.runner.drain()
-            await self.clock.maybe_sync(self.settings.clock_sync_s)
             return True
         if self.settings.max_latency > 0:
             # The batch formed over a wait: callers may have withdrawn items meanwhile.

@@ -408,3 +408,80 @@ def test_the_watchdog_hears_of_one_batch_at_a_time_while_batches_are_pending() -
         n for n in range(1, 10) if events.index(("launch", n + 1)) < events.index(("taken", n))
     ]
     assert overlapped  # batches did overlap, so the order above was kept while they did
+
+
+# -- the broker's clock ----------------------------------------------------------------------------
+class ClockCounting(InMemoryTransport):
+    """Counts the worker's reads of the broker's clock (TIME)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs = 0
+
+    async def time_ms(self) -> int:
+        self.syncs += 1
+        return await super().time_ms()
+
+
+@pytest.mark.parametrize("step_s", [60.0, -3600.0])
+def test_a_step_of_the_workers_wall_clock_moves_no_deadline(
+    monkeypatch: pytest.MonkeyPatch, step_s: float
+) -> None:
+    """The broker (here in memory, as on another host) keeps its clock while the worker's
+    wall clock steps: a valid item read right after is computed, one past its deadline not."""
+
+    async def main() -> dict[str, Reply]:
+        keys = ModelKeys("double", "t")
+        transport = InMemoryTransport()
+        predict = Doubler(delay=0.3)
+        settings = BatchSettings(batch_size=4, block_ms=20, model_thread="on")
+        loop = BatchLoop(predict, transport, keys, "c1", settings)
+        await transport.ensure_group(keys)
+        serving = asyncio.ensure_future(loop.run())
+        inbox = keys.inbox("c")
+        first = CallRequests(inbox, 30_000, ["first"], [codec.encode(1)])
+        await transport.enqueue(keys, [first], UNBOUNDED)
+        while not predict.running:  # the worker holds the first batch (0.3 s)
+            await asyncio.sleep(0.005)
+        wall = time.time
+        monkeypatch.setattr(time, "time", lambda: wall() + step_s)
+        valid = CallRequests(inbox, 30_000, ["valid"], [codec.encode(2)])
+        late = CallRequests(inbox, 50, ["late"], [codec.encode(3)])  # expires while it waits
+        await transport.enqueue(keys, [valid, late], UNBOUNDED)
+        replies: dict[str, Reply] = {}
+        while len(replies) < 3:
+            for data in await transport.pop_replies(inbox, 3, 10):
+                reply = decode_reply(data)
+                replies[reply.request_id] = reply
+        loop.stop()
+        await asyncio.wait_for(serving, 10)
+        loop.close()
+        return replies
+
+    replies = asyncio.run(main())
+    assert replies["first"].ok and replies["valid"].ok and replies["valid"].result == 4
+    assert not replies["late"].ok and replies["late"].error_type == "DeadlineExceeded"
+
+
+def test_the_broker_clock_is_read_again_under_a_backlog() -> None:
+    """Reads never come back empty under a backlog; the estimate is renewed all the same."""
+    transport = ClockCounting()
+    settings = BatchSettings(batch_size=1, block_ms=20, clock_sync_s=0.05)
+    keys = ModelKeys("double", "t")
+
+    async def main() -> None:
+        loop = BatchLoop(Doubler(delay=0.01), transport, keys, "c1", settings)
+        await transport.ensure_group(keys)
+        ids = [f"r{i}" for i in range(40)]
+        call = CallRequests(keys.inbox("c"), 30_000, ids, [codec.encode(i) for i in range(40)])
+        await transport.enqueue(keys, [call], UNBOUNDED)
+        serving = asyncio.ensure_future(loop.run())
+        answered = 0
+        while answered < 40:
+            answered += len(await transport.pop_replies(keys.inbox("c"), 40, 10))
+        loop.stop()
+        await asyncio.wait_for(serving, 10)
+        loop.close()
+
+    asyncio.run(main())
+    assert transport.syncs >= 4  # 40 batches of 10 ms: about 8 periods of 50 ms
