@@ -17,7 +17,7 @@ from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from broker.cli_common import PREFIX_HELP, REDIS_HELP
-from broker.client import DEFAULT_REDIS_URL
+from broker.client import DEFAULT_REDIS_URL, MAX_TIMEOUT_S
 from broker.keys import DEFAULT_PREFIX, check_prefix
 from broker.logs import parse_format, parse_level
 from broker.multi_item import DEFAULT_ENTRY_ITEMS, MAX_ENTRY_ITEMS
@@ -72,13 +72,18 @@ class GatewaySettings(BaseSettings):
         description="gunicorn worker processes: about one per core left over by the model "
         "workers and Redis (on a small shared box, 1 does best).",
     )
+    # At most a year, as every call's timeout: beyond, each request would fail with a 500.
     default_timeout: float = Field(
         default=30.0,
         gt=0,
+        le=MAX_TIMEOUT_S,
         description="Seconds a request may wait for its result when it sends no X-Request-Timeout.",
     )
     max_timeout: float = Field(
-        default=300.0, gt=0, description="Cap on a request's X-Request-Timeout."
+        default=300.0,
+        gt=0,
+        le=MAX_TIMEOUT_S,
+        description="Cap on a request's X-Request-Timeout (at most a year).",
     )
     max_items: int = Field(default=256, ge=1, description="Most items in one request (413).")
     max_body_bytes: int = Field(

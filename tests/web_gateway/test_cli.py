@@ -143,6 +143,7 @@ def test_settings_are_checked_once_with_one_line_naming_the_option() -> None:
         ([], {"MICROBATCH_GATEWAY_WORKERS": "0"}, "--workers: Input should be greater than"),
         (["--port", "70000"], {}, "--port: Input should be less than or equal to 65535"),
         (["--max-timeout", "1"], {}, "--default-timeout must not exceed --max-timeout"),
+        (["--max-timeout", "1e9"], {}, "--max-timeout: Input should be less than or equal"),
         (["--max-held-body-bytes", "1000"], {}, "--max-held-body-bytes must be at least --max"),
         (["--send-timeout", "0"], {}, "--send-timeout: Input should be greater than 0"),
         ([], {"REDIS_URL": "http://x"}, "--redis: the Redis URL has 'http://'"),
