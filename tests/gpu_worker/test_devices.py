@@ -10,6 +10,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -171,22 +173,27 @@ def test_a_device_count_that_fails_is_a_clear_error(monkeypatch: pytest.MonkeyPa
         devices._count_in_subprocess()
 
 
+@contextmanager
+def auto_worker(
+    redis_url: str, prefix: str, tmp_path: Path, model: str, *args: str
+) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """`worker start --cuda 0` at the default (auto) workers per device, on a faked device:
+    the process and the path of its log."""
+    log_path = tmp_path / "worker.log"
+    with worker_process(
+        redis_url, f"tests.models:{model}", prefix, "--cuda", "0", *args,
+        env={RECORD_ENV: str(tmp_path), DEVICE_COUNT_ENV: "1"}, expect_consumers=None,
+        log_path=log_path,
+    ) as process:  # fmt: skip
+        yield process, log_path
+
+
 def run_auto(
     redis_url: str, prefix: str, tmp_path: Path, model: str, expect: int
 ) -> tuple[list[dict[str, object]], str]:
-    """`worker start --cuda 0` at the default (auto) workers per device, on a faked device:
-    the probes of its children and its log, once all its workers were ready."""
-    log_path = tmp_path / "worker.log"
-    with worker_process(
-        redis_url,
-        f"tests.models:{model}",
-        prefix,
-        "--cuda",
-        "0",
-        env={RECORD_ENV: str(tmp_path), DEVICE_COUNT_ENV: "1"},
-        expect_consumers=None,
-        log_path=log_path,
-    ) as process:
+    """The probes of an :func:`auto_worker`'s children and its log, once all its workers
+    were ready."""
+    with auto_worker(redis_url, prefix, tmp_path, model) as (process, log_path):
         wait_for_line(log_path, f"all {expect} worker(s) ready", process)
     return probes(tmp_path), log_path.read_text()
 
@@ -213,19 +220,9 @@ def test_the_extra_workers_of_auto_have_their_own_start_timeout(
     expect = auto_workers_per_device(0, 1, usable_cores())
     if expect == 1:
         pytest.skip("one core: auto starts no extra worker")
-    log_path = tmp_path / "worker.log"
-    with worker_process(
-        redis_server.url,
-        "tests.models:LateExtraProbe",
-        prefix,
-        "--cuda",
-        "0",
-        "--start-timeout",
-        "6",
-        env={RECORD_ENV: str(tmp_path), DEVICE_COUNT_ENV: "1"},
-        expect_consumers=None,
-        log_path=log_path,
-    ) as process:
+    with auto_worker(
+        redis_server.url, prefix, tmp_path, "LateExtraProbe", "--start-timeout", "6"
+    ) as (process, log_path):
         wait_for_line(log_path, f"all {expect} worker(s) ready", process, timeout=30)
 
 
@@ -237,12 +234,10 @@ def test_an_extra_worker_of_auto_that_cannot_start_is_left_out(
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     if auto_workers_per_device(0, 1, usable_cores()) == 1:
         pytest.skip("one core: auto starts no extra worker")
-    log_path = tmp_path / "worker.log"
-    with worker_process(
-        redis_server.url, "tests.models:FlakyExtraProbe", prefix, "--cuda", "0",
-        env={RECORD_ENV: str(tmp_path), DEVICE_COUNT_ENV: "1"}, expect_consumers=None,
-        log_path=log_path,
-    ) as process:  # fmt: skip
+    with auto_worker(redis_server.url, prefix, tmp_path, "FlakyExtraProbe") as (
+        process,
+        log_path,
+    ):
         wait_for_line(log_path, "all 1 worker(s) ready", process)
         with Streamer("flakyextraprobe", redis_url=redis_server.url, prefix=prefix) as client:
             assert client.predict([1], timeout=10)[0]["device"] == "cuda:0"
