@@ -76,11 +76,16 @@ def _to_floats(value: Any, dtype: np.dtype[Any], datatype: str) -> np.ndarray:
     wide = np.asarray(value, dtype=np.float64)  # exact for every number a caller can send
     limit = float(np.finfo(dtype).max)
     if (np.abs(wide) > limit).any():  # rare: look for a finite one (inf and nan may pass)
-        too_large = np.isfinite(wide) & (np.abs(wide) > limit)
+        # past the largest value, but one that rounds down to it is that value (3.4028235e38,
+        # FP32's largest as it is written in its shortest form, v1's and v2's outputs included)
+        with np.errstate(over="ignore"):
+            narrow = wide.astype(dtype)
+        too_large = np.isfinite(wide) & np.isinf(narrow)
         if too_large.any():
             position = _first(too_large)
             number = float(wide[tuple(position)])
             raise Unfit(position, f"{number!r} is out of range for {datatype}")
+        return narrow
     return wide.astype(dtype)
 
 

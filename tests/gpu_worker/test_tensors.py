@@ -16,6 +16,13 @@ from gpu_worker import ManagedModel, TensorSpec
     [
         ("FP32", [1, 2.5, np.float64(3)], np.array([1, 2.5, 3], np.float32)),
         ("FP16", [65504.0, -1], np.array([65504, -1], np.float16)),
+        # past each type's largest value, but rounding to it (FP32's largest as JSON writes it)
+        ("FP16", [65519.0, -65519.0], np.array([65504, -65504], np.float16)),
+        (
+            "FP32",
+            [3.4028235e38, -3.4028235e38],
+            np.array([1, -1], np.float32) * np.float32(3.4028235e38),
+        ),
         ("FP64", [1e300, float("nan")], np.array([1e300, np.nan])),
         ("INT8", [-128, 127, 3.0], np.array([-128, 127, 3], np.int8)),
         ("UINT64", [2**64 - 1, 0], np.array([2**64 - 1, 0], np.uint64)),
@@ -43,6 +50,7 @@ def test_numbers_that_fit_are_converted(datatype: str, value: Any, want: np.ndar
         ("FP32", np.array([1.0, None]), "input 'x' at [1]: null is not a number (FP32)"),
         ("FP16", [1.0, 70000.0], "input 'x' at [1]: 70000.0 is out of range for FP16"),
         ("FP32", [1e39], "input 'x' at [0]: 1e+39 is out of range for FP32"),
+        ("FP16", [65520.0], "input 'x' at [0]: 65520.0 is out of range for FP16"),  # rounds up
         ("INT8", [1, 128], "input 'x' at [1]: 128 is out of range for INT8"),
         ("UINT8", [-1], "input 'x' at [0]: -1 is out of range for UINT8"),
         ("UINT64", [2**64], f"input 'x' at [0]: {2**64} is out of range for UINT64"),
