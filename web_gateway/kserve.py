@@ -366,22 +366,51 @@ def _wanted(request: InferRequest, tensors: dict[str, np.ndarray]) -> list[tuple
     return request.outputs
 
 
+def _bytes_elements(name: str, array: np.ndarray) -> list[str | bytes]:
+    """A BYTES output's elements; 500 InvalidOutput for one that is neither str nor bytes
+    (``str()`` or ``bytes()`` of it would be no value the model gave: ``bytes(3)`` is three
+    zero bytes)."""
+    values: list[Any] = array.reshape(-1).tolist()
+    for value in values:
+        if not isinstance(value, (str, bytes)):
+            raise HTTPError(
+                500,
+                "InvalidOutput",
+                f"output {name!r} is BYTES, but holds {type(value).__name__} values "
+                "(a BYTES output takes str or bytes)",
+            )
+    return values
+
+
+def _as_text(name: str, value: str | bytes) -> str:
+    """One BYTES element as a JSON string: 500 InvalidOutput for bytes that are not UTF-8,
+    which JSON cannot carry as they are (binary outputs can)."""
+    if isinstance(value, str):
+        return value
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise HTTPError(
+            500,
+            "InvalidOutput",
+            f"output {name!r} holds bytes that are not UTF-8, which JSON cannot carry: "
+            "ask for it in binary (parameters.binary_data or binary_data_output)",
+        ) from None
+
+
 def _describe(name: str, array: np.ndarray, binary: bool) -> tuple[dict[str, Any], bytes | None]:
     """One output's JSON entry, and its binary data when it travels in binary."""
     datatype = _datatype_of(array)
     entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(array.shape)}
     if binary:
         if datatype == "BYTES":
-            blob = encode_bytes_elements(array.reshape(-1).tolist())
+            blob = encode_bytes_elements(_bytes_elements(name, array))
         else:
             blob = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
         entry["parameters"] = {"binary_data_size": len(blob)}
         return entry, blob
     if datatype == "BYTES":
-        entry["data"] = [
-            value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-            for value in array.reshape(-1).tolist()
-        ]
+        entry["data"] = [_as_text(name, value) for value in _bytes_elements(name, array)]
     else:
         # serialized by orjson as it is (float32 values in their shortest form, as v1 writes
         # them, not as the float64 values tolist() would make of them)

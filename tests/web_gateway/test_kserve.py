@@ -270,6 +270,30 @@ def test_outputs_that_cannot_be_sent_are_500_invalid_output() -> None:
         assert message in raised.value.message
 
 
+def test_bytes_outputs_are_sent_as_they_are_or_refused() -> None:
+    """BYTES elements travel exactly in binary; JSON takes the UTF-8 ones only (never a
+    replacement character in place of a byte), and neither takes what is not str or bytes."""
+    spec = [TensorSpec("y", "BYTES", [])]
+    raw = [b"\xff\x00\xfe", "\u00e9\U0001f600\x00".encode(), "z"]
+    binary = kserve.parse_request(
+        body(tensor(data=[0, 0]), parameters={"binary_data_output": True}), None
+    )
+    _, rest, _ = answer(binary, raw, spec)
+    assert rest == kserve.encode_bytes_elements(raw)
+    plain = kserve.parse_request(body(tensor(data=[0, 0])), None)
+    document, _, _ = answer(plain, raw[1:], spec)
+    assert document["outputs"][0]["data"] == ["\u00e9\U0001f600\x00", "z"]
+    for request, outputs, message in (
+        (plain, raw, "output 'y' holds bytes that are not UTF-8"),
+        (plain, [None], "output 'y' is BYTES, but holds NoneType values"),
+        (binary, [3], "output 'y' is BYTES, but holds int values"),
+    ):
+        with pytest.raises(HTTPError) as raised:
+            answer(request, outputs, spec)
+        assert (raised.value.status, raised.value.type) == (500, "InvalidOutput")
+        assert raised.value.message.startswith(message)
+
+
 def test_tensor_metadata_has_a_batch_dimension() -> None:
     specs = [TensorSpec("x", "FP32", [3, 4])]
     assert kserve.tensor_metadata(specs) == [{"name": "x", "datatype": "FP32", "shape": [-1, 3, 4]}]
