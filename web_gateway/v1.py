@@ -12,16 +12,17 @@ from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
+import orjson
 from fastapi import APIRouter, Path, Request
 from starlette.responses import Response
 
 from gpu_worker.model import TensorSpec
 
 from . import reading
-from .errors import bad_request
+from .errors import HTTPError, bad_request
 from .openapi import MODELS, V1_PREDICT
-from .responses import json_response
-from .serving import ServedModel
+from .responses import JSONBody, json_response
+from .serving import ServedModel, to_json
 from .state import Gateway
 
 PREDICT_PATH = re.compile(r"/v1/models/([a-z0-9_-]+)/predict")
@@ -78,7 +79,28 @@ async def _predict(gateway: Gateway, request: Request, served: ServedModel) -> R
     outputs = await gateway.predict(request, served, items, timeout, priority)
     if served.has_postprocess:
         outputs = await gateway.in_pool(served.finish, outputs)
-    return json_response({"outputs": outputs})
+    return outputs_response(outputs)
+
+
+def outputs_response(outputs: list[Any]) -> Response:
+    """The answer ``{"outputs": [...]}``; 500 InvalidOutput (not InternalError) for outputs
+    JSON cannot hold."""
+    try:
+        return json_response({"outputs": outputs})
+    except orjson.JSONEncodeError:
+        pass
+    # Map keys other than strings (ints, floats, None) written as strings, the only keys JSON
+    # has, as json.dumps writes them; anything else (complex numbers, bytes keys) says so.
+    try:
+        body = orjson.dumps(
+            {"outputs": outputs},
+            default=to_json,
+            option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS,
+        )
+    except orjson.JSONEncodeError as exc:
+        message = f"model outputs cannot be written as JSON: {exc}"
+        raise HTTPError(500, "InvalidOutput", message) from None
+    return JSONBody(body)
 
 
 def parse_and_prepare(

@@ -283,3 +283,24 @@ def test_the_v1_shortcut_for_plain_numbers_changes_no_result_and_no_error() -> N
         assert outcomes[0] == outcomes[1], body
     assert _only_numbers(bodies[0]) and not _only_numbers(bodies[-3])
     assert not _only_numbers(bodies[-2]) and not _only_numbers(bodies[-1])
+
+
+def test_v1_outputs_that_json_cannot_hold_are_invalid_output() -> None:
+    """Map keys that are not strings are written as strings, as JSON has only those; what
+    JSON cannot write at all is 500 InvalidOutput saying what, never an InternalError."""
+    import orjson
+
+    from web_gateway.errors import HTTPError
+    from web_gateway.v1 import outputs_response
+
+    answer = outputs_response([{1: "a", None: [np.float32(0.5)]}, {"k": b"v"}])
+    assert orjson.loads(answer.body) == {"outputs": [{"1": "a", "null": [0.5]}, {"k": "v"}]}
+    for outputs, what in (
+        ([np.array([1 + 2j], np.complex64)], "complex"),
+        ([{b"k": 1}], "Dict key"),
+    ):
+        with pytest.raises(HTTPError) as raised:
+            outputs_response(outputs)
+        assert (raised.value.status, raised.value.type) == (500, "InvalidOutput")
+        assert raised.value.message.startswith("model outputs cannot be written as JSON")
+        assert what in raised.value.message
