@@ -56,8 +56,18 @@ class InferRequest:
         rows = range(self.batch_size)
         if len(self.inputs) == 1:
             (array,) = self.inputs.values()
-            return [array[i] for i in rows]
-        return [{name: array[i] for name, array in self.inputs.items()} for i in rows]
+            return _rows(array, rows)
+        columns = {name: _rows(array, rows) for name, array in self.inputs.items()}
+        return [{name: column[i] for name, column in columns.items()} for i in rows]
+
+
+def _rows(array: np.ndarray, rows: range) -> list[Any]:
+    """An array's rows. Those of a numeric 1-d array as 0-d arrays, not numpy scalars: the
+    codec sends a scalar as a Python number, so an FP32 row would reach the model as a
+    float64 one (BYTES rows stay str or bytes)."""
+    if array.ndim == 1 and array.dtype != object:
+        return [array[i, ...] for i in rows]
+    return [array[i] for i in rows]
 
 
 def _object(value: Any, what: str) -> dict[str, Any]:

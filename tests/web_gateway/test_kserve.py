@@ -54,6 +54,30 @@ def test_several_inputs_make_one_dict_per_row() -> None:
     assert [item["b"] for item in items] == ["p", "q"]
 
 
+def test_rows_of_a_1d_tensor_keep_their_datatype_on_the_wire() -> None:
+    """A row of a 1-d tensor is a 0-d array, which the codec sends as one: a numpy scalar
+    would reach the model as a Python number (an FP32 one as float64)."""
+    from broker import codec
+
+    for datatype, dtype in (("FP32", np.float32), ("FP16", np.float16), ("UINT8", np.uint8)):
+        parsed = kserve.parse_request(
+            body(tensor(datatype=datatype, shape=(2,), data=[1, 2])), None
+        )
+        for item in (*parsed.items(), *(row["x"] for row in two_inputs(datatype))):
+            sent = codec.decode(codec.encode(item))
+            assert isinstance(sent, np.ndarray) and sent.dtype == dtype and sent.shape == ()
+
+
+def two_inputs(datatype: str) -> list[Any]:
+    raw = body(
+        tensor(datatype=datatype, shape=(2,), data=[1, 2]),
+        tensor("y", "BYTES", (2,), data=["p", "q"]),
+    )
+    items = kserve.parse_request(raw, None).items()
+    assert [item["y"] for item in items] == ["p", "q"]
+    return items
+
+
 def test_a_byte_order_mark_before_the_json_is_ignored() -> None:
     """RFC 8259 lets a parser ignore it; Windows PowerShell 5 writes UTF-8 files with one."""
     blob = np.array([[1.5, 2.5]], dtype="<f4").tobytes()
