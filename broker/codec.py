@@ -177,7 +177,15 @@ def _default(obj: Any) -> Any:
         return _pack_array(as_numpy)
     if isinstance(obj, (set, frozenset)):
         return list(obj)
+    if isinstance(obj, int):  # msgpack hands over the ints it has no format for
+        raise CodecError(f"integers below -2**63 or above 2**64-1 cannot be sent ({_short(obj)})")
     raise CodecError(f"values of type {type(obj).__name__} cannot be sent")
+
+
+def _short(number: int) -> str:
+    """An int for an error message: its digits, or how many there are of them."""
+    bits = number.bit_length()
+    return str(number) if bits <= 128 else f"an integer of {bits} bits"
 
 
 _PARSED: dict[bytes, tuple[np.dtype[Any], tuple[int, ...], int]] = {}
@@ -355,5 +363,11 @@ def decode(
         return value
     except CodecError:
         raise
+    except TypeError as exc:  # a map key that is an array or a map: no dict can hold it
+        if "unhashable" not in str(exc):
+            raise CodecError(f"malformed payload: {type(exc).__name__}") from exc
+        raise CodecError(
+            "a map key is an array or a map (a tuple key, say), which cannot be decoded"
+        ) from exc
     except Exception as exc:  # msgpack (and numpy) raise several unrelated types
         raise CodecError(f"malformed payload: {type(exc).__name__}") from exc

@@ -67,6 +67,17 @@ def test_disallowed_values_are_refused() -> None:
             codec.encode(value)
 
 
+def test_refusals_say_what_the_value_is() -> None:
+    """An int past msgpack's 64 bits is no bad type, and a tuple map key (encoded as an
+    array) is no malformed payload: each refusal says which it is."""
+    for number in (2**64, -(2**63) - 1, 10**5000):
+        with pytest.raises(CodecError, match=r"integers below -2\*\*63 or above 2\*\*64-1"):
+            codec.encode([number])
+    for value in ({(1, 2): "a"}, [{"k": {(0,): 1}}]):
+        with pytest.raises(CodecError, match="a map key is an array or a map"):
+            codec.decode(codec.encode(value))
+
+
 def test_malformed_payloads_raise_codec_error() -> None:
     header = bytes([3]) + b"<f4" + bytes([1]) + (10).to_bytes(8, "little")
     cases = [
