@@ -131,12 +131,14 @@ def main() -> int:
         stop_when_orphaned(supervisor, "its worker start process")
     device = os.environ.get(DEVICE_ENV, "cpu")
     try:
+        from .devices import device_footprint
         from .pipeline import load_stage
 
         check_device(device)
         model = load_stage(config.model, config.stage)(device=device)
         model.init_model()
         model.warmup()
+        footprint = device_footprint(model)  # (a CUDA error may surface here, at its sync)
     except BaseException as exc:
         from .outcomes import describe
 
@@ -149,15 +151,7 @@ def main() -> int:
     gc.collect()
     gc.freeze()
     consumer = consumer_name()
-    from .devices import device_footprint
-
-    report(
-        "ready",
-        device=device,
-        pid=os.getpid(),
-        consumer=consumer,
-        device_bytes=device_footprint(model),
-    )
+    report("ready", device=device, pid=os.getpid(), consumer=consumer, device_bytes=footprint)
     from broker.loop_thread import new_event_loop
 
     loop = new_event_loop()

@@ -115,6 +115,23 @@ class LargeProbe(DeviceProbe):
         super().init_model()
 
 
+class UnsizableProbe(DeviceProbe):
+    """A DeviceProbe whose module fails as its size is taken (as a CUDA error surfacing at the
+    first synchronisation would)."""
+
+    name = "unsizableprobe"
+
+    def init_model(self) -> None:
+        import torch
+
+        class Broken(torch.nn.Module):
+            def parameters(self, recurse: bool = True) -> Any:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        self.net = Broken()
+        super().init_model()
+
+
 class LateExtraProbe(SmallProbe):
     """A SmallProbe whose first process loads at once and whose others finish loading
     ``LATE_S`` seconds after the first did (told apart through MICROBATCH_TEST_RECORD_DIR);

@@ -248,6 +248,18 @@ def test_an_extra_worker_of_auto_that_cannot_start_is_left_out(
     assert "device 0 runs 1 worker(s)" in log
 
 
+def test_a_model_whose_size_cannot_be_taken_fails_to_start_with_the_reason(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    result = run_worker_cli(
+        "--model", "tests.models:UnsizableProbe", "--cuda", "0", "--redis", redis_server.url,
+        env={RECORD_ENV: str(tmp_path), DEVICE_COUNT_ENV: "1"},
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "model tests.models:UnsizableProbe failed to start" in result.stderr
+    assert "CUDA error: an illegal memory access" in result.stderr
+
+
 @pytest.mark.parametrize("model", ["LargeProbe", "DeviceProbe"])
 def test_auto_runs_one_worker_per_device_for_a_large_or_unknown_model(
     redis_server: RedisServer, prefix: str, tmp_path: Path, model: str,
