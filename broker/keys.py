@@ -74,14 +74,16 @@ NORMAL, HIGH = 0, 1
 # packed-items keys for its high level (the normal level's keys have none).
 LEVEL_SUFFIX = ":high"
 
-NAME_PATTERN = re.compile(r"^[a-z0-9_-]+$")
-PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9_.-]+$")
-STAGE_KEYS_PATTERN = re.compile(r"^[a-z0-9_-]+\.[a-z0-9_-]+$")
+# Matched whole (fullmatch): with re.match, "$" also matches before a trailing newline, and a
+# name or prefix read from a file ending in one ("tenant\n") was taken.
+NAME_PATTERN = re.compile(r"[a-z0-9_-]+")
+PREFIX_PATTERN = re.compile(r"[A-Za-z0-9_.-]+")
+STAGE_KEYS_PATTERN = re.compile(r"[a-z0-9_-]+\.[a-z0-9_-]+")
 
 
 def check_name(name: str) -> str:
     """Return ``name`` if it is a valid model name (``[a-z0-9_-]+``), else raise ValueError."""
-    if not NAME_PATTERN.match(name):
+    if not NAME_PATTERN.fullmatch(name):
         raise ValueError(f"invalid model name {name!r}: use lower-case letters, digits, '_' or '-'")
     return name
 
@@ -89,7 +91,7 @@ def check_name(name: str) -> str:
 def check_keys_name(name: str) -> str:
     """Return ``name`` if keys may be named so: a model's (or pipeline's) name, or a later
     stage's ``<pipeline>.<stage>`` (``STAGE_TEMPLATE``); else raise ValueError."""
-    if not STAGE_KEYS_PATTERN.match(name):
+    if not STAGE_KEYS_PATTERN.fullmatch(name):
         check_name(name)
     return name
 
@@ -103,7 +105,7 @@ def stage_keys_name(pipeline: str, stage: str, first: bool) -> str:
 
 def check_prefix(prefix: str) -> str:
     """Return ``prefix`` if it is valid (letters, digits, '_', '-', '.'), else raise ValueError."""
-    if not PREFIX_PATTERN.match(prefix):
+    if not PREFIX_PATTERN.fullmatch(prefix):
         raise ValueError(f"invalid prefix {prefix!r}: use letters, digits, '_', '-' or '.'")
     return prefix
 

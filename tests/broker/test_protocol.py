@@ -38,6 +38,20 @@ def test_keys_share_one_hash_slot_per_model_and_prefix() -> None:
         ModelKeys("mlp", "a{b}")
 
 
+def test_a_trailing_newline_makes_no_name_or_prefix() -> None:
+    """A prefix read from a file ending in a newline would split `broker acl`'s user lines
+    and name keys no tenant's ACL pattern covers: refused, as any other character."""
+    from broker import acl
+
+    for bad in ("mlp\n", "pipe.stage\n"):
+        with pytest.raises(ValueError, match="invalid model name"):
+            ModelKeys(bad)
+    with pytest.raises(ValueError, match="invalid prefix"):
+        ModelKeys("mlp", "tenant\n")
+    with pytest.raises(ValueError, match="invalid prefix"):
+        acl.render(["tenant\n"], environ={})
+
+
 def test_request_round_trip_and_deadline_from_entry_time() -> None:
     fields = as_stream_fields(request_fields("r1", "inbox", 250, codec.encode([1, 2])))
     request = parse_request("1700000000000-3", fields)
