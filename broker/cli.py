@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Annotated
 
 import redis
@@ -15,6 +17,7 @@ from rich.text import Text
 
 from . import acl, admin, connections, functions
 from .cli_common import (
+    checked,
     fail,
     log_format_option,
     log_level_option,
@@ -24,12 +27,15 @@ from .cli_common import (
     version_option,
 )
 from .client import DEFAULT_REDIS_URL
-from .keys import DEFAULT_PREFIX
+from .keys import DEFAULT_PREFIX, check_name
 from .logs import configure_logging
 from .redis_url import RedisURLError
 
 ENV = "MICROBATCH_BROKER_"
-EXIT_STATUS = "Exit status: 0 on success; 1 when Redis cannot be reached; 2 for a bad option."
+EXIT_STATUS = (
+    "Exit status: 0 on success; 1 when Redis cannot be reached or refuses a command (an ACL "
+    "user's NOPERM, say); 2 for a bad option."
+)
 
 app = new_app(
     "Inspect microbatch queues and workers in Redis, and manage dead letters.",
@@ -67,7 +73,13 @@ app.add_typer(
 
 RedisOption = Annotated[str, redis_option()]
 NameOption = Annotated[
-    str, typer.Option("--name", envvar=f"{ENV}NAME", help="The model's name, e.g. mlp.")
+    str,
+    typer.Option(
+        "--name",
+        envvar=f"{ENV}NAME",
+        help="The model's name, e.g. mlp.",
+        callback=checked(check_name),
+    ),
 ]
 PrefixOption = Annotated[str, prefix_option("The deployment's key prefix.", f"{ENV}PREFIX")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
@@ -86,6 +98,19 @@ def _connect(url: str) -> redis.Redis:
     if misuse:
         fail(f"--redis: {misuse}", 2)
     return client
+
+
+@contextmanager
+def _redis_errors(prefix: str | None) -> Iterator[None]:
+    """A Redis error after connecting (a tenant user's NOPERM, a lost connection) as one
+    line and exit status 1, not a traceback."""
+    try:
+        yield
+    except redis.exceptions.NoPermissionError as exc:
+        hint = "" if prefix else " (a tenant's user reads only its own prefix: give --prefix)"
+        fail(f"Redis refused a command to this user: {exc}{hint}", 1)
+    except redis.RedisError as exc:
+        fail(f"Redis failed: {exc}", 1)
 
 
 def _print(renderable: RenderableType) -> None:
@@ -180,19 +205,20 @@ def status(
 ) -> None:
     """Each model's queue (stream length, pending, dead letters) and its workers."""
     client = _connect(redis_url)
-    if as_json:
-        typer.echo(json.dumps([m.as_dict() for m in admin.status(client, prefix)], indent=2))
-        return
-    if not watch:
-        _print(_status_tables(admin.status(client, prefix)))
-        return
-    with Live(_status_tables(admin.status(client, prefix)), console=Console()) as live:
-        try:
-            while True:
-                time.sleep(1.0)
-                live.update(_status_tables(admin.status(client, prefix)))
-        except KeyboardInterrupt:
-            pass
+    with _redis_errors(prefix):
+        if as_json:
+            typer.echo(json.dumps([m.as_dict() for m in admin.status(client, prefix)], indent=2))
+            return
+        if not watch:
+            _print(_status_tables(admin.status(client, prefix)))
+            return
+        with Live(_status_tables(admin.status(client, prefix)), console=Console()) as live:
+            try:
+                while True:
+                    time.sleep(1.0)
+                    live.update(_status_tables(admin.status(client, prefix)))
+            except KeyboardInterrupt:
+                pass
 
 
 @dead_app.command("list")
@@ -205,7 +231,8 @@ def list_dead(
 ) -> None:
     """List dead letters (ids, reasons and sizes; never payloads)."""
     client = _connect(redis_url)
-    letters = admin.dead_letters(client, admin.model_keys(client, name, prefix), count)
+    with _redis_errors(prefix):
+        letters = admin.dead_letters(client, admin.model_keys(client, name, prefix), count)
     if as_json:
         typer.echo(json.dumps([letter.__dict__ for letter in letters], indent=2))
         return
@@ -240,7 +267,8 @@ def replay(
 ) -> None:
     """Queue dead letters again (after fixing the model); they leave the dead-letter stream."""
     client = _connect(redis_url)
-    count = admin.replay_dead_letters(client, admin.model_keys(client, name, prefix), ids)
+    with _redis_errors(prefix):
+        count = admin.replay_dead_letters(client, admin.model_keys(client, name, prefix), ids)
     typer.echo(f"replayed {count} dead letter(s) of {name}")
 
 
@@ -256,7 +284,8 @@ def purge(
     if not yes and not typer.confirm(f"Delete dead letters of {name} (prefix {prefix})?"):
         raise typer.Exit(1)
     client = _connect(redis_url)
-    count = admin.purge_dead_letters(client, admin.model_keys(client, name, prefix), ids)
+    with _redis_errors(prefix):
+        count = admin.purge_dead_letters(client, admin.model_keys(client, name, prefix), ids)
     typer.echo(f"purged {count} dead letter(s) of {name}")
 
 

@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 import typer
 
+from .keys import check_prefix
 from .logs import parse_format, parse_level
 
 CONTEXT_SETTINGS: dict[str, Any] = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -63,7 +64,7 @@ def _print_version(value: bool) -> None:
         raise typer.Exit()
 
 
-def _checked(parse: Callable[[str], str]) -> Callable[[str | None], str | None]:
+def checked(parse: Callable[[str], str]) -> Callable[[str | None], str | None]:
     def callback(value: str | None) -> str | None:
         if value is None:
             return None
@@ -91,7 +92,7 @@ def log_level_option(envvar: str) -> Any:
         "--log-level",
         envvar=envvar,
         metavar="LEVEL",
-        callback=_checked(parse_level),
+        callback=checked(parse_level),
         help=LOG_LEVEL_HELP,
     )
 
@@ -102,7 +103,7 @@ def log_format_option(envvar: str) -> Any:
         "--log-format",
         envvar=envvar,
         metavar="FORMAT",
-        callback=_checked(parse_format),
+        callback=checked(parse_format),
         help=LOG_FORMAT_HELP,
     )
 
@@ -115,4 +116,4 @@ def redis_option() -> Any:
 def prefix_option(help: str, envvar: str | None = None) -> Any:
     """``--prefix``, the deployment's key prefix, read from ``envvar`` too (without one, from
     the variable a command's ``auto_envvar_prefix`` names)."""
-    return typer.Option("--prefix", envvar=envvar, help=help)
+    return typer.Option("--prefix", envvar=envvar, help=help, callback=checked(check_prefix))

@@ -154,3 +154,39 @@ def test_acl_help_names_the_role_of_every_password_variable() -> None:
     help_text = " ".join(broker_cli("acl", "--help").stdout.split())
     named = help_text.split("{ROLE} becomes ", 1)[1].split(" and {TENANT}", 1)[0]
     assert sorted(named.replace(" or ", ", ").split(", ")) == sorted(roles)
+
+
+def test_a_tenant_user_refused_is_one_clear_line(redis_server: RedisServer, prefix: str) -> None:
+    """A tenant's admin user (broker acl) running `broker status` over every prefix, or over
+    another tenant's, is refused by Redis: one line and exit status 1, not a traceback."""
+    client = redis_server.client()
+    other = f"{prefix}x"
+    client.xadd(ModelKeys("toy", other).stream, {"v": "1"})
+    client.xadd(ModelKeys("toy", prefix).stream, {"v": "1"})
+    env = {"MICROBATCH_REDIS_ADMIN_PASSWORD": "pw"}
+    lines, _ = acl.render([prefix], environ=env, redis_version="7.0")
+    (admin_line,) = [line for line in lines if line.startswith(f"user {prefix}-admin ")]
+    client.execute_command("ACL", "SETUSER", *admin_line.split()[1:])
+    url = redis_server.url.replace("redis://", f"redis://{prefix}-admin:pw@")
+    try:
+        own = broker_cli("status", "--redis", url, "--prefix", prefix, "--json")
+        assert own.returncode == 0, own.stderr
+        assert [m["prefix"] for m in json.loads(own.stdout)] == [prefix]
+        for extra in ((), ("--prefix", other)):
+            result = broker_cli("status", "--redis", url, *extra)
+            assert result.returncode == 1, result.stderr
+            assert result.stderr.startswith("Error: Redis refused"), result.stderr
+            assert "Traceback" not in result.stderr
+        listing = broker_cli(
+            "dead-letters", "list", "--name", "toy", "--prefix", other, "--redis", url
+        )
+        assert listing.returncode == 1 and "Traceback" not in listing.stderr, listing.stderr
+    finally:
+        client.execute_command("ACL", "DELUSER", f"{prefix}-admin")
+
+
+def test_a_bad_name_or_prefix_is_a_bad_option() -> None:
+    for args in (("status", "--prefix", "a:b"), ("dead-letters", "list", "--name", "MLP")):
+        result = broker_cli(*args, "--redis", "redis://127.0.0.1:1/0")
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.startswith("Error: invalid"), result.stderr
