@@ -9,14 +9,26 @@ from typing import Any
 
 import redis
 
-from .keys import MAX_PARTITIONS, ModelKeys, parse_partitions
+from .keys import (
+    LEVEL_SUFFIX,
+    MAX_PARTITIONS,
+    NAME_PATTERN,
+    PREFIX_PATTERN,
+    ModelKeys,
+    parse_partitions,
+)
 from .liveness import server_time_ms
 from .partitions import tag, untag
 from .protocol import F_DATA, F_DEADLINE, F_ID
 from .transport import counter_value
 
+# A request stream of either level (a model whose callers queued only at high priority, before
+# any worker made its normal stream, has only the high one), of a valid prefix and model (or
+# pipeline stage) name: any other key that looks like one (written by hand) is not microbatch's.
+_NAME = NAME_PATTERN.pattern
 STREAM_KEY = re.compile(
-    r"^mb:\{(?P<prefix>[^:}]+):(?P<model>[^:}]+)(?::p(?P<partition>[1-9][0-9]*))?\}:requests$"
+    rf"mb:\{{(?P<prefix>{PREFIX_PATTERN.pattern}):(?P<model>{_NAME}(?:\.{_NAME})?)"
+    rf"(?::p(?P<partition>[1-9][0-9]*))?\}}:requests(?:{re.escape(LEVEL_SUFFIX)})?"
 )
 DEAD_FIELDS = (b"dead_reason", b"dead_entry", b"dead_cut")
 REPLAY_DROPS = (*DEAD_FIELDS, F_DEADLINE)
@@ -34,10 +46,10 @@ def find_models(client: redis.Redis, prefix: str | None = None) -> list[ModelKey
     """Every (prefix, model) with a request stream, optionally under one prefix (SCAN of
     every primary of a Redis Cluster), each with its partitions: as many as stored with the
     model, or as its streams show if more."""
-    pattern = f"mb:{{{prefix}:*}}:requests" if prefix else "mb:{*}:requests"
+    pattern = f"mb:{{{prefix}:*}}:requests*" if prefix else "mb:{*}:requests*"
     found: dict[tuple[str, str], int] = {}
     for key in client.scan_iter(match=pattern, count=1000, _type="stream"):
-        match = STREAM_KEY.match(_text(key))
+        match = STREAM_KEY.fullmatch(_text(key))
         if match:
             partition = int(match["partition"] or 0)
             if partition < MAX_PARTITIONS:

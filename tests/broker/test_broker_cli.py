@@ -190,3 +190,26 @@ def test_a_bad_name_or_prefix_is_a_bad_option() -> None:
         result = broker_cli(*args, "--redis", "redis://127.0.0.1:1/0")
         assert result.returncode == 2, result.stderr
         assert result.stderr.startswith("Error: invalid"), result.stderr
+
+
+def test_status_finds_a_high_priority_only_queue_and_skips_foreign_keys(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A model whose callers queued only at high priority (no worker has made its normal
+    stream yet) is listed with what it holds; a stream named like a model's but with a name no
+    model may have is not microbatch's, and must not stop the listing."""
+    client = redis_server.client()
+    streamer = Streamer("hionly", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True)
+    try:
+        call = streamer.submit([b"a", b"b"], timeout=30, priority="high")
+        wait_until(
+            lambda: client.xlen(ModelKeys("hionly", prefix).at(1).stream) == 1, 10, "the entry"
+        )
+        client.xadd(f"mb:{{{prefix}:NotAModel}}:requests", {"v": "1"})
+        client.xadd(ModelKeys("pipe.stage", prefix).stream, {"v": "1"})
+        (found, stage) = admin.status(client, prefix)
+        assert (found.model, found.high_stream_length, found.queued_items) == ("hionly", 1, 2)
+        assert stage.model == "pipe.stage" and stage.stream_length == 1
+        call.cancel()
+    finally:
+        streamer.close()
