@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -959,6 +960,136 @@ def test_acl_users_are_confined(stack: dict[str, Any]) -> None:
     } <= refused
     # Forget them, so that the other test's check of the log holds in any order.
     stack["admin"].execute_command("ACL", "LOG", "RESET")
+
+
+# -- nginx ----------------------------------------------------------------------------------------
+def nginx_conf() -> str:
+    return (DEPLOY / "nginx.conf").read_text()
+
+
+def nginx_directive(name: str) -> list[str]:
+    """The arguments of every ``name ...;`` line of deploy/nginx.conf, as one string each."""
+    return re.findall(rf"^\s*{name}\s+([^;]+);", nginx_conf(), re.M)
+
+
+def nginx_size(value: str) -> int:
+    match = re.fullmatch(r"(\d+)([km]?)", value)
+    assert match, value
+    return int(match[1]) * {"": 1, "k": 1 << 10, "m": 1 << 20}[match[2]]
+
+
+def gateway_setting(services: dict[str, Any], field: str) -> Any:
+    """The compose gateway's value of a GatewaySettings field: its environment's, else the
+    default."""
+    from web_gateway.settings import GatewaySettings
+
+    env = services["gateway"].get("environment") or {}
+    default = GatewaySettings.model_fields[field].default
+    return type(default)(env.get(f"MICROBATCH_GATEWAY_{field.upper()}", default))
+
+
+def test_nginx_lets_the_gateway_judge_bodies_and_deadlines(tmp_path: Path) -> None:
+    services = compose_config(COMPOSE_FILES, {}, tmp_path)["services"]
+    # A body the gateway may still refuse (413 JSON, after decompression) reaches it.
+    (limit,) = nginx_directive("client_max_body_size")
+    assert nginx_size(limit) > gateway_setting(services, "max_body_bytes")
+    # A URL or header the gateway takes (--max-header-bytes in all; 431 JSON over it) passes
+    # nginx, whose default refuses a line over 8 KiB with an HTML 400 or 414.
+    (buffers,) = nginx_directive("large_client_header_buffers")
+    assert nginx_size(buffers.split()[1]) >= gateway_setting(services, "max_header_bytes")
+    # A request allowed --max-timeout by the gateway gets the gateway's answer (its 504
+    # DeadlineExceeded at worst), not nginx's 504 first.
+    (read_timeout,) = nginx_directive("proxy_read_timeout")
+    assert seconds(read_timeout) > gateway_setting(services, "max_timeout")
+
+
+def test_nginx_answers_its_own_errors_in_the_gateway_json_format(tmp_path: Path) -> None:
+    """A body over client_max_body_size, no gateway reachable, none answering in time: JSON in
+    the route's error format (docs/gateway.md, Errors), never nginx's HTML page."""
+    services = compose_config(COMPOSE_FILES, {}, tmp_path)["services"]
+    text = nginx_conf()
+    maps = {}
+    for name, block in re.findall(r"map \$uri \$(\w+) \{(.*?)\n\s*\}", text, re.S):
+        maps[name] = dict(re.findall(r"^\s*(\S+)\s+'([^']*)';$", block, re.M))
+    named = {}
+    for name, block in re.findall(r"location @(\w+) \{(.*?)\}", text, re.S):
+        assert "default_type application/json;" in block, name
+        answer = re.search(r"return (\d+) \$(\w+);", block)
+        assert answer, name
+        named[name] = (int(answer[1]), maps[answer[2]])
+    pages = {}
+    for codes, name in re.findall(r"^\s*error_page ([\d ]+) @(\w+);", text, re.M):
+        pages.update({int(code): named[name] for code in codes.split()})
+    expected = {
+        413: (413, "PayloadTooLarge"),
+        502: (502, "GatewayUnavailable"),
+        503: (502, "GatewayUnavailable"),
+        504: (504, "GatewayTimeout"),
+    }
+    assert set(pages) == set(expected)
+    for code, (status, bodies) in pages.items():
+        assert status == expected[code][0], code
+        (v2_pattern,) = [key for key in bodies if key != "default"]
+        v2_regex = v2_pattern.removeprefix("~")
+        for path in ("/v2", "/v2/models/mlp/infer", "/v2/health/ready"):
+            assert re.search(v2_regex, path), (v2_regex, path)
+        for path in ("/v1/models/mlp/predict", "/v2x", "/healthz"):
+            assert not re.search(v2_regex, path), (v2_regex, path)
+        type_ = expected[code][1]
+        v2 = json.loads(bodies[v2_pattern])
+        assert set(v2) == {"error", "type"} and v2["type"] == type_
+        assert v2["error"].startswith(f"{type_}: ")
+        v1 = json.loads(bodies["default"])
+        assert set(v1) == {"error"} and set(v1["error"]) == {"type", "message"}
+        assert v1["error"]["type"] == type_
+        assert v2["error"] == f"{type_}: {v1['error']['message']}"
+    # nginx's 413 names the gateway's limit, as the gateway's own 413 does.
+    message = json.loads(pages[413][1]["default"])["error"]["message"]
+    assert message == f"request body is over {gateway_setting(services, 'max_body_bytes')} bytes"
+
+
+def test_gateways_log_the_client_nginx_names(stack: dict[str, Any], tmp_path: Path) -> None:
+    """The compose gateway takes the client's address from nginx's X-Forwarded-For, which
+    nginx sets to the client's own address, whatever the client sent in it."""
+    assert nginx_directive("proxy_set_header X-Forwarded-For") == ["$remote_addr"]
+    # The compose gateway's command and environment, with its access log on; nginx's address
+    # on the compose network is not 127.0.0.1, which gunicorn trusts by default: 127.0.0.2.
+    gateway = stack["services"]["gateway"]
+    port = free_port()
+    argv = [*dockerfile_entrypoint("Dockerfile.gateway"), *gateway["command"]]
+    argv = with_option(with_option(argv, "--host", "127.0.0.1"), "--port", str(port))
+    env = {**base_env(), **service_env(gateway, stack["redis_port"])}
+    env["MICROBATCH_GATEWAY_ACCESS_LOG"] = "1"
+    log_path = tmp_path / "gateway.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=log, stderr=log)
+    try:
+        wait_until(
+            lambda: http(f"http://127.0.0.1:{port}/healthz", timeout=2)[0] == 200,
+            "the gateway",
+            [process],
+            30,
+        )
+        sock = socket.socket()
+        sock.bind(("127.0.0.2", 0))
+        sock.connect(("127.0.0.1", port))
+        with sock:
+            sock.sendall(
+                b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: 203.0.113.7\r\n"
+                b"Connection: close\r\n\r\n"
+            )
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+
+        def logged() -> list[str]:
+            lines = log_path.read_text().splitlines()
+            return [line for line in lines if '"GET /v2/health/live ' in line]
+
+        wait_until(logged, "the access log line", [process], 5)
+        (line,) = logged()
+        assert "] 203.0.113.7:" in line, line
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(20)
 
 
 # -- images -----------------------------------------------------------------------------------
