@@ -52,6 +52,11 @@ from .transport import Entry, QueueBound, Redelivery, entry_data_size, is_data_f
 
 log = logging.getLogger("microbatch.redis")
 
+LAPSE_CONFIRM_S = 2.0
+"""Seconds a consumer's heartbeat must stay lapsed before its entries are taken over: more
+than a supervisor takes to renew it once a stalled Redis answers again (a renewal every
+second at most, each given up after 2 s)."""
+
 # (and redis-py's cluster client's own: no node of the cluster reachable, a slot not covered,
 # a pipeline's command that the nodes kept redirecting)
 UNAVAILABLE = (
@@ -106,6 +111,8 @@ class RedisTransport:
         self._item_acks: dict[str, ItemAcks] = {}
         self._items_per_entry = 1.0  # of the entries read lately (a moving average)
         self._reclaim_turn = 0  # the partition the last reclaim started from
+        # per (stream, consumer): when this worker first saw its heartbeat lapsed (monotonic)
+        self._lapsed: dict[tuple[str, str], float] = {}
         self.cancellations_pending = True  # as of the last finish(); True until known
         self._enqueues = EnqueuePacker(multi_item.check_entry_items(entry_items))
         self._may_load: bool | None = None  # whether this user may load the library
@@ -754,6 +761,14 @@ class RedisTransport:
             raise _unavailable(exc) from exc
 
     async def _dead_consumers(self, keys: ModelKeys, consumer: str) -> list[str]:
+        """The other consumers of ``keys``' group that are dead: retired by their supervisor
+        (no heartbeat, no longer in the consumers set), or whose heartbeat lapsed and is
+        still lapsed at least ``LAPSE_CONFIRM_S`` after this worker first saw it so.
+
+        A heartbeat can lapse with its worker alive: a Redis that stalls for longer than the
+        TTL (stopped, swapping, forking, running a long script) expires every heartbeat at
+        once, and its supervisor renews it only once Redis answers again. Taking over at the
+        first sight would compute that worker's entries a second time."""
         try:
             consumers: Any = await self.redis.xinfo_consumers(keys.stream, keys.group)
         except ResponseError:  # no stream or group yet
@@ -765,8 +780,22 @@ class RedisTransport:
         async with self.redis.pipeline(transaction=False) as pipe:
             for name in others:
                 pipe.exists(keys.heartbeat(name))
-            alive = await pipe.execute()
-        return [name for name, exists in zip(others, alive, strict=True) if not exists]
+            pipe.zmscore(keys.consumers, others)
+            *alive, scores = await pipe.execute()
+        now = time.monotonic()
+        for seen in [s for s in self._lapsed if s[0] == keys.stream and s[1] not in others]:
+            del self._lapsed[seen]  # it left the group
+        dead = []
+        for name, exists, vouched in zip(others, alive, scores, strict=True):
+            seen = (keys.stream, name)
+            if exists:
+                self._lapsed.pop(seen, None)
+            elif vouched is None:  # retired: its supervisor saw it exit
+                self._lapsed.pop(seen, None)
+                dead.append(name)
+            elif now - self._lapsed.setdefault(seen, now) >= LAPSE_CONFIRM_S:
+                dead.append(name)
+        return dead
 
     async def _claim(
         self, keys: ModelKeys, consumer: str, holder: str, min_idle_ms: int, count: int, own: bool

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 import redis
 
-from broker import functions
+from broker import functions, liveness, redis_transport
 from broker.devserver import RedisServer
 from broker.errors import BrokerUnavailable, InvalidInput
 from broker.keys import ModelKeys
@@ -645,3 +645,50 @@ def test_a_redis_busy_running_a_script_is_unavailable_for_a_while(prefix: str) -
     finally:
         server.stop()
         blocker.join(10)
+
+
+def test_a_heartbeat_lapsed_by_a_stalled_redis_is_not_taken_over_before_it_is_renewed(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Redis stalled for longer than the TTL (stopped, swapping, running a long script)
+    finds every heartbeat lapsed when it answers again, before the supervisors renew them:
+    the entries a live worker holds must not be taken over (computed twice) then. A lapse
+    that lasts is a dead host, taken over; a consumer its supervisor retired, at once."""
+    monkeypatch.setattr(redis_transport, "LAPSE_CONFIRM_S", 0.5)
+    keys = ModelKeys("m", prefix)
+    client = redis_server.client()
+
+    def vouch(consumer: str, ttl_ms: int) -> None:  # as a supervisor's renewal, or its lapse
+        now_ms = liveness.server_time_ms(client, keys.consumers)
+        client.zadd(keys.consumers, {consumer: now_ms + ttl_ms})
+        if ttl_ms > 0:
+            client.set(keys.heartbeat(consumer), "{}", px=ttl_ms)
+        else:
+            client.delete(keys.heartbeat(consumer))
+
+    async def main() -> tuple[int, int, int, int]:
+        transport = RedisTransport(redis_server.url)
+        try:
+            await transport.ensure_group(keys)
+            calls = [CallRequests(keys.inbox("c"), 60_000, [f"r{i}"], [b"\x01"]) for i in (1, 2)]
+            await transport.enqueue(keys, calls, UNBOUNDED)
+            assert len(await transport.read_batch(keys, "live", 1, 100)) == 1
+            assert len(await transport.read_batch(keys, "gone", 1, 100)) == 1
+            vouch("live", -1000)  # Redis answers again: its heartbeat lapsed meanwhile
+            await asyncio.sleep(0.3)  # past the takeover's minimum idle time
+            stalled = len(await transport.reclaim(keys, "taker", 200, 10))  # "gone": retired
+            vouch("live", 5000)  # its supervisor renews it
+            await asyncio.sleep(0.6)
+            renewed = len(await transport.reclaim(keys, "taker", 200, 10))
+            vouch("live", -1000)  # now its host is dead
+            first_sight = len(await transport.reclaim(keys, "taker", 200, 10))
+            await asyncio.sleep(0.6)
+            dead = len(await transport.reclaim(keys, "taker", 200, 10))
+            return stalled, renewed, first_sight, dead
+        finally:
+            await transport.close()
+
+    try:
+        assert run(main()) == (1, 0, 0, 1)
+    finally:
+        client.close()
