@@ -607,6 +607,7 @@ class ClientCore:
         watch = self._watch
         assert watch is not None
         try:
+            asked_at = self.loop.time()
             try:
                 lapsed = await self.transport.workers_lapsed_s(self.keys)
             except MicrobatchError:  # Redis is away: that says nothing about the workers
@@ -618,6 +619,10 @@ class ClientCore:
                 watch.unreachable(self.loop.time())
                 return
             now = self.loop.time()
+            if now - asked_at > CHECK_EVERY_S:
+                # A slow answer: Redis stalled meanwhile, and no supervisor could renew a
+                # heartbeat then, so the lapse it reports says nothing about the workers.
+                watch.unreachable(now)
             watch.observe(now, lapsed, oldest_call_at)
             if watch.expired(now):
                 self._fail_without_workers()

@@ -8,9 +8,11 @@ knows of no live worker), so a served model costs nothing.
 
 How long "no live worker" has lasted is counted from the latest of: when the last worker's
 heartbeat lapsed (Redis knows), when this client began watching (the oldest call then in
-flight was accepted), and when Redis last failed to answer the check (an outage says nothing
-about workers). So a call made while a worker is starting gets the whole grace period, and
-calls made once the model is known to have had none for that long fail at once.
+flight was accepted), and when Redis last failed to answer the check, or answered it over
+``CHECK_EVERY_S`` late (an outage or a stall says nothing about workers: their heartbeats lapse
+while Redis cannot take the renewals). So a call made while a worker is starting gets the whole
+grace period, and calls made once the model is known to have had none for that long fail at
+once.
 """
 
 from __future__ import annotations

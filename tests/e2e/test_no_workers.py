@@ -4,6 +4,8 @@ caller chose to wait for workers; a worker that comes within the grace period se
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Iterator
 
@@ -11,7 +13,7 @@ import httpx
 import pytest
 import redis
 
-from broker import NoWorkers, Streamer
+from broker import DeadlineExceeded, NoWorkers, Streamer, liveness
 from broker.devserver import RedisServer
 from broker.keys import ModelKeys
 from broker.worker_watch import CHECK_EVERY_S, WorkerWatch
@@ -161,3 +163,29 @@ def test_what_counts_as_no_live_worker() -> None:
     assert watch.dead_since == 120.0
     with pytest.raises(ValueError):
         WorkerWatch(grace_s=0)
+
+
+def test_a_redis_stall_longer_than_the_grace_period_is_not_no_workers(prefix: str) -> None:
+    """A stalled Redis (stopped, swapping) lets the workers' heartbeats lapse, and answers a
+    check sent before the stall only when it is over, before the supervisors renew them:
+    that lapse says nothing about the workers, and calls must not fail with NoWorkers."""
+    keys = ModelKeys("m", prefix)
+    with RedisServer() as server, server.client() as admin:
+        assert server.process is not None
+
+        def vouch(ttl_ms: int) -> None:  # as a live worker's supervisor does
+            now_ms = liveness.server_time_ms(admin, keys.consumers)
+            admin.zadd(keys.consumers, {"w": now_ms + ttl_ms})
+
+        vouch(1000)
+        with Streamer("m", server.url, prefix, workers_grace=GRACE) as streamer:
+            future = streamer.submit([1], timeout=7.0)
+            time.sleep(0.5)  # the check sent within the stall's first second
+            os.kill(server.process.pid, signal.SIGSTOP)
+            try:
+                time.sleep(GRACE + 2.0)
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+            vouch(60_000)  # its supervisor renews the heartbeat as Redis answers again
+            with pytest.raises(DeadlineExceeded):  # no worker answers: its deadline, no sooner
+                future.result(15)
