@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any, Protocol, TypeGuard
 
 import numpy as np
@@ -102,6 +102,19 @@ split_batches = ThrottledWarning(
 )
 
 
+# Outputs a model cannot use are the model author's mistake, not the caller's: the callers get
+# InvalidOutput, and the worker's log says so too (throttled, as a broken model repeats it).
+unusable_outputs = ThrottledWarning(
+    log,
+    "the model's outputs were unusable %d time(s) since the last such line; the latest: %s",
+    every_s=10.0,
+)
+
+# What len() takes but is not one output per item: a str or bytes (its characters), a
+# mapping (its keys), a set (no order).
+_NOT_OUTPUTS = (str, bytes, bytearray, memoryview, Mapping, Set)
+
+
 def _split(predict: PredictFn, items: list[Any], exc: Exception) -> list[Any]:
     described = describe(exc)
     if len(items) == 1:
@@ -114,18 +127,25 @@ def _split(predict: PredictFn, items: list[Any], exc: Exception) -> list[Any]:
 
 
 def _checked(outputs: Any, items: list[Any]) -> list[Any]:
-    """One output per item as a list, or InvalidOutput for each item if the count is wrong."""
+    """One output per item as a list, or InvalidOutput for each item if ``outputs`` is not a
+    sequence of as many (a list, tuple, array, tensor...)."""
+    if type(outputs) is list and len(outputs) == len(items):
+        return list(outputs)  # the common case
     try:
-        count = len(outputs)
+        count = -1 if isinstance(outputs, _NOT_OUTPUTS) else len(outputs)
     except TypeError:
         count = -1
-    if count != len(items):
-        error = InvalidOutput(
-            f"model returned {count if count >= 0 else 'no list of'} outputs "
+    if count == len(items):
+        return list(outputs)
+    if count >= 0:
+        text = f"model returned {count} outputs for a batch of {len(items)}"
+    else:
+        text = (
+            f"model returned {type(outputs).__name__}, not a list of one output per item, "
             f"for a batch of {len(items)}"
         )
-        return [error] * len(items)
-    return list(outputs)
+    unusable_outputs.note(text)
+    return [InvalidOutput(text)] * len(items)
 
 
 def encode_outcome(request: Request, outcome: Any) -> tuple[bytes, str]:
@@ -138,6 +158,7 @@ def encode_outcome(request: Request, outcome: Any) -> tuple[bytes, str]:
     except Exception as exc:  # CodecError; anything else must not take the worker down
         text = str(exc) if isinstance(exc, CodecError) else describe(exc)
         error = InvalidOutput(f"cannot send output: {text}")
+        unusable_outputs.note(error.message)
         return encode_error(request.request_id, error), "invalid_output"
 
 

@@ -151,3 +151,43 @@ def test_a_model_failing_on_every_item_logs_a_traceback_every_few_seconds(
     ]
     assert all(r.exc_info and "broken_model" in caplog.text for r in items)
     assert "a batch of 64 failed (RuntimeError: boom)" in splits[0].getMessage()
+
+
+@pytest.mark.parametrize(
+    ("returned", "what"),
+    [
+        ("abc", "str"),  # len() 3, but characters are no outputs
+        (b"abc", "bytes"),
+        ({0: "a", 1: "b", 2: "c"}, "dict"),  # its keys
+        ({"a", "b", "c"}, "set"),  # no order
+        (None, "NoneType"),
+        ((x for x in "abc"), "generator"),
+    ],
+)
+def test_outputs_that_are_no_list_fail_each_item_naming_what_came(
+    returned: Any, what: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(outcomes.unusable_outputs, "_next", float("-inf"))
+    with caplog.at_level(logging.WARNING, logger="microbatch.worker"):
+        got = predict_robust(lambda batch: returned, [1, 2, 3])
+    assert [type(o) for o in got] == [InvalidOutput] * 3
+    message = f"model returned {what}, not a list of one output per item, for a batch of 3"
+    assert [o.message for o in got] == [message] * 3
+    assert message in caplog.text  # the model's author sees it in the worker's log too
+
+
+def test_sequences_of_one_output_per_item_pass() -> None:
+    for returned in ([1, 2], (1, 2), np.array([1, 2]), range(1, 3)):
+        assert [int(o) for o in predict_robust(lambda batch, r=returned: r, [0, 0])] == [1, 2]
+
+
+def test_a_wrong_count_and_an_output_that_cannot_be_sent_are_logged(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="microbatch.worker"):
+        monkeypatch.setattr(outcomes.unusable_outputs, "_next", float("-inf"))
+        predict_robust(lambda batch: [1], [1, 2])
+        monkeypatch.setattr(outcomes.unusable_outputs, "_next", float("-inf"))
+        encode_outcome(request(0), lambda: 1)
+    assert "model returned 1 outputs for a batch of 2" in caplog.text
+    assert "cannot send output: values of type function cannot be sent" in caplog.text
