@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -239,6 +240,7 @@ class ManagedModel:
         budget = cls.max_batch_cost
         if budget is not None and (type(budget) is not int or budget < 1):
             raise ValueError(f"{cls.__name__}.max_batch_cost must be a positive int or None")
+        _check_attributes(cls)
 
     def __init__(self, device: str = "cpu") -> None:
         self.device = device
@@ -298,6 +300,28 @@ class ManagedModel:
         return items
 
 
+def _check_attributes(cls: type[ManagedModel]) -> None:
+    """ValueError naming the class attribute a model declares wrong: found as the class is
+    defined, rather than by its workers failing (and being restarted) one after another."""
+    where = cls.__name__
+    size = cls.batch_size
+    if type(size) is not int or size < 1:
+        raise ValueError(f"{where}.batch_size must be a positive int, not {size!r}")
+    latency = cls.max_latency
+    if type(latency) not in (int, float) or not 0 <= latency < float("inf"):
+        raise ValueError(f"{where}.max_latency must be a number of seconds >= 0, not {latency!r}")
+    for attribute in ("inputs", "outputs"):
+        specs = getattr(cls, attribute)
+        if not isinstance(specs, (list, tuple)) or not all(
+            isinstance(spec, TensorSpec) for spec in specs
+        ):
+            raise ValueError(f"{where}.{attribute} must be a list of TensorSpec, not {specs!r}")
+        names = [spec.name for spec in specs]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"{where}.{attribute} declares {twice[0]!r} more than once")
+
+
 class ModelLoadError(ValueError):
     """A ``module:Class`` path that does not name a ManagedModel subclass."""
 
@@ -320,6 +344,13 @@ def use_app_dir(app_dir: str | os.PathLike[str] = ".") -> str:
     return path
 
 
+# The packages' own directories, left out of where an import failed.
+_OUR_DIRS = tuple(
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), package, "")
+    for package in ("gpu_worker", "broker")
+)
+
+
 def import_object(path: str, what: str, example: str = "ClassName") -> Any:
     """The object at ``module:attribute`` (``what`` names the option, for the errors)."""
     module_name, sep, attr = path.partition(":")
@@ -336,6 +367,18 @@ def import_object(path: str, what: str, example: str = "ClassName") -> Any:
                 "it, or name that directory with --app-dir)"
             )
         raise ModelLoadError(f"cannot import module {module_name!r}: {exc}{hint}") from exc
+    except Exception as exc:  # the module's own code raised (a SyntaxError, a bad class...)
+        frames = [
+            frame
+            for frame in traceback.extract_tb(exc.__traceback__)
+            if not frame.filename.startswith(("<", *_OUR_DIRS))
+        ]
+        where = ""  # the model's line that raised (a SyntaxError's message says where)
+        if frames and not isinstance(exc, SyntaxError):
+            where = f" (at {frames[-1].filename}:{frames[-1].lineno})"
+        raise ModelLoadError(
+            f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}{where}"
+        ) from exc
     for part in attr.split("."):
         obj = getattr(obj, part, None)
         if obj is None:

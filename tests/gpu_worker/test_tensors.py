@@ -108,3 +108,33 @@ def test_prepare_items_checks_every_input_and_names_the_item() -> None:
             model.prepare_items([{"ids": [0], "mask": [True]}, bad])
         assert str(raised.value).startswith(message), str(raised.value)
         assert raised.value.index == 1
+
+
+@pytest.mark.parametrize(
+    ("attributes", "message"),
+    [
+        ({"batch_size": 0}, "Bad.batch_size must be a positive int, not 0"),
+        ({"batch_size": "8"}, "Bad.batch_size must be a positive int, not '8'"),
+        ({"batch_size": 8.0}, "Bad.batch_size must be a positive int, not 8.0"),
+        ({"max_latency": -1.0}, "Bad.max_latency must be a number of seconds >= 0, not -1.0"),
+        ({"max_latency": "0.1"}, "Bad.max_latency must be a number of seconds >= 0"),
+        ({"inputs": [("x", "FP32", [2])]}, "Bad.inputs must be a list of TensorSpec"),
+        ({"outputs": {"y": "FP32"}}, "Bad.outputs must be a list of TensorSpec"),
+        (
+            {"inputs": [TensorSpec("x", "FP32", [2]), TensorSpec("x", "INT8", [2])]},
+            "Bad.inputs declares 'x' more than once",
+        ),
+    ],
+)
+def test_a_model_class_declared_wrong_fails_as_it_is_defined(
+    attributes: dict[str, Any], message: str
+) -> None:
+    """Rather than in every worker started with it (each restarted, failing again)."""
+    with pytest.raises(ValueError) as caught:
+        type("Bad", (ManagedModel,), attributes)
+    assert str(caught.value).startswith(message)
+
+
+def test_a_model_class_declared_right_is_taken() -> None:
+    attributes = {"batch_size": 4, "max_latency": 0, "inputs": (TensorSpec("x", "FP32", [2]),)}
+    assert type("Good", (ManagedModel,), attributes).batch_size == 4

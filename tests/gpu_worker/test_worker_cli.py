@@ -39,6 +39,24 @@ def test_a_bad_model_path_gives_one_line() -> None:
     assert "is not a ManagedModel subclass" in result.stderr
 
 
+def test_a_model_module_that_raises_on_import_gives_one_line(tmp_path: Path) -> None:
+    """The module's error and the line of it that raised, not a traceback and exit 1."""
+    (tmp_path / "typo_model.py").write_text("from gpu_worker import ManagedModel\nclass A(\n")
+    (tmp_path / "zero_model.py").write_text(
+        "from gpu_worker import ManagedModel\n\nclass Zero(ManagedModel):\n    batch_size = 0\n"
+    )
+    result = run_worker_cli("--model", "typo_model:A", "--app-dir", str(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr.startswith("Error: cannot import module 'typo_model': SyntaxError: ")
+    assert "Traceback" not in result.stderr
+    result = run_worker_cli("--model", "zero_model:Zero", "--app-dir", str(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "Error: cannot import module 'zero_model': ValueError: Zero.batch_size must be a "
+        f"positive int, not 0 (at {tmp_path / 'zero_model.py'}:3)"
+    ]
+
+
 def test_an_init_model_that_raises_stops_the_worker_with_its_reason(
     redis_server: RedisServer, prefix: str
 ) -> None:
