@@ -920,7 +920,11 @@ class Streamer:
     def _postprocess(self, outputs: list[Any]) -> list[Any]:
         if self.model is None:
             return outputs
-        return [self.model.postprocess(output) for output in outputs]
+        finish = getattr(self.model, "finish_outputs", None)  # a ManagedModel's
+        if finish is None:
+            return [self.model.postprocess(output) for output in outputs]
+        result: list[Any] = finish(outputs)
+        return result
 
     def _level(self, priority: str | int | None) -> int:
         return self.level if priority is None else parse_priority(priority)

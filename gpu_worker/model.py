@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from broker.errors import InvalidInput, MicrobatchError
+from broker.errors import InvalidInput, MicrobatchError, ModelError
 from broker.keys import check_name
 
 from .tensors import DATATYPES, Unfit, to_datatype
@@ -298,6 +298,22 @@ class ManagedModel:
                     f"preprocess failed: {type(exc).__name__}: {exc}", index=index
                 ) from exc
         return items
+
+    def finish_outputs(self, outputs: Sequence[Any]) -> list[Any]:
+        """Caller side: ``postprocess`` each output. An exception from it is the model's
+        fault: :class:`broker.errors.ModelError` naming the item, and what was raised."""
+        postprocess = self.postprocess
+        finished = []
+        for index, output in enumerate(outputs):
+            try:
+                finished.append(postprocess(output))
+            except MicrobatchError as exc:
+                raise exc.with_index(index) from exc
+            except Exception as exc:
+                text = str(exc).strip().splitlines()
+                what = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+                raise ModelError(f"postprocess failed: {what}", index=index) from exc
+        return finished
 
 
 def _check_attributes(cls: type[ManagedModel]) -> None:

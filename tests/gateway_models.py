@@ -88,3 +88,18 @@ class Tally(ManagedModel):
 
     def predict(self, batch: list[Any]) -> list[Any]:
         return [np.asarray([int(np.sum(item, dtype=np.int64))]) for item in batch]
+
+
+class Labeller(ManagedModel):
+    """FP32[1] -> a label: postprocess raises KeyError for a value it has no label for."""
+
+    name = "labeller"
+    inputs = [TensorSpec("score", "FP32", [1])]
+    outputs = [TensorSpec("score", "FP32", [1])]
+    LABELS = {0.0: "cat", 1.0: "dog"}
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        return batch
+
+    def postprocess(self, output: Any) -> Any:
+        return self.LABELS[float(output[0])]

@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 
 from broker import Streamer
-from broker.errors import InvalidInput
+from broker.errors import InvalidInput, ModelError
 from broker.keys import ModelKeys
 from gpu_worker.model import ManagedModel, TensorSpec, load_model_class
 from gpu_worker.pipeline import Pipeline
 
-from .errors import invalid_input
+from .errors import from_microbatch, invalid_input
 from .metrics import ModelMetrics
 from .settings import GatewaySettings
 
@@ -85,10 +85,14 @@ class ServedModel:
             raise invalid_input(str(exc)) from None
 
     def finish(self, outputs: list[Any]) -> list[Any]:
-        """postprocess each output (in the thread pool only when the model defines one)."""
+        """postprocess each output (in the thread pool only when the model defines one); 500
+        ModelError naming the item if it raises."""
         if not self.has_postprocess:
             return outputs
-        return [self.instance.postprocess(output) for output in outputs]
+        try:
+            return self.instance.finish_outputs(outputs)
+        except ModelError as exc:
+            raise from_microbatch(exc, 0) from None
 
     def metadata(self) -> dict[str, Any]:
         from .kserve import VERSIONS, tensor_metadata

@@ -183,6 +183,31 @@ def test_a_failing_preprocess_is_invalid_input_from_the_python_client_too(
     assert not redis.Redis.from_url(redis_server.url).exists(ModelKeys("bytestats", prefix).stream)
 
 
+def test_a_failing_postprocess_is_a_model_error_naming_the_item_everywhere(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """The model's own caller-side code failed: ModelError (500), not the raw exception
+    from the Python client or an opaque InternalError from the gateway."""
+    from broker.errors import ModelError
+    from tests.gateway_models import Labeller
+
+    said = "item 1: postprocess failed: KeyError: 2.0"
+    settings = GatewaySettings(
+        model=["tests.gateway_models:Labeller"], redis_url=redis_server.url, prefix=prefix
+    )
+    with worker_process(redis_server.url, "tests.gateway_models:Labeller", prefix):
+        with (
+            Streamer("labeller", redis_url=redis_server.url, prefix=prefix, model=Labeller) as s,
+            pytest.raises(ModelError) as raised,
+        ):
+            s.predict([[1.0], [2.0]], timeout=10)
+        assert (str(raised.value), raised.value.index) == (said, 1)
+        with TestClient(create_app(settings)) as http:
+            v1 = http.post("/v1/models/labeller/predict", json={"inputs": [[0.0], [2.0]]})
+    assert v1.status_code == 500
+    assert v1.json() == {"error": {"type": "ModelError", "message": said}}
+
+
 def test_versioned_paths_answer_like_the_unversioned_ones(client: TestClient) -> None:
     metadata = client.get("/v2/models/doubler/versions/1")
     assert metadata.status_code == 200
