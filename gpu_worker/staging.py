@@ -244,7 +244,7 @@ class HostStaging:
         Staged: a non-blocking copy into a (pinned, on CUDA) output buffer, waited for,
         then copied out of it. Plain: ``tensor.detach().cpu().numpy()`` (which, for a CPU
         tensor, shares its memory). :meth:`to_host_later`, waited for at once."""
-        return self.to_host_later(tensor).array()
+        return self._copy(tensor).array()
 
     def to_host_later(self, tensor: Any) -> OutputCopy:
         """Start copying a batch's output tensor to the host and return at once: what
@@ -254,7 +254,18 @@ class HostStaging:
         Staged: a non-blocking copy into a pinned output buffer of its own (one per copy in
         flight, reused once :meth:`OutputCopy.result` has copied the rows out); plain, or for
         a dtype numpy lacks: ``tensor.detach().cpu().numpy()`` now, the copy done already.
+        TypeError for anything but a tensor of one row per item.
         """
+        if not isinstance(tensor, self.torch.Tensor):
+            raise TypeError(
+                f"to_host_later takes the batch's output tensor, not {type(tensor).__name__}"
+            )
+        if tensor.dim() == 0:
+            raise TypeError("to_host_later takes a tensor of one row per item, not a 0-d one")
+        return self._copy(tensor)
+
+    def _copy(self, tensor: Any) -> OutputCopy:
+        """:meth:`to_host_later` of any tensor (0-d too)."""
         tensor = tensor.detach()
         dtype = _numpy_dtype(self.torch, tensor.dtype) if self.staged else None
         if dtype is None:  # bfloat16 and the like: refused by .numpy() too

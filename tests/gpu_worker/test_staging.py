@@ -275,3 +275,14 @@ def test_to_host_later_of_a_dtype_numpy_lacks_takes_the_plain_path() -> None:
     staging = HostStaging("cpu", staged=True)
     with pytest.raises(TypeError):  # as .numpy() refuses bfloat16 (to_host does the same)
         staging.to_host_later(torch.ones(2, 3, dtype=torch.bfloat16))
+
+
+def test_to_host_later_of_what_is_no_batch_tensor_says_so_at_once() -> None:
+    """Not later, as an AttributeError ('no attribute detach') or 'iteration over a 0-d
+    array' once the worker reads the outputs."""
+    staging = HostStaging("cpu", staged=True)
+    with pytest.raises(TypeError, match="takes the batch's output tensor, not ndarray"):
+        staging.to_host_later(np.ones((2, 3), np.float32))
+    with pytest.raises(TypeError, match="one row per item, not a 0-d one"):
+        staging.to_host_later(torch.tensor(1.0))
+    assert staging.to_host(torch.tensor(1.0)).tolist() == 1.0  # to_host takes any tensor
