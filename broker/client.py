@@ -884,12 +884,23 @@ class Streamer:
         loop = asyncio.get_running_loop()
         core = self._loop_cores.get(loop)
         if core is None or core.closing:  # (closed as the loop shut down its async generators)
-            for old in [old for old in self._loop_cores if old.is_closed()]:
-                del self._loop_cores[old]  # cores of loops that asyncio.run() already closed
-            core = self._loop_cores[loop] = ClientCore(
+            core = self._new_loop_core(loop)
+        return core
+
+    def _new_loop_core(self, loop: asyncio.AbstractEventLoop) -> ClientCore:
+        # Under the lock: event loops in other threads (asyncio.run() in each) make theirs at
+        # the same time, and an unlocked scan of the cores raised "dictionary changed size".
+        with self._lock:
+            cores = self._loop_cores
+            core = cores.get(loop)
+            if core is not None and not core.closing:
+                return core
+            for old in [old for old in cores if old.is_closed()]:
+                del cores[old]  # cores of loops that asyncio.run() already closed
+            core = cores[loop] = ClientCore(
                 self.keys, self._make_transport(), loop, self.bound, self._new_watch()
             )
-            core.close_at_loop_shutdown()  # asyncio.run() closes its connections, not the GC
+        core.close_at_loop_shutdown()  # asyncio.run() closes its connections, not the GC
         return core
 
     def _encode(self, batch: Sequence[Any]) -> list[bytes]:
