@@ -881,7 +881,7 @@ class Streamer:
 
     def _get_loop_core(self) -> ClientCore:
         self._check_process()
-        loop = asyncio.get_running_loop()
+        loop = _running_loop()
         core = self._loop_cores.get(loop)
         if core is None or core.closing:  # (closed as the loop shut down its async generators)
             core = self._new_loop_core(loop)
@@ -1068,7 +1068,7 @@ class Streamer:
 
     async def aclose(self) -> None:
         """Close from asyncio code: the running loop's connections are closed before return."""
-        core = self._loop_cores.pop(asyncio.get_running_loop(), None)
+        core = self._loop_cores.pop(_running_loop(), None)
         if core is not None:
             await core.aclose()
         await asyncio.to_thread(self.close)
@@ -1084,6 +1084,20 @@ class Streamer:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+def _running_loop() -> asyncio.AbstractEventLoop:
+    """The running asyncio loop; a RuntimeError that says what to do where there is none (trio,
+    or a coroutine driven by hand), rather than asyncio's bare "no running event loop"."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        raise RuntimeError(
+            "apredict, astart, aconnect and aclose need a running asyncio event loop (asyncio, "
+            "uvloop, or anyio's asyncio backend); under trio, or from a thread, call the "
+            "blocking predict() in a worker thread (trio.to_thread.run_sync, "
+            "anyio.to_thread.run_sync) or use submit()"
+        ) from None
 
 
 def _close_thread_core(thread: LoopThread, core: ClientCore) -> None:

@@ -7,6 +7,8 @@ import asyncio
 import sys
 import threading
 
+import pytest
+
 from broker import Streamer
 from broker.client import ClientCore
 
@@ -42,3 +44,19 @@ def test_event_loops_in_many_threads_make_their_cores_at_once() -> None:
         sys.setswitchinterval(interval)
         streamer.close()
     assert errors == []
+
+
+@pytest.mark.parametrize("method", ["apredict", "astart", "aconnect", "aclose"])
+def test_without_an_asyncio_loop_the_error_says_what_to_do(method: str) -> None:
+    """Under trio (or a coroutine driven by hand) asyncio's bare "no running event loop" said
+    nothing of what to use instead."""
+    streamer = Streamer("toy", redis_url=NOWHERE)
+    args = ([[1.0]],) if method in ("apredict", "astart") else ()
+    with pytest.raises(RuntimeError, match=r"need a running asyncio event loop.*predict"):
+        started = getattr(streamer, method)(*args)
+        if asyncio.iscoroutine(started):
+            try:
+                started.send(None)
+            finally:
+                started.close()
+    streamer.close()
