@@ -155,6 +155,7 @@ class ClientCore:
         self._background: set[asyncio.Task[None]] = set()
         self._deadlines: Deadlines[_Call] = Deadlines(loop, self._expire)
         self._closing = False
+        self._closed = False  # aclose() went to its end (the transport is closed)
         inboxes = f"{self.inbox} (or its partitions')"
         self._unreadable = ThrottledWarning(
             log, f"dropped %d unreadable reply(ies) on {inboxes}; the last: %s", LOG_EVERY_S
@@ -723,6 +724,7 @@ class ClientCore:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self.transport.close()
+        self._closed = True
 
 
 async def _close_at_shutdown(core: ClientCore) -> AsyncGenerator[None, None]:
@@ -731,7 +733,9 @@ async def _close_at_shutdown(core: ClientCore) -> AsyncGenerator[None, None]:
     try:
         yield
     finally:
-        if not core.closing:
+        # Also a core whose aclose() began but was cut short: a sync close() on the loop's
+        # thread only starts it, and asyncio.run() cancels that task before this runs.
+        if not core._closed:
             try:
                 await core.aclose()
             except Exception:  # closing is best effort
@@ -1062,7 +1066,9 @@ class Streamer:
             except RuntimeError:
                 running = None
             if running is loop:
-                loop.create_task(loop_core.aclose())
+                task = loop.create_task(loop_core.aclose())
+                _closing_tasks.add(task)  # (the loop holds its tasks weakly)
+                task.add_done_callback(_closing_tasks.discard)
             elif loop.is_running():
                 asyncio.run_coroutine_threadsafe(loop_core.aclose(), loop)
 
@@ -1084,6 +1090,9 @@ class Streamer:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
+
+
+_closing_tasks: set[asyncio.Task[None]] = set()  # the aclose() tasks a sync close() started
 
 
 def _running_loop() -> asyncio.AbstractEventLoop:
