@@ -272,15 +272,17 @@ class Checked(Toy):
         return {**output, "post": True}
 
 
-def test_submit_and_predict_run_postprocess_and_raise_its_error() -> None:
+def test_submit_and_predict_run_postprocess_and_name_its_error() -> None:
     streamer = LocalStreamer(Checked, batch_size=4)
     try:
         assert streamer.submit(["a", "b"]).result(timeout=10)[1]["post"] is True
         assert streamer.predict(["c"])[0]["post"] is True
-        with pytest.raises(ValueError, match="refused"):
+        # the model's error, named as its postprocess's, for the item it failed on
+        with pytest.raises(ModelError, match="item 1: postprocess failed: ValueError: .*refused"):
             streamer.submit(["ok", "refused"]).result(timeout=10)
-        with pytest.raises(ValueError, match="refused"):
+        with pytest.raises(ModelError, match="item 0: postprocess failed") as raised:
             streamer.predict(["refused"])
+        assert isinstance(raised.value.__cause__, ValueError)
         assert streamer.submit([]).result(timeout=10) == []
     finally:
         streamer.close()
