@@ -278,7 +278,7 @@ def test_submit_and_predict_run_postprocess_and_name_its_error() -> None:
         assert streamer.submit(["a", "b"]).result(timeout=10)[1]["post"] is True
         assert streamer.predict(["c"])[0]["post"] is True
         # the model's error, named as its postprocess's, for the item it failed on
-        with pytest.raises(ModelError, match="item 1: postprocess failed: ValueError: .*refused"):
+        with pytest.raises(ModelError, match=r"item 1: postprocess failed: ValueError: .*refused"):
             streamer.submit(["ok", "refused"]).result(timeout=10)
         with pytest.raises(ModelError, match="item 0: postprocess failed") as raised:
             streamer.predict(["refused"])
