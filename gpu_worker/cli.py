@@ -103,8 +103,8 @@ def start(
     cuda: Annotated[
         str | None,
         typer.Option(
-            help="Comma-separated CUDA device indices (relative to the visible devices); one "
-            "process per device (times --workers-per-device). Omit to run on the CPU.",
+            help="Comma-separated CUDA device indices (relative to the visible devices); "
+            "--workers-per-device processes on each. Omit to run on the CPU.",
         ),
     ] = None,
     workers_per_device: Annotated[
@@ -186,8 +186,9 @@ def start(
     heartbeat_ttl: Annotated[
         float,
         typer.Option(
-            help="Seconds a worker stays vouched for without renewal; after that, live workers "
-            "take over its unanswered items (a dead host is detected this fast).",
+            help="Seconds a worker stays vouched for without renewal; once its heartbeat has "
+            "been lapsed for 2 s, live workers take over its unanswered items (a dead host is "
+            "detected within this plus 2-3 s).",
         ),
     ] = 5.0,
     max_deliveries: Annotated[
