@@ -391,13 +391,20 @@ class Supervisor:
                 f"{items} items" if items else "no item bound",
                 f"{size} bytes in all" if size else "no byte bound",
             )  # fmt: skip
-        elif any(
-            not slot.ready and now - slot.started_at > self.config.start_timeout
+            return
+        late = [
+            slot
             for slot in self.slots
-        ):
+            if not slot.ready and now - slot.started_at > self.config.start_timeout
+        ]
+        if any(not slot.auto_extra for slot in late):
             raise StartError(
                 f"workers not ready within {self.config.start_timeout:g} s (--start-timeout)"
             )
+        for slot in late:  # auto's own extras: stopped, then left out as they exit
+            if slot.process is not None and not slot.last_error:
+                slot.last_error = f"not ready within {self.config.start_timeout:g} s"
+                slot.process.kill()
 
     @staticmethod
     def _state(slot: Slot, now: float) -> dict[str, int]:

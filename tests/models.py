@@ -154,6 +154,13 @@ class LateExtraProbe(SmallProbe):
             time.sleep(max(0.0, loaded + self.LATE_S - time.time()))
 
 
+class StuckExtraProbe(LateExtraProbe):
+    """A SmallProbe whose first process loads at once and whose others take a minute."""
+
+    name = "stuckextraprobe"
+    LATE_S = 60.0
+
+
 class FlakyExtraProbe(LateExtraProbe):
     """A SmallProbe that loads in the first process only."""
 

@@ -139,7 +139,7 @@ def v2_error_body(type_: str, message: str) -> dict[str, Any]:
 
 def is_v2(path: str) -> bool:
     """Routes of the Open Inference Protocol answer errors in its format."""
-    return path.startswith("/v2/")
+    return path == "/v2" or path.startswith("/v2/")
 
 
 def error_response(error: HTTPError, v2: bool = False) -> Response:

@@ -260,6 +260,23 @@ def test_a_model_whose_size_cannot_be_taken_fails_to_start_with_the_reason(
     assert "CUDA error: an illegal memory access" in result.stderr
 
 
+def test_an_extra_worker_of_auto_not_ready_in_time_is_left_out(
+    redis_server: RedisServer, prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    if auto_workers_per_device(0, 1, usable_cores()) == 1:
+        pytest.skip("one core: auto starts no extra worker")
+    with auto_worker(
+        redis_server.url, prefix, tmp_path, "StuckExtraProbe", "--start-timeout", "8"
+    ) as (process, log_path):
+        wait_for_line(log_path, "all 1 worker(s) ready", process, timeout=40)
+        assert process.poll() is None
+    log = log_path.read_text()
+    assert (
+        "an extra worker of --workers-per-device auto, could not start: not ready within 8 s" in log
+    )
+
+
 @pytest.mark.parametrize("model", ["LargeProbe", "DeviceProbe"])
 def test_auto_runs_one_worker_per_device_for_a_large_or_unknown_model(
     redis_server: RedisServer, prefix: str, tmp_path: Path, model: str,

@@ -30,3 +30,15 @@ def test_clients_leaving_are_summed_into_a_line_every_few_seconds(
     assert len(lines) == 2
     assert lines[0].startswith("clients left before their answers: 1 request(s) withdrawn")
     assert "4000 request(s) withdrawn" in lines[1] and "latest to /v2/models/mlp/infer" in lines[1]
+
+
+@pytest.mark.parametrize(
+    "path, v2",
+    [("/v2", True), ("/v2/", True), ("/v2/models/m/infer", True), ("/v1/models/m", False),
+     ("/v2x", False), ("/healthz", False)],
+)  # fmt: skip
+def test_the_open_inference_protocol_routes_answer_errors_in_its_format(
+    path: str, v2: bool
+) -> None:
+    # /v2 itself (its server metadata) is one of them, as nginx's error pages take it too
+    assert errors.is_v2(path) is v2
