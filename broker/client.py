@@ -586,7 +586,8 @@ class ClientCore:
             f"for over {self._watch.grace_s:g} s: check that a worker serves it (`worker start "
             "--model ...`, or for a pipeline's first stage `worker start --model ... --stage "
             "...`) with the same --prefix and --redis as this caller (`broker status` lists the "
-            "live workers)"
+            "live workers); if one does, its workers may be exiting as they start or serve: see "
+            "its log"
         )
 
     def _oldest_call_at(self) -> float:

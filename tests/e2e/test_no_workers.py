@@ -51,6 +51,7 @@ def test_no_worker_fails_the_call_and_withdraws_its_items(
         assert raised.value.index == 0
         assert f"model 'toy' under prefix {prefix!r}" in message
         assert "--prefix" in message and "--redis" in message and "broker status" in message
+        assert "workers may be exiting" in message  # a crash-looping worker: its log says why
         wait_for_length(client, keys.stream, 0)
         # known to have no worker: later calls fail too (at once, queueing nothing)
         future = s.submit(["d"], timeout=60)
