@@ -95,14 +95,8 @@ def parse_cuda(spec: str) -> list[int]:
     return indices
 
 
-def plan_devices(indices: list[int], workers_per_device: int | None = 1) -> list[str]:
-    """One CUDA_VISIBLE_DEVICES value per worker process, checked against what exists.
-
-    ``None`` (auto) plans one process per device: the rest are added once the first has
-    loaded the model and told how much of its device it holds (:func:`auto_workers_per_device`).
-    """
-    if workers_per_device is None:
-        workers_per_device = 1
+def plan_devices(indices: list[int], workers_per_device: int = 1) -> list[str]:
+    """One CUDA_VISIBLE_DEVICES value per worker process, checked against what exists."""
     if workers_per_device < 1:
         raise DeviceError("--workers-per-device must be at least 1")
     visible = visible_devices()

@@ -89,7 +89,10 @@ class Supervisor:
         # light: fails fast on a bad path (a pipeline's stage: the stage's model)
         self.model_class = load_stage(config.model, config.stage)
         if config.cuda:
-            devices: list[str | None] = list(plan_devices(config.cuda, config.workers_per_device))
+            # auto (None) starts one per device: the rest once the first has loaded the model
+            # and told what it holds there (_size_devices)
+            per_device = config.workers_per_device or 1
+            devices: list[str | None] = list(plan_devices(config.cuda, per_device))
         else:
             devices = [None] * config.workers
         self.slots = [Slot(index, device) for index, device in enumerate(devices)]
@@ -348,17 +351,17 @@ class Supervisor:
         more on that device as its model's size and the host's cores call for."""
         if self._stopping:  # a SIGTERM came as the first was ready: no new worker to leave behind
             return
-        cores = usable_cores()
+        cores, devices = usable_cores(), len(self.config.cuda or ())
         for slot in list(self.slots):
             if slot.cuda_visible not in self._sizing or not slot.ready:
                 continue
             self._sizing.discard(slot.cuda_visible)
-            count = auto_workers_per_device(slot.device_bytes, len(self.config.cuda or ()), cores)
+            count = auto_workers_per_device(slot.device_bytes, devices, cores)
             held = "an unknown size" if slot.device_bytes is None else _mib(slot.device_bytes)
             log.info(
                 "--workers-per-device auto: the model holds %s on device %s and %g core(s) "
                 "serve %d device(s): %d worker(s) on it",
-                held, slot.cuda_visible, cores, len(self.config.cuda or ()), count,
+                held, slot.cuda_visible, cores, devices, count,
             )  # fmt: skip
             for _ in range(count - 1):
                 extra = Slot(len(self.slots), slot.cuda_visible, auto_extra=True)
