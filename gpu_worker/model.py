@@ -15,6 +15,7 @@ import numpy as np
 from broker.errors import InvalidInput, MicrobatchError, ModelError
 from broker.keys import check_name
 
+from .outcomes import describe
 from .tensors import DATATYPES, Unfit, to_datatype
 
 if TYPE_CHECKING:
@@ -310,9 +311,7 @@ class ManagedModel:
             except MicrobatchError as exc:
                 raise exc.with_index(index) from exc
             except Exception as exc:
-                text = str(exc).strip().splitlines()
-                what = f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
-                raise ModelError(f"postprocess failed: {what}", index=index) from exc
+                raise ModelError(f"postprocess failed: {describe(exc)}", index=index) from exc
         return finished
 
 
