@@ -29,10 +29,10 @@ class JSONBody(Response):
 
 
 def json_response(
-    content: Any, status: int = 200, headers: dict[str, str] | None = None
+    content: Any, status: int = 200, headers: dict[str, str] | None = None, option: int = 0
 ) -> Response:
-    """``content`` as a JSON response."""
-    body = orjson.dumps(content, default=to_json, option=orjson.OPT_SERIALIZE_NUMPY)
+    """``content`` as a JSON response (``option``: orjson options besides numpy's)."""
+    body = orjson.dumps(content, default=to_json, option=orjson.OPT_SERIALIZE_NUMPY | option)
     if headers is None and status >= 200 and status not in (204, 304):
         return JSONBody(body, status)
     return Response(body, status_code=status, headers=headers, media_type=JSON)

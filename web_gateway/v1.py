@@ -21,8 +21,8 @@ from gpu_worker.model import TensorSpec
 from . import reading
 from .errors import HTTPError, bad_request
 from .openapi import MODELS, V1_PREDICT
-from .responses import JSONBody, json_response
-from .serving import ServedModel, to_json
+from .responses import json_response
+from .serving import ServedModel
 from .state import Gateway
 
 PREDICT_PATH = re.compile(r"/v1/models/([a-z0-9_-]+)/predict")
@@ -92,15 +92,10 @@ def outputs_response(outputs: list[Any]) -> Response:
     # Map keys other than strings (ints, floats, None) written as strings, the only keys JSON
     # has, as json.dumps writes them; anything else (complex numbers, bytes keys) says so.
     try:
-        body = orjson.dumps(
-            {"outputs": outputs},
-            default=to_json,
-            option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS,
-        )
+        return json_response({"outputs": outputs}, option=orjson.OPT_NON_STR_KEYS)
     except orjson.JSONEncodeError as exc:
         message = f"model outputs cannot be written as JSON: {exc}"
         raise HTTPError(500, "InvalidOutput", message) from None
-    return JSONBody(body)
 
 
 def parse_and_prepare(
