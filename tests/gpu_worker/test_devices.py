@@ -198,11 +198,26 @@ def run_auto(
     return probes(tmp_path), log_path.read_text()
 
 
-def test_auto_runs_more_workers_on_a_device_for_a_small_model(
-    redis_server: RedisServer, prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def small_model_workers(monkeypatch: pytest.MonkeyPatch) -> int:
+    """How many workers auto runs on a device here for a small model (one per core, up to 3),
+    with no CUDA_VISIBLE_DEVICES preset."""
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    expect = auto_workers_per_device(0, 1, usable_cores())  # one per core here, up to 3
+    return auto_workers_per_device(0, 1, usable_cores())
+
+
+@pytest.fixture
+def extra_workers(small_model_workers: int) -> int:
+    """small_model_workers, where auto starts extra workers at all (not on one core)."""
+    if small_model_workers == 1:
+        pytest.skip("one core: auto starts no extra worker")
+    return small_model_workers
+
+
+def test_auto_runs_more_workers_on_a_device_for_a_small_model(
+    redis_server: RedisServer, prefix: str, tmp_path: Path, small_model_workers: int
+) -> None:
+    expect = small_model_workers
     seen, log = run_auto(redis_server.url, prefix, tmp_path, "SmallProbe", expect)
     assert len(seen) == len({p["pid"] for p in seen}) == expect
     assert {p["cuda_visible_devices"] for p in seen} == {"0"}
@@ -211,29 +226,22 @@ def test_auto_runs_more_workers_on_a_device_for_a_small_model(
 
 
 def test_the_extra_workers_of_auto_have_their_own_start_timeout(
-    redis_server: RedisServer, prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    redis_server: RedisServer, prefix: str, tmp_path: Path, extra_workers: int
 ) -> None:
     """--start-timeout is each worker's time to load: the extras, started once the first has
     loaded, are not held to what the first left of it (here 6 s, the extras ready 5 s after
     the first, itself ready 1-3 s after its start)."""
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    expect = auto_workers_per_device(0, 1, usable_cores())
-    if expect == 1:
-        pytest.skip("one core: auto starts no extra worker")
     with auto_worker(
         redis_server.url, prefix, tmp_path, "LateExtraProbe", "--start-timeout", "6"
     ) as (process, log_path):
-        wait_for_line(log_path, f"all {expect} worker(s) ready", process, timeout=30)
+        wait_for_line(log_path, f"all {extra_workers} worker(s) ready", process, timeout=30)
 
 
 def test_an_extra_worker_of_auto_that_cannot_start_is_left_out(
-    redis_server: RedisServer, prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    redis_server: RedisServer, prefix: str, tmp_path: Path, extra_workers: int
 ) -> None:
     # auto's choice, not the user's: a second copy that cannot load (out of GPU memory, say)
     # leaves the device with the workers that did, instead of stopping worker start
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    if auto_workers_per_device(0, 1, usable_cores()) == 1:
-        pytest.skip("one core: auto starts no extra worker")
     with auto_worker(redis_server.url, prefix, tmp_path, "FlakyExtraProbe") as (
         process,
         log_path,
@@ -261,11 +269,8 @@ def test_a_model_whose_size_cannot_be_taken_fails_to_start_with_the_reason(
 
 
 def test_an_extra_worker_of_auto_not_ready_in_time_is_left_out(
-    redis_server: RedisServer, prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    redis_server: RedisServer, prefix: str, tmp_path: Path, extra_workers: int
 ) -> None:
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    if auto_workers_per_device(0, 1, usable_cores()) == 1:
-        pytest.skip("one core: auto starts no extra worker")
     with auto_worker(
         redis_server.url, prefix, tmp_path, "StuckExtraProbe", "--start-timeout", "8"
     ) as (process, log_path):
