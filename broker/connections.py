@@ -77,17 +77,50 @@ class _FollowingPool(redis.sentinel.SentinelConnectionPool):
 
 
 class _AsyncFollowingPool(async_sentinel.SentinelConnectionPool):
-    """:class:`_FollowingPool` for redis-py's asyncio client."""
+    """:class:`_FollowingPool` for redis-py's asyncio client, which also follows while
+    commands are in flight: a connection to a master that went silent (its host lost, its
+    process stopped) would hold its command until the reply timeout, so while any connection
+    is in use the sentinels are asked every FOLLOW_EVERY_S, and once they name another master
+    the connections in use to the old one are dropped (redis-py's retry then sends the
+    command again, to the new master)."""
 
     _asked_at = float("-inf")
+    _watch: asyncio.Task[None] | None = None
 
     async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        await self._follow()
+        connection = await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+        if self._watch is None or self._watch.done():
+            self._watch = asyncio.get_running_loop().create_task(self._watch_in_use())
+        return connection
+
+    async def _follow(self) -> None:
+        """Ask the sentinels where the master is (at most every FOLLOW_EVERY_S); drop the
+        connections in use to any other address."""
         now = time.monotonic()
-        if now - self._asked_at >= FOLLOW_EVERY_S:
-            self._asked_at = now
-            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
-                await self.get_master_address()  # type: ignore[no-untyped-call]
-        return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+        if now - self._asked_at < FOLLOW_EVERY_S:
+            return
+        self._asked_at = now
+        try:
+            master = await self.get_master_address()  # type: ignore[no-untyped-call]
+        except (redis.ConnectionError, redis.TimeoutError):
+            return  # no master named: the connections in use may still be answered
+        in_use: list[Any] = list(self._in_use_connections)
+        stale = [c for c in in_use if c.host is not None and (c.host, c.port) != tuple(master)]
+        for connection in stale:
+            # where it reconnects: redis-py's retry reconnects to the address a connection had
+            connection.host, connection.port = master
+            await connection.disconnect(nowait=True)
+
+    async def _watch_in_use(self) -> None:
+        while self._in_use_connections:
+            await asyncio.sleep(FOLLOW_EVERY_S)
+            await self._follow()
+
+    async def disconnect(self, inuse_connections: bool = True) -> None:
+        if inuse_connections and self._watch is not None:
+            self._watch.cancel()  # the pool is being closed
+        await super().disconnect(inuse_connections)
 
 
 class _ConcurrentSyncSentinel(redis.sentinel.Sentinel):

@@ -169,6 +169,33 @@ def test_redis_py_clients_of_a_sentinel_url_follow_a_failover(sentinel: LocalSen
     direct.close()
 
 
+def test_a_redis_py_command_in_flight_to_a_master_gone_silent_moves_to_the_new_one() -> None:
+    """A command already sent to a master that then went silent (stopped: its connection
+    stays open, nothing answers) is not held until the reply timeout: once the sentinels
+    name a new master the connection is dropped and the command answered there."""
+    with LocalSentinel(replicas=1, sentinels=1, down_after_ms=500) as setup:
+        k = key()
+        old = setup.master_port()
+
+        async def main() -> None:
+            aclient = connections.async_client(setup.url(), socket_timeout=120)
+            assert await aclient.set(k, "kept")
+            assert await aclient.wait(1, 5000) == 1  # the replica has it
+            assert setup.master.process is not None
+            os.kill(setup.master.process.pid, signal.SIGSTOP)
+            try:
+                in_flight = asyncio.create_task(aclient.get(k))
+                await asyncio.to_thread(setup.wait_new_master, old, 30)
+                # far below the 120 s reply timeout the old code waited out
+                assert await asyncio.wait_for(in_flight, 15) == b"kept"
+                assert (await aclient.role())[0] == b"master"
+            finally:
+                os.kill(setup.master.process.pid, signal.SIGCONT)
+            await aclient.aclose()
+
+        asyncio.run(main())
+
+
 def test_without_a_master_calls_fail_fast_with_broker_unavailable() -> None:
     """No sentinel answers (or none names an up master): connecting fails at once, typed."""
     with LocalSentinel(replicas=0, sentinels=1, down_after_ms=200) as setup:
