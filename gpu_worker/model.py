@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import numbers
 import os
 import sys
 import traceback
@@ -238,9 +239,6 @@ class ManagedModel:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.name = check_name(cls.__dict__.get("name") or cls.__name__.lower())
-        budget = cls.max_batch_cost
-        if budget is not None and (type(budget) is not int or budget < 1):
-            raise ValueError(f"{cls.__name__}.max_batch_cost must be a positive int or None")
         _check_attributes(cls)
 
     def __init__(self, device: str = "cpu") -> None:
@@ -315,16 +313,30 @@ class ManagedModel:
         return finished
 
 
+def _is_integer(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _check_attributes(cls: type[ManagedModel]) -> None:
     """ValueError naming the class attribute a model declares wrong: found as the class is
     defined, rather than by its workers failing (and being restarted) one after another."""
     where = cls.__name__
     size = cls.batch_size
-    if type(size) is not int or size < 1:
+    if not _is_integer(size) or size < 1:
         raise ValueError(f"{where}.batch_size must be a positive int, not {size!r}")
     latency = cls.max_latency
-    if type(latency) not in (int, float) or not 0 <= latency < float("inf"):
+    if not _is_real(latency) or not 0 <= latency < float("inf"):
         raise ValueError(f"{where}.max_latency must be a number of seconds >= 0, not {latency!r}")
+    budget = cls.max_batch_cost
+    if budget is not None and (not _is_integer(budget) or budget < 1):
+        raise ValueError(f"{where}.max_batch_cost must be a positive int or None, not {budget!r}")
+    # numpy's scalars (np.int64(32), np.float32(0.005)) are taken, as the plain numbers they are
+    cls.batch_size, cls.max_latency = int(size), float(latency)
+    cls.max_batch_cost = None if budget is None else int(budget)
     for attribute in ("inputs", "outputs"):
         specs = getattr(cls, attribute)
         if not isinstance(specs, (list, tuple)) or not all(

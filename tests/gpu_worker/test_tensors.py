@@ -138,3 +138,18 @@ def test_a_model_class_declared_wrong_fails_as_it_is_defined(
 def test_a_model_class_declared_right_is_taken() -> None:
     attributes = {"batch_size": 4, "max_latency": 0, "inputs": (TensorSpec("x", "FP32", [2]),)}
     assert type("Good", (ManagedModel,), attributes).batch_size == 4
+
+
+def test_numpy_scalars_are_taken_as_the_plain_numbers_they_are() -> None:
+    """A model written with numpy at hand (``np.int64(32)``, ``np.float32(0.005)``)."""
+    attributes = {
+        "batch_size": np.int64(32), "max_latency": np.float32(0.005),
+        "max_batch_cost": np.int32(4096),
+    }  # fmt: skip
+    model = type("Numpy", (ManagedModel,), attributes)
+    assert (model.batch_size, model.max_batch_cost) == (32, 4096)
+    assert model.max_latency == pytest.approx(0.005)
+    assert type(model.batch_size) is int and type(model.max_latency) is float
+    assert type(model.max_batch_cost) is int
+    with pytest.raises(ValueError, match="batch_size must be a positive int, not True"):
+        type("Flag", (ManagedModel,), {"batch_size": True})
