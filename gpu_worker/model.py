@@ -289,13 +289,18 @@ class ManagedModel:
         for index, raw in enumerate(raw_items):
             try:
                 item = raw if preprocess is None else preprocess(raw)
-                items.append(check_item(specs, item))
             except MicrobatchError as exc:
                 raise InvalidInput(exc.message, index=index) from exc
             except Exception as exc:  # the model's preprocess refused this input
                 raise InvalidInput(
                     f"preprocess failed: {type(exc).__name__}: {exc}", index=index
                 ) from exc
+            try:
+                items.append(check_item(specs, item))
+            except MicrobatchError as exc:
+                raise InvalidInput(exc.message, index=index) from exc
+            except RecursionError as exc:  # lists nested ~1000 deep: no tensor has that many axes
+                raise InvalidInput("nested too deep to be a tensor", index=index) from exc
         return items
 
     def finish_outputs(self, outputs: Sequence[Any]) -> list[Any]:

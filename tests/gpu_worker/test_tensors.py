@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -108,6 +109,21 @@ def test_prepare_items_checks_every_input_and_names_the_item() -> None:
             model.prepare_items([{"ids": [0], "mask": [True]}, bad])
         assert str(raised.value).startswith(message), str(raised.value)
         assert raised.value.index == 1
+
+
+def test_lists_nested_deeper_than_the_stack_are_refused_as_the_input_s_fault() -> None:
+    """Not "preprocess failed" (the model has none) nor a RecursionError let through."""
+
+    class Plain(ManagedModel):
+        inputs = [TensorSpec("x", "FP32", [-1])]
+
+    deep: list[Any] = [1.0]
+    for _ in range(sys.getrecursionlimit() + 100):
+        deep = [deep]
+    with pytest.raises(InvalidInput) as raised:
+        Plain().prepare_items([[1.0], deep])
+    assert str(raised.value) == "item 1: nested too deep to be a tensor"
+    assert raised.value.index == 1
 
 
 @pytest.mark.parametrize(
