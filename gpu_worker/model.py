@@ -352,6 +352,12 @@ def _check_attributes(cls: type[ManagedModel]) -> None:
         twice = sorted({name for name in names if names.count(name) > 1})
         if twice:
             raise ValueError(f"{where}.{attribute} declares {twice[0]!r} more than once")
+    for spec in cls.inputs:
+        if spec.datatype == "BYTES" and spec.shape:
+            raise ValueError(
+                f"{where}.inputs: the BYTES input {spec.name!r} takes one string or bytes per "
+                f"item: declare it with shape [], not {spec.shape}"
+            )
 
 
 class ModelLoadError(ValueError):

@@ -140,6 +140,11 @@ def test_lists_nested_deeper_than_the_stack_are_refused_as_the_input_s_fault() -
             {"inputs": [TensorSpec("x", "FP32", [2]), TensorSpec("x", "INT8", [2])]},
             "Bad.inputs declares 'x' more than once",
         ),
+        (
+            {"inputs": [TensorSpec("text", "BYTES", [-1])]},
+            "Bad.inputs: the BYTES input 'text' takes one string or bytes per item: declare it "
+            "with shape [], not [-1]",
+        ),
     ],
 )
 def test_a_model_class_declared_wrong_fails_as_it_is_defined(
