@@ -85,13 +85,13 @@ class _AsyncFollowingPool(async_sentinel.SentinelConnectionPool):
     command again, to the new master)."""
 
     _asked_at = float("-inf")
-    _watch: asyncio.Task[None] | None = None
+    _watch: asyncio.TimerHandle | None = None  # the next look at the connections in use
+    _following: asyncio.Task[None] | None = None
 
     async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         await self._follow()
         connection = await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
-        if self._watch is None or self._watch.done():
-            self._watch = asyncio.get_running_loop().create_task(self._watch_in_use())
+        self._watch_in_use()
         return connection
 
     async def _follow(self) -> None:
@@ -110,16 +110,30 @@ class _AsyncFollowingPool(async_sentinel.SentinelConnectionPool):
         for connection in stale:
             # where it reconnects: redis-py's retry reconnects to the address a connection had
             connection.host, connection.port = master
-            await connection.disconnect(nowait=True)
+            with contextlib.suppress(redis.RedisError, OSError):
+                await connection.disconnect(nowait=True)
 
-    async def _watch_in_use(self) -> None:
-        while self._in_use_connections:
-            await asyncio.sleep(FOLLOW_EVERY_S)
-            await self._follow()
+    def _watch_in_use(self) -> None:
+        """Look again in FOLLOW_EVERY_S (a timer, not a sleeping task: an event loop closed
+        without closing the client leaves nothing pending)."""
+        if self._watch is None:
+            loop = asyncio.get_running_loop()
+            self._watch = loop.call_later(FOLLOW_EVERY_S, self._look, loop)
+
+    def _look(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._watch = None
+        if self._in_use_connections and (self._following is None or self._following.done()):
+            self._following = loop.create_task(self._follow_and_watch())
+
+    async def _follow_and_watch(self) -> None:
+        await self._follow()
+        if self._in_use_connections:
+            self._watch_in_use()
 
     async def disconnect(self, inuse_connections: bool = True) -> None:
-        if inuse_connections and self._watch is not None:
-            self._watch.cancel()  # the pool is being closed
+        if inuse_connections and self._watch is not None:  # the pool is being closed
+            self._watch.cancel()
+            self._watch = None
         await super().disconnect(inuse_connections)
 
 

@@ -12,6 +12,7 @@ import socket
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -194,6 +195,22 @@ def test_a_redis_py_command_in_flight_to_a_master_gone_silent_moves_to_the_new_o
             await aclient.aclose()
 
         asyncio.run(main())
+
+
+def test_following_the_master_leaves_no_task_behind(sentinel: LocalSentinel) -> None:
+    """What watches the connections in use is a timer: a loop closed without closing the
+    client (as many callers do) is left with no pending task to warn about."""
+
+    async def main() -> list[asyncio.Task[Any]]:
+        aclient = connections.async_client(sentinel.url())
+        assert await aclient.ping()
+        return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(main()) == []
+    finally:
+        loop.close()
 
 
 def test_without_a_master_calls_fail_fast_with_broker_unavailable() -> None:
