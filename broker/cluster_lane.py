@@ -55,6 +55,7 @@ from .resp_lane import (
     ReplicaError,
     RespLane,
     ScriptBusyError,
+    TooManyClients,
 )
 from .resp_lane import ssl_context as make_ssl_context
 
@@ -70,7 +71,7 @@ REFRESH_EVERY_S = 0.1  # the most often the slot map is read again after failure
 _ASKING = hiredis.pack_command(("ASKING",))
 _MULTI = hiredis.pack_command(("MULTI",))
 _EXEC = hiredis.pack_command(("EXEC",))
-_RAISED = (ResponseError, BusyLoadingError, ReplicaError, ScriptBusyError)
+_RAISED = (ResponseError, BusyLoadingError, ReplicaError, ScriptBusyError, TooManyClients)
 _REDIRECTS = ("MOVED ", "ASK ", "TRYAGAIN", "CLUSTERDOWN")
 _FAILURES = (RedisConnectionError, RedisTimeoutError, OSError)
 

@@ -83,11 +83,18 @@ def keepalive_options() -> dict[int, int]:
 
 # Error replies of a server that is no master (any more): a failover demoted it.
 NOT_MASTER = ("READONLY", "UNBLOCKED", "MASTERDOWN")
+# What Redis at its maxclients answers a new connection, before closing it.
+MAX_CLIENTS = "ERR max number of clients reached"
 
 
 class ReplicaError(RedisConnectionError):
     """The server answered as a replica (a failover moved the master): the connection is
     dropped, and the next command connects to wherever the master is now."""
+
+
+class TooManyClients(RedisConnectionError):
+    """``ERR max number of clients reached``: Redis at its ``maxclients`` refused the
+    connection (it closes it after this reply); the server is not available yet."""
 
 
 class ScriptBusyError(RedisConnectionError):
@@ -108,11 +115,13 @@ def _reply_error(message: str) -> Exception:
         return ScriptBusyError(message)
     if message.startswith(NOT_MASTER):
         return ReplicaError(f"Redis is not the master (failover?): {message}")
+    if message.startswith(MAX_CLIENTS):
+        return TooManyClients(f"Redis refused the connection: {message}")
     return ResponseError(message)
 
 
 # error replies execute() raises
-_RAISED = (ResponseError, BusyLoadingError, ReplicaError, ScriptBusyError)
+_RAISED = (ResponseError, BusyLoadingError, ReplicaError, ScriptBusyError, TooManyClients)
 
 
 class ServerDown(RedisConnectionError):
@@ -195,10 +204,11 @@ class _RespProtocol(asyncio.Protocol):
 
     def __init__(self, reply_timeout_s: float | None = None) -> None:
         self.reader = hiredis.Reader(replyError=self._reply_error)
-        self.demoted = False  # an error reply said the server is no master
+        self.dropping: str | None = None  # why an error reply means the connection must go
         self.waiting: deque[asyncio.Future[Any] | _Pipeline] = deque()
         self.transport: asyncio.Transport | None = None
         self.lost = False
+        self.error: RedisConnectionError | None = None  # what the waiting commands failed with
         self.reply_timeout_s = reply_timeout_s
         self.progress = 0.0  # when the last reply came, or the first command of a quiet spell
         self.watchdog: asyncio.TimerHandle | None = None
@@ -210,8 +220,10 @@ class _RespProtocol(asyncio.Protocol):
 
     def _reply_error(self, message: str) -> Exception:
         error = _reply_error(message)
-        if type(error) is ReplicaError:
-            self.demoted = True
+        if type(error) is ReplicaError:  # what follows would fail the same way
+            self.dropping = "Redis is not the master any more"
+        elif type(error) is TooManyClients:  # Redis closes the connection
+            self.dropping = str(error)
         return error
 
     def _watch(self) -> None:
@@ -240,6 +252,9 @@ class _RespProtocol(asyncio.Protocol):
             self.progress = time.monotonic()
         try:
             while (reply := reader.gets()) is not False:
+                if not waiting:  # a reply nobody asked for: a refused connection's error?
+                    self.abort(str(reply) if isinstance(reply, Exception) else "stray reply")
+                    return
                 head = waiting[0]
                 if type(head) is _Pipeline:
                     head.replies.append(reply)
@@ -252,16 +267,18 @@ class _RespProtocol(asyncio.Protocol):
                     waiting.popleft()
                     if not head.done():  # type: ignore[union-attr]
                         head.set_result(reply)  # type: ignore[union-attr]
-        except (hiredis.ProtocolError, IndexError) as exc:  # garbage, or a reply nobody asked for
+        except hiredis.ProtocolError as exc:
             self.abort(f"protocol error: {exc!r}")
-        if self.demoted:  # what follows on this connection would fail the same way
-            self.abort("Redis is not the master any more")
+        if self.dropping is not None:
+            self.abort(self.dropping)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         if self.watchdog is not None:
             self.watchdog.cancel()
         error = RedisConnectionError(f"connection to Redis lost: {exc or 'closed by server'}")
+        if self.error is None:
+            self.error = error
         while self.waiting:
             head = self.waiting.popleft()
             future = head.future if type(head) is _Pipeline else head
@@ -547,6 +564,11 @@ class RespLane:
             raise RedisConnectionError(
                 f"cannot connect to Redis at {self._where()}: {exc}"
             ) from exc
+        if protocol.lost:  # closed as soon as accepted (Redis at its maxclients)
+            assert protocol.error is not None
+            raise RedisConnectionError(
+                f"cannot connect to Redis at {self._where()}: {protocol.error}"
+            )
         assert protocol.transport is not None
         sock = protocol.transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -573,6 +595,9 @@ class RespLane:
             protocol.abort("handshake timed out")
             raise RedisTimeoutError(f"no answer from Redis at {self._where()}") from exc
         for command, reply in zip(commands, replies, strict=True):
+            if isinstance(reply, RedisConnectionError):  # e.g. Redis at its maxclients
+                protocol.abort(str(reply))
+                raise reply
             if isinstance(reply, (ResponseError, BusyLoadingError)):
                 protocol.abort("handshake refused")
                 if command[0] == "AUTH":

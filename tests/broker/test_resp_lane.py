@@ -321,3 +321,32 @@ def test_tcp_connections_probe_idle_peers_within_seconds(redis_server: RedisServ
             await client.aclose()
 
     assert asyncio.run(cold_path()) == expected
+
+
+def test_a_redis_at_maxclients_is_a_connection_error_saying_so_until_a_client_leaves() -> None:
+    """Redis at ``maxclients`` accepts a connection, answers ``ERR max number of clients
+    reached`` and closes it: a connection error that says so (as redis-py's is), with or
+    without a handshake, not a bad file descriptor, a protocol error or a wrong password."""
+    with RedisServer() as server:
+        admin = server.client()
+        admin.config_set("requirepass", "pw")
+        admin.config_set("maxclients", 2)
+        holder = server.client(password="pw")
+        holder.ping()  # two clients: the server takes no more
+
+        async def main() -> None:
+            handshake = RespLane(f"redis://:pw@127.0.0.1:{server.port}/1")
+            no_handshake = RespLane(f"redis://127.0.0.1:{server.port}/0")
+            for lane in (handshake, no_handshake):
+                for _ in range(3):
+                    with pytest.raises(RedisConnectionError, match="max number of clients"):
+                        await lane.execute("PING")
+                    with pytest.raises(RedisConnectionError, match="max number of clients"):
+                        await lane.pipeline([("PING",), ("PING",)])
+            await asyncio.to_thread(holder.close)
+            assert await handshake.execute("PING") == b"PONG"
+            handshake.close()
+            no_handshake.close()
+
+        asyncio.run(main())
+        admin.close()
