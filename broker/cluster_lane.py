@@ -43,19 +43,18 @@ from typing import Any
 
 import hiredis
 from redis.crc import key_slot as _key_slot
-from redis.exceptions import BusyLoadingError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .redis_url import Address, ClusterURL
 from .resp_lane import (
+    _RAISED,
     CONNECT_TIMEOUT_S,
     REPLY_TIMEOUT_S,
     LaneTarget,
     ReplicaError,
     RespLane,
-    ScriptBusyError,
-    TooManyClients,
 )
 from .resp_lane import ssl_context as make_ssl_context
 
@@ -71,7 +70,6 @@ REFRESH_EVERY_S = 0.1  # the most often the slot map is read again after failure
 _ASKING = hiredis.pack_command(("ASKING",))
 _MULTI = hiredis.pack_command(("MULTI",))
 _EXEC = hiredis.pack_command(("EXEC",))
-_RAISED = (ResponseError, BusyLoadingError, ReplicaError, ScriptBusyError, TooManyClients)
 _REDIRECTS = ("MOVED ", "ASK ", "TRYAGAIN", "CLUSTERDOWN")
 _FAILURES = (RedisConnectionError, RedisTimeoutError, OSError)
 

@@ -12,9 +12,11 @@ lane until it returns, so blocking reads get a lane of their own.
 Replies come back raw (RESP2: bytes, ints, lists, None); error replies as redis-py's
 :class:`~redis.exceptions.ResponseError`, except ``LOADING`` (a Redis reading its dataset after
 a restart), which is redis-py's :class:`~redis.exceptions.BusyLoadingError` as with redis-py,
-``BUSY`` (a script running past Redis's busy threshold) a :class:`ScriptBusyError`, and a lost
-connection as redis-py's :class:`~redis.exceptions.ConnectionError`, so callers handle failures
-as they do with redis-py (all three are connection errors: the server is not available yet).
+``BUSY`` (a script running past Redis's busy threshold) a :class:`ScriptBusyError`, ``NOAUTH``
+and ``WRONGPASS`` redis-py's :class:`~redis.exceptions.AuthenticationError`, Redis at its
+maxclients a :class:`TooManyClients`, and a lost connection as redis-py's
+:class:`~redis.exceptions.ConnectionError`, so callers handle failures as they do with redis-py
+(all are connection errors: the server is not available yet, or not to this connection).
 The lane reconnects on the next command after a connection is lost. Where it connects and how it
 logs in is a :class:`LaneTarget`: a fixed address read from a redis://, rediss:// or unix:// URL
 by redis-py, or an address asked of an :class:`AddressSource` at each connect (the current
@@ -85,6 +87,11 @@ def keepalive_options() -> dict[int, int]:
 NOT_MASTER = ("READONLY", "UNBLOCKED", "MASTERDOWN")
 # What Redis at its maxclients answers a new connection, before closing it.
 MAX_CLIENTS = "ERR max number of clients reached"
+# Error replies of a server that wants a password this connection lacks (redis-py raises them
+# as its AuthenticationError), and the one it closes a connection after (a command longer than
+# it takes from a client that has not authenticated, or garbage).
+NOT_AUTHENTICATED = ("NOAUTH", "WRONGPASS")
+PROTOCOL_ERROR = "ERR Protocol error"
 
 
 class ReplicaError(RedisConnectionError):
@@ -95,6 +102,10 @@ class ReplicaError(RedisConnectionError):
 class TooManyClients(RedisConnectionError):
     """``ERR max number of clients reached``: Redis at its ``maxclients`` refused the
     connection (it closes it after this reply); the server is not available yet."""
+
+
+class ClosedByRedis(RedisConnectionError):
+    """``ERR Protocol error``: Redis refused a command and closes the connection."""
 
 
 class ScriptBusyError(RedisConnectionError):
@@ -117,11 +128,20 @@ def _reply_error(message: str) -> Exception:
         return ReplicaError(f"Redis is not the master (failover?): {message}")
     if message.startswith(MAX_CLIENTS):
         return TooManyClients(f"Redis refused the connection: {message}")
+    if message.startswith(NOT_AUTHENTICATED):
+        return AuthenticationError(message)
+    if message.startswith(PROTOCOL_ERROR):
+        return ClosedByRedis(message)
     return ResponseError(message)
 
 
 # error replies execute() raises
-_RAISED = (ResponseError, BusyLoadingError, ReplicaError, ScriptBusyError, TooManyClients)
+_RAISED = (
+    ResponseError, BusyLoadingError, ReplicaError, ScriptBusyError, TooManyClients,
+    AuthenticationError, ClosedByRedis,
+)  # fmt: skip
+# error replies after which the connection is dropped: those that follow would fail the same
+_DROPPING = (TooManyClients, AuthenticationError, ClosedByRedis)
 
 
 class ServerDown(RedisConnectionError):
@@ -222,7 +242,7 @@ class _RespProtocol(asyncio.Protocol):
         error = _reply_error(message)
         if type(error) is ReplicaError:  # what follows would fail the same way
             self.dropping = "Redis is not the master any more"
-        elif type(error) is TooManyClients:  # Redis closes the connection
+        elif type(error) in _DROPPING:
             self.dropping = str(error)
         return error
 

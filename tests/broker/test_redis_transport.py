@@ -692,3 +692,41 @@ def test_a_heartbeat_lapsed_by_a_stalled_redis_is_not_taken_over_before_it_is_re
         assert run(main()) == (1, 0, 0, 1)
     finally:
         client.close()
+
+
+def test_a_password_set_on_a_running_redis_is_an_outage_for_a_worker_not_a_crash() -> None:
+    """An operator sets a password on a running Redis and drops its clients: a worker
+    without it gets NOAUTH, or the protocol error Redis answers a long unauthenticated
+    command (its XREADGROUP), when its lanes reconnect. That is the broker unavailable (the
+    worker's loop waits and retries), not an error reply that ends the worker; it reads
+    again once the password is taken back."""
+    keys = ModelKeys("m", f"auth{uuid.uuid4().hex[:8]}")
+    with RedisServer() as server:
+        admin = server.client()
+
+        async def main() -> None:
+            transport = RedisTransport(server.url)
+            try:
+                await transport.ensure_group(keys)
+                assert await transport.read_batch(keys, "w", 1, 10) == []
+                await asyncio.to_thread(admin.config_set, "requirepass", "rotated")
+                await asyncio.to_thread(admin.client_kill_filter, _type="normal", skipme=True)
+                for _ in range(2):  # the connections killed: reconnected
+                    with pytest.raises(BrokerUnavailable):
+                        await transport.read_batch(keys, "w", 1, 10)
+                    with pytest.raises(BrokerUnavailable):
+                        await transport.partition_count(keys)
+                for _ in range(2):
+                    with pytest.raises(BrokerUnavailable, match=r"NOAUTH|unauthenticated"):
+                        await transport.read_batch(keys, "w", 1, 10)
+                    with pytest.raises(BrokerUnavailable, match="NOAUTH"):
+                        await transport.partition_count(keys)
+                await asyncio.to_thread(admin.config_set, "requirepass", "")
+                assert await transport.read_batch(keys, "w", 1, 10) == []
+            finally:
+                await transport.close()
+
+        try:
+            run(main())
+        finally:
+            admin.close()
