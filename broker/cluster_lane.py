@@ -51,6 +51,7 @@ from .redis_url import Address, ClusterURL
 from .resp_lane import (
     _RAISED,
     CONNECT_TIMEOUT_S,
+    FOLLOW_EVERY_S,
     REPLY_TIMEOUT_S,
     LaneTarget,
     ReplicaError,
@@ -251,6 +252,7 @@ class ClusterLanes:
         self._reply_timeout_s = reply_timeout_s
         self._nodes: dict[Address, RespLane] = {}
         self._slots: dict[int, SlotLane] = {}
+        self._watch: asyncio.Task[None] | None = None  # see _watch_stalled
 
     def at(self, key: str | bytes) -> SlotLane:
         """The lane of ``key``'s hash slot."""
@@ -270,8 +272,46 @@ class ClusterLanes:
             )
         return lane
 
+    def watch(self) -> None:
+        """Watch the lanes for a node gone silent while commands wait (see
+        :meth:`_watch_stalled`), unless they have no reply timeout (blocking commands) or a
+        watch runs already."""
+        watch, loop = self._watch, asyncio.get_running_loop()
+        if self._reply_timeout_s is None:
+            return
+        if watch is not None and not watch.done() and watch.get_loop() is loop:
+            return
+        self._watch = loop.create_task(self._watch_stalled())
+
+    async def _watch_stalled(self) -> None:
+        """While commands wait, every FOLLOW_EVERY_S: if a node has answered nothing for that
+        long, read the slot map again (that node asked last), and drop the connection to it
+        if it serves no slot any more. A primary gone silent (its host lost, its process
+        stopped) keeps its connections open: once a failover has promoted its replica, its
+        commands fail at once (a connection error) instead of waiting out the reply timeout."""
+        while True:
+            await asyncio.sleep(FOLLOW_EVERY_S)
+            waited = {address: lane.unanswered_for() for address, lane in self._nodes.items()}
+            if not any(waited.values()):
+                return  # (the next command starts another)
+            stalled = [address for address, s in waited.items() if s >= FOLLOW_EVERY_S]
+            if not stalled:
+                continue
+            for address in stalled:
+                self.map.failed(address)
+            with contextlib.suppress(*_FAILURES):
+                await self.map.refresh()
+            primaries = set(self.map.primaries())
+            for address in stalled:
+                if address not in primaries:
+                    reason = f"cluster node {address} serves no slot any more (a failover?)"
+                    self._nodes[address].abandon(reason)
+
     def close(self) -> None:
         """Drop every connection (a later command reconnects)."""
+        if self._watch is not None:
+            with contextlib.suppress(RuntimeError):  # its event loop is closed
+                self._watch.cancel()
         for lane in self._nodes.values():
             lane.close()
 
@@ -390,6 +430,7 @@ class SlotLane:
         settling: Settling | None = None
         while True:
             address = ask or await cluster.owner(self.slot)
+            self._lanes.watch()
             try:
                 replies = await send(self._lanes.node(address), ask is not None)
             except _FAILURES:

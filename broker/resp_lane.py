@@ -492,6 +492,21 @@ class RespLane:
         """:meth:`pipeline` for ``count`` commands already RESP-encoded into ``packed``."""
         return await _send_packed(await self._ready(), packed, count)
 
+    def unanswered_for(self) -> float:
+        """How long commands have waited on this lane with no reply at all (0 when none
+        waits; counted only with a reply timeout, as the watchdog counts it)."""
+        protocol = self._protocol
+        if protocol is None or protocol.lost or not protocol.waiting or not protocol.watchdog:
+            return 0.0
+        return time.monotonic() - protocol.progress
+
+    def abandon(self, reason: str) -> None:
+        """Drop the connection now: the commands waiting on it fail with ConnectionError
+        (``reason``); the next command reconnects."""
+        protocol = self._protocol
+        if protocol is not None and not protocol.lost:
+            protocol.abort(reason)
+
     def close(self) -> None:
         """Drop the connection, and the source's (a later command reconnects)."""
         self._drop()

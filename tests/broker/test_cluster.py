@@ -28,6 +28,7 @@ from broker.redis_transport import RedisTransport
 from gpu_worker.batching import BatchLoop, BatchSettings
 from tests.cluster_local import LocalCluster
 from tests.conftest import worker_process
+from tests.sentinel_local import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -774,3 +775,46 @@ def test_a_primary_without_replica_killed_and_restarted_under_load(
     assert kinds["BrokerUnavailable"] > 0  # the outage was met
     late = [kind for sent, kind in outcomes if sent - started > 10]
     assert late and set(late) == {"ok"}, Counter(late)
+
+
+def test_a_command_in_flight_to_a_primary_gone_silent_fails_once_its_replica_takes_over() -> None:
+    """A command sent to a primary that then went silent (stopped: its connection stays open,
+    nothing answers) is not held until the 10 s reply timeout: once a failover promotes its
+    replica the connection is dropped, the command fails as a connection error (the
+    caller's BrokerUnavailable) and the next one is answered by the new primary."""
+    import signal
+
+    with LocalCluster(primaries=3, replicas=1, node_timeout_ms=1000) as setup:
+        k = f"{{m{uuid.uuid4().hex[:6]}}}:k"
+        old = setup.owner(k)
+        node = setup.node(old)
+        assert node.process is not None
+        other = next(n.port for n in setup.nodes if n.port != old)
+
+        def promoted() -> bool:
+            """Whether a live node names another primary for the key's slot."""
+            with setup.client(other) as client:
+                slot = int(client.execute_command("CLUSTER", "KEYSLOT", k))
+                slots = client.execute_command("CLUSTER", "SLOTS")
+            return any(a <= slot <= b and int(p[1]) != old for a, b, p, *_ in slots)
+
+        async def main() -> tuple[float, float]:
+            lanes = connections.lanes(setup.url(nodes=len(setup.nodes)))
+            assert await lanes.at(k).execute("SET", k, "kept") == b"OK"
+            assert await lanes.at(k).execute("WAIT", 1, 5000) == 1  # the replica has it
+            os.kill(node.process.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                with pytest.raises(redis.ConnectionError):
+                    await asyncio.wait_for(lanes.at(k).execute("GET", k), 15)
+                failed_after = time.monotonic() - started
+                await asyncio.to_thread(wait_for, promoted, 30, "the replica to take over")
+                assert await lanes.at(k).execute("GET", k) == b"kept"
+                return failed_after, time.monotonic() - started
+            finally:
+                os.kill(node.process.pid, signal.SIGCONT)
+                lanes.close()
+
+        failed_after, answered_after = asyncio.run(main())
+        assert failed_after < 8, f"the command in flight failed after {failed_after:.1f} s"
+        assert answered_after < 10
