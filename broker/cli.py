@@ -27,14 +27,15 @@ from .cli_common import (
     version_option,
 )
 from .client import DEFAULT_REDIS_URL
-from .keys import DEFAULT_PREFIX, check_name
+from .keys import DEFAULT_PREFIX, ModelKeys, check_name
 from .logs import configure_logging
 from .redis_url import RedisURLError
 
 ENV = "MICROBATCH_BROKER_"
 EXIT_STATUS = (
     "Exit status: 0 on success; 1 when Redis cannot be reached or refuses a command (an ACL "
-    "user's NOPERM, say); 2 for a bad option."
+    "user's NOPERM, say), or (dead-letters) holds nothing of the named model; 2 for a bad "
+    "option."
 )
 
 app = new_app(
@@ -111,6 +112,23 @@ def _redis_errors(prefix: str | None) -> Iterator[None]:
         fail(f"Redis refused a command to this user: {exc}{hint}", 1)
     except redis.RedisError as exc:
         fail(f"Redis failed: {exc}", 1)
+
+
+def _served_keys(client: redis.Redis, name: str, prefix: str) -> ModelKeys:
+    """The keys of model ``name`` under ``prefix``; exit status 1 if Redis holds neither a
+    queue nor a dead letter of it (a misspelt name would otherwise list nothing, silently)."""
+    keys = admin.model_keys(client, name, prefix)
+    if any(client.xlen(lane.dead_letters) for lane in keys.lanes()):
+        return keys
+    models = {found.model for found in admin.find_models(client, prefix) if found.prefix == prefix}
+    if name in models:
+        return keys
+    known = ", ".join(sorted(models))
+    fail(
+        f"no model {name!r} under prefix {prefix!r}: Redis holds no queue or dead letter of it "
+        f"(models there: {known or 'none'})",
+        1,
+    )
 
 
 def _print(renderable: RenderableType) -> None:
@@ -232,7 +250,7 @@ def list_dead(
     """List dead letters (ids, reasons and sizes; never payloads)."""
     client = _connect(redis_url)
     with _redis_errors(prefix):
-        letters = admin.dead_letters(client, admin.model_keys(client, name, prefix), count)
+        letters = admin.dead_letters(client, _served_keys(client, name, prefix), count)
     if as_json:
         typer.echo(json.dumps([letter.__dict__ for letter in letters], indent=2))
         return
@@ -268,7 +286,7 @@ def replay(
     """Queue dead letters again (after fixing the model); they leave the dead-letter stream."""
     client = _connect(redis_url)
     with _redis_errors(prefix):
-        count = admin.replay_dead_letters(client, admin.model_keys(client, name, prefix), ids)
+        count = admin.replay_dead_letters(client, _served_keys(client, name, prefix), ids)
     typer.echo(f"replayed {count} dead letter(s) of {name}")
 
 
@@ -285,7 +303,7 @@ def purge(
         raise typer.Exit(1)
     client = _connect(redis_url)
     with _redis_errors(prefix):
-        count = admin.purge_dead_letters(client, admin.model_keys(client, name, prefix), ids)
+        count = admin.purge_dead_letters(client, _served_keys(client, name, prefix), ids)
     typer.echo(f"purged {count} dead letter(s) of {name}")
 
 

@@ -185,6 +185,25 @@ def test_a_tenant_user_refused_is_one_clear_line(redis_server: RedisServer, pref
         client.execute_command("ACL", "DELUSER", f"{prefix}-admin")
 
 
+def test_dead_letters_of_a_model_redis_has_never_seen_is_an_error_naming_those_it_has(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A misspelt name does not list (or purge) nothing, silently; a model that is served but
+    has no dead letter lists none, as before."""
+    client = redis_server.client()
+    client.xgroup_create(ModelKeys("toy", prefix).stream, "workers", mkstream=True)
+    base = ("--prefix", prefix, "--redis", redis_server.url)
+    for command in (("list",), ("replay",), ("purge", "--yes")):
+        result = broker_cli("dead-letters", *command, "--name", "tyo", *base)
+        assert result.returncode == 1, result.stderr
+        assert result.stderr == (
+            f"Error: no model 'tyo' under prefix {prefix!r}: Redis holds no queue or dead "
+            "letter of it (models there: toy)\n"
+        )
+    served = broker_cli("dead-letters", "list", "--name", "toy", *base, "--json")
+    assert served.returncode == 0 and json.loads(served.stdout) == [], served.stderr
+
+
 def test_a_bad_name_or_prefix_is_a_bad_option() -> None:
     for args in (("status", "--prefix", "a:b"), ("dead-letters", "list", "--name", "MLP")):
         result = broker_cli(*args, "--redis", "redis://127.0.0.1:1/0")
