@@ -1,4 +1,5 @@
-"""Redis URLs: every form microbatch accepts, parsed into a typed description (no I/O).
+"""Redis URLs: every form microbatch accepts, parsed into a typed description (no I/O but a
+look at the TLS files a URL names).
 
 ::
 
@@ -21,7 +22,8 @@ sentinels too. In a Cluster URL the hosts are any nodes of the cluster (port 637
 given; one answering is enough, the others are asked when it does not), the database is 0
 (the only one a cluster has), the user and password are those of the nodes, and the options are
 redis-py's URL options. The other forms are redis-py's own. A user or password holding
-``/ ? # @ :`` or ``%`` writes it percent-encoded (``%2F`` ...).
+``/ ? # @ :`` or ``%`` writes it percent-encoded (``%2F`` ...). A TLS URL's ``ssl_ca_certs``,
+``ssl_certfile`` and ``ssl_keyfile`` must name readable files, and ``ssl_ca_path`` a directory.
 
 Errors are :class:`RedisURLError` (a ValueError) with a one-line message that never shows a
 password.
@@ -30,6 +32,7 @@ password.
 from __future__ import annotations
 
 import ipaddress
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +56,8 @@ SSL_OPTIONS = (
     "ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path",
     "ssl_ca_data", "ssl_password",
 )  # fmt: skip
+# The TLS options naming a file (ssl_ca_path: a directory) the client reads at each connect.
+SSL_FILES = ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path")
 FORMS = (
     "redis://[user:password@]host:port/db, rediss:// for TLS, unix:///path.sock, or "
     "redis+sentinel://[user:password@]host:port,host:port/service[/db], or "
@@ -177,11 +182,31 @@ def parse(url: str | RedisURL) -> RedisURL:
         raise RedisURLError(
             "the Redis URL has a '#' fragment: percent-encode '#' in a user or password as %23"
         )
+    parsed: RedisURL
     if scheme in SENTINEL_SCHEMES:
-        return _parse_sentinel(scheme, netloc, tail)
-    if scheme in CLUSTER_SCHEMES:
-        return _parse_cluster(scheme, netloc, tail)
-    return _parse_direct(url, scheme)
+        parsed = _parse_sentinel(scheme, netloc, tail)
+    elif scheme in CLUSTER_SCHEMES:
+        parsed = _parse_cluster(scheme, netloc, tail)
+    else:
+        parsed = _parse_direct(url, scheme)
+    if parsed.tls:
+        _check_tls_files(tail.partition("?")[2])
+    return parsed
+
+
+def _check_tls_files(query: str) -> None:
+    """RedisURLError naming a TLS option whose file (or directory) cannot be read: redis-py
+    finds it only at each connect, as a bare "No such file or directory" (the file unnamed)
+    that callers and workers took for Redis being away."""
+    for name, values in parse_qs(query, keep_blank_values=True).items():
+        if name not in SSL_FILES or not values[0]:
+            continue
+        path = values[0]
+        directory = name == "ssl_ca_path"
+        found = os.path.isdir(path) if directory else os.path.isfile(path)
+        if not found or not os.access(path, os.R_OK):
+            kind = "directory" if directory else "file"
+            raise RedisURLError(f"the Redis URL's {name} names no readable {kind}: {path[:200]}")
 
 
 def describe(url: str | RedisURL) -> str:

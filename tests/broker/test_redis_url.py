@@ -3,8 +3,11 @@ one clear line that never shows a password."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from broker import Streamer
 from broker.logs import redact_url
 from broker.redis_url import (
     Address,
@@ -61,24 +64,26 @@ def test_a_sentinel_url_names_the_sentinels_the_service_and_the_db() -> None:
     assert SECRET not in repr(parsed)
 
 
-def test_defaults_and_tls_of_a_sentinel_url() -> None:
+def test_defaults_and_tls_of_a_sentinel_url(tmp_path: Path) -> None:
     parsed = parse("redis+sentinel://s1/mymaster")
     assert isinstance(parsed, SentinelURL)
     assert parsed.sentinels == (Address("s1", 26379),) and parsed.db == 0
     assert (parsed.username, parsed.password, parsed.sentinel_password) == (None, None, None)
     assert parsed.master_kwargs() == {"db": 0} and parsed.sentinel_kwargs() == {}
-    tls = parse("rediss+sentinel://:pw@s1:1,s2:2/m/1?ssl_ca_certs=/ca.pem&ssl_cert_reqs=required")
+    ca = tmp_path / "ca.pem"
+    ca.write_text("")
+    tls = parse(f"rediss+sentinel://:pw@s1:1,s2:2/m/1?ssl_ca_certs={ca}&ssl_cert_reqs=required")
     assert isinstance(tls, SentinelURL) and tls.tls
     assert (tls.username, tls.password) == (None, "pw")
     assert tls.master_kwargs()["ssl"] is True
     assert tls.sentinel_kwargs() == {
-        "ssl": True, "ssl_ca_certs": "/ca.pem", "ssl_cert_reqs": "required",
+        "ssl": True, "ssl_ca_certs": str(ca), "ssl_cert_reqs": "required",
     }  # fmt: skip
     assert parse("redis+sentinel://s1/m/").db == 0  # a trailing slash is no db
     assert parse(parse("redis+sentinel://s1/m")) == parse("redis+sentinel://s1/m")
 
 
-def test_a_cluster_url_names_any_nodes_of_the_cluster() -> None:
+def test_a_cluster_url_names_any_nodes_of_the_cluster(tmp_path: Path) -> None:
     parsed = parse(f"redis+cluster://app:{SECRET}@n1:7000,n2,[fd00::5]:7001/0?socket_timeout=2")
     assert isinstance(parsed, ClusterURL)
     assert parsed.nodes == (Address("n1", 7000), Address("n2", 6379), Address("fd00::5", 7001))
@@ -86,7 +91,8 @@ def test_a_cluster_url_names_any_nodes_of_the_cluster() -> None:
     assert parsed.node_kwargs() == {"socket_timeout": 2.0, "username": "app", "password": SECRET}
     assert describe(parsed) == "cluster via n1:7000,n2:6379,[fd00::5]:7001"
     assert SECRET not in repr(parsed)
-    tls = parse("rediss+cluster://:pw@n1?ssl_ca_certs=/ca.pem")
+    (tmp_path / "ca.pem").write_text("")
+    tls = parse(f"rediss+cluster://:pw@n1?ssl_ca_certs={tmp_path / 'ca.pem'}")
     assert isinstance(tls, ClusterURL) and tls.tls and tls.node_kwargs()["ssl"] is True
     assert parse("redis+cluster://n1/") == parse("redis+cluster://n1")
 
@@ -139,6 +145,26 @@ def test_malformed_urls_fail_in_one_line(url: str, says: str) -> None:
     assert says in message
     assert "\n" not in message
     assert isinstance(caught.value, ValueError)
+
+
+@pytest.mark.parametrize("option", ["ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_ca_path"])
+def test_a_tls_url_naming_a_missing_file_fails_at_once(tmp_path: Path, option: str) -> None:
+    # redis-py would find out at each connect, as "No such file or directory", unnamed.
+    missing = tmp_path / "gone.pem"
+    for url in [f"rediss://u:{SECRET}@h:6380/0", f"rediss+sentinel://u:{SECRET}@s1/m",
+                f"rediss+cluster://u:{SECRET}@n1"]:  # fmt: skip
+        with pytest.raises(RedisURLError) as caught:
+            parse(f"{url}?ssl_cert_reqs=required&{option}={missing}")
+        assert str(caught.value) == (
+            f"the Redis URL's {option} names no readable "
+            f"{'directory' if option == 'ssl_ca_path' else 'file'}: {missing}"
+        )
+        assert SECRET not in str(caught.value)
+    with pytest.raises(ValueError, match=f"{option} names no readable"):
+        Streamer("m", redis_url=f"rediss://h:6380/0?{option}={missing}")
+    present = tmp_path if option == "ssl_ca_path" else Path(__file__)
+    assert parse(f"rediss://h:6380/0?{option}={present}").tls  # type: ignore[union-attr]
+    assert not parse(f"redis://h:6379/0?{option}={missing}").tls  # not TLS: never read
 
 
 @pytest.mark.parametrize(
