@@ -25,6 +25,7 @@ CONFIG_ENV = "MICROBATCH_CHILD_CONFIG"
 STATUS_FD_ENV = "MICROBATCH_CHILD_STATUS_FD"
 SUPERVISOR_PID_ENV = "MICROBATCH_CHILD_SUPERVISOR"  # the pid whose death stops the child
 DEVICE_ENV = "MICROBATCH_CHILD_DEVICE"
+EXIT_REFUSED = 4  # Redis refused a command to the worker's ACL user: a restart cannot help
 
 log = logging.getLogger("microbatch.worker")
 
@@ -36,6 +37,17 @@ def report(event: str, **fields: Any) -> None:
         return
     with contextlib.suppress(OSError):  # the supervisor is gone: nothing to tell
         os.write(int(fd), (json.dumps({"event": event, **fields}) + "\n").encode())
+
+
+def refused_command(exc: BaseException) -> str | None:
+    """What Redis said where ``exc`` is its NOPERM to this worker's ACL user, else None."""
+    from redis.exceptions import NoPermissionError, ResponseError
+
+    if isinstance(exc, NoPermissionError):  # redis-py's, without the error code
+        return str(exc)
+    if isinstance(exc, ResponseError) and str(exc).startswith("NOPERM "):  # a lean lane's
+        return str(exc).removeprefix("NOPERM ")
+    return None
 
 
 def consumer_name() -> str:
@@ -157,6 +169,12 @@ def main() -> int:
     loop = new_event_loop()
     try:
         loop.run_until_complete(serve(model, config, consumer))
+    except Exception as exc:
+        said = refused_command(exc)
+        if said is None:
+            raise
+        report("refused", message=f"Redis refused a command to the worker's user: {said}")
+        return EXIT_REFUSED
     finally:
         loop.close()
     return 0

@@ -44,7 +44,8 @@ EXIT_STATUS = (
     "start (the model's init_model raised: its error is printed; or they were not ready within "
     "--start-timeout) or one did not stop in time; 2 for a bad option, a --model that cannot "
     "be imported or is not a ManagedModel, or when Redis did not answer within --redis-wait "
-    "when starting."
+    "when starting, refused the credentials, or refused a command to the worker's ACL user "
+    "(NOPERM)."
 )
 
 
@@ -57,7 +58,7 @@ def run_supervisor(config: WorkerConfig) -> int:
     """Run a supervisor for ``config`` until it stops; the exit status ``worker start`` gives.
 
     Errors are one ``Error: ...`` line on stderr: 2 for bad settings or a Redis that never
-    answered (--redis-wait), 1 when the workers could not start.
+    answered (--redis-wait) or refused the worker's user, 1 when the workers could not start.
     """
     from .supervisor import RedisUnreachable, StartError, Supervisor
 

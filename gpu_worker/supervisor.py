@@ -50,7 +50,8 @@ class StartError(RuntimeError):
 
 
 class RedisUnreachable(StartError):
-    """Redis did not answer within --redis-wait at start-up, or refused our credentials."""
+    """Redis did not answer within --redis-wait at start-up, refused our credentials, or
+    refused a command to the worker's ACL user."""
 
 
 @dataclass
@@ -67,6 +68,7 @@ class Slot:
     failures: int = 0
     restart_at: float | None = None
     last_error: str = ""
+    refused: str = ""  # Redis' NOPERM to the worker's user, as the child reported it
     restarts: int = 0
     consumer: str | None = None
     device_bytes: int | None = None  # what its model holds on its device, as it reported
@@ -169,6 +171,8 @@ class Supervisor:
                 )  # fmt: skip
             elif message.get("event") == "error":
                 slot.last_error = str(message.get("message", "unknown error"))
+            elif message.get("event") == "refused":
+                slot.refused = str(message.get("message", "NOPERM"))
 
     def _close_status(self, slot: Slot) -> None:
         if slot.status_fd is not None:
@@ -184,6 +188,12 @@ class Supervisor:
         self._forget(slot)
         if self._stopping:
             return
+        if slot.refused:  # every worker logs in as the same user: none would get further
+            refused, slot.refused = slot.refused, ""
+            raise RedisUnreachable(
+                f"{refused} (give the user what `broker acl` grants <prefix>-worker: "
+                "docs/deployment.md, ACL users)"
+            )
         reason = slot.last_error or f"exited with code {code}"
         if not self.all_ready_once:
             if slot.auto_extra:  # one the user did not ask for: serve without it

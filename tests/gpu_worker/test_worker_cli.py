@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import threading
 import time
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from broker import Streamer
+from broker import Streamer, acl, functions
 from broker.devserver import RedisServer, free_port
 from broker.keys import ModelKeys
 from gpu_worker.config import WorkerConfig
@@ -214,6 +215,35 @@ def test_redis_unreachable_at_start_exits_2_after_redis_wait() -> None:
         "did not answer within 2 s (--redis-wait)"
     )
     assert "ready" not in result.stderr and "serving" not in result.stderr
+    assert "s3cret" not in result.stderr
+
+
+def test_a_command_refused_to_the_workers_user_stops_them_in_one_line(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A NOPERM is the ACL's doing, not an outage: each restarted worker met it again, with a
+    traceback, without end."""
+    admin = redis_server.client()
+    admin.execute_command(*functions.LOAD_COMMAND)  # the operator's job
+    lines, _ = acl.render([prefix], password_env="PW_{ROLE}", environ={"PW_WORKER": "s3cret"})
+    line = next(line for line in lines if line.startswith(f"user {prefix}-worker "))
+    rules = re.findall(r"\([^)]*\)|\S+", line)[1:]  # a selector in parentheses is one rule
+    admin.execute_command("ACL", "SETUSER", *rules, "-xreadgroup")
+    url = f"redis://{prefix}-worker:s3cret@127.0.0.1:{redis_server.port}/0"
+    try:
+        result = run_worker_cli(
+            "--model", "tests.models:Toy", "--redis", url, "--prefix", prefix, "--workers", "2"
+        )
+    finally:
+        admin.acl_deluser(f"{prefix}-worker")
+        admin.close()
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "Error: Redis refused a command to the worker's user: this user has no permissions to "
+        "run the 'xreadgroup' command (give the user what `broker acl` grants <prefix>-worker: "
+        "docs/deployment.md, ACL users)"
+    )
+    assert "Traceback" not in result.stderr and "restarting" not in result.stderr
     assert "s3cret" not in result.stderr
 
 
