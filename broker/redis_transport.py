@@ -25,6 +25,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import (
+    AuthenticationError,
     BusyLoadingError,
     ClusterError,
     RedisClusterException,
@@ -1038,10 +1039,16 @@ async def cluster_node_misuse(client: aioredis.Redis, url: str | RedisURL) -> st
 
 
 async def startup_warnings(client: aioredis.Redis, url: str | RedisURL) -> list[str]:
-    """What a process starting to use ``url`` should log: Redis unreachable (for now), a
-    Cluster node given as a plain node, or keys that may be evicted."""
+    """What a process starting to use ``url`` should log: Redis unreachable (for now) or
+    refusing the credentials, a Cluster node given as a plain node, or keys that may be
+    evicted."""
     try:
         warnings = [await cluster_node_misuse(client, url)]
+    except AuthenticationError as exc:  # a ConnectionError to redis-py, yet Redis did answer
+        return [
+            f"Redis at {describe(url)} refused the credentials ({exc}): requests get 503 "
+            "BrokerUnavailable until the URL's user and password are ones it accepts"
+        ]
     except UNAVAILABLE as exc:
         return [
             f"Redis at {describe(url)} does not answer ({exc}): requests get 503 "

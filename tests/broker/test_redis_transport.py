@@ -730,3 +730,26 @@ def test_a_password_set_on_a_running_redis_is_an_outage_for_a_worker_not_a_crash
             run(main())
         finally:
             admin.close()
+
+
+def test_the_start_up_warning_of_credentials_redis_refuses_says_so(
+    redis_server: RedisServer,
+) -> None:
+    """A gateway given a wrong password logged that Redis "does not answer", which sends an
+    operator looking for a network fault."""
+    from broker.connections import async_client
+
+    url = f"redis://nobody:s3cret@127.0.0.1:{redis_server.port}/0"
+
+    async def warnings() -> list[str]:
+        client = async_client(url)
+        try:
+            return await redis_transport.startup_warnings(client, url)
+        finally:
+            await client.aclose()
+
+    assert run(warnings()) == [
+        f"Redis at 127.0.0.1:{redis_server.port} (db 0) refused the credentials (invalid "
+        "username-password pair or user is disabled.): requests get 503 BrokerUnavailable "
+        "until the URL's user and password are ones it accepts"
+    ]
