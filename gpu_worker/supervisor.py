@@ -13,6 +13,7 @@ import os
 import selectors
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -43,6 +44,19 @@ HEALTHY_AFTER_S = 60.0
 HEARTBEAT_EVERY_S = 1.0
 REDIS_WAIT_LOG_EVERY_S = 10.0
 REDIS_WAIT_POLL_S = 0.5
+
+
+def certificate_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised in handling: redis-py wraps it) is a TLS
+    certificate that failed verification: a wrong CA, host name or an expired certificate."""
+    seen: BaseException | None = exc
+    for _ in range(5):  # a short chain: redis-py's ConnectionError, then the ssl error
+        if seen is None:
+            break
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class StartError(RuntimeError):
@@ -282,7 +296,8 @@ class Supervisor:
         """Return once Redis answers PING (True), or when asked to stop first (False).
 
         Says that it waits, once every 10 s; raises RedisUnreachable after --redis-wait
-        seconds, or at once if Redis refuses the credentials (waiting will not help).
+        seconds, or at once if Redis refuses the credentials or its TLS certificate fails
+        verification (waiting will not help).
         """
         where = redact_url(self.config.redis_url)
         started = time.monotonic()
@@ -294,6 +309,11 @@ class Supervisor:
             except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
                 raise RedisUnreachable(f"Redis at {where} refused the credentials: {exc}") from None
             except (redis.RedisError, OSError) as exc:
+                if certificate_refused(exc):
+                    raise RedisUnreachable(
+                        f"Redis at {where} presented a TLS certificate that failed "
+                        f"verification (check ssl_ca_certs and the host name): {exc}"
+                    ) from None
                 now = time.monotonic()
                 if now - started >= self.config.redis_wait:
                     raise RedisUnreachable(
