@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import msgpack
+import pytest
+import redis
 
 from broker import Streamer, acl, admin
 from broker.devserver import RedisServer
@@ -166,7 +169,7 @@ def test_a_tenant_user_refused_is_one_clear_line(redis_server: RedisServer, pref
     env = {"MICROBATCH_REDIS_ADMIN_PASSWORD": "pw"}
     lines, _ = acl.render([prefix], environ=env, redis_version="7.0")
     (admin_line,) = [line for line in lines if line.startswith(f"user {prefix}-admin ")]
-    client.execute_command("ACL", "SETUSER", *admin_line.split()[1:])
+    client.execute_command("ACL", "SETUSER", *setuser_rules(admin_line))
     url = redis_server.url.replace("redis://", f"redis://{prefix}-admin:pw@")
     try:
         own = broker_cli("status", "--redis", url, "--prefix", prefix, "--json")
@@ -202,6 +205,45 @@ def test_dead_letters_of_a_model_redis_has_never_seen_is_an_error_naming_those_i
         )
     served = broker_cli("dead-letters", "list", "--name", "toy", *base, "--json")
     assert served.returncode == 0 and json.loads(served.stdout) == [], served.stderr
+
+
+def setuser_rules(line: str) -> list[str]:
+    """``ACL SETUSER`` arguments of an ACL file line (a selector in parentheses is one)."""
+    return re.findall(r"\([^)]*\)|\S+", line)[1:]
+
+
+def test_the_admin_user_replays_and_purges_dead_letters_and_writes_nothing_else(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Its XADD, INCRBY, XDEL and DEL held on every key of the prefix: an admin could delete a
+    model's queue or write into its inboxes."""
+    client = redis_server.client()
+    keys = ModelKeys("toy", prefix)
+    dead = [client.xadd(keys.dead_letters, {**request_fields(f"r{i}", keys.inbox("c"), 5000,
+            b"\x90"), "dead_reason": "test"}).decode() for i in range(3)]  # fmt: skip
+    lines, _ = acl.render([prefix], environ={"MICROBATCH_REDIS_ADMIN_PASSWORD": "pw"})
+    (admin_line,) = [line for line in lines if line.startswith(f"user {prefix}-admin ")]
+    client.execute_command("ACL", "SETUSER", *setuser_rules(admin_line))
+    client.acl_log_reset()
+    url = redis_server.url.replace("redis://", f"redis://{prefix}-admin:pw@")
+    named = ["--name", "toy", "--prefix", prefix, "--redis", url]
+    try:
+        replay = broker_cli("dead-letters", "replay", *named, "--id", dead[0])
+        assert replay.returncode == 0, replay.stderr
+        one = broker_cli("dead-letters", "purge", "--yes", *named, "--id", dead[1])
+        rest = broker_cli("dead-letters", "purge", "--yes", *named)
+        assert (one.returncode, rest.returncode) == (0, 0), one.stderr + rest.stderr
+        assert client.acl_log() == []
+        assert client.xlen(keys.stream) == 1 and not client.exists(keys.dead_letters)
+        tenant = redis.Redis(port=redis_server.port, username=f"{prefix}-admin", password="pw")
+        refused = [("DEL", keys.stream), ("XADD", keys.inbox("c"), "*", "a", "b"),
+                   ("XDEL", keys.stream, "1-0"), ("INCRBY", keys.packed_items, "1")]  # fmt: skip
+        for command in refused:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                tenant.execute_command(*command)
+        tenant.close()
+    finally:
+        client.execute_command("ACL", "DELUSER", f"{prefix}-admin")
 
 
 def test_a_bad_name_or_prefix_is_a_bad_option() -> None:
