@@ -4,7 +4,6 @@ and a certificate of a local CA, each side logged in as its own ACL user."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,8 +17,6 @@ from broker import Streamer, acl, functions
 from broker.devserver import RedisServer, free_port
 from tests.conftest import worker_process
 from tests.gpu_worker.test_devices import run_worker_cli
-
-pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs openssl")
 
 # Passwords with the characters a URL must percent-encode (docs/deployment.md).
 PASSWORDS = {"GATEWAY": "g@te:w/ay%pw?#", "WORKER": "w0rker-s3cret"}
