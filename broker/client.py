@@ -46,7 +46,7 @@ from .partitions import split_bound
 from .priorities import parse_priority
 from .protocol import CallRequests, Reply
 from .reply_elements import decode_any
-from .transport import UNBOUNDED, QueueBound, Transport
+from .transport import UNBOUNDED, QueueBound, RepliesRefused, Transport
 from .worker_watch import CHECK_EVERY_S, WorkerWatch
 
 if TYPE_CHECKING:
@@ -432,6 +432,21 @@ class ClientCore:
             return bool(self._pending)  # one partition: every call does
         return any(call.requests.reply_key == inbox for call, _ in self._pending.values())
 
+    def _calls_on(self, inbox: str) -> list[_Call]:
+        """The calls in flight waiting for replies on ``inbox``, each once."""
+        calls = {id(call): call for call, _ in self._pending.values()}
+        return [call for call in calls.values() if call.requests.reply_key == inbox]
+
+    def _read_failed(self, inbox: str, exc: Exception) -> None:
+        """A read of ``inbox`` failed: with Redis away its calls keep waiting (until their
+        deadlines); refused to this user, they fail now, as waiting will not help."""
+        if isinstance(exc, RepliesRefused):
+            self._unpoppable.note(exc.message[:200])
+            for call in self._calls_on(inbox):
+                self._give_up(call, exc.with_index)
+        elif not isinstance(exc, MicrobatchError):  # e.g. the inbox is not a list
+            self._unpoppable.note(f"{type(exc).__name__}: {exc}"[:200])
+
     async def _read_replies(self, inbox: str) -> None:
         # A reader outlives the calls in flight on its inbox by one idle wait (REPLY_WAIT_S),
         # so that a caller sending one call after another finds a read already waiting in
@@ -442,8 +457,7 @@ class ClientCore:
                 try:
                     payloads = await self.transport.pop_replies(inbox, REPLY_BATCH, REPLY_WAIT_S)
                 except Exception as exc:
-                    if not isinstance(exc, MicrobatchError):  # e.g. the inbox is not a list
-                        self._unpoppable.note(f"{type(exc).__name__}: {exc}"[:200])
+                    self._read_failed(inbox, exc)
                     if not self._waiting_on(inbox):
                         break
                     # Redis is away: waiting calls keep waiting until their deadlines.

@@ -28,6 +28,7 @@ from redis.exceptions import (
     AuthenticationError,
     BusyLoadingError,
     ClusterError,
+    NoPermissionError,
     RedisClusterException,
     ResponseError,
 )
@@ -49,7 +50,14 @@ from .redis_url import parse as parse_url
 from .reply_elements import pack as pack_replies
 from .reply_elements import reply_id
 from .resp_lane import CONNECT_TIMEOUT_S, RespLane, bulk_strings, is_script_busy
-from .transport import Entry, QueueBound, Redelivery, entry_data_size, is_data_field
+from .transport import (
+    Entry,
+    QueueBound,
+    Redelivery,
+    RepliesRefused,
+    entry_data_size,
+    is_data_field,
+)
 
 log = logging.getLogger("microbatch.redis")
 
@@ -306,6 +314,12 @@ class RedisTransport:
             )
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
+        except ResponseError as exc:
+            if isinstance(exc, NoPermissionError) or str(exc).startswith("NOPERM"):
+                raise RepliesRefused(
+                    f"Redis refused this user the read of its replies (BLMPOP {inbox}): {exc}"
+                ) from exc
+            raise
         return list(got[1]) if got else []
 
     def _replies_lane(self, inbox: str) -> RespLane | SlotLane:

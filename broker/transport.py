@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .errors import MicrobatchError
+from .errors import BrokerUnavailable, MicrobatchError
 from .keys import ModelKeys
 from .protocol import CallRequests, Fields
 
@@ -21,6 +21,15 @@ Entry = tuple[str, Fields]
 Redelivery = tuple[Entry, int]
 """An entry taken over from a dead consumer (or this one's, after an outage) and how many
 times it had been delivered before."""
+
+
+class RepliesRefused(BrokerUnavailable):
+    """Redis refused this client's user the read of its replies (an ACL's NOPERM): unlike an
+    outage, waiting will not bring them. Travels, and is answered, as BrokerUnavailable."""
+
+    @property
+    def type(self) -> str:
+        return BrokerUnavailable.__name__
 
 
 @dataclass(frozen=True)
@@ -81,7 +90,8 @@ class Transport(Protocol):
         ...
 
     async def pop_replies(self, inbox: str, count: int, timeout_s: float) -> list[bytes]:
-        """Wait up to ``timeout_s`` for replies on ``inbox``; return up to ``count`` of them."""
+        """Wait up to ``timeout_s`` for replies on ``inbox``; return up to ``count`` of them.
+        :class:`RepliesRefused` if Redis refuses this user the read."""
         ...
 
     async def workers_lapsed_s(self, keys: ModelKeys) -> float | None:

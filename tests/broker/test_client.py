@@ -20,7 +20,7 @@ import redis
 from broker import BrokerUnavailable, DeadlineExceeded, Streamer
 from broker.devserver import RedisServer
 from broker.keys import ModelKeys
-from tests.conftest import ROOT
+from tests.conftest import ROOT, worker_process
 
 
 def queued(client: redis.Redis, keys: ModelKeys) -> tuple[int, int, int]:
@@ -189,8 +189,6 @@ def test_threads_still_calling_at_exit_get_their_results(
     """The Streamer closed as the interpreter began to exit, before the threads still waiting
     on it were joined: their calls failed after their deadline (or, a submit() future's, never
     ended, and neither did the process)."""
-    from tests.conftest import worker_process
-
     program = tmp_path / "at_exit.py"
     program.write_text(AT_EXIT)
     with worker_process(redis_server.url, "tests.models:Toy", prefix):
@@ -317,3 +315,33 @@ def test_a_closed_streamer_is_not_closed_again_when_dropped(
         del streamer
         gc.collect()
     assert not [w for w in caught if "Streamer was dropped" in str(w.message)]
+
+
+def test_a_user_refused_the_read_of_its_replies_fails_its_calls_at_once(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """An ACL user that may queue calls but not read their replies (BLMPOP refused): its calls
+    waited out their whole timeout, though the model had answered them, with a single
+    throttled warning as the only sign. They fail at once, as BrokerUnavailable naming the
+    refusal, and are withdrawn."""
+    from tests.conftest import worker_process
+
+    admin = redis_server.client()
+    user = f"noreplies-{prefix}"
+    admin.execute_command("ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "+@all", "-blmpop")
+    url = redis_server.url.replace("redis://", f"redis://{user}:pw@")
+    try:
+        with (
+            worker_process(redis_server.url, "tests.models:Toy", prefix),
+            Streamer("toy", redis_url=url, prefix=prefix, timeout=60) as streamer,
+        ):
+            started = time.monotonic()
+            with pytest.raises(BrokerUnavailable) as raised:
+                streamer.predict([{"x": 1}, {"x": 2}])
+            assert time.monotonic() - started < 30  # not the 60 s timeout
+            assert raised.value.type == "BrokerUnavailable"
+            assert "refused this user the read of its replies" in str(raised.value)
+            assert "NOPERM" in str(raised.value) or "permission" in str(raised.value)
+    finally:
+        admin.execute_command("ACL", "DELUSER", user)
+        admin.close()
