@@ -26,6 +26,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from redis.exceptions import NoPermissionError
+
 from broker.connections import REDIS_ERRORS, sync_client
 from broker.keys import ModelKeys
 from broker.liveness import server_times_ms
@@ -93,7 +95,9 @@ class Heartbeats:
         except REDIS_ERRORS as exc:
             self._failing = True
             if self._warn.due():
-                log.warning("cannot renew heartbeats (Redis unreachable?): %s", exc)
+                refused = isinstance(exc, NoPermissionError)
+                why = "Redis refused them to this user" if refused else "Redis unreachable?"
+                log.warning("cannot renew heartbeats (%s): %s", why, exc)
             return False
         if self._failing:
             self._failing = False

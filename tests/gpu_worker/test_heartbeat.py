@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import time
+
+import pytest
 
 from broker.connections import sync_client
 from broker.devserver import RedisServer
@@ -55,3 +58,24 @@ def test_the_supervisor_prunes_expired_marks_that_no_withdrawal_would_prune(
         child.close()
         supervisor.close()
         client.close()
+
+
+def test_heartbeats_refused_to_the_user_say_so_not_that_redis_is_unreachable(
+    redis_server: RedisServer, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    admin = redis_server.client()
+    user = f"nobeat-{prefix}"
+    admin.execute_command("ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "+@all", "-set")
+    beats = Heartbeats(redis_server.url.replace("redis://", f"redis://{user}:pw@"),
+                       ModelKeys("m", prefix))  # fmt: skip
+    try:
+        with caplog.at_level(logging.WARNING, logger="microbatch.heartbeat"):
+            assert not beats.renew({"w": {}})
+        (record,) = caplog.records
+        assert record.getMessage().startswith(
+            "cannot renew heartbeats (Redis refused them to this user): "
+        )
+    finally:
+        beats.close()
+        admin.execute_command("ACL", "DELUSER", user)
+        admin.close()
