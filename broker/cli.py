@@ -93,6 +93,8 @@ def _connect(url: str) -> redis.Redis:
         fail(f"--redis: {exc}", 2)
     try:
         client.ping()
+    except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
+        fail(f"Redis refused the credentials: {exc}", 1)
     except redis.RedisError as exc:
         fail(f"cannot reach Redis: {exc}", 1)
     misuse = connections.cluster_node_misuse(client, url)

@@ -152,6 +152,14 @@ def test_unreachable_redis_is_one_clear_line() -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_credentials_redis_refuses_are_one_line_saying_so(redis_server: RedisServer) -> None:
+    url = redis_server.url.replace("redis://", "redis://nobody:s3cret@")
+    result = broker_cli("status", "--redis", url)
+    assert result.returncode == 1
+    assert result.stderr.startswith("Error: Redis refused the credentials: "), result.stderr
+    assert "s3cret" not in result.stderr and "Traceback" not in result.stderr
+
+
 def test_acl_help_names_the_role_of_every_password_variable() -> None:
     roles = [user.role for user in (*acl.TENANT_USERS, *acl.SERVER_USERS) if user.role]
     help_text = " ".join(broker_cli("acl", "--help").stdout.split())
