@@ -594,7 +594,11 @@ class RespLane:
         try:
             _, protocol = await asyncio.wait_for(opening, self._connect_timeout_s)
         except asyncio.TimeoutError as exc:
-            raise RedisTimeoutError(f"timed out connecting to Redis: {self._where()}") from exc
+            # a plain-text Redis waits for a command while the client waits for its TLS hello
+            hint = " (with TLS: does that port speak TLS?)" if self._ssl is not None else ""
+            raise RedisTimeoutError(
+                f"timed out connecting to Redis: {self._where()}{hint}"
+            ) from exc
         except OSError as exc:
             raise RedisConnectionError(
                 f"cannot connect to Redis at {self._where()}: {exc}"

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 from redis.exceptions import AuthenticationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from broker import resp_lane
 from broker.devserver import RedisServer
@@ -256,6 +257,22 @@ def test_tls_urls_get_a_tls_context_from_redis_pys_url_options() -> None:
     assert isinstance(lane._ssl, ssl.SSLContext) and lane._ssl.verify_mode == ssl.CERT_NONE
     assert (lane._host, lane._port, lane._path) == ("cache.example", 6380, None)
     assert RespLane("redis://h:1/0")._ssl is None
+
+
+def test_a_tls_url_to_a_plain_text_port_says_that_port_may_not_speak_tls(
+    redis_server: RedisServer,
+) -> None:
+    """A plain-text Redis waits for a command while a TLS client waits for its hello: all an
+    operator saw was a connect timeout."""
+    url = f"rediss://127.0.0.1:{redis_server.port}/0?ssl_cert_reqs=none"
+
+    async def main() -> None:
+        lane = RespLane(url, connect_timeout_s=0.5)
+        with pytest.raises(RedisTimeoutError, match=r"with TLS: does that port speak TLS\?"):
+            await lane.execute("PING")
+        lane.close()
+
+    asyncio.run(main())
 
 
 def test_commands_left_unanswered_past_the_reply_timeout_drop_the_connection(
