@@ -146,6 +146,8 @@ class RedisServer:
             while True:
                 try:
                     answering = int(client.info("server")["process_id"])
+                except (redis.AuthenticationError, redis.ResponseError):  # it wants a password
+                    answering = process.pid if self._asks_password() else -1  # ours if told to
                 except redis.ConnectionError:  # not listening yet (or loading its data)
                     if process.poll() is not None:
                         return False
@@ -156,8 +158,6 @@ class RedisServer:
                         ) from None
                     time.sleep(0.05)
                     continue
-                except redis.ResponseError:  # it wants a password: ours only if told to
-                    answering = process.pid if self._asks_password() else -1
                 if answering == process.pid and process.poll() is None:
                     return True
                 self.kill()  # another server holds the port: ours cannot bind it

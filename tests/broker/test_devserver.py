@@ -10,6 +10,7 @@ import socket
 from pathlib import Path
 
 import pytest
+import redis
 
 from broker import devserver
 from broker.devserver import RedisServer, free_port
@@ -76,3 +77,12 @@ def test_a_forked_child_does_not_pick_its_parents_next_ports() -> None:
     with os.fdopen(reader) as pipe:
         child = json.loads(pipe.read())
     assert set(child).isdisjoint(free_port() for _ in range(5))
+
+
+def test_a_server_told_to_require_a_password_starts_and_asks_for_it() -> None:
+    """redis-py 8 answers a password-protected server's NOAUTH as an AuthenticationError (a
+    connection error): the start-up wait took it for a server not listening yet."""
+    with RedisServer({"requirepass": "pw"}) as server:
+        assert server.client(password="pw").ping()
+        with pytest.raises(redis.AuthenticationError):
+            server.client().ping()
