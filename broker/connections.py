@@ -11,7 +11,8 @@ address. A redis+sentinel:// URL gives redis-py clients through
 :meth:`redis.sentinel.Sentinel.master_for`, which ask the sentinels where the master is at each
 connect and reconnect after a failover (a ``READONLY`` reply included), and lanes that do the
 same (:class:`~broker.sentinel.SentinelMaster`); both also re-ask about once a second while in
-use, and leave a master that a failover replaced even while it still takes writes. A
+use, and leave a master that a failover replaced even while it still takes writes (redis-py's
+commands in flight to it, or retried, go to the new one). A
 redis+cluster:// URL gives redis-py's cluster clients (:class:`redis.cluster.RedisCluster`,
 following MOVED and ASK themselves) and :class:`~broker.cluster_lane.ClusterLanes`, which keep
 one lean connection per node and follow them too. (The cluster clients are typed as the plain
@@ -60,12 +61,65 @@ from .resp_packing import use_hiredis_packing
 from .sentinel import NoAnswer, SentinelMaster, error_text, first_answer, first_answer_sync
 
 
+class _MasterConnection(redis.sentinel.SentinelManagedConnection):
+    """redis-py's connection to a Sentinel service's master, which also asks where the
+    master is when a command's retry reconnects it: redis-py (8.x) reconnects it to the
+    address it had, a master that has just failed (silent, or demoted and refusing writes)."""
+
+    _addressing = False
+
+    def connect_to(self, address: Any) -> None:
+        self._addressing = True
+        try:
+            super().connect_to(address)  # type: ignore[no-untyped-call]
+        finally:
+            self._addressing = False
+
+    def connect_check_health(self, *args: Any, **kwargs: Any) -> None:
+        if self._addressing or not self.connection_pool.is_master:
+            super().connect_check_health(*args, **kwargs)
+        else:
+            self.connect_to(self.connection_pool.get_master_address())
+
+
+class _MasterTLSConnection(_MasterConnection, redis.SSLConnection):
+    pass
+
+
+class _AsyncMasterConnection(async_sentinel.SentinelManagedConnection):
+    """:class:`_MasterConnection` for redis-py's asyncio client."""
+
+    _addressing = False
+
+    async def connect_to(self, address: Any) -> None:
+        self._addressing = True
+        try:
+            await super().connect_to(address)  # type: ignore[no-untyped-call]
+        finally:
+            self._addressing = False
+
+    async def connect_check_health(self, *args: Any, **kwargs: Any) -> None:
+        if self._addressing or not self.connection_pool.is_master:
+            await super().connect_check_health(*args, **kwargs)
+        else:
+            await self.connect_to(await self.connection_pool.get_master_address())
+
+
+class _AsyncMasterTLSConnection(_AsyncMasterConnection, aioredis.SSLConnection):
+    pass
+
+
 class _FollowingPool(redis.sentinel.SentinelConnectionPool):
     """redis-py's Sentinel pool, which also asks the sentinels where the master is when a
     connection is taken (at most every FOLLOW_EVERY_S): its idle connections to a master a
     failover replaced are dropped then, not only once the old master refuses a write."""
 
     _asked_at = float("-inf")
+
+    def __init__(self, service_name: str, sentinel_manager: Any, **kwargs: Any) -> None:
+        tls = kwargs.pop("ssl", False)
+        kwargs.setdefault("connection_class", _MasterTLSConnection if tls else _MasterConnection)
+        super().__init__(service_name, sentinel_manager, **kwargs)  # type: ignore[no-untyped-call]
 
     def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         now = time.monotonic()
@@ -88,6 +142,13 @@ class _AsyncFollowingPool(async_sentinel.SentinelConnectionPool):
     _watch: asyncio.TimerHandle | None = None  # the next look at the connections in use
     _following: asyncio.Task[None] | None = None
 
+    def __init__(self, service_name: str, sentinel_manager: Any, **kwargs: Any) -> None:
+        tls = kwargs.pop("ssl", False)
+        kwargs.setdefault(
+            "connection_class", _AsyncMasterTLSConnection if tls else _AsyncMasterConnection
+        )
+        super().__init__(service_name, sentinel_manager, **kwargs)  # type: ignore[no-untyped-call]
+
     async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
         await self._follow()
         connection = await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
@@ -96,7 +157,7 @@ class _AsyncFollowingPool(async_sentinel.SentinelConnectionPool):
 
     async def _follow(self) -> None:
         """Ask the sentinels where the master is (at most every FOLLOW_EVERY_S); drop the
-        connections in use to any other address."""
+        connections to any other address, those in use included."""
         now = time.monotonic()
         if now - self._asked_at < FOLLOW_EVERY_S:
             return
@@ -105,11 +166,10 @@ class _AsyncFollowingPool(async_sentinel.SentinelConnectionPool):
             master = await self.get_master_address()  # type: ignore[no-untyped-call]
         except (redis.ConnectionError, redis.TimeoutError):
             return  # no master named: the connections in use may still be answered
-        in_use: list[Any] = list(self._in_use_connections)
-        stale = [c for c in in_use if c.host is not None and (c.host, c.port) != tuple(master)]
-        for connection in stale:
-            # where it reconnects: redis-py's retry reconnects to the address a connection had
-            connection.host, connection.port = master
+        # idle ones too: one in use as redis-py dropped the idle ones may be back in the pool
+        pooled: list[Any] = [*self._in_use_connections, *self._available_connections]
+        stale = [c for c in pooled if c.is_connected and (c.host, c.port) != tuple(master)]
+        for connection in stale:  # a command's retry, or the next, reconnects to the master
             with contextlib.suppress(redis.RedisError, OSError):
                 await connection.disconnect(nowait=True)
 

@@ -197,6 +197,26 @@ def test_a_redis_py_command_in_flight_to_a_master_gone_silent_moves_to_the_new_o
         asyncio.run(main())
 
 
+def test_a_redis_py_command_retried_after_its_timeout_reconnects_to_the_new_master() -> None:
+    """A sync command (a heartbeat, the broker CLI) that timed out on a master gone silent is
+    retried once: redis-py reconnected the retry to the address it had (the stopped master,
+    a second timeout and a failure); it now asks the sentinels, and reaches the new one."""
+    with LocalSentinel(replicas=1, sentinels=1, down_after_ms=500) as setup:
+        k = key()
+        old = setup.master_port()
+        client = connections.sync_client(setup.url(), socket_timeout=6)
+        assert client.set(k, "kept") and client.wait(1, 5000) == 1
+        assert setup.master.process is not None
+        os.kill(setup.master.process.pid, signal.SIGSTOP)
+        try:
+            # sent to the stopped master; the failover is done before its 6 s timeout
+            assert client.get(k) == b"kept"
+            assert setup.master_port() != old and client.role()[0] == b"master"
+        finally:
+            os.kill(setup.master.process.pid, signal.SIGCONT)
+            client.close()
+
+
 def test_following_the_master_leaves_no_task_behind(sentinel: LocalSentinel) -> None:
     """What watches the connections in use is a timer: a loop closed without closing the
     client (as many callers do) is left with no pending task to warn about."""
