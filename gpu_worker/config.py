@@ -10,10 +10,11 @@ every duration (``--busy-poll-us`` is converted once, as the CLI reads it).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from broker.client import DEFAULT_REDIS_URL
+from broker.client import DEFAULT_REDIS_URL, MAX_TIMEOUT_S
 from broker.keys import DEFAULT_PREFIX, MAX_PARTITIONS, ModelKeys, check_name, check_prefix
 from broker.redis_url import parse as parse_redis_url
 
@@ -165,12 +166,11 @@ class WorkerConfig:
             (self.workers < 1, "--workers must be at least 1"),
             (below(self.workers_per_device, 1), "--workers-per-device must be auto or at least 1"),
             (below(self.batch_size, 1), "--batch-size must be at least 1"),
-            (below(self.max_latency, 0), "--max-latency cannot be negative"),
             (below(self.max_batch_cost, 0), "--max-batch-cost cannot be negative"),
-            (self.redis_wait < 0, "--redis-wait cannot be negative"),
+            *self._duration_checks(),
             (
-                self.batch_timeout <= 0 or self.heartbeat_ttl <= 0,
-                "--batch-timeout and --heartbeat-ttl must be positive",
+                self.metrics_port is not None and not 1 <= self.metrics_port <= 65535,
+                "--metrics-port must be between 1 and 65535",
             ),
             (self.max_deliveries < 1, "--max-deliveries must be at least 1"),
             (
@@ -189,6 +189,31 @@ class WorkerConfig:
                 f"--partitions must be between 1 and {MAX_PARTITIONS}",
             ),
         ]
+
+    def _duration_checks(self) -> list[tuple[bool, str]]:
+        """Every duration is a finite number of seconds, at most a year: NaN or inf would
+        silently turn a deadline or a watchdog off."""
+        durations = [  # (option, seconds, whether 0 is allowed)
+            ("--redis-wait", self.redis_wait, True),
+            ("--start-timeout", self.start_timeout, False),
+            ("--graceful-timeout", self.graceful_timeout, True),
+            ("--batch-timeout", self.batch_timeout, False),
+            ("--heartbeat-ttl", self.heartbeat_ttl, False),
+        ]
+        if self.max_latency is not None:
+            durations.append(("--max-latency", self.max_latency, True))
+        checks = []
+        for option, seconds, zero in durations:
+            least = "0 or more" if zero else "more than 0"
+            fits = math.isfinite(seconds) and (seconds >= 0 if zero else seconds > 0)
+            checks.append(
+                (
+                    not fits or seconds > MAX_TIMEOUT_S,
+                    f"{option} must be {least} seconds and at most {MAX_TIMEOUT_S:.0f} "
+                    f"(a year), not {seconds!r}",
+                )
+            )
+        return checks
 
     def keys(self, model: type[ManagedModel] | ManagedModel) -> ModelKeys:
         """The keys of the model served: named ``name``, or by the model class (a pipeline's

@@ -509,7 +509,11 @@ class SupervisorMetrics:
         from .metrics_server import start_metrics_server
 
         self._metrics = metrics
-        self.server, self.thread = start_metrics_server(port, multiproc_metrics.registry())
+        try:
+            self.server, self.thread = start_metrics_server(port, multiproc_metrics.registry())
+        except OSError as exc:  # the port is taken, say: a bad option, not a traceback
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise ValueError(f"--metrics-port {port}: {exc.strerror or exc}") from None
         self.keys = keys
         self.client = heartbeats.client
         self._next_sample = 0.0

@@ -343,3 +343,55 @@ def test_a_bad_queue_bound_gives_one_line(value: str) -> None:
     result = run_worker_cli("--model", "tests.models:Toy", "--max-queue-items", value)
     assert result.returncode == 2
     assert result.stderr.strip().startswith("Error: --max-queue-items must be auto")
+
+
+@pytest.mark.parametrize(
+    "option, value, least",
+    [
+        ("--heartbeat-ttl", "nan", "more than 0"),
+        ("--heartbeat-ttl", "inf", "more than 0"),
+        ("--batch-timeout", "1e308", "more than 0"),
+        ("--start-timeout", "0", "more than 0"),
+        ("--start-timeout", "-1", "more than 0"),
+        ("--graceful-timeout", "nan", "0 or more"),
+        ("--redis-wait", "inf", "0 or more"),
+        ("--max-latency", "inf", "0 or more"),
+    ],
+)
+def test_a_duration_that_is_not_a_finite_number_of_seconds_gives_one_line(
+    option: str, value: str, least: str
+) -> None:
+    """NaN and inf turned watchdogs and deadlines off in silence, or ended in a traceback."""
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    result = run_worker_cli("--model", "tests.models:Toy", "--redis", url, option, value)
+    assert result.returncode == 2, result.stderr
+    shown = repr(float(value))
+    assert result.stderr.strip() == (
+        f"Error: {option} must be {least} seconds and at most 31536000 (a year), not {shown}"
+    )
+
+
+@pytest.mark.parametrize("port", ["0", "-1", "70000"])
+def test_a_metrics_port_out_of_range_gives_one_line(port: str) -> None:
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    result = run_worker_cli("--model", "tests.models:Toy", "--redis", url, "--metrics-port", port)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "Error: --metrics-port must be between 1 and 65535"
+
+
+def test_a_metrics_port_in_use_gives_one_line(redis_server: RedisServer, prefix: str) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_worker_cli(
+            "--model", "tests.models:Toy", "--redis", redis_server.url, "--prefix", prefix,
+            "--metrics-port", str(port),
+        )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"Error: --metrics-port {port}: Address already in use"
+    )
+    assert "Traceback" not in result.stderr
