@@ -8,6 +8,7 @@ fails at once, exit code 2), then served whole by gunicorn in this process.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -63,7 +64,12 @@ def describe(exc: ValidationError) -> str:
     if not error["loc"]:
         return str(error["msg"])
     field = str(error["loc"][0])
-    option = "--redis" if field == "redis_url" else "--" + field.replace("_", "-")
+    if field == "redis_url":
+        option = "--redis"
+    elif field in ENV_ONLY:
+        option = f"{ENV_PREFIX}{field.upper()}"
+    else:
+        option = "--" + field.replace("_", "-")
     return f"{option}: {error['msg']}"
 
 
@@ -133,7 +139,11 @@ def _checked(options: dict[str, Any]) -> GatewaySettings:
             settings = GatewaySettings(**options)
         except ValidationError as exc:
             raise ValueError(describe(exc)) from None
-        settings.tokens()
+        try:
+            settings.tokens()
+        except OSError as exc:
+            tokens_file = settings.auth_tokens_file
+            raise ValueError(f"--auth-tokens-file {tokens_file}: {exc.strerror or exc}") from None
         names = [load_model_class(path).name for path in settings.model]
         if len(set(names)) != len(names):
             raise ValueError(f"two models have the same name: {names}")
@@ -142,6 +152,10 @@ def _checked(options: dict[str, Any]) -> GatewaySettings:
     except (ValueError, OSError, ModelLoadError) as exc:
         fail(str(exc))
     return settings
+
+
+# The settings read from the environment alone (docs/gateway.md, "env only").
+ENV_ONLY = frozenset(FIELDS) - {"redis_url"} - set(inspect.signature(start).parameters)
 
 
 def main() -> None:

@@ -124,9 +124,11 @@ class GatewaySettings(BaseSettings):
         "whose model has had no live worker for MICROBATCH_GATEWAY_WORKERS_GRACE seconds "
         "(default 10) gets 503 NoWorkers, its items withdrawn.",
     )
+    # Every duration is at most a year too: inf broke gunicorn's int(), or turned a limit off.
     workers_grace: float = Field(
         default=DEFAULT_GRACE_S,
         gt=0,
+        le=MAX_TIMEOUT_S,
         description="Seconds a model may have no live worker before its requests get 503 "
         "NoWorkers (keep it at least twice the workers' --heartbeat-ttl).",
     )
@@ -160,6 +162,7 @@ class GatewaySettings(BaseSettings):
     header_timeout: float = Field(
         default=10.0,
         gt=0,
+        le=MAX_TIMEOUT_S,
         description="Seconds a request's headers may take to arrive, from the connection (or "
         "the request's first byte); then 408 and the connection is closed.",
     )
@@ -172,15 +175,20 @@ class GatewaySettings(BaseSettings):
     body_timeout: float = Field(
         default=30.0,
         gt=0,
+        le=MAX_TIMEOUT_S,
         description="Seconds a request's body may take to arrive after its headers; then 408 "
         "and the connection is closed.",
     )
     keepalive_timeout: float = Field(
-        default=5.0, gt=0, description="Seconds an idle connection stays open between requests."
+        default=5.0,
+        gt=0,
+        le=MAX_TIMEOUT_S,
+        description="Seconds an idle connection stays open between requests.",
     )
     send_timeout: float = Field(
         default=30.0,
         gt=0,
+        le=MAX_TIMEOUT_S,
         description="Seconds a client may leave its answers untaken (the gateway's send buffer "
         "full) before its connection is aborted.",
     )
@@ -191,7 +199,10 @@ class GatewaySettings(BaseSettings):
         "503 and closed at once.",
     )
     graceful_timeout: float = Field(
-        default=30.0, ge=0, description="Seconds in-flight requests get to finish after SIGTERM."
+        default=30.0,
+        ge=0,
+        le=MAX_TIMEOUT_S,
+        description="Seconds in-flight requests get to finish after SIGTERM.",
     )
     log_level: str = Field(
         default="info", description="debug, info, warning, error or critical (any case)."

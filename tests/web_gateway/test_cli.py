@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from broker.devserver import RedisServer
+from broker.devserver import RedisServer, free_port
 from tests.conftest import ROOT
 from tests.e2e.test_gateway import gateway_process
 
@@ -153,3 +153,32 @@ def test_settings_are_checked_once_with_one_line_naming_the_option() -> None:
         assert refused.returncode == 2, (args, env)
         (line,) = refused.stderr.strip().splitlines()
         assert line.startswith(f"Error: {said}"), line
+
+
+@pytest.mark.parametrize(
+    "args, env, said",
+    [
+        (["--keepalive-timeout", "inf"], {}, "--keepalive-timeout: Input should be less than"),
+        (["--graceful-timeout", "1e308"], {}, "--graceful-timeout: Input should be less than"),
+        (["--header-timeout", "inf"], {}, "--header-timeout: Input should be less than"),
+        ([], {"MICROBATCH_GATEWAY_BODY_TIMEOUT": "inf"}, "--body-timeout: Input should be less"),
+        # the settings without an option are named by their environment variable
+        ([], {"MICROBATCH_GATEWAY_WORKERS_GRACE": "inf"}, "MICROBATCH_GATEWAY_WORKERS_GRACE: "),
+        ([], {"MICROBATCH_GATEWAY_WORKERS_GRACE": "0"}, "MICROBATCH_GATEWAY_WORKERS_GRACE: "),
+        ([], {"MICROBATCH_GATEWAY_RETRY_AFTER": "-1"}, "MICROBATCH_GATEWAY_RETRY_AFTER: "),
+        ([], {"MICROBATCH_GATEWAY_PREPROCESS_THREADS": "0"}, "MICROBATCH_GATEWAY_PREPROCESS_"),
+        (["--auth-tokens-file", "/nonexistent/tokens"], {}, "--auth-tokens-file /nonexistent/"),
+    ],
+)
+def test_an_infinite_duration_or_an_env_only_setting_gives_one_line_naming_it(
+    args: list[str], env: dict[str, str], said: str
+) -> None:
+    """inf ended in gunicorn's 'cannot convert float infinity to integer' (exit 1), or was
+    taken; the env-only settings were named as options that do not exist."""
+    # never a gateway on a port or a Redis of someone else's, were a value taken
+    args = [*args, "--port", str(free_port())]
+    env = {"REDIS_URL": f"redis://127.0.0.1:{free_port()}/0", **env}
+    refused = gateway("start", "--model", DOUBLER, *args, env=env)
+    assert refused.returncode == 2, refused.stderr
+    (line,) = refused.stderr.strip().splitlines()
+    assert line.startswith(f"Error: {said}"), line
