@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import AliasChoices, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from .client import DEFAULT_REDIS_URL, DEFAULT_TIMEOUT_S, check_timeout
+from .client import DEFAULT_REDIS_URL, DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, check_timeout
 from .keys import DEFAULT_PREFIX, check_prefix
 from .multi_item import DEFAULT_ENTRY_ITEMS, MAX_ENTRY_ITEMS
 from .priorities import parse_priority
@@ -60,6 +60,7 @@ class ClientSettings(BaseSettings):
     )
     workers_grace: float = Field(
         default=DEFAULT_GRACE_S,
+        le=MAX_TIMEOUT_S,
         description="Seconds the model may have no live worker before its calls fail with "
         "NoWorkers (keep it at least twice the workers' --heartbeat-ttl).",
     )

@@ -106,6 +106,8 @@ def test_arguments_win_over_settings_and_the_environment(clean_env: pytest.Monke
         ({"prefix": "a b"}, ValueError, "invalid prefix 'a b'"),
         ({"max_queue_items": -1}, ValueError, "max_queue_items: Input should be greater"),
         ({"workers_grace": 0}, ValueError, "the workers' grace period must be positive"),
+        # inf: never NoWorkers, which is wait_for_workers' job; at most a year, as the gateway's
+        ({"workers_grace": float("inf")}, ValueError, "workers_grace: Input should be less than"),
     ],
 )
 def test_a_bad_setting_is_one_value_error_at_construction(
