@@ -32,6 +32,7 @@ from .logs import configure_logging
 from .redis_url import RedisURLError
 
 ENV = "MICROBATCH_BROKER_"
+MAX_COUNT = 2**63 - 1  # the most Redis' XRANGE ... COUNT takes
 EXIT_STATUS = (
     "Exit status: 0 on success; 1 when Redis cannot be reached or refuses a command (an ACL "
     "user's NOPERM, say), or (dead-letters) holds nothing of the named model; 2 for a bad "
@@ -246,11 +247,14 @@ def list_dead(
     name: NameOption,
     prefix: PrefixOption = DEFAULT_PREFIX,
     redis_url: RedisOption = DEFAULT_REDIS_URL,
-    count: Annotated[int, typer.Option(help="Show at most this many.")] = 100,
+    count: Annotated[
+        int, typer.Option(min=1, help="Show at most this many (of each partition).")
+    ] = 100,
     as_json: JsonOption = False,
 ) -> None:
     """List dead letters (ids, reasons and sizes; never payloads)."""
     client = _connect(redis_url)
+    count = min(count, MAX_COUNT)  # more than Redis' COUNT takes is all of them
     with _redis_errors(prefix):
         letters = admin.dead_letters(client, _served_keys(client, name, prefix), count)
     if as_json:

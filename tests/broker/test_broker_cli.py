@@ -282,3 +282,20 @@ def test_status_finds_a_high_priority_only_queue_and_skips_foreign_keys(
         call.cancel()
     finally:
         streamer.close()
+
+
+def test_a_count_below_one_is_a_bad_option_and_a_huge_one_lists_them_all(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """--count 0 or -1 went to Redis and came back as 'Redis failed' (exit 1); a count over
+    what Redis' COUNT takes, too."""
+    client = redis_server.client()
+    client.xadd(ModelKeys("toy", prefix).dead_letters, {"id": "x", "dead_reason": "test"})
+    listing = ("dead-letters", "list", "--name", "toy", "--prefix", prefix, "--json")
+    for count in ("0", "-1"):
+        result = broker_cli(*listing, "--redis", redis_server.url, "--count", count)
+        assert result.returncode == 2, result.stderr
+        assert "Invalid value for '--count'" in result.stderr
+    result = broker_cli(*listing, "--redis", redis_server.url, "--count", str(10**30))
+    assert result.returncode == 0, result.stderr
+    assert [letter["reason"] for letter in json.loads(result.stdout)] == ["test"]
