@@ -337,6 +337,12 @@ def render(
     Returns the lines and the password variables that were unset (their users are ``off``).
     """
     environ = os.environ if environ is None else environ
+    try:
+        password_env.format(ROLE="", TENANT="")
+    except (KeyError, IndexError, ValueError):
+        raise ValueError(
+            f"--password-env may name {{ROLE}} and {{TENANT}} only, not {password_env!r}"
+        ) from None
     if len(prefixes) > 1 and "{TENANT}" not in password_env:
         raise ValueError("several prefixes need a --password-env naming {TENANT}")
     oldest = _version(OLDEST_REDIS)

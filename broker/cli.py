@@ -384,7 +384,7 @@ def acl_users(
             redis_version=redis_version,
             cluster=cluster,
         )
-    except (ValueError, KeyError, IndexError) as exc:
+    except ValueError as exc:
         fail(str(exc))
     for variable in unset:
         typer.echo(f"note: {variable} is not set: its user is off", err=True)

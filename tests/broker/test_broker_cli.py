@@ -299,3 +299,13 @@ def test_a_count_below_one_is_a_bad_option_and_a_huge_one_lists_them_all(
     result = broker_cli(*listing, "--redis", redis_server.url, "--count", str(10**30))
     assert result.returncode == 0, result.stderr
     assert [letter["reason"] for letter in json.loads(result.stdout)] == ["test"]
+
+
+def test_a_password_env_naming_anything_but_role_and_tenant_is_one_clear_line() -> None:
+    """'{NOPE}' printed "Error: 'NOPE'", Python's KeyError."""
+    for template in ("PW_{NOPE}", "PW_{ROLE", "PW_{}", "PW_{0}"):
+        result = broker_cli("acl", "--prefix", "shop", "--password-env", template)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.strip() == (
+            f"Error: --password-env may name {{ROLE}} and {{TENANT}} only, not {template!r}"
+        )
