@@ -108,9 +108,11 @@ def log_format_option(envvar: str) -> Any:
     )
 
 
-def redis_option() -> Any:
-    """``--redis URL``, read from ``REDIS_URL`` too (the one variable every command shares)."""
-    return typer.Option("--redis", envvar="REDIS_URL", help=REDIS_HELP)
+def redis_option(own_envvar: str | None = None) -> Any:
+    """``--redis URL``, read from ``REDIS_URL`` too (the one variable every command shares),
+    after ``own_envvar`` where a command has one of its own."""
+    envvar = "REDIS_URL" if own_envvar is None else [own_envvar, "REDIS_URL"]
+    return typer.Option("--redis", envvar=envvar, help=REDIS_HELP)
 
 
 def prefix_option(help: str, envvar: str | None = None) -> Any:

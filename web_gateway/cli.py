@@ -1,7 +1,8 @@
 """`gateway start`: options -> one :class:`GatewaySettings` -> gunicorn with uvicorn workers.
 
 Each option's default and help come from its settings field, and each reads its environment
-variable through one prefix (``MICROBATCH_GATEWAY_<OPTION>``; ``REDIS_URL`` for ``--redis``),
+variable through one prefix (``MICROBATCH_GATEWAY_<OPTION>``; ``--redis`` reads
+``MICROBATCH_GATEWAY_REDIS_URL``, else ``REDIS_URL``),
 the prefix :class:`GatewaySettings` reads the rest with. The settings are checked here (a typo
 fails at once, exit code 2), then served whole by gunicorn in this process.
 """
@@ -80,7 +81,7 @@ def describe(exc: ValidationError) -> str:
 def start(
     model: list[str] = _option("model", metavar="<str>"),
     prefix: Annotated[str, prefix_option(PREFIX_HELP)] = _default("prefix"),
-    redis: Annotated[str, redis_option()] = _default("redis_url"),
+    redis: Annotated[str, redis_option(f"{ENV_PREFIX}REDIS_URL")] = _default("redis_url"),
     host: str = _option("host"),
     port: int = _option("port"),
     workers: int = _option("workers"),
@@ -115,8 +116,9 @@ def start(
 ) -> None:
     """Serve MODEL(s) over HTTP until SIGTERM or Ctrl-C.
 
-    Every option also reads its environment variable (REDIS_URL for --redis, otherwise
-    MICROBATCH_GATEWAY_<OPTION>, e.g. MICROBATCH_GATEWAY_MAX_QUEUE_ITEMS). Bearer tokens come
+    Every option also reads its environment variable (MICROBATCH_GATEWAY_REDIS_URL, else
+    REDIS_URL, for --redis; otherwise MICROBATCH_GATEWAY_<OPTION>, e.g.
+    MICROBATCH_GATEWAY_MAX_QUEUE_ITEMS). Bearer tokens come
     only from MICROBATCH_GATEWAY_AUTH_TOKENS or --auth-tokens-file, never from the command line.
     """
     options = dict(locals())

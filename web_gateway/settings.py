@@ -1,8 +1,9 @@
 """Gateway settings: the one object ``gateway start`` builds and hands down whole.
 
 Constructor arguments win, else the environment (``MICROBATCH_GATEWAY_<FIELD>``: the one prefix,
-which ``gateway start``'s options read too), else the defaults stated here. ``redis_url`` also
-reads ``REDIS_URL`` (the variable every microbatch command shares). List settings (``model``,
+which ``gateway start``'s options read too), else the defaults stated here. ``redis_url`` reads
+``MICROBATCH_GATEWAY_REDIS_URL``, else ``REDIS_URL`` (the variable every microbatch command
+shares), as the client's settings do. List settings (``model``,
 ``auth_tokens``) read a comma-separated string or a JSON list. ``gunicorn -c
 deploy/gunicorn.conf.py`` and ``create_app()`` build it from the environment alone.
 """
@@ -61,7 +62,7 @@ class GatewaySettings(BaseSettings):
     prefix: str = Field(default=DEFAULT_PREFIX, description=PREFIX_HELP)
     redis_url: str = Field(
         default=DEFAULT_REDIS_URL,
-        validation_alias=AliasChoices("redis_url", "REDIS_URL", f"{ENV_PREFIX}REDIS_URL"),
+        validation_alias=AliasChoices(f"{ENV_PREFIX}REDIS_URL", "REDIS_URL"),
         description=REDIS_HELP,
     )
     host: str = Field(default="127.0.0.1", description="Address to listen on (0.0.0.0 for all).")

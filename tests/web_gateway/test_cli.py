@@ -41,11 +41,11 @@ def test_help_is_plain_text_with_every_env_var_whole_and_h_is_help() -> None:
     text = shown.stdout
     assert not re.search("[\u2500-\u257f]", text), "rich boxes"
     assert all(len(line) <= 80 for line in text.splitlines())
-    names = re.findall(r"\[env\s+var:\s+([A-Z_\s]+?)[;\]]", text)
-    names = [re.sub(r"\s+", "", name) for name in names]
+    lists = re.findall(r"\[env\s+var:\s+([A-Z_,\s]+?)[;\]]", text)
+    names = [re.sub(r"\s+", "", name) for names in lists for name in names.split(",")]
     for option in ("MODEL", "PREFIX", "MAX_QUEUE_ITEMS", "LOG_LEVEL", "ACCESS_LOG"):
         assert f"MICROBATCH_GATEWAY_{option}" in names
-    assert "REDIS_URL" in names
+    assert "REDIS_URL" in names and "MICROBATCH_GATEWAY_REDIS_URL" in names
     assert "redis://[user:password@]host:port/db" in text
     assert gateway("start", "-h").stdout == text
     assert "-h, --help" in gateway("-h").stdout
@@ -182,3 +182,24 @@ def test_an_infinite_duration_or_an_env_only_setting_gives_one_line_naming_it(
     assert refused.returncode == 2, refused.stderr
     (line,) = refused.stderr.strip().splitlines()
     assert line.startswith(f"Error: {said}"), line
+
+
+def test_the_gateway_s_own_redis_url_wins_over_redis_url_as_the_client_s_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """gunicorn -c read REDIS_URL first and `gateway start` never read
+    MICROBATCH_GATEWAY_REDIS_URL: the same environment reached two Redis servers."""
+    from broker.client_settings import ClientSettings
+    from web_gateway.settings import GatewaySettings
+
+    # a bad URL in the gateway's own variable: refused, so it is the one read
+    env = {"MICROBATCH_GATEWAY_REDIS_URL": "http://own", "REDIS_URL": "redis://127.0.0.1:1/0"}
+    args = ["--port", str(free_port()), "--default-timeout", "30", "--max-timeout", "1"]
+    refused = gateway("start", "--model", DOUBLER, *args, env=env)
+    assert refused.returncode == 2
+    assert refused.stderr.startswith("Error: --redis: the Redis URL has 'http://'")
+
+    monkeypatch.setenv("REDIS_URL", "redis://shared:1/0")
+    for prefix in ("MICROBATCH_GATEWAY_", "MICROBATCH_CLIENT_"):
+        monkeypatch.setenv(f"{prefix}REDIS_URL", "redis://own:1/0")
+    assert GatewaySettings().redis_url == ClientSettings().redis_url == "redis://own:1/0"
