@@ -17,6 +17,7 @@ from rich.text import Text
 
 from . import acl, admin, connections, functions
 from .cli_common import (
+    check_environment,
     checked,
     fail,
     log_format_option,
@@ -60,6 +61,8 @@ def _root(
     log_format: Annotated[str, log_format_option(f"{ENV}LOG_FORMAT")] = "text",
 ) -> None:
     """microbatch queues, workers and dead letters."""
+    read = ("LOG_LEVEL", "LOG_FORMAT", "NAME", "PREFIX")
+    check_environment("broker", ENV, (f"{ENV}{name}" for name in read))
     configure_logging(log_level, log_format)
 
 

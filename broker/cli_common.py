@@ -7,7 +7,9 @@ Plain help (no boxes, nothing cut), ``-h`` as ``--help``, ``--version``, ``--log
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import difflib
+import os
+from collections.abc import Callable, Iterable
 from importlib import metadata
 from typing import Any, NoReturn
 
@@ -74,6 +76,37 @@ def checked(parse: Callable[[str], str]) -> Callable[[str | None], str | None]:
             fail(str(exc))
 
     return callback
+
+
+# Variables of the compose files (docker-compose*.yml, .env.example) that share a command's
+# prefix: compose reads them, never a command, so they are not typos of its settings.
+COMPOSE_VARIABLES = frozenset(
+    {
+        "MICROBATCH_GATEWAY_EXTRAS",
+        "MICROBATCH_GATEWAY_IMAGE",
+        "MICROBATCH_WORKER_CPU_IMAGE",
+        "MICROBATCH_WORKER_CPU_WORKERS",
+        "MICROBATCH_WORKER_EXTRAS",
+        "MICROBATCH_WORKER_IMAGE",
+    }
+)
+
+
+def check_environment(command: str, prefix: str, known: Iterable[str]) -> None:
+    """Exit 2 naming the first variable of ``prefix`` that is none of ``known``: a misspelt
+    setting would otherwise be ignored in silence."""
+    names = sorted(set(known))
+    for variable in sorted(os.environ):
+        if not variable.startswith(prefix) or variable in names or variable in COMPOSE_VARIABLES:
+            continue
+        if variable.endswith(("_REDIS", "_REDIS_URL")):
+            hint = " (--redis reads REDIS_URL)"
+        else:
+            # compared without the prefix, which every name shares
+            settings = [name[len(prefix) :] for name in names]
+            close = difflib.get_close_matches(variable[len(prefix) :], settings, n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+        fail(f"{variable} is not a setting of `{command}`{hint}")
 
 
 def version_option() -> Any:

@@ -15,6 +15,7 @@ import typer
 from broker.cli_common import (
     CONTEXT_SETTINGS,
     PREFIX_HELP,
+    check_environment,
     fail,
     log_format_option,
     log_level_option,
@@ -265,6 +266,12 @@ def start(
     Every option also reads its environment variable (REDIS_URL for --redis, otherwise
     MICROBATCH_WORKER_<OPTION>, e.g. MICROBATCH_WORKER_BATCH_SIZE).
     """
+    # --redis reads REDIS_URL alone, so MICROBATCH_WORKER_REDIS is no setting
+    check_environment(
+        "worker start",
+        f"{ENV_PREFIX}_",
+        (f"{ENV_PREFIX}_{name.upper()}" for name in ctx.params if name != "redis"),
+    )
     use_app_dir(app_dir)  # before anything imports the model
     try:
         configure_logging(log_level, log_format)

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from broker.cli_common import (
     CONTEXT_SETTINGS,
     PREFIX_HELP,
+    check_environment,
     fail,
     log_format_option,
     log_level_option,
@@ -122,6 +123,11 @@ def start(
     only from MICROBATCH_GATEWAY_AUTH_TOKENS or --auth-tokens-file, never from the command line.
     """
     options = dict(locals())
+    check_environment(
+        "gateway start",
+        ENV_PREFIX,
+        (f"{ENV_PREFIX}{field.upper()}" for field in [*FIELDS, "app_dir"]),
+    )
     options["redis_url"] = options.pop("redis")
     from gpu_worker.model import use_app_dir
 

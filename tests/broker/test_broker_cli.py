@@ -309,3 +309,19 @@ def test_a_password_env_naming_anything_but_role_and_tenant_is_one_clear_line() 
         assert result.stderr.strip() == (
             f"Error: --password-env may name {{ROLE}} and {{TENANT}} only, not {template!r}"
         )
+
+
+def test_a_misspelt_variable_of_the_prefix_is_a_bad_option() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "status", "--redis", "redis://127.0.0.1:1/0"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "MICROBATCH_BROKER_PREFX": "shop"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "Error: MICROBATCH_BROKER_PREFX is not a setting of `broker` "
+        "(did you mean MICROBATCH_BROKER_PREFIX?)"
+    )

@@ -395,3 +395,29 @@ def test_a_metrics_port_in_use_gives_one_line(redis_server: RedisServer, prefix:
         f"Error: --metrics-port {port}: Address already in use"
     )
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "variable, hint",
+    [
+        ("MICROBATCH_WORKER_BATCHSIZE", " (did you mean MICROBATCH_WORKER_BATCH_SIZE?)"),
+        ("MICROBATCH_WORKER_REDIS_URL", " (--redis reads REDIS_URL)"),
+        ("MICROBATCH_WORKER_NOTHING_LIKE_IT", ""),
+    ],
+)
+def test_a_misspelt_variable_of_the_prefix_gives_one_line(variable: str, hint: str) -> None:
+    """It was ignored in silence: the worker ran with the default the operator meant to change."""
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    result = run_worker_cli("--model", "tests.models:Toy", "--redis", url, env={variable: "4"})
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"Error: {variable} is not a setting of `worker start`{hint}"
+
+
+def test_the_compose_files_own_variables_of_the_prefix_are_no_typos() -> None:
+    """.env.example's MICROBATCH_WORKER_CPU_WORKERS and the like, exported to a shell."""
+    env = {"MICROBATCH_WORKER_CPU_WORKERS": "2", "MICROBATCH_WORKER_IMAGE": "w:latest",
+           "MICROBATCH_WORKER_REDIS_WAIT": "0", "MICROBATCH_WORKER_MAX_LATENCY": ""}  # fmt: skip
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    result = run_worker_cli("--model", "tests.models:Toy", "--redis", url, env=env)
+    assert result.returncode == 2  # past the settings: Redis did not answer
+    assert "did not answer within 0 s (--redis-wait)" in result.stderr

@@ -203,3 +203,14 @@ def test_the_gateway_s_own_redis_url_wins_over_redis_url_as_the_client_s_does(
     for prefix in ("MICROBATCH_GATEWAY_", "MICROBATCH_CLIENT_"):
         monkeypatch.setenv(f"{prefix}REDIS_URL", "redis://own:1/0")
     assert GatewaySettings().redis_url == ClientSettings().redis_url == "redis://own:1/0"
+
+
+def test_a_misspelt_variable_of_the_prefix_gives_one_line() -> None:
+    """MICROBATCH_GATEWAY_MAX_TIMEOT was ignored in silence (the settings ignore extras)."""
+    env = {"MICROBATCH_GATEWAY_MAX_TIMEOT": "5", "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    refused = gateway("start", "--model", DOUBLER, "--port", str(free_port()), env=env)
+    assert refused.returncode == 2
+    assert refused.stderr.strip() == (
+        "Error: MICROBATCH_GATEWAY_MAX_TIMEOT is not a setting of `gateway start` "
+        "(did you mean MICROBATCH_GATEWAY_MAX_TIMEOUT?)"
+    )
