@@ -77,11 +77,16 @@ def _log_config(level: str, fmt: str) -> dict[str, Any]:
     return config
 
 
+def bind_host(host: str) -> str:
+    """``host`` as gunicorn's bind takes it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def gunicorn_options(settings: GatewaySettings) -> dict[str, Any]:
     """gunicorn's settings for a gateway with ``settings`` (names as in gunicorn's config)."""
     return {
         "worker_class": WORKER_CLASS,
-        "bind": [f"{settings.host}:{settings.port}"],
+        "bind": [f"{bind_host(settings.host)}:{settings.port}"],
         "workers": settings.workers,
         # SIGTERM: stop accepting, let in-flight requests finish for up to this long, then exit.
         "graceful_timeout": int(settings.graceful_timeout),

@@ -65,7 +65,10 @@ class GatewaySettings(BaseSettings):
         validation_alias=AliasChoices(f"{ENV_PREFIX}REDIS_URL", "REDIS_URL"),
         description=REDIS_HELP,
     )
-    host: str = Field(default="127.0.0.1", description="Address to listen on (0.0.0.0 for all).")
+    host: str = Field(
+        default="127.0.0.1",
+        description="Address to listen on (0.0.0.0 for all IPv4 addresses, :: for all IPv6 ones).",
+    )
     port: int = Field(default=8000, ge=0, le=65535, description="TCP port to listen on.")
     workers: int = Field(
         default=1,
@@ -233,6 +236,14 @@ class GatewaySettings(BaseSettings):
         except ValueError as exc:
             raise ValueError(f"--redis: {exc}") from None
         return value
+
+    @field_validator("host")
+    @classmethod
+    def _check_host(cls, value: str) -> str:
+        host = value.strip()
+        if not host or any(c.isspace() for c in host):  # '' would listen on every address
+            raise ValueError(f"--host must be an address or a host name, not {value!r}")
+        return host
 
     @field_validator("log_level")
     @classmethod

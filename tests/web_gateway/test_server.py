@@ -64,3 +64,31 @@ def test_gunicorn_with_the_deploy_config_reads_the_environment(
     command = [sys.executable, "-m", "gunicorn", "-c", "deploy/gunicorn.conf.py"]
     with serving(command, ROOT, env, port) as base:
         check_serving(base)
+
+
+def test_gateway_start_listens_on_an_ipv6_address(redis_server: RedisServer, prefix: str) -> None:
+    """--host ::1 ended at once: gunicorn read '::1:PORT' as host ':' and port ''."""
+    port = free_port()
+    command = [sys.executable, "-m", "web_gateway.cli", "start", "--model", DOUBLER]
+    command += ["--host", "::1", "--port", str(port), "--prefix", prefix]
+    process = subprocess.Popen(command, cwd=ROOT, env=gateway_env({"REDIS_URL": redis_server.url}))
+    try:
+        wait_for_healthz(f"http://[::1]:{port}", process)
+    finally:
+        stop_process(process)
+    assert process.returncode == 0
+
+
+def test_an_empty_host_is_refused_not_every_address() -> None:
+    """--host '' listened on every address, the opposite of the loopback default."""
+    command = [sys.executable, "-m", "web_gateway.cli", "start", "--model", DOUBLER]
+    env = gateway_env({"REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"})
+    for host in ("", " "):
+        args = ["--host", host, "--port", str(free_port())]
+        refused = subprocess.run(
+            [*command, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+        )
+        assert refused.returncode == 2
+        assert refused.stderr.strip() == (
+            f"Error: --host must be an address or a host name, not {host!r}"
+        )
