@@ -94,7 +94,9 @@ def start(
     max_held_body_bytes: int = _option("max_held_body_bytes"),
     max_queue_items: int = _option("max_queue_items"),
     max_queue_bytes: int = _option("max_queue_bytes"),
-    wait_for_workers: bool = _option("wait_for_workers", "--wait-for-workers"),
+    wait_for_workers: bool = _option(
+        "wait_for_workers", "--wait-for-workers/--no-wait-for-workers"
+    ),
     entry_items: int = _option("entry_items"),
     auth_tokens_file: Path | None = _option("auth_tokens_file"),
     header_timeout: float = _option("header_timeout"),

@@ -214,3 +214,20 @@ def test_a_misspelt_variable_of_the_prefix_gives_one_line() -> None:
         "Error: MICROBATCH_GATEWAY_MAX_TIMEOT is not a setting of `gateway start` "
         "(did you mean MICROBATCH_GATEWAY_MAX_TIMEOUT?)"
     )
+
+
+def test_a_flag_turns_off_what_its_variable_turned_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MICROBATCH_GATEWAY_WAIT_FOR_WORKERS=true (the scale-to-zero overlay's) had no flag to
+    undo it on one gateway's command line, unlike --access-log's --no-access-log."""
+    import typer
+
+    from web_gateway.cli import app
+
+    start = typer.main.get_command(app).commands["start"]  # type: ignore[attr-defined]
+    for variable in ("MICROBATCH_GATEWAY_WAIT_FOR_WORKERS", "MICROBATCH_GATEWAY_ACCESS_LOG"):
+        monkeypatch.setenv(variable, "true")
+    args = ["--model", DOUBLER, "--no-wait-for-workers", "--no-access-log"]
+    params = start.make_context("start", args).params
+    assert params["wait_for_workers"] is False and params["access_log"] is False
+    params = start.make_context("start", ["--model", DOUBLER]).params
+    assert params["wait_for_workers"] is True and params["access_log"] is True
