@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from collections.abc import Callable, Iterable
 from importlib import metadata
 from typing import Any, NoReturn
@@ -92,12 +93,24 @@ COMPOSE_VARIABLES = frozenset(
 )
 
 
+# What Kubernetes puts in the environment of every pod for each Service of its namespace: a
+# Service named microbatch-gateway gives MICROBATCH_GATEWAY_SERVICE_HOST and the like.
+SERVICE_LINK = re.compile(
+    r".*_SERVICE_HOST|.*_SERVICE_PORT(_[A-Z0-9_]+)?|.*_PORT_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?"
+)
+SERVICE_LINK_URL = re.compile(r"(tcp|udp|sctp)://")
+
+
 def check_environment(command: str, prefix: str, known: Iterable[str]) -> None:
-    """Exit 2 naming the first variable of ``prefix`` that is none of ``known``: a misspelt
-    setting would otherwise be ignored in silence."""
+    """Warn (on stderr, one line each) of the variables of ``prefix`` that are none of
+    ``known``, naming the closest setting: a misspelt setting is ignored, and should not be
+    so in silence. A warning, not an error: Kubernetes' service links, compose's own
+    variables and those of another version of microbatch share the prefix too."""
     names = sorted(set(known))
-    for variable in sorted(os.environ):
+    for variable, value in sorted(os.environ.items()):
         if not variable.startswith(prefix) or variable in names or variable in COMPOSE_VARIABLES:
+            continue
+        if SERVICE_LINK.fullmatch(variable) or SERVICE_LINK_URL.match(value):
             continue
         if variable.endswith(("_REDIS", "_REDIS_URL")):
             hint = " (--redis reads REDIS_URL)"
@@ -106,7 +119,7 @@ def check_environment(command: str, prefix: str, known: Iterable[str]) -> None:
             settings = [name[len(prefix) :] for name in names]
             close = difflib.get_close_matches(variable[len(prefix) :], settings, n=1)
             hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
-        fail(f"{variable} is not a setting of `{command}`{hint}")
+        typer.echo(f"Warning: {variable} is not a setting of `{command}`: ignored{hint}", err=True)
 
 
 def version_option() -> Any:

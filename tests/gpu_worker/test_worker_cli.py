@@ -405,19 +405,31 @@ def test_a_metrics_port_in_use_gives_one_line(redis_server: RedisServer, prefix:
         ("MICROBATCH_WORKER_NOTHING_LIKE_IT", ""),
     ],
 )
-def test_a_misspelt_variable_of_the_prefix_gives_one_line(variable: str, hint: str) -> None:
-    """It was ignored in silence: the worker ran with the default the operator meant to change."""
+def test_a_misspelt_variable_of_the_prefix_is_one_warning_line(variable: str, hint: str) -> None:
+    """It was ignored in silence: the worker ran with the default the operator meant to change.
+    A warning, not an error (other programs' variables may share the prefix)."""
     url = f"redis://127.0.0.1:{free_port()}/0"
-    result = run_worker_cli("--model", "tests.models:Toy", "--redis", url, env={variable: "4"})
-    assert result.returncode == 2
-    assert result.stderr.strip() == f"Error: {variable} is not a setting of `worker start`{hint}"
+    env = {variable: "4", "MICROBATCH_WORKER_REDIS_WAIT": "0"}
+    result = run_worker_cli("--model", "tests.models:Toy", "--redis", url, env=env)
+    assert result.returncode == 2  # past the settings: Redis did not answer
+    first, *rest = result.stderr.strip().splitlines()
+    assert first == f"Warning: {variable} is not a setting of `worker start`: ignored{hint}"
+    assert "did not answer within 0 s (--redis-wait)" in rest[-1]
 
 
-def test_the_compose_files_own_variables_of_the_prefix_are_no_typos() -> None:
-    """.env.example's MICROBATCH_WORKER_CPU_WORKERS and the like, exported to a shell."""
+def test_the_compose_files_and_kubernetes_own_variables_of_the_prefix_are_no_typos() -> None:
+    """.env.example's MICROBATCH_WORKER_CPU_WORKERS and the like, exported to a shell, and the
+    service links Kubernetes gives every pod (a Service named microbatch-worker-metrics)."""
     env = {"MICROBATCH_WORKER_CPU_WORKERS": "2", "MICROBATCH_WORKER_IMAGE": "w:latest",
-           "MICROBATCH_WORKER_REDIS_WAIT": "0", "MICROBATCH_WORKER_MAX_LATENCY": ""}  # fmt: skip
+           "MICROBATCH_WORKER_REDIS_WAIT": "0", "MICROBATCH_WORKER_MAX_LATENCY": "",
+           "MICROBATCH_WORKER_METRICS_SERVICE_HOST": "10.96.0.9",
+           "MICROBATCH_WORKER_METRICS_SERVICE_PORT": "9100",
+           "MICROBATCH_WORKER_METRICS_SERVICE_PORT_METRICS": "9100",
+           "MICROBATCH_WORKER_METRICS_PORT_9100_TCP": "tcp://10.96.0.9:9100",
+           "MICROBATCH_WORKER_METRICS_PORT_9100_TCP_ADDR": "10.96.0.9",
+           "MICROBATCH_WORKER_SIDECAR_PORT": "tcp://10.96.0.7:80"}  # fmt: skip
     url = f"redis://127.0.0.1:{free_port()}/0"
     result = run_worker_cli("--model", "tests.models:Toy", "--redis", url, env=env)
     assert result.returncode == 2  # past the settings: Redis did not answer
     assert "did not answer within 0 s (--redis-wait)" in result.stderr
+    assert "Warning" not in result.stderr, result.stderr

@@ -205,15 +205,20 @@ def test_the_gateway_s_own_redis_url_wins_over_redis_url_as_the_client_s_does(
     assert GatewaySettings().redis_url == ClientSettings().redis_url == "redis://own:1/0"
 
 
-def test_a_misspelt_variable_of_the_prefix_gives_one_line() -> None:
+def test_a_misspelt_variable_of_the_prefix_is_one_warning_line() -> None:
     """MICROBATCH_GATEWAY_MAX_TIMEOT was ignored in silence (the settings ignore extras)."""
-    env = {"MICROBATCH_GATEWAY_MAX_TIMEOT": "5", "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
-    refused = gateway("start", "--model", DOUBLER, "--port", str(free_port()), env=env)
-    assert refused.returncode == 2
-    assert refused.stderr.strip() == (
-        "Error: MICROBATCH_GATEWAY_MAX_TIMEOT is not a setting of `gateway start` "
+    env = {"MICROBATCH_GATEWAY_MAX_TIMEOT": "5", "MICROBATCH_GATEWAY_SERVICE_HOST": "10.96.0.8",
+           "MICROBATCH_GATEWAY_PORT_8000_TCP_PORT": "8000",
+           "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}  # fmt: skip
+    refused = gateway("start", "--model", "no_such_module:Model", "--port", str(free_port()),
+                      env=env)  # fmt: skip
+    assert refused.returncode == 2  # past the settings: the model cannot be imported
+    lines = refused.stderr.strip().splitlines()
+    assert lines[0] == (
+        "Warning: MICROBATCH_GATEWAY_MAX_TIMEOT is not a setting of `gateway start`: ignored "
         "(did you mean MICROBATCH_GATEWAY_MAX_TIMEOUT?)"
     )
+    assert len(lines) == 2 and "no_such_module" in lines[1], lines
 
 
 def test_a_flag_turns_off_what_its_variable_turned_on(monkeypatch: pytest.MonkeyPatch) -> None:
