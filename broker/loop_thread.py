@@ -13,6 +13,7 @@ import atexit
 import concurrent.futures.thread  # noqa: F401  # its exit hook must be registered before ours
 import contextlib
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Coroutine
@@ -35,6 +36,31 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop()
 
 
+def green_threads() -> str | None:
+    """The library (gevent, eventlet) whose monkey-patching made threads greenlets, if any."""
+    gevent = sys.modules.get("gevent.monkey")
+    if gevent is not None and gevent.is_module_patched("threading"):
+        return "gevent"
+    eventlet = sys.modules.get("eventlet.patcher")
+    if eventlet is not None and eventlet.is_monkey_patched("thread"):
+        return "eventlet"
+    return None
+
+
+def refuse_green_threads() -> None:
+    """Raise RuntimeError where threads are greenlets: a loop thread would then be a greenlet
+    whose event loop never yields, and every other greenlet (the callers waiting for their
+    results among them) would wait forever."""
+    library = green_threads()
+    if library is not None:
+        raise RuntimeError(
+            f"{library}'s monkey-patching made threads greenlets, and microbatch's client runs "
+            "an event loop on a thread of its own, which would block every greenlet for good: "
+            f"do not monkey-patch threads ({library}), and serve with threads instead (Flask's "
+            "threaded=True, gunicorn --threads N, waitress); see docs/migration.md"
+        )
+
+
 class LoopThread:
     """Runs an event loop in a daemon thread; other threads hand it work.
 
@@ -45,6 +71,7 @@ class LoopThread:
     def __init__(
         self, name: str = "microbatch-loop", on_exit: Callable[[], Any] | None = None
     ) -> None:
+        refuse_green_threads()
         self.loop = new_event_loop()
         self._on_exit: Callable[[], Callable[[], Any] | None] | None = None
         if on_exit is not None:

@@ -53,6 +53,7 @@ from typing import Any
 from broker.client import Streamer as BrokerStreamer
 from broker.errors import DeadlineExceeded
 from broker.keys import DEFAULT_PREFIX, check_prefix
+from broker.loop_thread import refuse_green_threads
 
 from .compat_values import from_wire, to_wire
 from .local import LocalStreamer
@@ -252,6 +253,7 @@ class Streamer(_BaseStreamer):
         start_timeout: float = START_TIMEOUT,
     ) -> None:
         _refuse_in_worker("Streamer")
+        refuse_green_threads()
         self.worker_num = worker_num
         self.cuda_devices = cuda_devices
         self._streamer = None
@@ -320,6 +322,7 @@ class RedisStreamer(_BaseStreamer):
         name: str = COMPAT_NAME,
         timeout: float = WORKER_TIMEOUT,
     ) -> None:
+        refuse_green_threads()  # here rather than at the first predict
         self.prefix = prefix
         self._redis_broker = redis_broker
         super().__init__(

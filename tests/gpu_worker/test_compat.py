@@ -451,3 +451,34 @@ def test_tensors_stay_tensors_and_arrays_stay_arrays() -> None:
     plain = {"a": [1, "x"], "b": np.zeros(2)}
     assert to_wire(plain) is plain and from_wire(plain) is plain
     back["a"][0].add_(1)  # a writable copy, as unpickling gives
+
+
+GEVENT_APP = """
+from gevent import monkey; monkey.patch_all()  # as service_streamer's gevent examples begin
+import sys
+from gpu_worker.compat import RedisStreamer, ThreadedStreamer
+
+try:
+    if sys.argv[1] == "threaded":
+        ThreadedStreamer(lambda batch: batch, batch_size=64).predict(["x"])
+    else:
+        RedisStreamer(redis_broker=sys.argv[2], prefix="channel_g")
+except RuntimeError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.parametrize("kind", ["threaded", "redis"])
+def test_gevent_monkey_patching_is_refused_at_once(kind: str, redis_server: RedisServer) -> None:
+    """service_streamer's gevent examples (monkey.patch_all()) hung forever at the first
+    predict: the client's event loop ran on a greenlet and blocked every other one."""
+    pytest.importorskip("gevent")
+    done = subprocess.run(
+        [sys.executable, "-c", GEVENT_APP, kind, f"127.0.0.1:{redis_server.port}"],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "gevent" in done.stdout and "--threads" in done.stdout, done.stdout
