@@ -45,7 +45,7 @@ import threading
 import uuid
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from concurrent.futures import Future
 from types import ModuleType
 from typing import Any
@@ -189,8 +189,12 @@ class _BaseStreamer:
 
 
 def _items(batch: Any) -> Any:
-    if not isinstance(batch, (list, tuple)):  # the Streamer refuses it with its own message
-        return batch
+    """The batch's items ready to send. Like service_streamer, any sized iterable is a batch
+    (a numpy array or a tensor gives its rows), but a string, bytes or a mapping is not."""
+    if isinstance(batch, (str, bytes, bytearray, Mapping)) or not (
+        isinstance(batch, Sized) and isinstance(batch, Iterable)
+    ):
+        return batch  # the Streamer refuses it with its own message
     return [to_wire(item) for item in batch]
 
 

@@ -482,3 +482,21 @@ def test_gevent_monkey_patching_is_refused_at_once(kind: str, redis_server: Redi
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "gevent" in done.stdout and "--threads" in done.stdout, done.stdout
+
+
+def test_a_batch_may_be_any_sized_iterable_as_service_streamer_took() -> None:
+    """service_streamer iterated the batch: a numpy array or tensor was a batch of its rows."""
+    import torch
+
+    streamer = compat.ThreadedStreamer(lambda batch: [row * 2 for row in batch], 8, 0)
+    try:
+        rows = streamer.predict(np.arange(6, dtype=np.float32).reshape(3, 2))
+        assert [row.tolist() for row in rows] == [[0, 2], [4, 6], [8, 10]]
+        tensors = streamer.submit(torch.ones(2, 3, dtype=torch.int64)).result(5)
+        assert [type(t) for t in tensors] == [torch.Tensor] * 2
+        assert [t.tolist() for t in tensors] == [[2, 2, 2]] * 2
+        assert streamer.predict(range(3)) == [0, 2, 4]
+        with pytest.raises(TypeError, match="list of items"):
+            streamer.predict("a sentence")  # a string is one item, not a batch of characters
+    finally:
+        streamer.destroy_workers()
