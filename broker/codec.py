@@ -51,6 +51,12 @@ def _torch_to_numpy(obj: Any) -> np.ndarray | None:
     return np.asarray(tensor.cpu().numpy())
 
 
+_VALUES_HINT = (
+    "send None, bools, numbers, str, bytes, lists, dicts, numpy arrays or torch tensors "
+    "instead: values are never pickled"
+)
+_ARRAYS_HINT = "bool and numeric arrays only: strings travel as a list of str"
+
 _HEADERS: dict[tuple[np.dtype[Any], tuple[int, ...]], bytes] = {}
 _MAX_CACHED_HEADERS = 1024
 
@@ -60,7 +66,7 @@ def _array_header(dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
     if header is None:
         dtype_str = dtype.str
         if dtype_str not in ALLOWED_DTYPES:
-            raise CodecError(f"arrays of dtype {dtype} cannot be sent")
+            raise CodecError(f"arrays of dtype {dtype} cannot be sent ({_ARRAYS_HINT})")
         if len(shape) > MAX_NDIM:
             raise CodecError(f"arrays of more than {MAX_NDIM} dimensions cannot be sent")
         dtype_bytes = dtype_str.encode("ascii")
@@ -179,7 +185,7 @@ def _default(obj: Any) -> Any:
         return list(obj)
     if isinstance(obj, int):  # msgpack hands over the ints it has no format for
         raise CodecError(f"integers below -2**63 or above 2**64-1 cannot be sent ({_short(obj)})")
-    raise CodecError(f"values of type {type(obj).__name__} cannot be sent")
+    raise CodecError(f"values of type {type(obj).__name__} cannot be sent ({_VALUES_HINT})")
 
 
 def _short(number: int) -> str:

@@ -500,3 +500,17 @@ def test_a_batch_may_be_any_sized_iterable_as_service_streamer_took() -> None:
             streamer.predict("a sentence")  # a string is one item, not a batch of characters
     finally:
         streamer.destroy_workers()
+
+
+def test_what_cannot_travel_is_refused_with_what_can() -> None:
+    """service_streamer pickled anything; a migrant's own class or string array is refused with
+    what to send instead."""
+    streamer = compat.ThreadedStreamer(picky.predict, batch_size=8, max_latency=0)
+    try:
+        with pytest.raises(CodecError, match=r"type Picky cannot be sent \(send .*dicts") as err:
+            streamer.predict([picky])
+        assert "numpy arrays" in str(err.value) and "never pickled" in str(err.value)
+        with pytest.raises(CodecError, match=r"dtype <U5 cannot be sent \(.*list of str"):
+            streamer.predict([np.array(["hello", "world"])])
+    finally:
+        streamer.destroy_workers()
