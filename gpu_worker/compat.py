@@ -645,6 +645,8 @@ class _WorkerGroup:
     def failure(self, code: int | None) -> str:
         errors = [line for line in self.lines if line.startswith("Error:")]
         reason = errors[-1][len("Error:") :].strip() if errors else "see the log above"
+        if reason.startswith("CUDA device"):  # service_streamer ran on the CPU without a word
+            reason += "; on a machine without these GPUs pass cuda_devices=None"
         return f"the service_streamer workers stopped (exit code {code}): {reason}"
 
     def wait_ready(self, timeout: float) -> None:

@@ -514,3 +514,15 @@ def test_what_cannot_travel_is_refused_with_what_can() -> None:
             streamer.predict([np.array(["hello", "world"])])
     finally:
         streamer.destroy_workers()
+
+
+def test_cuda_devices_on_a_machine_without_them_say_to_pass_none(
+    monkeypatch: pytest.MonkeyPatch, redis_server: RedisServer
+) -> None:
+    """service_streamer ran cuda_devices=(0, 1) on the CPU silently; the error says what to do."""
+    monkeypatch.setenv(DEVICE_COUNT_ENV, "0")
+    with pytest.raises(RuntimeError, match=r"does not exist.*pass cuda_devices=None"):
+        compat.Streamer(picky.predict, 8, worker_num=2, cuda_devices=(0, 1))
+    broker = f"127.0.0.1:{redis_server.port}"
+    with pytest.raises(RuntimeError, match=r"does not exist.*pass cuda_devices=None"):
+        compat.run_redis_workers_forever(BrokenModel, 8, cuda_devices=(0,), redis_broker=broker)
