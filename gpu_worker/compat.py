@@ -79,6 +79,7 @@ SPEC_ENV = "MICROBATCH_COMPAT_SPEC"  # what the worker processes run (JSON)
 CONFIG_ENV = "MICROBATCH_COMPAT_CONFIG"  # the WorkerConfig of the supervisor (JSON)
 CHILD_ENV = "MICROBATCH_COMPAT_CHILD"  # set in the supervisor and worker processes
 PARENT_ENV = "MICROBATCH_COMPAT_PARENT"  # the pid whose death stops the supervisor
+SERVER_ENV = "MICROBATCH_COMPAT_SERVER"  # the private redis-server to stop if orphaned (JSON)
 MAIN_MODULE = "__mp_main__"  # the name the main script is imported under in workers
 
 
@@ -275,6 +276,9 @@ class Streamer(_BaseStreamer):
 
                 self._resources.server = RedisServer().start()
                 redis_url = self._resources.server.url
+            server = self._resources.server
+            if server is not None:  # the supervisor stops it should this program die unclean
+                group.env[SERVER_ENV] = json.dumps({"pid": server.process.pid, "dir": server.dir})
             self._resources.group = group
             group.start(redis_url)
             group.wait_ready(start_timeout)
@@ -708,4 +712,27 @@ def _supervise() -> int:
     if parent:
         stop_when_orphaned(parent, "the program that started these workers")
     configure_logging(config.log_level, config.log_format)
-    return run_supervisor(config)
+    try:
+        return run_supervisor(config)
+    finally:
+        if parent and os.getppid() != parent:  # the program died without destroy_workers
+            _stop_orphaned_server()
+
+
+def _stop_orphaned_server() -> None:
+    """Stop the private redis-server of a Streamer whose program is gone (it was that
+    program's child, so nothing else would), and remove its directory."""
+    import shutil
+    import time
+
+    server = json.loads(os.environ.get(SERVER_ENV) or "null")
+    if server is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(server["pid"], signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            os.kill(server["pid"], 0)  # ProcessLookupError once it is gone
+            time.sleep(0.05)
+        os.kill(server["pid"], signal.SIGKILL)
+    shutil.rmtree(server["dir"], ignore_errors=True)

@@ -10,6 +10,7 @@ own (cached in .cache/, see ``service_streamer_python``), and with only its impo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -526,3 +527,56 @@ def test_cuda_devices_on_a_machine_without_them_say_to_pass_none(
     broker = f"127.0.0.1:{redis_server.port}"
     with pytest.raises(RuntimeError, match=r"does not exist.*pass cuda_devices=None"):
         compat.run_redis_workers_forever(BrokenModel, 8, cuda_devices=(0,), redis_broker=broker)
+
+
+KILLED_APP = """
+import sys
+from gpu_worker.compat import Streamer
+
+
+def shout(batch):
+    return [item.upper() for item in batch]
+
+
+if __name__ == "__main__":
+    streamer = Streamer(shout, 8, 0)
+    server = streamer._resources.server
+    print(server.process.pid, server.dir, streamer.predict(["x"])[0], flush=True)
+    sys.stdin.read()  # serves until killed
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_killed_program_leaves_no_private_redis_behind(tmp_path: Path, sig: int) -> None:
+    """`kill <pid>` of a program with a Streamer: its workers stop, and its private
+    redis-server (a child of the program, not of the workers) stops with them."""
+    program = tmp_path / "app.py"
+    program.write_text(KILLED_APP)
+    process = subprocess.Popen(
+        [sys.executable, str(program)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        start_new_session=True,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None
+        pid, directory, answer = process.stdout.readline().split()
+        assert answer == "X"
+        process.send_signal(sig)
+        process.wait(10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the private redis-server outlived its program")
+        assert not Path(directory).exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
