@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import signal
 import sys
 from typing import Any
 
@@ -38,7 +40,17 @@ class GatewayWorker(UvicornWorker):  # type: ignore[misc]
         # EBADF as "Error while closing socket [Errno 9]" at every shutdown.
         self.config.app = self.wsgi
         server = Server(config=self.config)
-        self._install_sigquit_handler()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGQUIT, _quit, server)
         await server.serve(sockets=[getattr(sock, "sock", sock) for sock in self.sockets])
         if not server.started:
             sys.exit(Arbiter.WORKER_BOOT_ERROR)
+
+
+def _quit(server: Server) -> None:
+    """SIGQUIT, which the master sends its workers on SIGINT or SIGQUIT (gunicorn's "quick
+    shutdown", which still waits for them up to the graceful timeout): a graceful stop, as on
+    SIGTERM. (uvicorn_worker's handler only set a flag that nothing reads: the worker went on
+    accepting connections until the master killed it at that timeout, mid-request.) Never a
+    forced one: at a terminal, Ctrl-C reaches the workers too, just before the master's
+    SIGQUIT."""
+    server.should_exit = True

@@ -1,0 +1,80 @@
+"""The gateway's processes under gunicorn's signals, with requests in flight: each accepted
+request answered, the master's exit status, its workers' log lines.
+
+Real processes: the session's redis-server, a `worker start` of `tests.gateway_models:Doubler`
+and `gateway start` (gunicorn) on a free port.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from broker.devserver import RedisServer
+from tests.conftest import worker_process
+from tests.e2e.test_gateway import DOUBLER, gateway_process
+from tests.gateway_models import sleep_item
+
+
+@pytest.fixture
+def doubler(redis_server: RedisServer, prefix: str) -> Iterator[str]:
+    """A Doubler worker under ``prefix``; yields the Redis URL."""
+    with worker_process(redis_server.url, DOUBLER, prefix):
+        yield redis_server.url
+
+
+def post_slow(base: str, seconds: float, results: list[httpx.Response | Exception]) -> None:
+    """POST an item the Doubler sleeps ``seconds`` on; its response (or error) appended."""
+    try:
+        results.append(
+            httpx.post(
+                f"{base}/v1/models/doubler/predict",
+                json={"inputs": [sleep_item(seconds, 1.0)]},
+                timeout=30,
+            )
+        )
+    except Exception as exc:
+        results.append(exc)
+
+
+def workers_of(process: subprocess.Popen[bytes]) -> list[int]:
+    """The pids of the gunicorn master's worker processes."""
+    path = Path(f"/proc/{process.pid}/task/{process.pid}/children")
+    return [int(pid) for pid in path.read_text().split()]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGQUIT])
+def test_sigint_and_sigquit_to_the_master_stop_gracefully(
+    doubler: str, prefix: str, tmp_path: Path, sig: signal.Signals
+) -> None:
+    """gunicorn's quick shutdown sends its workers SIGQUIT: they stop accepting, answer what is
+    in flight and exit (before, they ignored it, went on accepting connections, and were killed
+    at the graceful timeout, mid-request, with "was sent SIGKILL! Perhaps out of memory?")."""
+    log = tmp_path / "gateway.log"
+    with gateway_process(
+        doubler, [DOUBLER], prefix, "--graceful-timeout", "20", workers=2, log_path=log
+    ) as (base, process):
+        results: list[httpx.Response | Exception] = []
+        threads = [threading.Thread(target=post_slow, args=(base, 1.0, results)) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        time.sleep(0.5)
+        started = time.monotonic()
+        process.send_signal(sig)
+        assert process.wait(15) == 0
+        stopped = time.monotonic() - started
+        for thread in threads:
+            thread.join()
+        assert [getattr(r, "status_code", r) for r in results] == [200, 200]
+        with pytest.raises(httpx.ConnectError):  # no longer accepting
+            httpx.get(f"{base}/healthz", timeout=2)
+    assert stopped < 10  # well before the graceful timeout (20 s)
+    text = log.read_text()
+    assert "SIGKILL" not in text and "ERROR" not in text, text
