@@ -12,6 +12,8 @@ from gunicorn.arbiter import Arbiter
 from uvicorn.server import Server
 from uvicorn_worker import UvicornWorker
 
+HEARTBEAT_S = 0.5  # under uvicorn's 1 s between checks: a heartbeat at each check
+
 
 def _have(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
@@ -32,6 +34,13 @@ class GatewayWorker(UvicornWorker):  # type: ignore[misc]
         # WebSocket protocol (which has none of the connection limits) where one is installed
         "ws": "none",
     }
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # uvicorn_worker beat (told the master it lives) every half of gunicorn's worker
+        # timeout, so a loop stalled for just over half of it could be killed; uvicorn checks
+        # once a second, and now beats at each check.
+        self.config.timeout_notify = HEARTBEAT_S
 
     async def _serve(self) -> None:
         # uvicorn_worker's _serve, handing uvicorn the listening sockets themselves rather than

@@ -2,13 +2,15 @@
 request answered, the master's exit status, its workers' log lines.
 
 Real processes: the session's redis-server, a `worker start` of `tests.gateway_models:Doubler`
-and `gateway start` (gunicorn) on a free port.
+and `gateway start` (or gunicorn with deploy/gunicorn.conf.py) on a free port.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -17,8 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from broker.devserver import RedisServer
-from tests.conftest import worker_process
+from broker.devserver import RedisServer, free_port
+from tests.conftest import ROOT, gateway_env, stop_process, wait_for_healthz, worker_process
 from tests.e2e.test_gateway import DOUBLER, gateway_process
 from tests.gateway_models import sleep_item
 
@@ -78,3 +80,48 @@ def test_sigint_and_sigquit_to_the_master_stop_gracefully(
     assert stopped < 10  # well before the graceful timeout (20 s)
     text = log.read_text()
     assert "SIGKILL" not in text and "ERROR" not in text, text
+
+
+def heartbeat_age(worker: int) -> float:
+    """Seconds since the gunicorn worker's last heartbeat: the mtime of its temporary file
+    (gunicorn's WorkerTmp, unlinked, which the worker touches with time.monotonic())."""
+    for fd in Path(f"/proc/{worker}/fd").iterdir():
+        if "wgunicorn-" in os.readlink(fd):
+            return time.monotonic() - fd.stat().st_mtime
+    raise AssertionError("no heartbeat file")
+
+
+def test_a_worker_stalled_for_less_than_the_timeout_is_not_killed(
+    doubler: str, prefix: str, tmp_path: Path
+) -> None:
+    """gunicorn's worker timeout (10 s here) counts from the worker's last heartbeat: a worker
+    beats every second, so it survives a stall of 6.5 s whenever it starts (it beat every half
+    timeout, 5 s: a stall starting 4.5 s after a beat had it killed, with its requests)."""
+    log = tmp_path / "gateway.log"
+    env = {"MICROBATCH_GATEWAY_MODEL": DOUBLER, "MICROBATCH_GATEWAY_PREFIX": prefix}
+    env["REDIS_URL"] = doubler
+    port = free_port()
+    command = [sys.executable, "-m", "gunicorn", "-c", "deploy/gunicorn.conf.py"]
+    command += ["--bind", f"127.0.0.1:{port}", "--workers", "1", "--timeout", "10"]
+    with open(log, "ab") as out:
+        process = subprocess.Popen(command, cwd=ROOT, env=gateway_env(env), stderr=out)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_healthz(base, process)
+        [worker] = workers_of(process)
+        age = heartbeat_age(worker)
+        while heartbeat_age(worker) >= age:  # until the next beat
+            age = heartbeat_age(worker)
+            time.sleep(0.05)
+        time.sleep(4.5)
+        os.kill(worker, signal.SIGSTOP)
+        time.sleep(6.5)
+        os.kill(worker, signal.SIGCONT)
+        response = httpx.post(
+            f"{base}/v1/models/doubler/predict", json={"inputs": [[1, 2, 3, 4]]}, timeout=10
+        )
+        assert response.status_code == 200, log.read_text()
+        assert workers_of(process) == [worker], log.read_text()
+    finally:
+        stop_process(process)
+    assert "WORKER TIMEOUT" not in log.read_text()
