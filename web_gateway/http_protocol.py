@@ -55,8 +55,11 @@ turn. Order is kept, and closing the connection sends what is held first.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import math
+import sys
+import termios
 import time
 import weakref
 from collections.abc import Callable
@@ -405,6 +408,18 @@ def _declared_length(cycle: RequestResponseCycle) -> int:
     return -1
 
 
+def _unread(transport: Any) -> bool:
+    """Whether bytes the client sent wait in the socket, not yet read by the event loop."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        waiting = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except (OSError, ValueError):
+        return False
+    return int.from_bytes(waiting, sys.byteorder) > 0
+
+
 def _tell_app_gone(cycle: RequestResponseCycle) -> None:
     """The app's ``receive()`` says the request's client has gone; :func:`when_gone` calls
     back."""
@@ -433,6 +448,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
     answering: GatewayCycle | None = None  # the request whose app runs
     unparsed_header_bytes = 0  # and the bytes read while its headers were incomplete
     upgrade_body_left = 0  # body bytes still to come of a request served despite its upgrade
+    stopping = False  # the server stops: the request being read is the connection's last
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -608,6 +624,8 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
                 self.cycle.waiting_for_100_continue = False  # RFC 9110, 10.1.1: ignored in HTTP/1.0
             setattr(self.cycle, ON_GONE, None)
             cast(GatewayCycle, self.cycle).protocol = self
+            if self.stopping:
+                self.cycle.keep_alive = False
         if self.pipeline and self.pipeline[0][0] is self.cycle:
             if len(self.pipeline) > MAX_PIPELINED:
                 self._stop_pipelining()
@@ -716,6 +734,20 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             self.phase = IDLE
             self.deadline = self.loop.time() + self._limits.keepalive_timeout
 
+    def shutdown(self) -> None:
+        """uvicorn's graceful stop: an idle connection is closed at once, and the one of a
+        request in progress once it is answered; here a request that has begun to arrive (read
+        in part, or waiting unread in the socket) is served too, as the connection's last
+        (closing would reset it)."""
+        self.stopping = True
+        cycle = self.cycle
+        if (cycle is None or cycle.response_complete) and (
+            (self.phase == HEADERS and self.unparsed_header_bytes > 0)
+            or (self.phase in (IDLE, HEADERS) and _unread(self.transport))
+        ):
+            return
+        super().shutdown()
+
     def pause_writing(self) -> None:
         super().pause_writing()
         if self.send_deadline == NO_DEADLINE:
@@ -743,6 +775,12 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         """The deadline passed: answer 408 where nothing was answered yet, and close."""
         phase, self.deadline = self.phase, NO_DEADLINE
         if self.transport.is_closing():
+            return
+        if phase == IDLE and _unread(self.transport):
+            # the next request came in time, but the loop has not read it yet (it was busy or
+            # stalled): closing would reset it
+            self.phase = HEADERS
+            self.deadline = self.loop.time() + self._limits.header_timeout
             return
         cycle = self.cycle
         if phase == HEADERS:  # a new request: answer unless the last one is still answering

@@ -786,3 +786,65 @@ def test_a_body_over_the_request_limit_is_answered_413_when_it_also_trips_the_bu
     assert b'{"error":"PayloadTooLarge: ' in declared[0]  # the v2 error shape
     assert held == (b"", False)
     assert budget[0].startswith(b"HTTP/1.1 503 ") and b'"TooManyBodyBytes"' in budget[0]
+
+
+def serve_on_a_socket(act: str) -> list[bytes]:
+    """Serve a keep-alive connection over a real socket pair: one request answered, then a
+    second sent and, before the event loop has read it, the idle connection's deadline
+    passes (``act`` "expire", as the sweep finds it) or the server stops (``act``
+    "shutdown", as uvicorn's graceful stop calls it). Returns what the client then reads,
+    read by read, until the connection ends (b"RESET" for a reset)."""
+    import socket
+
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await answer_ok(send)
+
+    request = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    async def main() -> list[bytes]:
+        loop = asyncio.get_running_loop()
+        config = Config(app, lifespan="off", log_level="warning")
+        config.load()
+        protocol = Limited(config, ServerState(), {}, loop)
+        client, server = socket.socketpair()
+        client.setblocking(False)
+        await loop.connect_accepted_socket(lambda: protocol, server)
+        await loop.sock_sendall(client, request)
+        assert (await loop.sock_recv(client, 65536)).startswith(b"HTTP/1.1 200 OK\r\n")
+        assert protocol.phase == IDLE
+        client.send(request)  # in the kernel's buffer, not yet read by the loop
+        if act == "expire":
+            protocol.expire()
+        else:
+            protocol.shutdown()
+        reads: list[bytes] = []
+        while True:
+            try:
+                data = await asyncio.wait_for(loop.sock_recv(client, 65536), 5)
+            except ConnectionResetError:
+                data = b"RESET"
+            if not data:
+                break
+            reads.append(data)
+            if data == b"RESET" or act == "expire":
+                break
+        client.close()
+        return reads
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("act", ["expire", "shutdown"])
+def test_a_request_waiting_unread_on_an_idle_connection_is_served_not_reset(act: str) -> None:
+    """An idle connection is closed at its keep-alive deadline and at a graceful stop, but
+    not on a request its client sent before then which the event loop has not read yet (a
+    stalled or busy loop): closing it would reset the request. It is served; at a stop, with
+    ``connection: close``, and the connection then closed."""
+    reads = serve_on_a_socket(act)
+    answer = b"".join(reads)
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), reads
+    assert (b"connection: close\r\n" in answer) == (act == "shutdown")
