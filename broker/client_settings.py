@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .client import DEFAULT_REDIS_URL, DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, check_timeout
 from .keys import DEFAULT_PREFIX, check_prefix
+from .logs import redact_url
 from .multi_item import DEFAULT_ENTRY_ITEMS, MAX_ENTRY_ITEMS
 from .priorities import parse_priority
 from .redis_url import parse as parse_redis_url
@@ -104,6 +105,10 @@ class ClientSettings(BaseSettings):
     @classmethod
     def _check_grace(cls, value: float) -> float:
         return WorkerWatch(value).grace_s
+
+    def __repr_args__(self) -> Any:  # repr() and str(): never a password
+        for key, value in super().__repr_args__():
+            yield key, (redact_url(value) if key == "redis_url" else value)
 
     @classmethod
     def from_values(cls, **values: Any) -> ClientSettings:

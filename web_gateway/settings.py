@@ -20,7 +20,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from broker.cli_common import PREFIX_HELP, REDIS_HELP
 from broker.client import DEFAULT_REDIS_URL, MAX_TIMEOUT_S
 from broker.keys import DEFAULT_PREFIX, check_prefix
-from broker.logs import parse_format, parse_level
+from broker.logs import parse_format, parse_level, redact_url
 from broker.multi_item import DEFAULT_ENTRY_ITEMS, MAX_ENTRY_ITEMS
 from broker.redis_url import parse as parse_redis_url
 from broker.worker_watch import DEFAULT_GRACE_S
@@ -273,6 +273,8 @@ class GatewaySettings(BaseSettings):
                     tokens.add(line)
         return frozenset(tokens)
 
-    def __repr_args__(self) -> Any:  # never print tokens
+    def __repr_args__(self) -> Any:  # never print tokens nor passwords
         for key, value in super().__repr_args__():
+            if key == "redis_url":
+                value = redact_url(value)
             yield key, ("***" if key == "auth_tokens" and value else value)

@@ -151,3 +151,18 @@ def test_a_streamer_set_up_by_the_environment_alone_uses_it(
         wait_until(lambda: client.xlen(stream) == 1, 30, "the item queued under the prefix")
         assert isinstance(waiting.exception(timeout=30), DeadlineExceeded)
     client.close()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://app:s3cret@127.0.0.1:6379/0",
+        "redis+sentinel://app:s3cret@127.0.0.1:26379/mymaster?sentinel_password=s3cret",
+    ],
+)
+def test_printing_settings_never_shows_a_password(url: str) -> None:
+    settings = ClientSettings.from_values(redis_url=url)
+    for text in (repr(settings), str(settings)):
+        assert "s3cret" not in text
+        assert "app:***@127.0.0.1" in text
+    assert settings.redis_url == url  # what connects keeps it

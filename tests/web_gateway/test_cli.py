@@ -15,6 +15,7 @@ import pytest
 from broker.devserver import RedisServer, free_port
 from tests.conftest import ROOT
 from tests.e2e.test_gateway import gateway_process
+from web_gateway.settings import GatewaySettings
 
 DOUBLER = "tests.gateway_models:Doubler"
 # broker.logs.TEXT_FORMAT, the format of `worker start`'s lines
@@ -236,3 +237,9 @@ def test_a_flag_turns_off_what_its_variable_turned_on(monkeypatch: pytest.Monkey
     assert params["wait_for_workers"] is False and params["access_log"] is False
     params = start.make_context("start", ["--model", DOUBLER]).params
     assert params["wait_for_workers"] is True and params["access_log"] is True
+
+
+def test_printing_gateway_settings_never_shows_a_password() -> None:
+    settings = GatewaySettings(redis_url="redis://app:s3cret@127.0.0.1:6379/0")
+    assert "s3cret" not in repr(settings)
+    assert "app:***@127.0.0.1" in str(settings)
