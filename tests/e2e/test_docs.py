@@ -164,3 +164,17 @@ def test_python_blocks_run_as_written(
                 timeout=300,
             )
             assert done.returncode == 0, f"{block.name} failed:\n{done.stderr[-3000:]}"
+
+
+def test_the_key_constants_of_the_protocol_are_those_of_broker_keys() -> None:
+    # docs/protocol.md, section 3, says it copies them verbatim: other clients follow it.
+    import broker.keys
+
+    (block,) = [block for block in python_blocks("docs/protocol.md") if "TEMPLATE" in block.code]
+    documented: dict[str, Any] = {"re": re}
+    exec(block.code, documented)
+    names = [name for name in documented if name.isupper()]
+    assert len(names) > 20
+    assert {name: documented[name] for name in names} == {
+        name: getattr(broker.keys, name, None) for name in names
+    }
