@@ -50,6 +50,8 @@ from .transport import UNBOUNDED, QueueBound, RepliesRefused, Transport
 from .worker_watch import CHECK_EVERY_S, WorkerWatch
 
 if TYPE_CHECKING:
+    from typing_extensions import Self  # (typing's from Python 3.11)
+
     from .client_settings import ClientSettings
 
 log = logging.getLogger("microbatch.client")
@@ -1094,13 +1096,13 @@ class Streamer:
             await core.aclose()
         await asyncio.to_thread(self.close)
 
-    def __enter__(self) -> Streamer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    async def __aenter__(self) -> Streamer:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
