@@ -27,6 +27,10 @@ class MicrobatchError(Exception):
             return self.message
         return f"item {self.index}: {self.message}"
 
+    def __repr__(self) -> str:
+        index = "" if self.index is None else f", index={self.index}"
+        return f"{type(self).__name__}({self.message!r}{index})"
+
     def with_index(self, index: int) -> MicrobatchError:
         """A copy of this error naming the item at ``index``."""
         return type(self)(self.message, index=index)
