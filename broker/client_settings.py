@@ -112,11 +112,15 @@ class ClientSettings(BaseSettings):
 
     @classmethod
     def from_values(cls, **values: Any) -> ClientSettings:
-        """``values`` and the defaults, without reading the environment."""
+        """``values`` and the defaults, without reading the environment. A bad value raises a
+        ValueError as :meth:`resolve` does."""
         # The environment only fills the fields that were not given: give them all.
         fields = cls.model_fields.items()
         defaults = {name: field.get_default(call_default_factory=True) for name, field in fields}
-        return cls(**{**defaults, **values})
+        try:
+            return cls(**{**defaults, **values})
+        except ValidationError as exc:
+            raise first_error(exc) from None
 
     @classmethod
     def resolve(cls, base: ClientSettings | None = None, **given: Any) -> ClientSettings:

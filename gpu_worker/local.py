@@ -11,7 +11,7 @@ from broker.transport import Transport
 
 from .batching import BatchLoop
 from .config import BatchSettings
-from .model import ManagedModel, input_check
+from .model import ManagedModel, _is_integer, _is_real, input_check
 
 LOCAL_PREFIX = "local"
 
@@ -21,7 +21,7 @@ class LocalStreamer(Streamer):
 
     ``LocalStreamer(MLP, batch_size=64)`` builds the model, runs ``init_model`` and ``warmup``
     (errors surface here), and then serves ``predict``/``submit``/``apredict`` exactly like a
-    Streamer backed by Redis workers.
+    Streamer backed by Redis workers. A bad argument raises ValueError before the model loads.
 
     ``model_thread`` is the worker's ``--model-thread`` (auto, on, off), ``max_batch_cost``
     its ``--max-batch-cost`` (default: the model's; 0 counts items only). Callers' timeouts and
@@ -43,6 +43,10 @@ class LocalStreamer(Streamer):
         max_batch_cost: int | None = None,
     ) -> None:
         instance = model(device=device) if isinstance(model, type) else model
+        settings = BatchSettings.for_model(
+            instance, batch_size, max_latency, max_batch_cost, model_thread=model_thread
+        )
+        _check_batching(settings)
         # Nothing from the environment: the MICROBATCH_CLIENT_* settings are for Redis clients.
         client = ClientSettings.from_values(
             prefix=LOCAL_PREFIX,
@@ -51,9 +55,7 @@ class LocalStreamer(Streamer):
             wait_for_workers=True,  # its worker is the batch loop in this process
         )
         super().__init__(instance.name, model=instance, settings=client)
-        self.settings = BatchSettings.for_model(
-            instance, batch_size, max_latency, max_batch_cost, model_thread=model_thread
-        )
+        self.settings = settings
         self._batch_loop: BatchLoop | None = None
         self._get_thread_core()  # build the model now, so that its errors surface here
 
@@ -87,3 +89,15 @@ class LocalStreamer(Streamer):
             self._batch_loop.stop()
             self._batch_loop.close()
         super().close()
+
+
+def _check_batching(settings: BatchSettings) -> None:
+    """ValueError naming a bad ``batch_size``, ``max_latency`` or ``max_batch_cost``, before
+    the model loads (as a model's class attributes are checked)."""
+    size, latency, budget = settings.batch_size, settings.max_latency, settings.max_batch_cost
+    if not _is_integer(size) or size < 1:
+        raise ValueError(f"batch_size must be a positive int, not {size!r}")
+    if not _is_real(latency) or not 0 <= latency < float("inf"):
+        raise ValueError(f"max_latency must be a number of seconds >= 0, not {latency!r}")
+    if not _is_integer(budget) or budget < 0:
+        raise ValueError(f"max_batch_cost must be an int >= 0 (0: items only), not {budget!r}")

@@ -81,3 +81,27 @@ def test_a_models_defaults_are_resolved_the_same_way_for_workers_and_local_strea
     assert settings == BatchSettings.for_model(Defaults, 3, 0.0, 0)
     with LocalStreamer(Defaults, 3, 0.0, max_batch_cost=0) as local:
         assert local.settings == settings
+
+
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        ({"batch_size": 0}, "batch_size must be a positive int, not 0"),
+        ({"batch_size": 2.5}, "batch_size must be a positive int, not 2.5"),
+        ({"max_latency": -1}, "max_latency must be a number of seconds >= 0, not -1"),
+        ({"max_latency": float("nan")}, "max_latency must be a number of seconds >= 0, not nan"),
+        ({"max_batch_cost": -1}, "max_batch_cost must be an int >= 0 (0: items only), not -1"),
+        ({"timeout": -1}, "timeout must be a positive number of seconds, not -1"),
+        ({"timeout": float("inf")}, "timeout must be a positive number of seconds, not inf"),
+        ({"max_queue_items": -1}, "max_queue_items: Input should be greater than or equal to 0"),
+    ],
+)
+def test_a_bad_argument_of_a_local_streamer_is_one_value_error_naming_it(
+    arguments: dict[str, Any], said: str
+) -> None:
+    # As Streamer's arguments and a model's class attributes are: one line, before anything
+    # runs (a negative max_latency was taken, a float batch_size too).
+    with pytest.raises(ValueError) as raised:
+        LocalStreamer(Defaults, **arguments)
+    assert str(raised.value).startswith(said)
+    assert "\n" not in str(raised.value)
