@@ -928,7 +928,10 @@ class Streamer:
         if type(batch) is not list and (
             isinstance(batch, (str, bytes)) or not isinstance(batch, Sequence)
         ):
-            raise TypeError("predict/submit take a list of items")
+            raise TypeError(
+                "predict, submit, apredict and astart take a list (or tuple) of items, not "
+                f"{type(batch).__name__}"
+            )
         if self.model is None:
             try:
                 return [codec.encode(item) for item in batch]

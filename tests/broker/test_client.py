@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -217,6 +218,20 @@ def test_a_call_s_timeout_is_checked_before_anything_is_sent() -> None:
             with pytest.raises(TypeError, match="timeout must be a number of seconds"):
                 streamer.predict([[1.0]], timeout=wrong)  # type: ignore[arg-type]
         assert Streamer("toy", timeout=np.int64(3)).timeout == 3.0
+    finally:
+        streamer.close()
+
+
+def test_a_batch_that_is_no_list_or_tuple_is_a_type_error_naming_what_it_got() -> None:
+    streamer = Streamer("toy", redis_url="redis://127.0.0.1:1/0")  # never reached
+    bad: list[Any] = ["text", b"bytes", np.zeros(3), (item for item in [1]), {1: 2}, 5, None]
+    try:
+        for batch in bad:
+            said = f"take a list (or tuple) of items, not {type(batch).__name__}"
+            for call in (streamer.predict, streamer.submit):
+                with pytest.raises(TypeError, match=re.escape(said)):
+                    call(batch)
+        assert streamer.predict([]) == [] and streamer.predict(()) == []
     finally:
         streamer.close()
 
