@@ -859,6 +859,7 @@ class Streamer:
 
     @property
     def name(self) -> str:
+        """The model's name, as its workers serve it."""
         return self.keys.model
 
     def _make_transport(self) -> Transport:
@@ -972,7 +973,16 @@ class Streamer:
         traceparent: str | None = None,
         priority: str | int | None = None,
     ) -> Future[list[Any]]:
-        """Submit a list of items; the future's result is their outputs, in order."""
+        """Submit a list (or tuple) of items at once and return a future of their outputs, one
+        per item, in order (cancelling it withdraws the items).
+
+        Takes what :meth:`predict` takes. Errors of the input raise here: TypeError (a batch
+        that is no list or tuple, a timeout that is no number), ValueError (a timeout or
+        priority out of range), and :class:`InvalidInput` or :class:`CodecError` naming the
+        item (``index``). The future's ``result()`` raises the typed error, a
+        :class:`MicrobatchError`, of the first failing item. Its callbacks run on the
+        Streamer's own thread, where ``predict()`` and waiting on a pending future raise
+        RuntimeError."""
         timeout_s = self.timeout if timeout is None else check_timeout(timeout)
         level = self._level(priority)
         post = None if self.model is None else self._postprocess
@@ -988,11 +998,19 @@ class Streamer:
         traceparent: str | None = None,
         priority: str | int | None = None,
     ) -> list[Any]:
-        """Run the model on a list of items and return one output per item, in order.
+        """Run the model on a list (or tuple) of items and return one output per item, in order.
 
-        Raises the typed error (ModelError, DeadlineExceeded, ...) of the first failing item.
-        ``traceparent`` (W3C) travels with the items and appears in the worker's log line for
-        their batch. ``priority`` (``"high"`` or ``"normal"``) overrides the Streamer's.
+        ``timeout``: the seconds the call may wait for all its outputs (default: the
+        Streamer's, 30 s unless set). ``traceparent`` (W3C) travels with the items and appears
+        in the worker's log line for their batch. ``priority`` (``"high"`` or ``"normal"``)
+        overrides the Streamer's.
+
+        Raises TypeError for a batch that is no list or tuple (a string, an array, a
+        generator) or a timeout that is no number; ValueError for a timeout that is not
+        positive or over a year, or an unknown priority; else the typed error, a
+        :class:`MicrobatchError` (ModelError, DeadlineExceeded, QueueFull, NoWorkers,
+        InvalidInput, ...), of the first failing item, whose ``index`` names it. RuntimeError
+        on the Streamer's own thread (a callback of a :meth:`submit` future).
         """
         timeout_s = self.timeout if timeout is None else check_timeout(timeout)
         level = self._level(priority)
@@ -1008,7 +1026,10 @@ class Streamer:
         traceparent: str | None = None,
         priority: str | int | None = None,
     ) -> list[Any]:
-        """``predict`` for asyncio callers; cancelling the task withdraws the call's items."""
+        """:meth:`predict` for asyncio callers: the same arguments (``timeout`` in seconds)
+        and errors (TypeError, ValueError, the first failing item's :class:`MicrobatchError`
+        naming its ``index``). Cancelling the task withdraws the call's items. RuntimeError
+        without a running asyncio event loop."""
         timeout_s = self.timeout if timeout is None else check_timeout(timeout)
         level = self._level(priority)
         payloads = self._encode(batch)
@@ -1032,7 +1053,10 @@ class Streamer:
     ) -> asyncio.Future[list[Any]]:
         """``apredict`` without a coroutine: submit now, from the running loop's thread, and
         return a future of that loop for the outputs. Cancelling the future withdraws the
-        call's items. Errors of the input (encoding, priority, timeout) raise here."""
+        call's items. Takes what :meth:`predict` takes (``timeout`` in seconds). Errors of
+        the input raise here (TypeError, ValueError, :class:`InvalidInput` or
+        :class:`CodecError` naming the item's ``index``); the first failing item's
+        :class:`MicrobatchError` comes from the future."""
         timeout_s = self.timeout if timeout is None else check_timeout(timeout)
         level = self._level(priority)
         payloads = self._encode(batch)

@@ -20,6 +20,7 @@ class MicrobatchError(Exception):
 
     @property
     def type(self) -> str:
+        """The error's name on the wire (a reply's ``error.type``): its class name."""
         return type(self).__name__
 
     def __str__(self) -> str:

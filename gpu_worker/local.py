@@ -85,6 +85,8 @@ class LocalStreamer(Streamer):
         return self._batch_loop.batches if self._batch_loop is not None else 0
 
     def close(self) -> None:
+        """Stop the batch loop, then close as :meth:`Streamer.close` does. Used again, the
+        LocalStreamer loads the model anew (``init_model`` and ``warmup`` run again)."""
         if self._batch_loop is not None:
             self._batch_loop.stop()
             self._batch_loop.close()
