@@ -40,7 +40,7 @@ from .errors import (
 )
 from .handoff import CallFuture, Mailbox, Relay, Waiter
 from .keys import NORMAL, ModelKeys
-from .logs import Every, ThrottledWarning
+from .logs import Every, ThrottledWarning, redact_url
 from .loop_thread import LoopThread
 from .partitions import split_bound
 from .priorities import parse_priority
@@ -861,6 +861,10 @@ class Streamer:
     def name(self) -> str:
         """The model's name, as its workers serve it."""
         return self.keys.model
+
+    def __repr__(self) -> str:  # never the URL's password
+        url, prefix = redact_url(self.redis_url), self.keys.prefix
+        return f"{type(self).__name__}({self.name!r}, redis_url={url!r}, prefix={prefix!r})"
 
     def _make_transport(self) -> Transport:
         from .redis_transport import RedisTransport

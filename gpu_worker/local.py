@@ -79,6 +79,13 @@ class LocalStreamer(Streamer):
         )
         core.loop.create_task(self._batch_loop.run())
 
+    def __repr__(self) -> str:
+        settings, model = self.settings, type(self.model).__name__
+        return (
+            f"LocalStreamer({model}, batch_size={settings.batch_size}, "
+            f"max_latency={settings.max_latency:g})"
+        )
+
     @property
     def batches_run(self) -> int:
         """How many batches the model has run in this process."""

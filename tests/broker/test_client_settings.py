@@ -166,3 +166,11 @@ def test_printing_settings_never_shows_a_password(url: str) -> None:
         assert "s3cret" not in text
         assert "app:***@127.0.0.1" in text
     assert settings.redis_url == url  # what connects keeps it
+
+
+def test_a_streamer_s_repr_names_its_model_and_redis_without_the_password() -> None:
+    streamer = Streamer("mlp", "redis://app:s3cret@127.0.0.1:6379/0", prefix="tenant")
+    said = "Streamer('mlp', redis_url='redis://app:***@127.0.0.1:6379/0', prefix='tenant')"
+    assert repr(streamer) == said
+    with LocalStreamer(Toy, batch_size=2) as local:
+        assert repr(local) == "LocalStreamer(Toy, batch_size=2, max_latency=0)"
