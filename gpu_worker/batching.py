@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +49,10 @@ log = logging.getLogger("microbatch.worker")
 # in the task's first step; 1 more covers a task that first awaits something already done).
 PREFETCH_TURNS = 2
 OUTAGE_LOG_EVERY_S = 10.0  # during a Redis outage: a line this often, not one per retry
+# An item due within the shortest of the last RECENT_BATCHES batch times is not computed (its
+# answer would come too late), while a batch has finished within ESTIMATE_FRESH_S.
+RECENT_BATCHES = 4
+ESTIMATE_FRESH_S = 1.0
 
 
 async def _let_writes_go_out() -> None:
@@ -129,7 +134,11 @@ class BatchLoop:
         if settings.max_batch_cost < 0:
             raise ValueError("max_batch_cost cannot be negative")
         self.clock = BrokerClock(transport)
-        self.preparer = Preparer(keys, self.observer, self.clock.now_ms, check_item)
+        self._recent_s: deque[float] = deque(maxlen=RECENT_BATCHES)  # batch times, seconds
+        self._finished_at = float("-inf")  # time.monotonic() when the last batch finished
+        self.preparer = Preparer(
+            keys, self.observer, self.clock.now_ms, check_item, self._compute_ms
+        )
         # With a budget, items are costed (each 1 unless the model says) and batches formed by
         # it: a window read at once is cut into batches of similar cost, run one after another.
         self.windows: CostWindows | None = None
@@ -396,6 +405,14 @@ class BatchLoop:
             withdrawn = await self.transport.withdrawn(self.keys, ids)
         self.preparer.drop_stale(batch, withdrawn)
 
+    def _compute_ms(self) -> float:
+        """How long the next batch takes, at least (the shortest of the last few, in ms). 0
+        once none has finished for ESTIMATE_FRESH_S: an estimate from a model that was slow
+        then (warming up, a busy device) must not keep refusing items it could now answer."""
+        if not self._recent_s or time.monotonic() - self._finished_at > ESTIMATE_FRESH_S:
+            return 0.0
+        return min(self._recent_s) * 1000
+
     def batch_started(self, batch: PreparedBatch) -> None:
         now_ms = batch.now_ms
         self.observer.batch_started(
@@ -406,6 +423,8 @@ class BatchLoop:
 
     def batch_finished(self, batch: PreparedBatch, seconds: float) -> None:
         self.observer.batch_finished(len(batch.items), seconds)
+        self._recent_s.append(seconds)
+        self._finished_at = time.monotonic()
         self._batch_s = 0.8 * self._batch_s + 0.2 * seconds if self._batch_s else seconds
         windows = self.windows
         full = windows.is_full(batch) if windows else len(batch.items) >= self.settings.batch_size

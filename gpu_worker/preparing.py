@@ -54,10 +54,14 @@ class Preparer:
         observer: BatchObserver,
         now_ms: Callable[[], float],
         check_item: ItemCheck | None = None,
+        compute_ms: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.keys = keys
         self.observer = observer
         self.now_ms = now_ms
+        # How long computing a batch takes (ms): an item due sooner would be answered after
+        # its caller has given up, so it gets DeadlineExceeded instead of a place in a batch.
+        self.compute_ms = compute_ms
         # Each decoded item goes through this before the model sees it (the model's declared
         # input, see gpu_worker.model.input_check): it returns the item, or raises InvalidInput.
         self.check_item = check = check_item
@@ -84,6 +88,7 @@ class Preparer:
         by their callers. Whatever an entry holds, this fails that entry alone: it never
         raises."""
         now_ms = self.now_ms()
+        due_ms = now_ms + self.compute_ms()
         batch = PreparedBatch(entries, now_ms, [], [], [], [])
         items, live = batch.items, batch.live
         decode, parse = self._decode, RequestReader().parse
@@ -108,11 +113,12 @@ class Preparer:
                     self._misdirected_entry(batch, entry, reply_key)
                     continue
                 allowed_key, allowed_lane = reply_key, lane
-            # Past its deadline: also when the clock estimate lags Redis' a little, an entry is
-            # never before its own time (so one of timeout 0 is never computed).
+            # Past its deadline, or due before a batch could be computed: also when the clock
+            # estimate lags Redis' a little, an entry is never before its own time (so one of
+            # timeout 0 is never computed).
             deadline_ms = request.deadline_ms
-            if deadline_ms <= now_ms or deadline_ms <= request.arrival_ms:
-                batch.replies.append(self.expired(request))
+            if deadline_ms <= due_ms or deadline_ms <= request.arrival_ms:
+                batch.replies.append(self.expired(request, now_ms, due_ms))
                 continue
             try:
                 item = decode(request.data)
@@ -173,10 +179,17 @@ class Preparer:
             self.observer.answered("codec_error")
         return request.reply_key, encode_error(request.request_id, exc)
 
-    def expired(self, request: Request) -> tuple[str, bytes]:
-        """The reply to an item whose deadline passed before it was computed."""
+    def expired(self, request: Request, now_ms: float, due_ms: float) -> tuple[str, bytes]:
+        """The reply to an item whose deadline passed before it was computed, or would pass
+        before a batch computed from ``now_ms`` ends (at ``due_ms``)."""
         self.observer.answered("deadline")
-        error = DeadlineExceeded("deadline passed before the item was computed")
+        if request.deadline_ms <= now_ms or request.deadline_ms <= request.arrival_ms:
+            error = DeadlineExceeded("deadline passed before the item was computed")
+        else:
+            error = DeadlineExceeded(
+                "deadline too near to compute the item in time (batches take "
+                f"{due_ms - now_ms:.0f} ms)"
+            )
         return request.reply_key, encode_error(request.request_id, error)
 
     def may_reply_to(self, key: str, entry_id: str) -> bool:
@@ -197,11 +210,12 @@ class Preparer:
         return self._misdirected[min(partition, len(self._misdirected) - 1)]
 
     def drop_stale(self, batch: PreparedBatch, withdrawn: set[str]) -> bool:
-        """Take items withdrawn or past their deadline out of a prepared batch (their
+        """Take items withdrawn or (nearly) past their deadline out of a prepared batch (their
         entries stay, to be acknowledged with it); False if there were none."""
         now_ms = self.now_ms()
+        due_ms = now_ms + self.compute_ms()
         stale = [
-            request.entry_id in withdrawn or request.deadline_ms <= now_ms for request in batch.live
+            request.entry_id in withdrawn or request.deadline_ms <= due_ms for request in batch.live
         ]
         if not any(stale):
             return False
@@ -218,7 +232,7 @@ class Preparer:
             elif request.entry_id in withdrawn:
                 self.observer.answered("withdrawn")
             else:
-                batch.replies.append(self.expired(request))
+                batch.replies.append(self.expired(request, now_ms, due_ms))
         batch.live, batch.items, batch.costs = live, items, kept_costs
         return True
 

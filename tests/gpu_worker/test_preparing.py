@@ -8,7 +8,7 @@ import pytest
 
 from broker import codec
 from broker.keys import ModelKeys
-from broker.protocol import Request
+from broker.protocol import Request, decode_reply
 from gpu_worker.model import TensorSpec, input_check
 from gpu_worker.observer import BatchObserver
 from gpu_worker.preparing import PreparedBatch, Preparer, in_chunks
@@ -111,3 +111,25 @@ def test_an_item_of_the_wrong_kind_is_refused_in_a_callers_words(
     with pytest.raises(InvalidInput) as refused:
         check(item)
     assert str(refused.value) == said
+
+
+@pytest.mark.parametrize(("compute_ms", "computed"), [(0.0, True), (50.0, True), (200.0, False)])
+def test_an_item_due_before_a_batch_could_be_computed_is_answered_deadline_exceeded(
+    compute_ms: float, computed: bool
+) -> None:
+    """Due 100 ms from now (entry at 1000 ms, timeout 60 s): computed while batches take
+    less; else its result would reach nobody, and it gets DeadlineExceeded at once."""
+    check = input_check([TensorSpec("input", "FP32", [2, 3])])
+    prepare = Preparer(KEYS, BatchObserver(), lambda: 60_900.0, check, lambda: compute_ms)
+    data = codec.encode(np.ones((2, 3), np.float32))
+    batch = prepare.prepare([entry(0, data)])
+    assert len(batch.items) == int(computed) and len(batch.replies) == int(not computed)
+    if not computed:
+        reply = decode_reply(batch.replies[0][1])
+        assert reply.error_type == "DeadlineExceeded"
+        assert reply.error_message == (
+            "deadline too near to compute the item in time (batches take 200 ms)"
+        )
+    # checked again just before computing: by then it is too near
+    prepare.compute_ms = lambda: 150.0
+    assert prepare.drop_stale(batch, set()) == computed and not batch.items
