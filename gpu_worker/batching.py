@@ -49,8 +49,9 @@ log = logging.getLogger("microbatch.worker")
 # in the task's first step; 1 more covers a task that first awaits something already done).
 PREFETCH_TURNS = 2
 OUTAGE_LOG_EVERY_S = 10.0  # during a Redis outage: a line this often, not one per retry
-# An item due within the shortest of the last RECENT_BATCHES batch times is not computed (its
-# answer would come too late), while a batch has finished within ESTIMATE_FRESH_S.
+# An item of a full batch due within the shortest of the last RECENT_BATCHES batch times is
+# not computed (its answer would come too late), while a batch has finished within
+# ESTIMATE_FRESH_S.
 RECENT_BATCHES = 4
 ESTIMATE_FRESH_S = 1.0
 
@@ -405,11 +406,15 @@ class BatchLoop:
             withdrawn = await self.transport.withdrawn(self.keys, ids)
         self.preparer.drop_stale(batch, withdrawn)
 
-    def _compute_ms(self) -> float:
-        """How long the next batch takes, at least (the shortest of the last few, in ms). 0
-        once none has finished for ESTIMATE_FRESH_S: an estimate from a model that was slow
-        then (warming up, a busy device) must not keep refusing items it could now answer."""
-        if not self._recent_s or time.monotonic() - self._finished_at > ESTIMATE_FRESH_S:
+    def _compute_ms(self, items: int) -> float:
+        """How long a batch of ``items`` takes, at least: for a full one (the queue is backed
+        up), the shortest of the last few full ones, in ms. 0 for a smaller one (a lone item
+        after a run of full batches is computed far sooner than they were), and once none
+        has finished for ESTIMATE_FRESH_S: an estimate from a model that was slow then
+        (warming up, a busy device) must not keep refusing items it could now answer."""
+        if items < self.settings.batch_size or not self._recent_s:
+            return 0.0
+        if time.monotonic() - self._finished_at > ESTIMATE_FRESH_S:
             return 0.0
         return min(self._recent_s) * 1000
 
@@ -423,13 +428,13 @@ class BatchLoop:
 
     def batch_finished(self, batch: PreparedBatch, seconds: float) -> None:
         self.observer.batch_finished(len(batch.items), seconds)
-        self._recent_s.append(seconds)
         self._finished_at = time.monotonic()
         self._batch_s = 0.8 * self._batch_s + 0.2 * seconds if self._batch_s else seconds
         windows = self.windows
         full = windows.is_full(batch) if windows else len(batch.items) >= self.settings.batch_size
         if full:
             self.runner.full_batch_took(seconds)
+            self._recent_s.append(seconds)
 
     async def answer(self, batch: PreparedBatch, outcomes: list[Any]) -> None:
         """Encode the computed items' outcomes, then send every reply and ack the batch."""

@@ -54,13 +54,14 @@ class Preparer:
         observer: BatchObserver,
         now_ms: Callable[[], float],
         check_item: ItemCheck | None = None,
-        compute_ms: Callable[[], float] = lambda: 0.0,
+        compute_ms: Callable[[int], float] = lambda items: 0.0,
     ) -> None:
         self.keys = keys
         self.observer = observer
         self.now_ms = now_ms
-        # How long computing a batch takes (ms): an item due sooner would be answered after
-        # its caller has given up, so it gets DeadlineExceeded instead of a place in a batch.
+        # How long computing a batch of so many items takes (ms): an item due sooner would be
+        # answered after its caller has given up, so it gets DeadlineExceeded instead of a
+        # place in a batch.
         self.compute_ms = compute_ms
         # Each decoded item goes through this before the model sees it (the model's declared
         # input, see gpu_worker.model.input_check): it returns the item, or raises InvalidInput.
@@ -88,7 +89,7 @@ class Preparer:
         by their callers. Whatever an entry holds, this fails that entry alone: it never
         raises."""
         now_ms = self.now_ms()
-        due_ms = now_ms + self.compute_ms()
+        due_ms = now_ms + self.compute_ms(len(entries))
         batch = PreparedBatch(entries, now_ms, [], [], [], [])
         items, live = batch.items, batch.live
         decode, parse = self._decode, RequestReader().parse
@@ -213,7 +214,7 @@ class Preparer:
         """Take items withdrawn or (nearly) past their deadline out of a prepared batch (their
         entries stay, to be acknowledged with it); False if there were none."""
         now_ms = self.now_ms()
-        due_ms = now_ms + self.compute_ms()
+        due_ms = now_ms + self.compute_ms(len(batch.live))
         stale = [
             request.entry_id in withdrawn or request.deadline_ms <= due_ms for request in batch.live
         ]

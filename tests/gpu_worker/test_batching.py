@@ -19,6 +19,7 @@ from broker.protocol import CallRequests, Reply, decode_reply
 from broker.transport import UNBOUNDED
 from gpu_worker.batching import THREAD_FROM_S, BatchLoop, BatchObserver, BatchSettings
 from gpu_worker.model_thread import THREAD_NAME
+from gpu_worker.preparing import PreparedBatch
 
 
 class RedisGoesAway(InMemoryTransport):
@@ -485,3 +486,20 @@ def test_the_broker_clock_is_read_again_under_a_backlog() -> None:
 
     asyncio.run(main())
     assert transport.syncs >= 4  # 40 batches of 10 ms: about 8 periods of 50 ms
+
+
+def test_only_a_full_batch_is_held_to_the_last_full_batches_time() -> None:
+    """Items due sooner than a batch takes are answered DeadlineExceeded rather than computed
+    too late; but a lone item after a run of full batches is computed far quicker than they
+    were, and an estimate no batch has confirmed for a second is dropped."""
+    keys = ModelKeys("double", "t")
+    loop = BatchLoop(lambda xs: xs, InMemoryTransport(), keys, "c1", BatchSettings(batch_size=4))
+    assert loop._compute_ms(4) == 0.0  # no batch yet
+    full = PreparedBatch([], 0.0, [], [], [], [1, 2, 3, 4])
+    loop.batch_finished(full, 0.3)
+    loop.batch_finished(full, 0.2)
+    loop.batch_finished(PreparedBatch([], 0.0, [], [], [], [1]), 0.01)  # not full: not counted
+    assert loop._compute_ms(4) == pytest.approx(200.0)
+    assert loop._compute_ms(1) == 0.0
+    loop._finished_at -= 2.0  # none finished since
+    assert loop._compute_ms(4) == 0.0

@@ -120,7 +120,7 @@ def test_an_item_due_before_a_batch_could_be_computed_is_answered_deadline_excee
     """Due 100 ms from now (entry at 1000 ms, timeout 60 s): computed while batches take
     less; else its result would reach nobody, and it gets DeadlineExceeded at once."""
     check = input_check([TensorSpec("input", "FP32", [2, 3])])
-    prepare = Preparer(KEYS, BatchObserver(), lambda: 60_900.0, check, lambda: compute_ms)
+    prepare = Preparer(KEYS, BatchObserver(), lambda: 60_900.0, check, lambda items: compute_ms)
     data = codec.encode(np.ones((2, 3), np.float32))
     batch = prepare.prepare([entry(0, data)])
     assert len(batch.items) == int(computed) and len(batch.replies) == int(not computed)
@@ -131,5 +131,5 @@ def test_an_item_due_before_a_batch_could_be_computed_is_answered_deadline_excee
             "deadline too near to compute the item in time (batches take 200 ms)"
         )
     # checked again just before computing: by then it is too near
-    prepare.compute_ms = lambda: 150.0
+    prepare.compute_ms = lambda items: 150.0
     assert prepare.drop_stale(batch, set()) == computed and not batch.items
