@@ -497,7 +497,7 @@ def test_a_batch_may_be_any_sized_iterable_as_service_streamer_took() -> None:
         assert [type(t) for t in tensors] == [torch.Tensor] * 2
         assert [t.tolist() for t in tensors] == [[2, 2, 2]] * 2
         assert streamer.predict(range(3)) == [0, 2, 4]
-        with pytest.raises(TypeError, match="list of items"):
+        with pytest.raises(TypeError, match="of items, not str"):
             streamer.predict("a sentence")  # a string is one item, not a batch of characters
     finally:
         streamer.destroy_workers()
