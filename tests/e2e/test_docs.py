@@ -10,11 +10,17 @@ which the test runs (``worker start``/``gateway start``/``broker`` as their modu
 port comes from ``MICROBATCH_GATEWAY_PORT``) until a worker is live, before running the blocks
 that need it. A block that cannot run on its own (a bare ``await``, an excerpt) is marked
 ``<!-- fragment -->``: it is only compiled. Keep those few.
+
+On every page (README.md and docs/*.md), the Python blocks that are not marked fragments use
+no name that neither they nor the page's earlier blocks define (ruff's F821), and every
+``worker``/``gateway``/``broker`` command shown (shell blocks, `code spans`) has the
+subcommands and options it shows.
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
 import os
 import re
 import shlex
@@ -178,3 +184,114 @@ def test_the_key_constants_of_the_protocol_are_those_of_broker_keys() -> None:
     assert {name: documented[name] for name in names} == {
         name: getattr(broker.keys, name, None) for name in names
     }
+
+
+RUFF_F821 = [sys.executable, "-m", "ruff", "check", "--no-cache", "--isolated", "--select"]
+RUFF_F821 += ["F821", "--output-format", "concise", "--stdin-filename"]
+EVERY_DOCUMENT = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("docs/*.md"))]
+
+
+def test_python_blocks_of_every_page_use_no_undefined_name() -> None:
+    # A reader copies one block, after the page's earlier ones: each name it uses must come
+    # from an import or a definition there (ruff's F821), unless the block is a marked fragment.
+    undefined = []
+    for document in EVERY_DOCUMENT:
+        earlier = ""
+        for block in python_blocks(document):
+            if block.fragment:
+                continue
+            source = earlier + block.code
+            done = subprocess.run(
+                [*RUFF_F821, "block.py", "-"],
+                input=source,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            offset = earlier.count("\n")
+            for row in re.findall(r"^block\.py:(\d+):\d+: (.*)$", done.stdout, flags=re.M):
+                if int(row[0]) > offset:
+                    undefined.append(
+                        f"{document}:{block.line + int(row[0]) - offset - 1}: {row[1]}"
+                    )
+            earlier = source
+    assert not undefined, "\n".join(undefined)
+
+
+COMMAND_WORDS = re.compile(  # where a command starts: a line, a `span`, after exec, $ or &&
+    r"(?:^\s*|`|\bexec\s+\w+\s+|\$\s+|&&\s+)(?:\.venv/bin/)?(?P<command>worker|gateway|broker)"
+    r"(?P<rest>\s+(?:[a-z]|--[a-z])[^`\n]*)"
+)
+END_OF_COMMAND = re.compile(r"\s(?:#|\||>|&|;|-->)|`")
+
+
+def shown_command_lines(document: str) -> Iterator[tuple[int, str]]:
+    """The lines of shell blocks and the `code spans` of the prose, continuations joined (after
+    a backslash, or a line of only options: `worker start --model M` then `    [--workers N]`)."""
+    fenced = shell = False
+    lines = re.sub(r"\\\n", " ", (ROOT / document).read_text()).splitlines()
+    for number, line in enumerate(lines, 1):
+        if line.strip().startswith("```"):
+            fenced = not fenced
+            shell = line.strip()[3:] in ("", "sh", "bash", "text", "console")
+            continue
+        if fenced:
+            if shell and not re.match(r"\s+[\[-]", line):
+                more = itertools.takewhile(lambda next: re.match(r"\s+[\[-]", next), lines[number:])
+                yield number, " ".join([line, *more])
+        else:
+            yield from ((number, f"`{span}`") for span in re.findall(r"`([^`]+)`", line))
+
+
+def command_flaws(root: Any, words: list[str]) -> Iterator[str]:
+    """Options and subcommands of `words` that the command `root` does not have."""
+    command, allowed = root, {}
+    allowed = {name: p for p in command.params for name in (*p.opts, *p.secondary_opts)}
+    index = 0
+    while index < len(words):
+        word = words[index]
+        index += 1
+        if word.startswith("--"):
+            for name in word.split("=")[0].split("/"):
+                if name.startswith("--") and name not in allowed and name != "--help":
+                    yield f"no option {name}"
+            option = allowed.get(word.split("=")[0])
+            if option is not None and "=" not in word and not option.is_flag:
+                index += 1  # its value
+        elif hasattr(command, "commands") and not word.startswith("-"):
+            alternatives = [command.commands.get(name) for name in word.split("|")]
+            if None in alternatives:
+                yield f"no command {word!r}"
+                return
+            command = alternatives[0]
+            allowed |= {name: p for p in command.params for name in (*p.opts, *p.secondary_opts)}
+
+
+def test_the_commands_shown_have_the_options_shown() -> None:
+    import typer
+
+    import broker.cli
+    import gpu_worker.cli
+    import web_gateway.cli
+
+    roots: dict[str, Any] = {
+        "worker": typer.main.get_command(gpu_worker.cli.app),
+        "gateway": typer.main.get_command(web_gateway.cli.app),
+        "broker": typer.main.get_command(broker.cli.app),
+    }
+    flaws, seen = [], 0
+    for document in EVERY_DOCUMENT:
+        for number, line in shown_command_lines(document):
+            for match in COMMAND_WORDS.finditer(line):
+                rest = END_OF_COMMAND.split(match["rest"], maxsplit=1)[0]
+                words = rest.replace("[", " ").replace("]", " ").split()
+                root = roots[match["command"]]
+                if line.startswith("`") and not (words[0] in root.commands or words[0][0] == "-"):
+                    continue  # prose quoting a log line (`broker available again`), say
+                seen += 1
+                flaws += [
+                    f"{document}:{number}: {match['command']} {rest.strip()}: {flaw}"
+                    for flaw in command_flaws(root, words)
+                ]
+    assert seen > 50
+    assert not flaws, "\n".join(flaws)
