@@ -1,5 +1,5 @@
-"""The worker's ``/metrics`` endpoint: prometheus_client's WSGI app on a threaded server whose
-connections time out and are capped.
+"""The worker's ``/metrics`` endpoint (and ``/ready``, its readiness): prometheus_client's WSGI
+app on a threaded server whose connections time out and are capped.
 
 prometheus_client's ``start_http_server`` gives each connection a thread that waits for its
 request without a timeout: 1,000 connections that sent nothing held 1,000 threads of a
@@ -16,6 +16,7 @@ import socket
 import socketserver
 import threading
 import time
+from collections.abc import Callable, Iterable
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -88,18 +89,37 @@ class MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
         log.debug("metrics connection from %s failed", client_address, exc_info=True)
 
 
+def with_readiness(app: Any, ready: Callable[[], bool]) -> Any:
+    """``app`` (WSGI), with ``/ready`` answered 200 while ``ready()`` is true, else 503."""
+
+    def serve(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != "/ready":
+            result: Iterable[bytes] = app(environ, start_response)
+            return result
+        ok = ready()
+        body = b"ready\n" if ok else b"not ready\n"
+        status = "200 OK" if ok else "503 Service Unavailable"
+        start_response(status, [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
+        return [body]
+
+    return serve
+
+
 def start_metrics_server(
     port: int,
     registry: CollectorRegistry,
     host: str = "0.0.0.0",
     timeout: float = TIMEOUT_S,
     deadline: float = DEADLINE_S,
+    ready: Callable[[], bool] | None = None,
 ) -> tuple[MetricsServer, threading.Thread]:
-    """Serve ``registry`` on ``http://host:port/metrics`` from a daemon thread."""
+    """Serve ``registry`` on ``http://host:port/metrics`` from a daemon thread, and, given
+    ``ready``, ``/ready``: 200 while it returns true, else 503."""
     handler = type("Handler", (_QuietHandler,), {"timeout": timeout})
-    server: Any = make_server(
-        host, port, make_wsgi_app(registry), server_class=MetricsServer, handler_class=handler
-    )
+    app = make_wsgi_app(registry)
+    if ready is not None:
+        app = with_readiness(app, ready)
+    server: Any = make_server(host, port, app, server_class=MetricsServer, handler_class=handler)
     server.deadline = deadline
     thread = threading.Thread(target=server.serve_forever, name="metrics-server", daemon=True)
     thread.start()

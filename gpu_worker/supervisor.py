@@ -17,6 +17,7 @@ import ssl
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -126,11 +127,18 @@ class Supervisor:
         # Renew well within the TTL: a renewal can come up to one select timeout late.
         self._heartbeat_every = min(HEARTBEAT_EVERY_S, config.heartbeat_ttl / 3)
         self.selector = selectors.DefaultSelector()
+        self._stopping = False
         self.metrics: SupervisorMetrics | None = None
         if config.metrics_port is not None:
-            self.metrics = SupervisorMetrics(config.metrics_port, self.keys, self.heartbeats)
-        self._stopping = False
+            self.metrics = SupervisorMetrics(
+                config.metrics_port, self.keys, self.heartbeats, self.ready
+            )
         self.all_ready_once = False
+
+    def ready(self) -> bool:
+        """Whether a worker process has loaded the model and serves it, and no stop was asked
+        (``/ready`` on the metrics port; read from its thread)."""
+        return not self._stopping and any(slot.ready for slot in list(self.slots))
 
     # -- children -----------------------------------------------------------------------------
     def _spawn(self, slot: Slot) -> None:
@@ -503,14 +511,22 @@ class SupervisorMetrics:
 
     SAMPLE_EVERY_S = 2.0
 
-    def __init__(self, port: int, keys: ModelKeys, heartbeats: Heartbeats) -> None:
+    def __init__(
+        self,
+        port: int,
+        keys: ModelKeys,
+        heartbeats: Heartbeats,
+        ready: Callable[[], bool] | None = None,
+    ) -> None:
         self.directory = multiproc_metrics.fresh_directory("microbatch-metrics-")
         from . import metrics
         from .metrics_server import start_metrics_server
 
         self._metrics = metrics
         try:
-            self.server, self.thread = start_metrics_server(port, multiproc_metrics.registry())
+            self.server, self.thread = start_metrics_server(
+                port, multiproc_metrics.registry(), ready=ready
+            )
         except OSError as exc:  # the port is taken, say: a bad option, not a traceback
             shutil.rmtree(self.directory, ignore_errors=True)
             raise ValueError(f"--metrics-port {port}: {exc.strerror or exc}") from None

@@ -13,6 +13,7 @@ from gpu_worker import ManagedModel, TensorSpec
 RECORD_ENV = "MICROBATCH_TEST_RECORD_DIR"
 TAG_ENV = "MICROBATCH_TEST_TAG"
 DELAY_ENV = "MICROBATCH_TEST_BATCH_DELAY"
+INIT_UNTIL_ENV = "MICROBATCH_TEST_INIT_UNTIL"  # Toy's init_model waits for this file (60 s at most)
 
 
 def _record(kind: str, payload: Any) -> None:
@@ -27,7 +28,8 @@ class Toy(ManagedModel):
 
     ``{"fail": msg}`` makes predict raise ValueError(msg); ``{"sleep": s}`` sleeps s seconds
     first; ``{"until": path}`` holds the batch until that file exists (60 s at most). With
-    MICROBATCH_TEST_RECORD_DIR set, every computed item is recorded per process.
+    MICROBATCH_TEST_RECORD_DIR set, every computed item is recorded per process; with
+    MICROBATCH_TEST_INIT_UNTIL, init_model waits for that file (60 s at most).
     """
 
     name = "toy"
@@ -35,6 +37,10 @@ class Toy(ManagedModel):
     batch_size = 8
 
     def init_model(self) -> None:
+        until = os.environ.get(INIT_UNTIL_ENV)
+        deadline = time.monotonic() + 60
+        while until and not os.path.exists(until) and time.monotonic() < deadline:
+            time.sleep(0.05)
         self.counter = itertools.count()
         self.batches = itertools.count()
         self.tag = os.environ.get(TAG_ENV, "")

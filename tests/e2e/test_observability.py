@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from broker.devserver import RedisServer, free_port
 from broker.keys import ModelKeys
 from tests.conftest import ROOT, wait_for_consumers, wait_until, worker_process
 from tests.e2e.test_gateway import gateway_process
+from tests.models import INIT_UNTIL_ENV
 
 TOY = "tests.models:Toy"
 TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -84,6 +86,36 @@ def test_worker_metrics_count_the_batches_the_workers_ran(
     assert sample(text, "microbatch_worker_inference_seconds_count", model="toy") == batches_run
     assert sample(text, "microbatch_live_workers", model="toy", prefix=prefix) == 2
     assert "microbatch_queue_depth" in text and "microbatch_worker_restarts_total" in text
+
+
+def test_the_worker_is_ready_while_a_worker_process_serves_the_model(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    """/metrics answers as soon as the supervisor runs: as the Kubernetes startup and readiness
+    probe it passed minutes before the model had loaded, and a rolling update (maxUnavailable
+    0) stopped the old pod before the new one could serve. /ready says when it can."""
+    port = free_port()
+    loaded = tmp_path / "loaded"
+    ready_url = f"http://127.0.0.1:{port}/ready"
+    args = ("--metrics-port", str(port))
+    env = {INIT_UNTIL_ENV: str(loaded)}
+    with worker_process(
+        redis_server.url, TOY, prefix, *args, env=env, expect_consumers=None
+    ) as process:
+        scrape(port)  # /metrics answers (liveness) while the model loads
+        assert httpx.get(ready_url, timeout=5).status_code == 503
+        loaded.touch()
+        wait_for_consumers(redis_server.url, ModelKeys("toy", prefix), 1)
+        wait_until(lambda: httpx.get(ready_url, timeout=5).status_code == 200, 30, "/ready")
+
+        # asked to stop, it finishes its batch, and says it is no longer ready meanwhile
+        streamer = Streamer("toy", redis_url=redis_server.url, prefix=prefix)
+        future = streamer.submit([{"sleep": 3}])
+        time.sleep(0.5)
+        process.send_signal(signal.SIGTERM)
+        wait_until(lambda: httpx.get(ready_url, timeout=5).status_code == 503, 2, "503 on stop")
+        assert len(future.result(timeout=30)) == 1
+        streamer.close()
 
 
 @dataclass
