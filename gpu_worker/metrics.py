@@ -83,6 +83,13 @@ LIVE_WORKERS = Gauge(
     multiprocess_mode="mostrecent",
 )
 
+REDIS_UP = Gauge(
+    "microbatch_worker_redis_up",
+    "1 if the supervisor's last sample of the queue (every 2 s) reached Redis, else 0.",
+    ["model", "prefix"],
+    multiprocess_mode="mostrecent",
+)
+
 
 class WorkerObserver(BatchObserver):
     """Feeds the metrics, tells the supervisor when a batch starts and ends (its watchdog),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import selectors
 import shutil
@@ -563,11 +564,26 @@ class SupervisorMetrics:
             live = len(live_consumers(self.client, self.keys))
         except redis.RedisError as exc:
             log.debug("cannot sample the queue: %s", exc)
+            # unknown while Redis is away, not the values last seen (a queue still "empty",
+            # workers still "live", through an outage)
+            self._set_gauges(labels, math.nan, math.nan, math.nan, math.nan, up=False)
             return
+        self._set_gauges(labels, depth, items, pending, live, up=True)
+
+    def _set_gauges(
+        self,
+        labels: tuple[str, str],
+        depth: float,
+        items: float,
+        pending: float,
+        live: float,
+        up: bool,
+    ) -> None:
         self._metrics.QUEUE_DEPTH.labels(*labels).set(depth)
         self._metrics.QUEUE_ITEMS.labels(*labels).set(items)
         self._metrics.QUEUE_PENDING.labels(*labels).set(pending)
         self._metrics.LIVE_WORKERS.labels(*labels).set(live)
+        self._metrics.REDIS_UP.labels(*labels).set(1 if up else 0)
 
     def close(self) -> None:
         self.server.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import signal
 import time
@@ -116,6 +117,34 @@ def test_the_worker_is_ready_while_a_worker_process_serves_the_model(
         wait_until(lambda: httpx.get(ready_url, timeout=5).status_code == 503, 2, "503 on stop")
         assert len(future.result(timeout=30)) == 1
         streamer.close()
+
+
+def test_the_queue_gauges_say_unknown_while_redis_is_away(prefix: str) -> None:
+    """The supervisor kept the gauges at their last sample through an outage: live workers 1
+    and an empty queue while nothing could be known, and nothing said Redis was away."""
+    server = RedisServer().start()
+    port = free_port()
+    labels = {"model": "toy", "prefix": prefix}
+
+    def gauges() -> tuple[float, float, float]:
+        text = scrape(port)
+        return (
+            sample(text, "microbatch_worker_redis_up", **labels),
+            sample(text, "microbatch_live_workers", **labels),
+            sample(text, "microbatch_queue_depth", **labels),
+        )
+
+    try:
+        with worker_process(server.url, TOY, prefix, "--metrics-port", str(port)):
+            wait_until(lambda: gauges() == (1, 1, 0), 30, "the first sample")
+            server.kill()
+            wait_until(lambda: gauges()[0] == 0, 30, "microbatch_worker_redis_up 0")
+            _, live, depth = gauges()
+            assert math.isnan(live) and math.isnan(depth)
+            server.start()
+            wait_until(lambda: gauges() == (1, 1, 0), 30, "the gauges back")
+    finally:
+        server.stop()
 
 
 @dataclass
