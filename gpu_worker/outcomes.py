@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import traceback
 from collections.abc import Callable, Mapping, Sequence, Set
 from typing import Any, Protocol, TypeGuard
 
@@ -41,8 +42,11 @@ def describe(exc: BaseException) -> str:
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
-    """True for CUDA (or other accelerator) out-of-memory errors, without importing torch."""
-    return type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()
+    """True for CUDA (or other accelerator) out-of-memory errors, without importing torch, and
+    for the host's MemoryError."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
+        return True
+    return "out of memory" in str(exc).lower()
 
 
 def is_pending(outputs: object) -> TypeGuard[PendingOutputs]:
@@ -71,10 +75,12 @@ def start_predict(predict: PredictFn, items: list[Any]) -> list[Any] | PendingOu
     try:
         outputs = predict(items)
     except Exception as exc:
-        return _split(predict, items, exc)
-    if isinstance(outputs, list) or not is_pending(outputs):
-        return _checked(outputs, items)
-    return outputs
+        failure = exc
+    else:
+        if isinstance(outputs, list) or not is_pending(outputs):
+            return _checked(outputs, items)
+        return outputs
+    return _split(predict, items, failure)
 
 
 def finish_predict(predict: PredictFn, items: list[Any], pending: PendingOutputs) -> list[Any]:
@@ -83,8 +89,10 @@ def finish_predict(predict: PredictFn, items: list[Any], pending: PendingOutputs
     try:
         outputs = pending.result()
     except Exception as exc:
-        return _split(predict, items, exc)
-    return _checked(outputs, items)
+        failure = exc
+    else:
+        return _checked(outputs, items)
+    return _split(predict, items, failure)
 
 
 # A model failing on every item fails each batch once per item and once per split: one line
@@ -116,12 +124,21 @@ _NOT_OUTPUTS = (str, bytes, bytearray, memoryview, Mapping, Set)
 
 
 def _split(predict: PredictFn, items: list[Any], exc: Exception) -> list[Any]:
+    """Outcomes for ``items`` after ``exc``: ModelError for one item, else each half's.
+
+    Called outside the ``except`` block, so that an exception in a half is not chained to
+    this one (a failing item's logged traceback showed every split above it)."""
     described = describe(exc)
     if len(items) == 1:
         failed_items.note(described, traceback_of=exc)
         return [ModelError(described)]
-    kind = "out of memory" if is_out_of_memory(exc) else "failed"
+    out_of_memory = is_out_of_memory(exc)
+    kind = "out of memory" if out_of_memory else "failed"
     split_batches.note(f"a batch of {len(items)} {kind} ({described})")
+    if out_of_memory:
+        # The traceback holds the model's frames, and they the failed attempt's tensors: kept
+        # while the halves run, they made every half run out of memory too (PyTorch's FAQ).
+        traceback.clear_frames(exc.__traceback__)
     middle = len(items) // 2
     return predict_robust(predict, items[:middle]) + predict_robust(predict, items[middle:])
 

@@ -152,3 +152,46 @@ class Sleeper(ManagedModel):
         for item in batch:
             record("items", [float(value) for value in item])
         return [np.asarray(item, dtype=np.float32) * 2 for item in batch]
+
+
+DEVICE_ITEMS_ENV = "MICROBATCH_FAULT_DEVICE_ITEMS"  # items Hungry's "device" holds at once (4)
+
+
+class _Block:
+    """One item's share of :class:`Hungry`'s device memory, given back when it is freed (as
+    a CUDA tensor's memory is, once nothing refers to it)."""
+
+    live = 0
+
+    def __init__(self) -> None:
+        _Block.live += 1
+
+    def __del__(self) -> None:
+        _Block.live -= 1
+
+
+class Hungry(Faulty):
+    """:class:`Faulty` on a "device" that holds MICROBATCH_FAULT_DEVICE_ITEMS items at once
+    (4): each item takes a block of it while its batch is computed, and ``predict`` raises
+    ``torch.cuda.OutOfMemoryError`` when no block is left, as torch does; ``"huge:<tag>"``
+    items never fit."""
+
+    name = "hungry"
+
+    def init_model(self) -> None:
+        super().init_model()
+        self.capacity = int(_env_seconds(DEVICE_ITEMS_ENV, 4))
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        import torch
+
+        held = []  # the batch's activations: freed when predict's frame is
+        for item in batch:
+            if _Block.live >= self.capacity or str(item).startswith("huge:"):
+                record("batches", batch)
+                raise torch.cuda.OutOfMemoryError(
+                    f"CUDA out of memory. Tried to allocate 2.00 GiB; {_Block.live} of "
+                    f"{self.capacity} blocks in use"
+                )
+            held.append(_Block())
+        return super().predict(batch)

@@ -1254,3 +1254,56 @@ def test_pickles_written_into_the_stream_under_load_are_never_executed(
     assert numbers["answered"] == 400 and numbers["errors"] == {}
     assert numbers["duplicates"] == 0
     assert state == (0, 0, 0)
+
+
+# -- 10. out of memory ---------------------------------------------------------------------------
+HUNGRY = "tests.e2e.fault_models:Hungry"
+
+
+@pytest.mark.parametrize("model_thread", ["off", "on"])
+def test_a_batch_too_big_for_the_device_is_computed_in_smaller_pieces(
+    redis_server: RedisServer, prefix: str, tmp_path: Path, replies: ReplyCounter,
+    model_thread: str,
+) -> None:  # fmt: skip
+    """A batch of 16 on a device that holds 4 items: torch.cuda.OutOfMemoryError, and the
+    halves are computed once the failed attempt's memory is free (an exception's traceback
+    holds the frames that hold it: retried inside the handler, every piece ran out too). An
+    item that never fits gets ModelError naming the OOM; its batch-mates their results."""
+    url, keys = redis_server.url, ModelKeys("hungry", prefix)
+    records = tmp_path / "records"
+    records.mkdir()
+    huge = f"huge:{prefix}"
+    items = [f"h{i}" for i in range(10)] + [huge] + [f"h{i}" for i in range(10, 15)]
+    admin = redis_server.client()
+    log = tmp_path / "w.log"
+    with worker(
+        url, HUNGRY, prefix, log, "--batch-size", "16", "--max-deliveries", "1",
+        "--model-thread", model_thread, env={RECORD_ENV: str(records)},
+    ) as process:  # fmt: skip
+        [child] = child_pids(process.pid)
+        streamer = Streamer("hungry", redis_url=url, prefix=prefix)
+
+        async def scenario() -> list[Outcome]:
+            busy = asyncio.ensure_future(call(streamer, "sleep:0.5:busy", 30))
+            await asyncio.sleep(0.2)  # the worker is busy: everything below queues up
+            outcomes = list(await asyncio.gather(*(call(streamer, i, 30) for i in items)))
+            await busy
+            return outcomes
+
+        outcomes = run(scenario())
+        streamer.close()
+        state = queue_state(admin, keys)
+        same_child = child_pids(process.pid) == [child]
+
+    sizes = [len(batch) for batch in batches_with(records, "h0")]
+    numbers = figures("out-of-memory", outcomes, replies, batches_with_h0=sizes)
+    logged = log.read_text()
+    failed = [(o.item, o.error, o.message) for o in outcomes if o.error]
+    assert [(item, error) for item, error, _ in failed] == [(huge, "ModelError")], failed
+    assert "OutOfMemoryError" in failed[0][2]
+    assert numbers["answered"] == len(items) - 1 and numbers["duplicates"] == 0
+    assert max(sizes) == 16, "the batch never reached the device whole"
+    assert max(computed(records).values()) == 1
+    assert state == (0, 0, 0) and same_child
+    assert "a batch of 16 out of memory (OutOfMemoryError: CUDA out of memory." in logged
+    assert "During handling of the above exception" not in logged  # one traceback, unchained
