@@ -61,6 +61,19 @@ def certificate_refused(exc: BaseException) -> bool:
     return False
 
 
+def exit_reason(code: int) -> str:
+    """How a child ended, from its return code: a negative one is the signal that killed it."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    if -code == signal.SIGKILL:  # nobody here sends it but the watchdog, which says so itself
+        return f"killed by {name} (the kernel's out-of-memory killer sends it: see dmesg)"
+    return f"killed by {name}"
+
+
 class StartError(RuntimeError):
     """Workers could not be started; the message says why."""
 
@@ -217,7 +230,7 @@ class Supervisor:
                 f"{refused} (give the user what `broker acl` grants <prefix>-worker: "
                 "docs/deployment.md, ACL users)"
             )
-        reason = slot.last_error or f"exited with code {code}"
+        reason = slot.last_error or exit_reason(code)
         if not self.all_ready_once:
             if slot.auto_extra:  # one the user did not ask for: serve without it
                 self._drop_extra(slot, reason)

@@ -1307,3 +1307,39 @@ def test_a_batch_too_big_for_the_device_is_computed_in_smaller_pieces(
     assert state == (0, 0, 0) and same_child
     assert "a batch of 16 out of memory (OutOfMemoryError: CUDA out of memory." in logged
     assert "During handling of the above exception" not in logged  # one traceback, unchained
+
+
+def test_a_worker_killed_as_by_the_oom_killer_is_named_so_and_restarted_with_backoff(
+    redis_server: RedisServer, prefix: str, tmp_path: Path, replies: ReplyCounter
+) -> None:
+    """SIGKILL (what the kernel's OOM killer sends) to the child mid-batch, then twice more:
+    its batch is answered once, each restart waits longer, and the log names the signal."""
+    url, keys = redis_server.url, ModelKeys("faulty", prefix)
+    records = tmp_path / "records"
+    records.mkdir()
+    log = tmp_path / "w.log"
+    admin = redis_server.client()
+    with worker(url, FAULTY, prefix, log, env={RECORD_ENV: str(records)}) as process:
+        streamer = Streamer("faulty", redis_url=url, prefix=prefix)
+        future = streamer.submit(["sleep:3:held"], timeout=60)
+        wait_until(lambda: batches_with(records, "sleep:3:held"), 10, "the batch to start")
+        for _ in range(3):
+            [child] = child_pids(process.pid)
+            os.kill(child, signal.SIGKILL)
+            wait_until(
+                lambda child=child: child_pids(process.pid) not in ([], [child])
+                and len(live_consumers(admin, keys)) == 1,
+                60, "a restarted worker",
+            )  # fmt: skip
+        [result] = future.result(timeout=60)
+        streamer.close()
+        state = queue_state(admin, keys)
+    logged = log.read_text()
+    delays = [line.rsplit("restarting in ", 1)[1] for line in logged.splitlines() if
+              "restarting in" in line]  # fmt: skip
+    print(f"\nFIGURES oom-kill: restarts={delays} duplicates={replies.duplicates}")
+    assert result["item"] == "sleep:3:held" and replies.duplicates == 0
+    assert state == (0, 0, 0)
+    assert delays == ["0.5 s", "1.0 s", "2.0 s"], delays
+    assert logged.count("worker 0 killed by SIGKILL (the kernel's out-of-memory killer") == 3
+    assert "exited with code -9" not in logged
