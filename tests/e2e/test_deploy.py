@@ -582,6 +582,7 @@ def test_compose_services(tmp_path: Path) -> None:
     assert [name for name, service in default.items() if service.get("ports")] == ["nginx"]
     assert "container_name" not in default["gateway"]
     assert "/v2/health/ready" in " ".join(default["gateway"]["healthcheck"]["test"])
+    assert "9100/ready" in " ".join(default["worker"]["healthcheck"]["test"])
     worker = default["worker"]
     assert "--cuda" in worker["command"]
     (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
@@ -867,11 +868,13 @@ def test_compose_commands_serve_a_request_with_acl_users(stack: dict[str, Any]) 
         np.asarray(body["outputs"], dtype=np.float32), expected, rtol=1e-4, atol=1e-5
     )
 
-    # The worker's metrics endpoint (compose healthcheck, Kubernetes probes) answers.
-    with urllib.request.urlopen(
-        f"http://127.0.0.1:{stack['metrics_port']}/metrics", timeout=5
-    ) as r:
-        assert r.status == 200
+    # The worker's metrics endpoint (liveness) and its readiness (compose healthcheck,
+    # Kubernetes startup and readiness probes) answer.
+    for path in ("/metrics", "/ready"):
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{stack['metrics_port']}{path}", timeout=5
+        ) as r:
+            assert r.status == 200
 
     # Each side logged in as its own user, and Redis refused nothing it sent.
     admin = stack["admin"]
