@@ -245,9 +245,9 @@ class Supervisor:
                 raise StartError(
                     f"worker {slot.index} failed to start {slot.failures} times: {reason}"
                 )
+        if healthy:  # the backoff starts anew: a crash soon after this one waits 1 s, not 30
+            slot.restarts = 0
         delay = RESTART_BACKOFF_S[min(slot.restarts, len(RESTART_BACKOFF_S) - 1)]
-        if healthy:
-            delay = RESTART_BACKOFF_S[0]
         slot.restarts += 1
         slot.restart_at = now + delay
         if self.metrics is not None:

@@ -371,3 +371,34 @@ def test_a_model_may_make_its_device_a_torch_device(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 5 * 2**20)
     model.device = torch.device("cuda:0")  # type: ignore[assignment]
     assert device_footprint(model) == 5 * 2**20
+
+
+def test_the_restart_backoff_starts_anew_after_a_healthy_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """After crashes that raised the backoff, a worker that then served for a while and
+    crashed twice in a row waited 30 s for its second restart: the count never reset."""
+    from gpu_worker import supervisor
+    from gpu_worker.config import WorkerConfig
+
+    workers = supervisor.Supervisor(WorkerConfig(model="tests.models:SmallProbe"))
+    workers.all_ready_once = True
+    slot = workers.slots[0]
+
+    class Exited:
+        returncode = 1
+
+    def crash(after_s: float, ready: bool = True) -> float:
+        now = 1000.0
+        slot.process = Exited()  # type: ignore[assignment]
+        slot.ready, slot.started_at = ready, now - after_s
+        workers._reap(slot, now)
+        assert slot.restart_at is not None
+        return slot.restart_at - now
+
+    try:
+        assert [crash(1.0) for _ in range(6)] == list(supervisor.RESTART_BACKOFF_S)
+        assert crash(3600.0) == supervisor.RESTART_BACKOFF_S[0]  # after a healthy hour
+        assert crash(1.0) == supervisor.RESTART_BACKOFF_S[1]  # not RESTART_BACKOFF_S[-1]
+    finally:
+        workers.heartbeats.close()
