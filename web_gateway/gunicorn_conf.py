@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from broker.cli_common import check_environment
+
 from .server import APP, gunicorn_options, prepare_environment
-from .settings import GatewaySettings
+from .settings import ENV_PREFIX, GatewaySettings
 
 __all__ = [
     "accesslog",
@@ -37,6 +39,11 @@ __all__ = [
 ]
 
 prepare_environment()
+check_environment(  # a misspelt setting is warned of, as by `gateway start`
+    "gunicorn -c",
+    ENV_PREFIX,
+    (f"{ENV_PREFIX}{name.upper()}" for name in GatewaySettings.model_fields),
+)
 _options = gunicorn_options(GatewaySettings())
 
 wsgi_app = APP

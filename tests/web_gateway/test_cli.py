@@ -243,3 +243,16 @@ def test_printing_gateway_settings_never_shows_a_password() -> None:
     settings = GatewaySettings(redis_url="redis://app:s3cret@127.0.0.1:6379/0")
     assert "s3cret" not in repr(settings)
     assert "app:***@127.0.0.1" in str(settings)
+
+
+def test_gunicorn_directly_warns_of_a_misspelt_variable_as_gateway_start_does() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MICROBATCH_GATEWAY_WORKRS": "4"}
+    done = subprocess.run(
+        [sys.executable, "-c", "import web_gateway.gunicorn_conf"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip() == (
+        "Warning: MICROBATCH_GATEWAY_WORKRS is not a setting of `gunicorn -c`: ignored "
+        "(did you mean MICROBATCH_GATEWAY_WORKERS?)"
+    )
