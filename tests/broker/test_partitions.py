@@ -248,27 +248,41 @@ def test_items_are_spread_over_the_partitions_and_every_one_is_answered(
 def test_a_batch_merges_what_several_partitions_hold_up_to_batch_size(
     redis_server: Any, prefix: str, tmp_path: Path
 ) -> None:
+    """Twelve items queued on three partitions while the worker computes: its next batches
+    take from several partitions at once, up to the batch size. (A take returns once any
+    partition's read has brought entries: on a loaded machine the first read's reply can be
+    handled before the others arrive, and that batch holds one partition's alone, as designed;
+    so up to three rounds, one of which must merge.)"""
     keys = ModelKeys("toy", prefix, partitions=3)
     client = redis.Redis.from_url(redis_server.url)
-    release = tmp_path / "release"
     args = ("--partitions", "3", "--batch-size", "8")
+    rounds: list[list[int]] = []
     with (
         worker_process(redis_server.url, "tests.models:Toy", prefix, *args),
         Streamer("toy", redis_url=redis_server.url, prefix=prefix) as streamer,
     ):
-        blocker = streamer.submit([{"until": str(release)}])
-        deadline = time.monotonic() + 30
-        while not _computing(client, keys):  # the worker computes it, alone
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        futures = [streamer.submit([i]) for i in range(12)]  # 4 on each partition
-        while sum(queued_items(client, part) for part in keys.each()) < 13:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        release.touch()
-        assert blocker.result(timeout=30)[0]["batch"] == 1
-        sizes = [future.result(timeout=30)[0]["batch"] for future in futures]
-    assert max(sizes) <= 8 and max(sizes) > 4  # more than any one partition held
+        for attempt in range(3):
+            release = tmp_path / f"release-{attempt}"
+            deadline = time.monotonic() + 30
+            while sum(queued_items(client, part) for part in keys.each()):  # the last round's
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            blocker = streamer.submit([{"until": str(release)}])
+            while not _computing(client, keys):  # the worker computes it, alone
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            futures = [streamer.submit([i]) for i in range(12)]  # 4 on each partition
+            while sum(queued_items(client, part) for part in keys.each()) < 13:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            release.touch()
+            assert blocker.result(timeout=30)[0]["batch"] == 1
+            sizes = [future.result(timeout=30)[0]["batch"] for future in futures]
+            rounds.append(sizes)
+            assert max(sizes) <= 8, sizes
+            if max(sizes) > 4:  # more than any one partition held
+                break
+    assert max(rounds[-1]) > 4, rounds
 
 
 def test_a_stopping_worker_answers_what_its_partition_reads_delivered(
