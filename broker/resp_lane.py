@@ -272,9 +272,6 @@ class _RespProtocol(asyncio.Protocol):
             self.progress = time.monotonic()
         try:
             while (reply := reader.gets()) is not False:
-                if not waiting:  # a reply nobody asked for: a refused connection's error?
-                    self.abort(str(reply) if isinstance(reply, Exception) else "stray reply")
-                    return
                 head = waiting[0]
                 if type(head) is _Pipeline:
                     head.replies.append(reply)
@@ -289,6 +286,9 @@ class _RespProtocol(asyncio.Protocol):
                         head.set_result(reply)  # type: ignore[union-attr]
         except hiredis.ProtocolError as exc:
             self.abort(f"protocol error: {exc!r}")
+        except IndexError:  # a reply nobody asked for: a refused connection's error, say
+            self.abort(str(reply) if isinstance(reply, Exception) else "stray reply")
+            return
         if self.dropping is not None:
             self.abort(self.dropping)
 
@@ -297,7 +297,7 @@ class _RespProtocol(asyncio.Protocol):
         if self.watchdog is not None:
             self.watchdog.cancel()
         error = RedisConnectionError(f"connection to Redis lost: {exc or 'closed by server'}")
-        if self.error is None:
+        if self.error is None:  # abort() calls this with its reason before the transport does
             self.error = error
         while self.waiting:
             head = self.waiting.popleft()
