@@ -314,12 +314,10 @@ class RedisTransport:
             )
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
-        except ResponseError as exc:
-            if isinstance(exc, NoPermissionError) or str(exc).startswith("NOPERM"):
-                raise RepliesRefused(
-                    f"Redis refused this user the read of its replies (BLMPOP {inbox}): {exc}"
-                ) from exc
-            raise
+        except NoPermissionError as exc:
+            raise RepliesRefused(
+                f"Redis refused this user the read of its replies (BLMPOP {inbox}): {exc}"
+            ) from exc
         return list(got[1]) if got else []
 
     def _replies_lane(self, inbox: str) -> RespLane | SlotLane:

@@ -42,7 +42,12 @@ from typing import Any, Protocol
 import hiredis
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.asyncio.connection import parse_url as parse_redis_url
-from redis.exceptions import AuthenticationError, BusyLoadingError, ResponseError
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    NoPermissionError,
+    ResponseError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -92,6 +97,7 @@ MAX_CLIENTS = "ERR max number of clients reached"
 # it takes from a client that has not authenticated, or garbage).
 NOT_AUTHENTICATED = ("NOAUTH", "WRONGPASS")
 PROTOCOL_ERROR = "ERR Protocol error"
+NO_PERMISSION = "NOPERM "  # an ACL refused the command or a key to this user
 
 
 class ReplicaError(RedisConnectionError):
@@ -132,13 +138,15 @@ def _reply_error(message: str) -> Exception:
         return AuthenticationError(message)
     if message.startswith(PROTOCOL_ERROR):
         return ClosedByRedis(message)
+    if message.startswith(NO_PERMISSION):  # as redis-py raises it, without the error code
+        return NoPermissionError(message.removeprefix(NO_PERMISSION))
     return ResponseError(message)
 
 
 # error replies execute() raises
 _RAISED = (
     ResponseError, BusyLoadingError, ReplicaError, ScriptBusyError, TooManyClients,
-    AuthenticationError, ClosedByRedis,
+    AuthenticationError, ClosedByRedis, NoPermissionError,
 )  # fmt: skip
 # error replies after which the connection is dropped: those that follow would fail the same
 _DROPPING = (TooManyClients, AuthenticationError, ClosedByRedis)

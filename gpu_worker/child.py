@@ -41,13 +41,9 @@ def report(event: str, **fields: Any) -> None:
 
 def refused_command(exc: BaseException) -> str | None:
     """What Redis said where ``exc`` is its NOPERM to this worker's ACL user, else None."""
-    from redis.exceptions import NoPermissionError, ResponseError
+    from redis.exceptions import NoPermissionError  # (redis-py's and the lanes' alike)
 
-    if isinstance(exc, NoPermissionError):  # redis-py's, without the error code
-        return str(exc)
-    if isinstance(exc, ResponseError) and str(exc).startswith("NOPERM "):  # a lean lane's
-        return str(exc).removeprefix("NOPERM ")
-    return None
+    return str(exc) if isinstance(exc, NoPermissionError) else None
 
 
 def consumer_name() -> str:
