@@ -11,7 +11,7 @@ from broker.transport import Transport
 
 from .batching import BatchLoop
 from .config import BatchSettings
-from .model import ManagedModel, _is_integer, _is_real, input_check
+from .model import ManagedModel, check_batching, input_check, is_integer
 
 LOCAL_PREFIX = "local"
 
@@ -103,10 +103,7 @@ class LocalStreamer(Streamer):
 def _check_batching(settings: BatchSettings) -> None:
     """ValueError naming a bad ``batch_size``, ``max_latency`` or ``max_batch_cost``, before
     the model loads (as a model's class attributes are checked)."""
-    size, latency, budget = settings.batch_size, settings.max_latency, settings.max_batch_cost
-    if not _is_integer(size) or size < 1:
-        raise ValueError(f"batch_size must be a positive int, not {size!r}")
-    if not _is_real(latency) or not 0 <= latency < float("inf"):
-        raise ValueError(f"max_latency must be a number of seconds >= 0, not {latency!r}")
-    if not _is_integer(budget) or budget < 0:
+    check_batching(settings.batch_size, settings.max_latency)
+    budget = settings.max_batch_cost
+    if not is_integer(budget) or budget < 0:
         raise ValueError(f"max_batch_cost must be an int >= 0 (0: items only), not {budget!r}")

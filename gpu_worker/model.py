@@ -318,7 +318,8 @@ class ManagedModel:
         return finished
 
 
-def _is_integer(value: object) -> bool:
+def is_integer(value: object) -> bool:
+    """An int, numpy's included, never a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -326,18 +327,26 @@ def _is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def check_batching(batch_size: Any, max_latency: Any, where: str = "") -> None:
+    """ValueError naming a ``batch_size`` that is no positive int, or a ``max_latency`` that
+    is no finite number of seconds >= 0 (numpy's numbers are taken; ``where``: a prefix of
+    their names in the message, such as the class's)."""
+    if not is_integer(batch_size) or batch_size < 1:
+        raise ValueError(f"{where}batch_size must be a positive int, not {batch_size!r}")
+    if not _is_real(max_latency) or not 0 <= max_latency < float("inf"):
+        raise ValueError(
+            f"{where}max_latency must be a number of seconds >= 0, not {max_latency!r}"
+        )
+
+
 def _check_attributes(cls: type[ManagedModel]) -> None:
     """ValueError naming the class attribute a model declares wrong: found as the class is
     defined, rather than by its workers failing (and being restarted) one after another."""
     where = cls.__name__
-    size = cls.batch_size
-    if not _is_integer(size) or size < 1:
-        raise ValueError(f"{where}.batch_size must be a positive int, not {size!r}")
-    latency = cls.max_latency
-    if not _is_real(latency) or not 0 <= latency < float("inf"):
-        raise ValueError(f"{where}.max_latency must be a number of seconds >= 0, not {latency!r}")
+    size, latency = cls.batch_size, cls.max_latency
+    check_batching(size, latency, f"{where}.")
     budget = cls.max_batch_cost
-    if budget is not None and (not _is_integer(budget) or budget < 1):
+    if budget is not None and (not is_integer(budget) or budget < 1):
         raise ValueError(f"{where}.max_batch_cost must be a positive int or None, not {budget!r}")
     # numpy's scalars (np.int64(32), np.float32(0.005)) are taken, as the plain numbers they are
     cls.batch_size, cls.max_latency = int(size), float(latency)
