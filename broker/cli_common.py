@@ -7,15 +7,13 @@ Plain help (no boxes, nothing cut), ``-h`` as ``--help``, ``--version``, ``--log
 
 from __future__ import annotations
 
-import difflib
-import os
-import re
 from collections.abc import Callable, Iterable
 from importlib import metadata
 from typing import Any, NoReturn
 
 import typer
 
+from .environment import unknown_variables
 from .keys import check_prefix
 from .logs import parse_format, parse_level
 
@@ -79,46 +77,11 @@ def checked(parse: Callable[[str], str]) -> Callable[[str | None], str | None]:
     return callback
 
 
-# Variables of the compose files (docker-compose*.yml, .env.example) that share a command's
-# prefix: compose reads them, never a command, so they are not typos of its settings.
-COMPOSE_VARIABLES = frozenset(
-    {
-        "MICROBATCH_GATEWAY_EXTRAS",
-        "MICROBATCH_GATEWAY_IMAGE",
-        "MICROBATCH_WORKER_CPU_IMAGE",
-        "MICROBATCH_WORKER_CPU_WORKERS",
-        "MICROBATCH_WORKER_EXTRAS",
-        "MICROBATCH_WORKER_IMAGE",
-    }
-)
-
-
-# What Kubernetes puts in the environment of every pod for each Service of its namespace: a
-# Service named microbatch-gateway gives MICROBATCH_GATEWAY_SERVICE_HOST and the like.
-SERVICE_LINK = re.compile(
-    r".*_SERVICE_HOST|.*_SERVICE_PORT(_[A-Z0-9_]+)?|.*_PORT_\d+_(TCP|UDP|SCTP)(_PROTO|_PORT|_ADDR)?"
-)
-SERVICE_LINK_URL = re.compile(r"(tcp|udp|sctp)://")
-
-
 def check_environment(command: str, prefix: str, known: Iterable[str]) -> None:
     """Warn (on stderr, one line each) of the variables of ``prefix`` that are none of
-    ``known``, naming the closest setting: a misspelt setting is ignored, and should not be
-    so in silence. A warning, not an error: Kubernetes' service links, compose's own
-    variables and those of another version of microbatch share the prefix too."""
-    names = sorted(set(known))
-    for variable, value in sorted(os.environ.items()):
-        if not variable.startswith(prefix) or variable in names or variable in COMPOSE_VARIABLES:
-            continue
-        if SERVICE_LINK.fullmatch(variable) or SERVICE_LINK_URL.match(value):
-            continue
-        if variable.endswith(("_REDIS", "_REDIS_URL")):
-            hint = " (--redis reads REDIS_URL)"
-        else:
-            # compared without the prefix, which every name shares
-            settings = [name[len(prefix) :] for name in names]
-            close = difflib.get_close_matches(variable[len(prefix) :], settings, n=1)
-            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+    ``known``, naming the closest setting. A warning, not an error: Kubernetes' service links,
+    compose's own variables and those of another version of microbatch share the prefix too."""
+    for variable, hint in unknown_variables(prefix, known):
         typer.echo(f"Warning: {variable} is not a setting of `{command}`: ignored{hint}", err=True)
 
 

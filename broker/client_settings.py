@@ -10,12 +10,14 @@ Imported by a Streamer when it is made, not by ``import broker`` (pydantic is sl
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from pydantic import AliasChoices, Field, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from .client import DEFAULT_REDIS_URL, DEFAULT_TIMEOUT_S, MAX_TIMEOUT_S, check_timeout
+from .environment import unknown_variables
 from .keys import DEFAULT_PREFIX, check_prefix
 from .logs import redact_url
 from .multi_item import DEFAULT_ENTRY_ITEMS, MAX_ENTRY_ITEMS
@@ -106,6 +108,22 @@ class ClientSettings(BaseSettings):
     def _check_grace(cls, value: float) -> float:
         return WorkerWatch(value).grace_s
 
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Run whenever settings are made: where some field is left to the environment, the place
+        # to say what in it was not used (from_values gives every field: nothing is read).
+        given = getattr(init_settings, "init_kwargs", {})  # a key per field given, or its alias
+        if len(given) < len(cls.model_fields):
+            warn_unknown_variables()
+        return init_settings, env_settings, dotenv_settings, file_secret_settings
+
     def __repr_args__(self) -> Any:  # repr() and str(): never a password
         for key, value in super().__repr_args__():
             yield key, (redact_url(value) if key == "redis_url" else value)
@@ -134,6 +152,19 @@ class ClientSettings(BaseSettings):
             return cls.from_values(**{**base.model_dump(), **given})
         except ValidationError as exc:
             raise first_error(exc) from None
+
+
+class UnknownSettingWarning(UserWarning):
+    """A ``MICROBATCH_CLIENT_`` variable that names no setting of the client: it is ignored."""
+
+
+def warn_unknown_variables() -> None:
+    """Warn (once a process for each) of the ``MICROBATCH_CLIENT_`` variables that name no
+    setting, naming the closest one: a misspelt setting is ignored, and not in silence."""
+    known = [f"{ENV_PREFIX}{name.upper()}" for name in ClientSettings.model_fields]
+    for variable, hint in unknown_variables(ENV_PREFIX, known):
+        message = f"{variable} is not a setting of microbatch's client: ignored{hint}"
+        warnings.warn(message, UnknownSettingWarning, stacklevel=2)
 
 
 def first_error(exc: ValidationError) -> ValueError:

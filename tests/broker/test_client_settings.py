@@ -5,13 +5,14 @@ then the defaults."""
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import pytest
 import redis
 
 from broker import DeadlineExceeded, QueueFull, Streamer
 from broker.client import DEFAULT_REDIS_URL, DEFAULT_TIMEOUT_S
-from broker.client_settings import ENV_PREFIX, ClientSettings
+from broker.client_settings import ENV_PREFIX, ClientSettings, UnknownSettingWarning
 from broker.devserver import RedisServer
 from broker.keys import DEFAULT_PREFIX, ModelKeys
 from broker.redis_url import RedisURLError
@@ -132,6 +133,36 @@ def test_local_streamers_read_nothing_from_the_environment(clean_env: pytest.Mon
         assert local.client_settings.timeout == DEFAULT_TIMEOUT_S
         assert local.bound.max_bytes == 0 and local.keys.prefix == "local"
         assert [output["item"] for output in local.predict([1, 2])] == [1, 2]
+
+
+def test_a_misspelt_variable_is_warned_of_naming_the_setting_meant(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    clean_env.setenv(f"{ENV_PREFIX}TIMOUT", "3")
+    clean_env.setenv(f"{ENV_PREFIX}REDIS", "redis://elsewhere:6379/0")
+    clean_env.setenv(f"{ENV_PREFIX}SERVICE_HOST", "10.0.0.1")  # a Kubernetes service link
+    with pytest.warns(UnknownSettingWarning) as caught:
+        streamer = Streamer("m")
+    messages = sorted(str(warning.message) for warning in caught)
+    assert messages == [
+        f"{ENV_PREFIX}REDIS is not a setting of microbatch's client: ignored "
+        f"(did you mean {ENV_PREFIX}REDIS_URL?)",
+        f"{ENV_PREFIX}TIMOUT is not a setting of microbatch's client: ignored "
+        f"(did you mean {ENV_PREFIX}TIMEOUT?)",
+    ]
+    assert streamer.client_settings.timeout == DEFAULT_TIMEOUT_S
+    streamer.close()
+
+
+def test_settings_that_read_no_environment_warn_of_none_of_it(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    clean_env.setenv(f"{ENV_PREFIX}TIMOUT", "3")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ClientSettings.from_values(timeout=2)
+        with LocalStreamer(Toy, batch_size=2) as local:
+            assert [output["item"] for output in local.predict([1])] == [1]
 
 
 def test_a_streamer_set_up_by_the_environment_alone_uses_it(
