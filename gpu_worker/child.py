@@ -74,6 +74,7 @@ async def serve(model: ManagedModel, config: WorkerConfig, consumer: str) -> Non
     from .metrics import WorkerObserver
     from .model import input_check
     from .outcomes import PredictFn
+    from .recycling import RecyclePolicy, replace_when_due
 
     settings = config.batch_settings(model)
     transport = RedisTransport(config.redis_url)
@@ -103,6 +104,9 @@ async def serve(model: ManagedModel, config: WorkerConfig, consumer: str) -> Non
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # as worker start stops
         loop.add_signal_handler(sig, batch_loop.stop)
+    replacing = replace_when_due(
+        RecyclePolicy(config.max_batches, config.max_rss_mib), batch_loop, consumer, report
+    )
     log.info(
         "worker %s serving %s on %s (batch_size=%d, max_latency=%gs, max_batch_cost=%d, "
         "model_thread=%s, busy_poll=%s)",
@@ -115,6 +119,8 @@ async def serve(model: ManagedModel, config: WorkerConfig, consumer: str) -> Non
     try:
         await batch_loop.run()
     finally:
+        if replacing is not None:
+            replacing.cancel()
         batch_loop.close()
         observer.flush()
         await transport.close()

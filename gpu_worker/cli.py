@@ -201,6 +201,24 @@ def start(
             "gets PoisonRequest.",
         ),
     ] = 3,
+    max_batches: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Replace a worker process once it has computed this many batches (checked "
+            "every second): it stops reading, finishes and answers the batches in hand, and a "
+            "fresh process loads the model, as gunicorn's --max-requests; a guard against a "
+            "model that leaks memory. 0: never.",
+        ),
+    ] = 0,
+    max_rss_mib: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Replace a worker process (as --max-batches does) once its resident memory "
+            "(RSS) is over this many MiB (checked every second). 0: never.",
+        ),
+    ] = 0,
     model_thread: Annotated[
         str,
         typer.Option(

@@ -103,6 +103,8 @@ class WorkerConfig:
     max_queue_items: int | None = None  # per live worker; None: auto; 0: no item bound
     max_queue_bytes: int | None = None  # in all; None: auto; 0: no byte bound
     partitions: int = 1  # streams the model's queue is spread over
+    max_batches: int = 0  # a worker process is replaced after this many batches (0: never)
+    max_rss_mib: int = 0  # ... or once its resident memory is over this (0: never)
     app_dir: str = "."  # imported from first (on sys.path, and on the children's PYTHONPATH)
     log_level: str = "info"
     log_format: str = "text"
@@ -173,6 +175,8 @@ class WorkerConfig:
                 "--metrics-port must be between 1 and 65535",
             ),
             (self.max_deliveries < 1, "--max-deliveries must be at least 1"),
+            (self.max_batches < 0, "--max-batches must be 0 (never) or a positive number"),
+            (self.max_rss_mib < 0, "--max-rss-mib must be 0 (never) or a positive number"),
             (
                 self.model_thread not in MODEL_THREAD_MODES,
                 f"--model-thread must be one of {', '.join(MODEL_THREAD_MODES)}",

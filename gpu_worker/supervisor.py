@@ -98,6 +98,7 @@ class Slot:
     restart_at: float | None = None
     last_error: str = ""
     refused: str = ""  # Redis' NOPERM to the worker's user, as the child reported it
+    replaced: str = ""  # why the child stopped itself to be replaced (--max-batches, --max-rss-mib)
     restarts: int = 0
     consumer: str | None = None
     device_bytes: int | None = None  # what its model holds on its device, as it reported
@@ -209,6 +210,8 @@ class Supervisor:
                 slot.last_error = str(message.get("message", "unknown error"))
             elif message.get("event") == "refused":
                 slot.refused = str(message.get("message", "NOPERM"))
+            elif message.get("event") == "replace":
+                slot.replaced = str(message.get("reason", "due"))
 
     def _close_status(self, slot: Slot) -> None:
         if slot.status_fd is not None:
@@ -230,12 +233,19 @@ class Supervisor:
                 f"{refused} (give the user what `broker acl` grants <prefix>-worker: "
                 "docs/deployment.md, ACL users)"
             )
+        if self._replaced(slot, code, now):
+            return
         reason = slot.last_error or exit_reason(code)
         if not self.all_ready_once:
             if slot.auto_extra:  # one the user did not ask for: serve without it
                 self._drop_extra(slot, reason)
                 return
             raise StartError(f"worker {slot.index} could not start: {reason}")
+        self._restart_later(slot, reason, was_ready, now)
+
+    def _restart_later(self, slot: Slot, reason: str, was_ready: bool, now: float) -> None:
+        """Restart a child that died, after a backoff; give up on one that keeps failing to
+        start."""
         healthy = was_ready and now - slot.started_at > HEALTHY_AFTER_S
         if healthy:
             slot.failures = 0
@@ -254,6 +264,17 @@ class Supervisor:
             self.metrics.restarted()
         slot.last_error = ""
         log.warning("worker %d %s; restarting in %.1f s", slot.index, reason, delay)
+
+    def _replaced(self, slot: Slot, code: int, now: float) -> bool:
+        """Start a fresh child at once where this one stopped itself to be replaced and
+        finished its batches (exit status 0): no crash, no backoff."""
+        replaced, slot.replaced = slot.replaced, ""
+        if not replaced or code != 0 or slot.last_error:
+            return False
+        slot.restart_at = now
+        log.info("worker %d stopped to be replaced: %s; starting a fresh one", slot.index,
+                 replaced)  # fmt: skip
+        return True
 
     def _forget(self, slot: Slot) -> None:
         """Let go of an exited child: its last words, its metrics, its heartbeat."""

@@ -1,0 +1,71 @@
+"""gpu_worker.recycling: `worker start --max-batches/--max-rss-mib` replace a worker process
+that has served long enough or grown too big, without losing or failing a call."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from broker import Streamer
+from broker.devserver import RedisServer
+from gpu_worker.recycling import RecyclePolicy, resident_bytes, stop_when_due
+from tests.conftest import worker_process
+
+
+def test_a_policy_is_due_after_its_batches_or_over_its_memory() -> None:
+    assert not RecyclePolicy().active
+    assert RecyclePolicy(max_batches=10).reason(9) is None
+    assert RecyclePolicy(max_batches=10).reason(10) == "computed 10 batches (--max-batches 10)"
+    over = RecyclePolicy(max_rss_mib=100)
+    assert over.reason(5, lambda: 100 * 2**20) is None
+    assert over.reason(5, lambda: 150 * 2**20) == (
+        "resident memory 150 MiB is over --max-rss-mib 100"
+    )
+
+
+def test_this_process_s_resident_memory_is_read() -> None:
+    assert 2**20 < resident_bytes() < 2**40
+
+
+def test_the_watch_stops_once_due_and_only_then() -> None:
+    batches = [0]
+    stopped: list[str] = []
+
+    async def scenario() -> None:
+        watch = asyncio.create_task(
+            stop_when_due(RecyclePolicy(max_batches=3), lambda: batches[0], stopped.append, 0.01)
+        )
+        await asyncio.sleep(0.05)
+        assert not stopped and not watch.done()
+        batches[0] = 3
+        await asyncio.wait_for(watch, 5)
+
+    asyncio.run(scenario())
+    assert stopped == ["computed 3 batches (--max-batches 3)"]
+
+
+@pytest.mark.parametrize("option", [["--max-batches", "2"], ["--max-rss-mib", "1"]])
+def test_a_worker_process_due_is_replaced_and_no_call_is_lost(
+    redis_server: RedisServer, prefix: str, option: list[str], tmp_path: Path
+) -> None:
+    log = tmp_path / "worker.log"
+    with (
+        worker_process(redis_server.url, "tests.models:Toy", prefix, *option, log_path=log),
+        Streamer("toy", redis_url=redis_server.url, prefix=prefix, timeout=60) as streamer,
+    ):
+        pids: set[int] = set()
+        deadline = time.monotonic() + 60
+        sent = 0
+        while len(pids) < 3 and time.monotonic() < deadline:
+            futures = [streamer.submit([{"sleep": 0.05}, sent + i]) for i in range(4)]
+            for index, future in enumerate(futures):
+                outputs = future.result(timeout=60)  # none fails, none is lost
+                assert [out["item"] for out in outputs] == [{"sleep": 0.05}, sent + index]
+                pids |= {out["pid"] for out in outputs}
+            sent += len(futures)
+        assert len(pids) >= 3, "no worker process was replaced twice"
+    text = log.read_text()
+    assert "stopped to be replaced" in text and "restarting" not in text
