@@ -33,6 +33,10 @@ connections sending large bodies each held up to ``--max-body-bytes``, all of th
 without bound). Limits come from the gateway's settings (``MICROBATCH_GATEWAY_HEADER_TIMEOUT``
 etc.).
 
+**Framing.** A transfer coding other than chunked (``gzip, chunked``, which the parser reads as
+chunked alone) is answered 501 and the connection closed; an HTTP/1.0 request with a
+Transfer-Encoding is its connection's last (RFC 9112, 6.1).
+
 **Disconnects without a task.** :func:`when_gone` calls back when a request's client goes (its
 connection lost, or cut by a read deadline), so the app need not keep a task waiting on
 ``receive()`` per request to learn it.
@@ -317,6 +321,9 @@ class ConnectionLimits:
         return max(0.01, min(SWEEP_PERIOD_S, shortest / 4))
 
 
+# the request headers on_header looks into (uvicorn's looked for Expect alone)
+_FRAMING_HEADERS = frozenset((b"expect", b"transfer-encoding"))
+
 # Phases of a connection (see the module's docstring).
 IDLE, HEADERS, BODY, BUSY, QUEUED, REFUSED = range(6)
 
@@ -447,6 +454,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
     held_body_bytes = 0  # of this connection's requests' bodies, counted until answered
     answering: GatewayCycle | None = None  # the request whose app runs
     unparsed_header_bytes = 0  # and the bytes read while its headers were incomplete
+    transfer_coding = b""  # of the request being read: its Transfer-Encoding (lower case)
     upgrade_body_left = 0  # body bytes still to come of a request served despite its upgrade
     stopping = False  # the server stops: the request being read is the connection's last
 
@@ -558,6 +566,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.header_bytes = self.unparsed_header_bytes = 0
+        self.transfer_coding = b""
         if self.phase != HEADERS:  # a pipelined request, read while the last one is served
             self.phase = HEADERS
             self.deadline = self.loop.time() + self._limits.header_timeout
@@ -572,7 +581,32 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         self.header_bytes += len(name) + len(value) + 4  # ": " and CRLF
         if self.header_bytes > self._max_header_bytes:
             self._stop_large_headers()
-        super().on_header(name, value)
+        name = name.lower()  # uvicorn's on_header, with more than Expect looked at
+        if name in _FRAMING_HEADERS:
+            self._note_framing(name, value)
+        self.headers.append((name, value))
+
+    def _note_framing(self, name: bytes, value: bytes) -> None:
+        """Note a header the request's framing (or its expectation) depends on."""
+        if name == b"expect":
+            if value.lower() == b"100-continue":
+                self.expect_100_continue = True
+        elif self.transfer_coding in (b"", b"chunked"):  # the first coding that is not kept
+            self.transfer_coding = value.strip(b" \t").lower()
+
+    def _refuse_framing(self) -> None:
+        """Refuse a request whose body the gateway cannot read as sent (RFC 9112, 6.1): a
+        transfer coding other than chunked is 501 (the parser takes the body as chunked alone,
+        so a `gzip, chunked` body reached the app still compressed); and stop the parser."""
+        refusal = _raw_response(
+            "501 Not Implemented",
+            "NotImplemented",
+            f"Transfer-Encoding {self.transfer_coding.decode('latin-1')!r}: only chunked is "
+            "supported (compress the body with Content-Encoding instead)",
+            v2=is_v2(self.url.decode("latin-1")),
+        )
+        self._close_refused("invalid", refusal)
+        self._stop_parsing()
 
     def _stop_large_headers(self) -> NoReturn:
         """Refuse a request whose URL and headers grew past the limit (else they would all be
@@ -612,10 +646,14 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         self._close_refused("large", refusal)
 
     def on_headers_complete(self) -> None:
+        if self.transfer_coding and self.transfer_coding != b"chunked":
+            self._refuse_framing()
         cycle = self.cycle
         super().on_headers_complete()
         if self.cycle is not cycle:  # a new request's cycle: when_gone may watch it
-            if self.cycle.keep_alive or not self.parser.should_keep_alive():
+            # an HTTP/1.0 request with a Transfer-Encoding is its connection's last, whatever
+            # it asks (RFC 9112, 6.1: its framing may be read otherwise along the way)
+            if self.cycle.keep_alive or not self.parser.should_keep_alive() or self.transfer_coding:
                 self.cycle.__class__ = GatewayCycle
             else:  # HTTP/1.0 with Connection: keep-alive
                 self.cycle.__class__ = Http10KeepAliveCycle

@@ -848,3 +848,37 @@ def test_a_request_waiting_unread_on_an_idle_connection_is_served_not_reset(act:
     answer = b"".join(reads)
     assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), reads
     assert (b"connection: close\r\n" in answer) == (act == "shutdown")
+
+
+def test_a_transfer_coding_other_than_chunked_is_refused_with_501() -> None:
+    """The parser reads the body of `Transfer-Encoding: gzip, chunked` as chunked alone: the
+    app got the compressed bytes as the body. RFC 9112, 6.1: 501 for a coding not understood."""
+    head = b"POST /v1/models/m/predict HTTP/1.1\r\nHost: x\r\n"
+    chunked = b"Transfer-Encoding: %s\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+    for coding in (b"gzip, chunked", b"foo ,chunked", b"Deflate,Chunked"):
+        bodies, answer = echo_bodies([head + chunked % coding], whole=True)
+        assert bodies == [] and answer.startswith(b"HTTP/1.1 501 Not Implemented\r\n")
+        assert b'"NotImplemented"' in answer and b"only chunked" in answer
+    split = head + b"Transfer-Encoding: gzip\r\n" + chunked % b"chunked"
+    bodies, answer = echo_bodies([split], whole=True)  # the codings over two lines
+    assert bodies == [] and answer.startswith(b"HTTP/1.1 501 ")
+    for coding in (b"chunked", b"\tCHUNKED "):
+        bodies, answer = echo_bodies([head + chunked % coding], whole=True)
+        assert bodies == [b"hello"] and answer.startswith(b"HTTP/1.1 200 OK\r\n")
+
+
+def test_an_http10_request_with_a_transfer_encoding_is_its_connections_last() -> None:
+    """RFC 9112, 6.1: such a request's framing is faulty (an HTTP/1.0 hop may read its body
+    otherwise), so its connection is closed after it, even where it asks for keep-alive."""
+    chunked = (
+        b"POST /v1/models/m/predict HTTP/1.0\r\nConnection: keep-alive\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+    )
+    then = b"GET /v1/models HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"
+    bodies, answer = echo_bodies([chunked + then], whole=True)
+    assert bodies == [b"hello"] and answer.count(b"HTTP/1.1 ") == 1
+    assert b"connection: close\r\n" in answer
+    length = b"POST /v1/models/m/predict HTTP/1.0\r\nConnection: keep-alive\r\n"
+    length += b"Content-Length: 5\r\n\r\nhello"
+    bodies, answer = echo_bodies([length + length], whole=True)  # kept alive, as before
+    assert bodies == [b"hello", b"hello"] and answer.count(b"connection: keep-alive\r\n") == 2
