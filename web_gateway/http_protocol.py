@@ -35,7 +35,8 @@ etc.).
 
 **Framing.** A transfer coding other than chunked (``gzip, chunked``, which the parser reads as
 chunked alone) is answered 501 and the connection closed; an HTTP/1.0 request with a
-Transfer-Encoding is its connection's last (RFC 9112, 6.1).
+Transfer-Encoding is its connection's last (RFC 9112, 6.1). A request with more than one Host
+header, or an HTTP/1.1 one with none, is answered 400 and the connection closed (RFC 9112, 3.2).
 
 **Disconnects without a task.** :func:`when_gone` calls back when a request's client goes (its
 connection lost, or cut by a read deadline), so the app need not keep a task waiting on
@@ -322,7 +323,7 @@ class ConnectionLimits:
 
 
 # the request headers on_header looks into (uvicorn's looked for Expect alone)
-_FRAMING_HEADERS = frozenset((b"expect", b"transfer-encoding"))
+_FRAMING_HEADERS = frozenset((b"host", b"expect", b"transfer-encoding"))
 
 # Phases of a connection (see the module's docstring).
 IDLE, HEADERS, BODY, BUSY, QUEUED, REFUSED = range(6)
@@ -455,6 +456,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
     answering: GatewayCycle | None = None  # the request whose app runs
     unparsed_header_bytes = 0  # and the bytes read while its headers were incomplete
     transfer_coding = b""  # of the request being read: its Transfer-Encoding (lower case)
+    host_lines = 0  # and its Host headers
     upgrade_body_left = 0  # body bytes still to come of a request served despite its upgrade
     stopping = False  # the server stops: the request being read is the connection's last
 
@@ -567,6 +569,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         super().on_message_begin()
         self.header_bytes = self.unparsed_header_bytes = 0
         self.transfer_coding = b""
+        self.host_lines = 0
         if self.phase != HEADERS:  # a pipelined request, read while the last one is served
             self.phase = HEADERS
             self.deadline = self.loop.time() + self._limits.header_timeout
@@ -588,23 +591,39 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
 
     def _note_framing(self, name: bytes, value: bytes) -> None:
         """Note a header the request's framing (or its expectation) depends on."""
-        if name == b"expect":
+        if name == b"host":
+            self.host_lines += 1
+        elif name == b"expect":
             if value.lower() == b"100-continue":
                 self.expect_100_continue = True
         elif self.transfer_coding in (b"", b"chunked"):  # the first coding that is not kept
             self.transfer_coding = value.strip(b" \t").lower()
 
-    def _refuse_framing(self) -> None:
-        """Refuse a request whose body the gateway cannot read as sent (RFC 9112, 6.1): a
-        transfer coding other than chunked is 501 (the parser takes the body as chunked alone,
-        so a `gzip, chunked` body reached the app still compressed); and stop the parser."""
-        refusal = _raw_response(
-            "501 Not Implemented",
-            "NotImplemented",
-            f"Transfer-Encoding {self.transfer_coding.decode('latin-1')!r}: only chunked is "
-            "supported (compress the body with Content-Encoding instead)",
-            v2=is_v2(self.url.decode("latin-1")),
-        )
+    def _check_framing(self) -> None:
+        """Refuse (and stop the parser) a request whose body the gateway cannot read as sent
+        (RFC 9112, 6.1): a transfer coding other than chunked is 501 (the parser takes the
+        body as chunked alone, so a `gzip, chunked` body reached the app still compressed);
+        or that has more than one Host header, or none in HTTP/1.1 (RFC 9112, 3.2: 400)."""
+        v2 = is_v2(self.url.decode("latin-1"))
+        coding = self.transfer_coding
+        if coding and coding != b"chunked":
+            refusal = _raw_response(
+                "501 Not Implemented",
+                "NotImplemented",
+                f"Transfer-Encoding {coding.decode('latin-1')!r}: only chunked is supported "
+                "(compress the body with Content-Encoding instead)",
+                v2=v2,
+            )
+        elif self.host_lines > 1:
+            refusal = _raw_response(
+                "400 Bad Request", "BadRequest", "a request has one Host header at most", v2=v2
+            )
+        elif not self.host_lines and self.parser.get_http_version() == "1.1":
+            refusal = _raw_response(
+                "400 Bad Request", "BadRequest", "an HTTP/1.1 request needs a Host header", v2=v2
+            )
+        else:
+            return
         self._close_refused("invalid", refusal)
         self._stop_parsing()
 
@@ -646,8 +665,8 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         self._close_refused("large", refusal)
 
     def on_headers_complete(self) -> None:
-        if self.transfer_coding and self.transfer_coding != b"chunked":
-            self._refuse_framing()
+        if self.host_lines != 1 or self.transfer_coding:
+            self._check_framing()
         cycle = self.cycle
         super().on_headers_complete()
         if self.cycle is not cycle:  # a new request's cycle: when_gone may watch it

@@ -882,3 +882,28 @@ def test_an_http10_request_with_a_transfer_encoding_is_its_connections_last() ->
     length += b"Content-Length: 5\r\n\r\nhello"
     bodies, answer = echo_bodies([length + length], whole=True)  # kept alive, as before
     assert bodies == [b"hello", b"hello"] and answer.count(b"connection: keep-alive\r\n") == 2
+
+
+def test_a_request_without_its_one_host_header_is_refused_with_400() -> None:
+    """RFC 9112, 3.2: 400 for an HTTP/1.1 request without a Host header and for any request
+    with more than one (a proxy in front may route on either of two)."""
+    get = b"GET /v1/models HTTP/1.1\r\n%s\r\n"
+    for headers, why in (
+        (b"", b"needs a Host header"),
+        (b"Accept: */*\r\n", b"needs a Host header"),
+        (b"Host: a\r\nHOST: b\r\n", b"one Host header at most"),
+    ):
+        _, raw = run_protocol(answer_app, [get % headers + get % b"Host: x\r\n"], expire=False)
+        assert written(raw).startswith(b"HTTP/1.1 400 Bad Request\r\n") and raw.closed
+        assert why in written(raw) and written(raw).count(b"content-length: ") == 1
+    v2 = b"GET /v2/models/m HTTP/1.0\r\nHost: a\r\nHost: b\r\n\r\n"
+    _, raw = run_protocol(answer_app, [v2], expire=False)
+    assert b'{"error":"BadRequest: a request has one Host header at most"' in written(raw)
+    for served in (get % b"Host: x\r\n", b"GET /v1/models HTTP/1.0\r\n\r\n"):
+        _, raw = run_protocol(answer_app, [served], expire=False)
+        assert written(raw).startswith(b"HTTP/1.1 200 OK\r\n")
+
+
+async def answer_app(scope: Any, receive: Any, send: Any) -> None:
+    await receive()
+    await answer_ok(send)
