@@ -38,6 +38,11 @@ chunked alone) is answered 501 and the connection closed; an HTTP/1.0 request wi
 Transfer-Encoding is its connection's last (RFC 9112, 6.1). A request with more than one Host
 header, or an HTTP/1.1 one with none, is answered 400 and the connection closed (RFC 9112, 3.2).
 
+**Expect: 100-continue.** A request answered before its body was asked for (a 413 from its
+Content-Length), none of its body come, is its connection's last (:class:`ExpectingCycle`):
+its client need not send the body, and uvicorn, keeping the connection, read the client's next
+request as that body.
+
 **Disconnects without a task.** :func:`when_gone` calls back when a request's client goes (its
 connection lost, or cut by a read deadline), so the app need not keep a task waiting on
 ``receive()`` per request to learn it.
@@ -251,6 +256,32 @@ class Http10KeepAliveCycle(GatewayCycle):
             else:  # its end is the connection's close
                 self.keep_alive = False
         await super().send(message)
+
+
+class ExpectingCycle(GatewayCycle):
+    """A request waiting for ``100 Continue`` before it sends its body. Answered before it was
+    asked for the body (a 413 from its Content-Length, a 401), and none of it come, it is its
+    connection's last: its client may then never send that body, and what it sent next would
+    be read as the body (RFC 9110, 10.1.1: such an answer says whether the connection stays).
+    A client already sending it is let finish, as before (the rest read and dropped): closing
+    with its bytes unread would reset the connection, the answer perhaps lost."""
+
+    def _close_unasked(self) -> None:
+        if (
+            self.waiting_for_100_continue
+            and self.more_body
+            and not self.body
+            and not self.response_started
+        ):
+            self.keep_alive = False
+
+    async def send(self, message: Any) -> None:
+        self._close_unasked()
+        await super().send(message)
+
+    def answer_json(self, status: int, body: bytes) -> bool:
+        self._close_unasked()
+        return super().answer_json(status, body)
 
 
 def _written(headers: list[tuple[bytes, bytes]]) -> bytes | None:
@@ -677,8 +708,11 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             else:  # HTTP/1.0 with Connection: keep-alive
                 self.cycle.__class__ = Http10KeepAliveCycle
                 self.cycle.keep_alive = True
-            if self.cycle.waiting_for_100_continue and self.parser.get_http_version() == "1.0":
-                self.cycle.waiting_for_100_continue = False  # RFC 9110, 10.1.1: ignored in HTTP/1.0
+            if self.cycle.waiting_for_100_continue:
+                if self.parser.get_http_version() == "1.0":  # RFC 9110, 10.1.1: ignored
+                    self.cycle.waiting_for_100_continue = False
+                else:
+                    self.cycle.__class__ = ExpectingCycle
             setattr(self.cycle, ON_GONE, None)
             cast(GatewayCycle, self.cycle).protocol = self
             if self.stopping:

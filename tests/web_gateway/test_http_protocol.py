@@ -907,3 +907,39 @@ def test_a_request_without_its_one_host_header_is_refused_with_400() -> None:
 async def answer_app(scope: Any, receive: Any, send: Any) -> None:
     await receive()
     await answer_ok(send)
+
+
+def test_a_request_answered_before_its_expected_body_was_asked_for_closes_its_connection() -> None:
+    """A client sending `Expect: 100-continue` and answered at once (a 413 from its
+    Content-Length) need not send its body; the connection was kept, and the client's next
+    request was read as that body (never answered: the client waited for the body timeout)."""
+    expect = b"POST /v1/models/m/predict HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+    refused = expect + b"Content-Length: 100000000\r\n\r\n"
+    then = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    async def refuse(scope: Any, receive: Any, send: Any) -> None:
+        if scope["method"] == "GET":
+            await answer_ok(send)
+        elif scope["path"].endswith("/direct"):
+            send.__self__.access_log = False  # (answer_json leaves uvicorn's log to send())
+            assert send.__self__.answer_json(413, b"{}")
+        else:
+            await send({"type": "http.response.start", "status": 413, "headers": []})
+            await send({"type": "http.response.body", "body": b""})
+
+    for path in (b"/direct", b"/asgi"):
+        _, raw = run_protocol(refuse, [refused.replace(b" HTTP", path + b" HTTP"), then], False)
+        answer = written(raw)
+        assert answer.startswith(b"HTTP/1.1 413 ") and b"100 Continue" not in answer
+        assert b"connection: close\r\n" in answer and raw.closed
+        assert answer.count(b"HTTP/1.1 ") == 1
+    # its client sending the body regardless: it is read to its end, the connection kept
+    eager = refused.replace(b"100000000", b"10") + b"hello"
+    _, raw = run_protocol(refuse, [eager.replace(b" HTTP", b"/asgi HTTP"), b"world" + then], False)
+    assert written(raw).startswith(b"HTTP/1.1 413 ") and b"connection: close" not in written(raw)
+    assert written(raw).count(b"HTTP/1.1 200 OK\r\n") == 1 and not raw.closed
+    # asked for its body (100 Continue), it keeps its connection
+    asked = expect + b"Content-Length: 5\r\n\r\n"
+    _, raw = run_protocol(answer_app, [asked, b"hello" + then], expire=False)
+    assert written(raw).startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n")
+    assert written(raw).count(b"HTTP/1.1 200 OK\r\n") == 2 and not raw.closed
