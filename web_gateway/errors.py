@@ -169,10 +169,20 @@ def as_http_error(exc: Exception) -> HTTPError:
         return exc
     if isinstance(exc, StarletteHTTPException):  # routing: 404, 405
         type_ = HTTP_TYPES.get(exc.status_code, "HTTPError")
-        return HTTPError(exc.status_code, type_, str(exc.detail), dict(exc.headers or {}))
+        headers = dict(exc.headers or {})
+        if "Allow" in headers:
+            headers["Allow"] = _with_head(headers["Allow"])
+        return HTTPError(exc.status_code, type_, str(exc.detail), headers)
     if type(exc).__name__ == "RequestValidationError":  # FastAPI's, for a path parameter
         return bad_request("malformed request")
     return HTTPError(500, "InternalError", "internal error")
+
+
+def _with_head(allow: str) -> str:
+    """A 405's Allow with HEAD wherever GET is (the app answers HEAD as GET; FastAPI's routes
+    list GET alone)."""
+    methods = allow.split(", ")
+    return allow if "GET" not in methods or "HEAD" in methods else f"{allow}, HEAD"
 
 
 def outcome_of(exc: Exception) -> str:

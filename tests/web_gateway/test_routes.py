@@ -90,6 +90,11 @@ def test_head_is_get_without_the_body(guarded: TestClient) -> None:
     assert guarded.head("/v1/models", headers=AUTH).status_code == 200
     assert guarded.head("/v1/models").status_code == 401  # the same guard as GET
     assert guarded.head("/v1/models/doubler/predict", headers=AUTH).status_code == 405
+    # a 405's Allow lists HEAD wherever GET is (RFC 9110, 15.5.6: the methods served)
+    for method, path in (("DELETE", "/v1/models"), ("POST", "/healthz"), ("PUT", "/v2")):
+        refused = guarded.request(method, path, headers=AUTH)
+        assert refused.status_code == 405 and refused.headers["allow"] == "GET, HEAD", path
+    assert guarded.get("/v1/models/doubler/predict").headers["allow"] == "POST"
 
 
 def test_limits_and_malformed_requests(guarded: TestClient) -> None:
