@@ -212,11 +212,7 @@ class GatewayCycle(RequestResponseCycle):
             or self.scope["method"] == "HEAD"
         ):
             return False
-        defaults = self.default_headers
-        known, written = GatewayCycle._defaults
-        if known is not defaults:
-            written = _written(defaults)
-            GatewayCycle._defaults = (defaults, written)
+        written = _defaults_written(self.default_headers)
         if written is None:
             return False
         self.response_started = True
@@ -282,6 +278,16 @@ class ExpectingCycle(GatewayCycle):
     def answer_json(self, status: int, body: bytes) -> bool:
         self._close_unasked()
         return super().answer_json(status, body)
+
+
+def _defaults_written(defaults: list[tuple[bytes, bytes]]) -> bytes | None:
+    """uvicorn's default headers (``defaults``) as send() writes them, remembered while
+    they stay the same list; None where send() must write them."""
+    known, written = GatewayCycle._defaults
+    if known is not defaults:
+        written = _written(defaults)
+        GatewayCycle._defaults = (defaults, written)
+    return written
 
 
 def _written(headers: list[tuple[bytes, bytes]]) -> bytes | None:
@@ -364,13 +370,17 @@ class _StopParsing(Exception):
     """Raised in the parser's callbacks to stop it (headers too large, too many pipelined)."""
 
 
-def _raw_response(status: str, error: str, message: str, v2: bool, extra: str = "") -> bytes:
+def _raw_response(
+    status: str, error: str, message: str, v2: bool, extra: str = "", defaults: bytes = b""
+) -> bytes:
+    """A JSON error response closing its connection; ``defaults``: the header lines every
+    response carries (the date), as written."""
     body = orjson.dumps((v2_error_body if v2 else error_body)(error, message))
     head = (
-        f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\n"
-        f"content-length: {len(body)}\r\n{extra}connection: close\r\n\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n{extra}"
+        "connection: close\r\n\r\n"
     )
-    return head.encode("ascii") + body
+    return b"HTTP/1.1 %s\r\n%s%s%s" % (status.encode("ascii"), defaults, head.encode("ascii"), body)
 
 
 # why connections were closed: counted, and reported together
@@ -509,7 +519,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         super().connection_made(transport)
         if len(self.connections) > self._limits.max_connections:
             cap = self._limits.max_connections
-            refusal = _raw_response(
+            refusal = self._refusal(
                 "503 Service Unavailable",
                 "TooManyConnections",
                 f"this gateway process is at its limit of {cap} connections",
@@ -638,7 +648,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         v2 = is_v2(self.url.decode("latin-1"))
         coding = self.transfer_coding
         if coding and coding != b"chunked":
-            refusal = _raw_response(
+            refusal = self._refusal(
                 "501 Not Implemented",
                 "NotImplemented",
                 f"Transfer-Encoding {coding.decode('latin-1')!r}: only chunked is supported "
@@ -646,11 +656,11 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
                 v2=v2,
             )
         elif self.host_lines > 1:
-            refusal = _raw_response(
+            refusal = self._refusal(
                 "400 Bad Request", "BadRequest", "a request has one Host header at most", v2=v2
             )
         elif not self.host_lines and self.parser.get_http_version() == "1.1":
-            refusal = _raw_response(
+            refusal = self._refusal(
                 "400 Bad Request", "BadRequest", "an HTTP/1.1 request needs a Host header", v2=v2
             )
         else:
@@ -672,8 +682,14 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         """Answer 400 to what is not HTTP/1.1 and close; counted, not logged one by one (as
         uvicorn did: a line per connection sending garbage)."""
         message = f"the request is not valid HTTP: {exc}"
-        refusal = _raw_response("400 Bad Request", "BadRequest", message, v2=False)
+        refusal = self._refusal("400 Bad Request", "BadRequest", message, v2=False)
         self._close_refused("invalid", refusal)
+
+    def _refusal(self, status: str, error: str, message: str, v2: bool, extra: str = "") -> bytes:
+        """A response of the protocol's own (see :func:`_raw_response`), with the date and the
+        other default headers of the app's responses (RFC 9110, 6.6.1: a 4xx has a Date)."""
+        defaults = _defaults_written(self.server_state.default_headers) or b""
+        return _raw_response(status, error, message, v2, extra, defaults)
 
     def _close_refused(self, counted_as: str, response: bytes | None) -> None:
         """Write ``response`` (if any) and close; what else the connection sends is ignored.
@@ -687,7 +703,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
     def _refuse_large_headers(self) -> None:
         """Answer 431 and close the connection; what else it sends is ignored."""
         limit = self._max_header_bytes
-        refusal = _raw_response(
+        refusal = self._refusal(
             "431 Request Header Fields Too Large",
             "HeadersTooLarge",
             f"the request's URL and headers are over the limit of {limit} bytes",
@@ -762,14 +778,14 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             v2 = is_v2(str(cycle.scope.get("path", "")))
             limits = self._limits
             if max(cycle.held, _declared_length(cycle)) > limits.max_body_bytes:
-                refusal = _raw_response(
+                refusal = self._refusal(
                     "413 Request Entity Too Large",
                     "PayloadTooLarge",
                     f"request body is over {limits.max_body_bytes} bytes",
                     v2=v2,
                 )
             else:
-                refusal = _raw_response(
+                refusal = self._refusal(
                     "503 Service Unavailable",
                     "TooManyBodyBytes",
                     f"this gateway process holds its limit of {limits.max_held_body_bytes} "
@@ -883,7 +899,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             limit = self._limits.header_timeout if phase == HEADERS else self._limits.body_timeout
             v2 = phase == BODY and is_v2(str(self.scope.get("path", "")))
             self.transport.write(
-                _raw_response(
+                self._refusal(
                     "408 Request Timeout",
                     "RequestTimeout",
                     f"the request's {what} did not arrive within {limit:g} s",

@@ -943,3 +943,40 @@ def test_a_request_answered_before_its_expected_body_was_asked_for_closes_its_co
     _, raw = run_protocol(answer_app, [asked, b"hello" + then], expire=False)
     assert written(raw).startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n")
     assert written(raw).count(b"HTTP/1.1 200 OK\r\n") == 2 and not raw.closed
+
+
+def test_the_protocols_own_answers_carry_the_date_as_the_apps_do() -> None:
+    """RFC 9110, 6.6.1: every 4xx (and 2xx, 3xx) of a server with a clock has a Date; the
+    400, 408, 431 and 501 the protocol writes itself had none."""
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    date = (b"date", b"Thu, 01 Jan 2026 00:00:00 GMT")
+
+    async def main(chunks: list[bytes]) -> bytes:
+        config = Config(answer_app, lifespan="off", log_level="warning")
+        config.load()
+        state = ServerState()
+        state.default_headers = [date]
+        protocol = Limited(config, state, {}, asyncio.get_running_loop())
+        raw = RecordingTransport()
+        protocol.connection_made(raw)  # type: ignore[arg-type]
+        for chunk in chunks:
+            protocol.data_received(chunk)
+        if not raw.closed:
+            protocol.expire()
+        return written(raw)
+
+    head = b"POST /v1/models/m/predict HTTP/1.1\r\nHost: x\r\n"
+    for chunks, status in (
+        ([b"GARBAGE\r\n\r\n"], b"400"),
+        ([b"GET / HTTP/1.1\r\n\r\n"], b"400"),
+        ([head + b"Transfer-Encoding: gzip, chunked\r\n\r\n"], b"501"),
+        ([head + b"X-Pad: " + b"a" * 70000 + b"\r\n\r\n"], b"431"),
+        ([head], b"408"),
+    ):
+        answer = asyncio.run(main(chunks))
+        assert answer.startswith(b"HTTP/1.1 %s " % status), answer
+        assert b"\r\ndate: Thu, 01 Jan 2026 00:00:00 GMT\r\ncontent-type: application/json\r\n" in (
+            answer
+        )
