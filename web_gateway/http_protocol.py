@@ -43,6 +43,9 @@ Content-Length), none of its body come, is its connection's last (:class:`Expect
 its client need not send the body, and uvicorn, keeping the connection, read the client's next
 request as that body.
 
+**Trailers.** The trailer fields of a chunked body are dropped, not added to the request's
+headers as uvicorn did (RFC 9110, 6.5.1).
+
 **Disconnects without a task.** :func:`when_gone` calls back when a request's client goes (its
 connection lost, or cut by a read deadline), so the app need not keep a task waiting on
 ``receive()`` per request to learn it.
@@ -716,6 +719,12 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             self._check_framing()
         cycle = self.cycle
         super().on_headers_complete()
+        if self.transfer_coding:
+            # its trailer fields, which the parser hands to on_header too, are dropped: uvicorn
+            # added them to the request's headers, where the app took a trailer's
+            # Content-Encoding or X-Request-Timeout as the client's (RFC 9110, 6.5.1: a
+            # trailer is never merged into the headers unless its definition says how)
+            self.headers = []
         if self.cycle is not cycle:  # a new request's cycle: when_gone may watch it
             # an HTTP/1.0 request with a Transfer-Encoding is its connection's last, whatever
             # it asks (RFC 9112, 6.1: its framing may be read otherwise along the way)

@@ -980,3 +980,30 @@ def test_the_protocols_own_answers_carry_the_date_as_the_apps_do() -> None:
         assert b"\r\ndate: Thu, 01 Jan 2026 00:00:00 GMT\r\ncontent-type: application/json\r\n" in (
             answer
         )
+
+
+def test_trailer_fields_never_join_the_requests_headers() -> None:
+    """uvicorn appended a chunked body's trailer fields to the request's headers: a trailer's
+    Content-Encoding had the body decompressed, its X-Request-Timeout was obeyed (a proxy
+    checking the headers alone let them through). RFC 9110, 6.5.1: never merged."""
+    from web_gateway import reading
+
+    seen: list[list[tuple[bytes, bytes]]] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        request = reading.GatewayRequest(scope, receive, send)
+        body = await reading.body(request, 1 << 20)
+        seen.append(list(scope["headers"]))
+        assert body == b"hello"
+        await answer_ok(send)
+
+    head = b"POST /v1/models/m/predict HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    trailers = b"Content-Encoding: gzip\r\nX-Request-Timeout: 1\r\n\r\n"
+    for chunks in (
+        [head + b"5\r\nhello\r\n0\r\n" + trailers],
+        [head, b"5\r\nhello\r\n0\r\nContent-Encoding: gzip\r\n", b"X-Request-Timeout: 1\r\n\r\n"],
+    ):
+        seen.clear()
+        _, raw = run_protocol(app, chunks, expire=False)
+        assert written(raw).startswith(b"HTTP/1.1 200 OK\r\n")
+        assert seen[0] == [(b"host", b"x"), (b"transfer-encoding", b"chunked")]
