@@ -43,6 +43,9 @@ Content-Length), none of its body come, is its connection's last (:class:`Expect
 its client need not send the body, and uvicorn, keeping the connection, read the client's next
 request as that body.
 
+**Refusals in order.** A request refused (400, 431, 501, 503) behind pipelined requests still
+being answered gets its refusal once they are answered (RFC 9112, 9.3.2), reading stopped.
+
 **Trailers.** The trailer fields of a chunked body are dropped, not added to the request's
 headers as uvicorn did (RFC 9110, 6.5.1).
 
@@ -496,6 +499,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
     phase = HEADERS
     header_bytes = 0  # of the request being read: its URL and headers parsed so far
     overflowed = False  # more requests were pipelined than are queued: read no more
+    last_words: bytes | None = None  # and the refusal written once the queued are answered
     held_body_bytes = 0  # of this connection's requests' bodies, counted until answered
     answering: GatewayCycle | None = None  # the request whose app runs
     unparsed_header_bytes = 0  # and the bytes read while its headers were incomplete
@@ -696,12 +700,27 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
 
     def _close_refused(self, counted_as: str, response: bytes | None) -> None:
         """Write ``response`` (if any) and close; what else the connection sends is ignored.
-        Counted in the sweeper's summary as ``counted_as``."""
+        Counted in the sweeper's summary as ``counted_as``. Requests pipelined before the
+        refused one are answered first, the refusal after them (RFC 9112, 9.3.2: answers in
+        the order of the requests; it was written at once, and taken for the first one's)."""
+        refused = self.cycle if self.phase in (BODY, QUEUED) else None  # else not yet made
         self.phase, self.deadline = REFUSED, NO_DEADLINE
+        self._sweeper.count(counted_as)
+        answering = self.answering  # (one told its client is gone will never answer)
+        if (
+            answering is not None
+            and answering is not refused
+            and not (answering.response_complete or answering.disconnected)
+        ):
+            if self.pipeline and self.pipeline[0][0] is refused:
+                self.pipeline.popleft()  # never served
+            self.overflowed = True  # read no more; closed once the queued are answered
+            self.flow.pause_reading()
+            self.last_words = response
+            return
         if response is not None:
             self.transport.write(response)
         self.transport.close()
-        self._sweeper.count(counted_as)
 
     def _refuse_large_headers(self) -> None:
         """Answer 431 and close the connection; what else it sends is ignored."""
@@ -835,6 +854,8 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             return
         if self.overflowed:
             if not self.pipeline:
+                if self.last_words is not None:
+                    self.transport.write(self.last_words)
                 self.transport.close()
                 return
         else:

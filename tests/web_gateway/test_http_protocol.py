@@ -7,6 +7,7 @@ stalled clients in tests/web_gateway/test_limits.py.
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import pytest
@@ -1007,3 +1008,30 @@ def test_trailer_fields_never_join_the_requests_headers() -> None:
         _, raw = run_protocol(app, chunks, expire=False)
         assert written(raw).startswith(b"HTTP/1.1 200 OK\r\n")
         assert seen[0] == [(b"host", b"x"), (b"transfer-encoding", b"chunked")]
+
+
+def test_a_refused_pipelined_request_is_answered_after_the_requests_before_it() -> None:
+    """RFC 9112, 9.3.2: answers go in the order of the requests. A request refused by the
+    protocol (not HTTP, headers too large, no Host, a broken body) behind one still being
+    served had its refusal written at once, the connection closed: the client took the 400
+    for its first request, whose answer was lost."""
+
+    async def slow_app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        for _ in range(20):  # still being served when the next request is read
+            await asyncio.sleep(0)
+        await answer_ok(send)
+
+    post = b"POST /v1/models/m/predict HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+    for refused, status in (
+        (b"GARBAGE\r\n\r\n", b"400"),
+        (b"GET / HTTP/1.1\r\nX-Pad: " + b"a" * 70000 + b"\r\n\r\n", b"431"),
+        (b"GET / HTTP/1.1\r\n\r\n", b"400"),
+        (b"GET / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", b"501"),
+        (b"PUT / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", b"400"),
+    ):
+        for chunks in ([post + refused], [post + post + refused], [post, post + refused]):
+            _, raw = run_protocol(slow_app, chunks, expire=False, turns=100)
+            answers = re.findall(rb"HTTP/1\.1 (\d{3}) ", written(raw))
+            served = b"".join(chunks).count(b"POST ")
+            assert answers == [b"200"] * served + [status] and raw.closed, chunks
