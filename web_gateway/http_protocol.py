@@ -704,6 +704,10 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         refused one are answered first, the refusal after them (RFC 9112, 9.3.2: answers in
         the order of the requests; it was written at once, and taken for the first one's)."""
         refused = self.cycle if self.phase in (BODY, QUEUED) else None  # else not yet made
+        if refused is not None and refused.response_started:
+            # answered early (a 401, a 413), its body broken or its trailers too large after:
+            # a second answer would be taken for the client's next request's
+            response = None
         self.phase, self.deadline = REFUSED, NO_DEADLINE
         self._sweeper.count(counted_as)
         answering = self.answering  # (one told its client is gone will never answer)

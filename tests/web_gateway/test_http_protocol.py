@@ -1035,3 +1035,17 @@ def test_a_refused_pipelined_request_is_answered_after_the_requests_before_it() 
             answers = re.findall(rb"HTTP/1\.1 (\d{3}) ", written(raw))
             served = b"".join(chunks).count(b"POST ")
             assert answers == [b"200"] * served + [status] and raw.closed, chunks
+
+
+def test_a_request_answered_early_gets_no_second_answer_when_its_body_is_refused() -> None:
+    """A request answered before its body was read (a 401, a 413) whose chunked body then
+    broke, or whose trailers grew past the header limit, got a 400 or 431 after its answer:
+    two answers to one request, the second taken for the client's next request's."""
+
+    async def early(scope: Any, receive: Any, send: Any) -> None:
+        await answer_ok(send)
+
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    for rest in (b"zz\r\n", b"5\r\nhello\r\n0\r\nX-Pad: " + b"a" * 70000 + b"\r\n\r\n"):
+        _, raw = run_protocol(early, [head, rest], expire=False)
+        assert written(raw) == b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}" and raw.closed
