@@ -688,6 +688,13 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
     def _refuse_invalid(self, exc: Exception) -> None:
         """Answer 400 to what is not HTTP/1.1 and close; counted, not logged one by one (as
         uvicorn did: a line per connection sending garbage)."""
+        cause = exc.__context__
+        if isinstance(exc, httptools.HttpParserCallbackError) and isinstance(
+            cause, httptools.HttpParserError
+        ):
+            # what uvicorn's callback found (a request target that is no URL path, as
+            # CONNECT's `host:port`), not the parser's "User callback error"
+            exc = cause
         message = f"the request is not valid HTTP: {exc}"
         refusal = self._refusal("400 Bad Request", "BadRequest", message, v2=False)
         self._close_refused("invalid", refusal)

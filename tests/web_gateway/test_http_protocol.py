@@ -1049,3 +1049,12 @@ def test_a_request_answered_early_gets_no_second_answer_when_its_body_is_refused
     for rest in (b"zz\r\n", b"5\r\nhello\r\n0\r\nX-Pad: " + b"a" * 70000 + b"\r\n\r\n"):
         _, raw = run_protocol(early, [head, rest], expire=False)
         assert written(raw) == b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}" and raw.closed
+
+
+def test_a_request_target_that_is_no_url_path_is_refused_saying_so() -> None:
+    """CONNECT's `host:port` target failed in uvicorn's callback: the 400 said "User callback
+    error"."""
+    connect = b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n"
+    _, raw = run_protocol(answer_app, [connect], expire=False)
+    assert written(raw).startswith(b"HTTP/1.1 400 Bad Request\r\n") and raw.closed
+    assert b"not valid HTTP: invalid url b'example.com:443'" in written(raw)
