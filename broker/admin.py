@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -180,8 +181,8 @@ def model_status(client: redis.Redis, keys: ModelKeys) -> ModelStatus:
                 idle_ms=int(info.get("idle", 0)),
                 alive=expiry is not None and expiry > now_ms,
                 heartbeat_expires_in_ms=None if expiry is None else expiry - now_ms,
-                current_batch=int(state.get("batch", 0)),
-                current_batch_ms=int(state.get("batch_ms", 0)),
+                current_batch=_count(state, "batch"),
+                current_batch_ms=_count(state, "batch_ms"),
             )
         )
     live = max(sum(consumer.alive for consumer in consumers), 1)
@@ -212,9 +213,18 @@ def _heartbeat_state(value: Any) -> dict[str, Any]:
         return {}
     try:
         state = json.loads(value)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
     return state if isinstance(state, dict) else {}
+
+
+def _count(state: dict[str, Any], field: str) -> int:
+    """A whole number of a heartbeat's JSON, 0 where it holds anything else: the key may be
+    written by a worker in another language, whose odd value must not stop the command."""
+    value = state.get(field, 0)
+    if isinstance(value, float) and math.isfinite(value):
+        value = int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def status(client: redis.Redis, prefix: str | None = None) -> list[ModelStatus]:

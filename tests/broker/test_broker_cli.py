@@ -87,6 +87,35 @@ def test_status_json_matches_redis(redis_server: RedisServer, prefix: str, tmp_p
         assert prefix in human.stdout and "…" not in human.stdout
 
 
+def test_status_shows_a_foreign_worker_whatever_its_heartbeat_holds(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A worker in another language vouches for itself as docs/protocol.md, section 11, says;
+    what it keeps in its heartbeat key is its own, and an odd value shows no batch."""
+    client = redis_server.client()
+    keys = ModelKeys("toy", prefix)
+    client.xgroup_create(keys.stream, "workers", id="0", mkstream=True)
+    values = {
+        "ok": '{"expires_ms": 1, "batch": 3, "batch_ms": 12.7}',
+        "text": '{"batch": "y", "batch_ms": [1]}',
+        "nulls": '{"batch": null, "batch_ms": null}',  # JSON.stringify of NaN
+        "odd": '{"batch": true, "batch_ms": -5}',
+        "deep": "[" * 100_000,
+        "not-json": "alive",
+    }
+    for name, value in values.items():
+        client.xgroup_createconsumer(keys.stream, "workers", name)
+        client.zadd(keys.consumers, {name: 2**52})
+        client.set(keys.heartbeat(name), value, px=60_000)
+    shown = {c.name: c for c in admin.model_status(client, keys).consumers}
+    assert (shown["ok"].current_batch, shown["ok"].current_batch_ms) == (3, 12)
+    for name in values.keys() - {"ok"}:
+        assert (shown[name].current_batch, shown[name].current_batch_ms) == (0, 0), name
+    result = broker_cli("status", "--redis", redis_server.url, "--prefix", prefix)
+    assert result.returncode == 0, result.stderr
+    assert "text" in result.stdout
+
+
 def test_dead_letters_list_replay_purge(redis_server: RedisServer, prefix: str) -> None:
     client = redis_server.client()
     keys = ModelKeys("toy", prefix)
