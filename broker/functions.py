@@ -346,8 +346,8 @@ local function entry_size(fields)
   local size, n, v2 = 0, nil, false
   for f = 1, #fields - 1, 2 do
     local name = fields[f]
-    if name == 'n' then
-      n = tonumber(fields[f + 1])
+    if name == 'n' then  -- digits only, as the workers read it (tonumber takes ' 2', '0x2')
+      n = string.match(fields[f + 1], '^[0-9]+$') and tonumber(fields[f + 1])
     elseif name == 'v' then
       v2 = fields[f + 1] == '2'
     elseif name == 'data' or string.sub(name, 1, 5) == 'data.' then

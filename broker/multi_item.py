@@ -53,9 +53,10 @@ def item_count(fields: Any) -> int | None:
     if not isinstance(fields, dict) or fields.get(b"v") != VERSION:
         return None
     n = fields.get(b"n")
-    if not isinstance(n, bytes) or not n.isdigit() or len(n) > 4:
+    if not isinstance(n, bytes) or not n.isdigit():
         return None
-    count = int(n)
+    digits = n.lstrip(b"0")  # any ASCII digits, leading zeros too, as mb_withdraw reads them
+    count = int(digits) if 0 < len(digits) <= 4 else 0
     return count if 1 <= count <= MAX_ENTRY_ITEMS else None
 
 

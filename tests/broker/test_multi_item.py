@@ -142,6 +142,13 @@ def test_a_v2_entry_without_a_valid_count_is_not_split(n: bytes) -> None:
     assert item_count({b"v": b"1", b"n": b"2"}) is None
 
 
+@pytest.mark.parametrize("n", [b"2", b"02", b"00002", b"0" * 40 + b"2"])
+def test_a_count_of_ascii_digits_is_read_whatever_its_leading_zeros(n: bytes) -> None:
+    """docs/protocol.md, section 5.1: `n` is ASCII digits, 1 to 512. A worker in another
+    language reading it so served "00002" as 2 items, where this one answered ProtocolError."""
+    assert item_count({b"v": b"2", b"n": n}) == 2
+
+
 def test_entry_items_is_checked() -> None:
     assert check_entry_items(1) == 1
     for bad in (0, 513):
@@ -481,6 +488,27 @@ def test_withdrawing_by_a_forged_item_count_never_loops_over_it(
         client.xadd(keys.stream, {"v": "2", "n": n, "reply": "x"}, id="*")
     assert withdraw(quick, keys, f"{bomb.decode()}#0", f"{bomb.decode()}#5") == 0
     assert client.zcard(keys.cancelled) == 2 and client.xlen(keys.stream) == 6
+
+
+@pytest.mark.parametrize("n", [" 2", "2 ", "+2", "2.0", "0x2", "2e0"])
+def test_withdrawing_takes_no_count_the_workers_would_not_take(
+    redis_server: RedisServer, prefix: str, n: str
+) -> None:
+    """Lua's tonumber reads ' 2', '2.0' or '0x2' as 2, where the workers see no valid `n` and
+    answer the entry ProtocolError: mb_withdraw deleted it unread, unanswered, and released
+    its count. Such an entry's handles are only marked, as any other count it cannot read."""
+    from broker import functions
+
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+    functions.load(client)
+    fields = {"v": "2", "n": n, "reply": keys.inbox("c"), "data.0": b"\x01", "data.1": b"\x02"}
+    entry = client.xadd(keys.stream, fields).decode()  # type: ignore[arg-type]
+    padded = client.xadd(keys.stream, {**fields, "n": "0002"}).decode()  # type: ignore[arg-type]
+    assert withdraw(client, keys, f"{entry}#0", f"{entry}#1") == 0
+    assert client.xlen(keys.stream) == 2 and client.zcard(keys.cancelled) == 2
+    assert withdraw(client, keys, f"{padded}#0", f"{padded}#1") == 2
+    assert client.xlen(keys.stream) == 1
 
 
 def test_withdrawing_a_v2_entry_by_its_id_releases_its_bytes_and_items(
