@@ -4,11 +4,13 @@ bounded and acknowledged one by one, on a real Redis with real workers."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
 import redis
 
@@ -433,6 +435,49 @@ def test_an_entry_taken_over_from_a_killed_worker_is_split_and_every_item_answer
     assert sorted(got) == [f"k.{i}" for i in range(5)]
     assert [got[f"k.{i}"]["item"] for i in range(1, 5)] == ["x1", "x2", "x3", "x4"]  # type: ignore[index]
     assert "into 5 entries" in log.read_text()
+    assert int(client.get(keys.packed_items)) == 0 and int(client.get(keys.queued_bytes)) == 0
+
+
+def test_a_worker_written_from_the_protocol_dies_mid_entry_and_a_takeover_computes_the_rest(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    """A worker in another language, here raw commands as docs/protocol.md states them: it
+    vouches for itself (section 11), reads a Streamer's v2 entry, answers two of its items in
+    one packed element and marks them answered (sections 5.1, 7.1), then dies. `worker start`
+    takes the entry over once its heartbeat lapses, and computes only the other two items."""
+    from broker import functions
+
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+    functions.load(client)
+    for stream in (keys.stream, keys.stream + ":high"):
+        client.xgroup_create(stream, keys.group, id="0", mkstream=True)
+    seconds, micros = client.time()  # type: ignore[misc]
+    expires = seconds * 1000 + micros // 1000 + 1000
+    client.zadd(keys.consumers, {"foreign-1": expires})
+    client.set(keys.heartbeat("foreign-1"), json.dumps({"expires_ms": expires}), px=1000)
+    with Streamer("toy", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True) as s:
+        future = s.submit(["a", "b", "c", "d"], timeout=60)
+        read = client.xreadgroup(keys.group, "foreign-1", {keys.stream: ">"}, count=8, block=10_000)
+        ((_, ((entry_id, fields),)),) = read
+        assert fields[b"v"] == b"2" and fields[b"n"] == b"4"
+        handle = entry_id.decode() + "#{}"
+        maps = [
+            msgpack.packb({"id": fields[f"id.{i}".encode()].decode(), "ok": True, "result": "F"})
+            for i in (0, 1)
+        ]
+        reply_key = fields[b"reply"]
+        assert client.fcall("mb_reply", 1, reply_key, 2, 60, 1, b"\x92" + b"".join(maps)) == []  # type: ignore[arg-type]
+        mark = {handle.format(i): time.time() * 1000 + 600_000 for i in (0, 1)}
+        client.zadd(keys.answered, mark)  # and then it dies, its heartbeat left to lapse
+        log = tmp_path / "worker.log"
+        with worker_process(redis_server.url, "tests.models:Toy", prefix, log_path=log):
+            outputs = future.result(timeout=60)
+            wait_until(lambda: client.xlen(keys.stream) == 0, 20, "the acks")
+    assert outputs[:2] == ["F", "F"]
+    assert [o["item"] for o in outputs[2:]] == ["c", "d"]  # type: ignore[index]
+    assert "into 2 entries" in log.read_text()
+    assert client.zcard(keys.answered) == 0
     assert int(client.get(keys.packed_items)) == 0 and int(client.get(keys.queued_bytes)) == 0
 
 
