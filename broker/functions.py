@@ -465,19 +465,37 @@ local function retire(keys, args)
   return redis.call('XGROUP', 'DELCONSUMER', keys[1], args[2], args[3])
 end
 
+-- Checks every count, and the TTL, before anything is pushed: the checks of a call that failed
+-- halfway would leave its first keys' replies written, for its worker to write again.
+local function reply_args_error(keys, args)
+  local ttl = args[2] or ''
+  if #keys > 0 and not (string.match(ttl, '^[1-9][0-9]*$') and #ttl <= 9) then
+    return redis.error_reply('MBARGS the reply TTL (after the version) must be a whole ' ..
+      'number of seconds, 1 to 999999999')
+  end
+  local elements = 0
+  for k = 1, #keys do
+    if not string.match(args[2 + k] or '', '^[0-9]+$') then
+      return redis.error_reply('MBARGS malformed mb_reply arguments for key ' .. k)
+    end
+    elements = elements + tonumber(args[2 + k])
+  end
+  if 2 + #keys + elements ~= #args then
+    return redis.error_reply('MBARGS mb_reply was given ' .. (#args - 2 - #keys) ..
+      ' replies where its counts add up to ' .. elements)
+  end
+end
+
 -- KEYS: reply keys. ARGV: version, TTL (s), one count per key, then the replies, key by key.
 -- A key that does not exist gets its replies and the TTL; a list gets its replies, and the
 -- TTL only if it has one already (a reply never gives a TTL to a key it did not create);
 -- any other type gets nothing. Returns {key, type, ...} of the keys refused.
 local function reply(keys, args)
-  local err = version_error(args)
+  local err = version_error(args) or reply_args_error(keys, args)
   if err then return err end
   local ttl, at, refused = args[2], 3 + #keys, {}
   for k, key in ipairs(keys) do
     local count = tonumber(args[2 + k])
-    if not count or count < 0 or at + count - 1 > #args then
-      return redis.error_reply('MBARGS malformed mb_reply arguments for key ' .. k)
-    end
     local kind = redis.call('TYPE', key)['ok']
     if kind == 'none' or kind == 'list' then
       local expires = kind == 'none' or redis.call('PTTL', key) >= 0

@@ -171,3 +171,25 @@ def test_withdraw_and_retire_take_only_one_models_keys(client: redis.Redis) -> N
         said = refusal(client, functions.RETIRE, 2, toy.stream, bare, functions.VERSION,
                        toy.group, "w")  # fmt: skip
         assert said.startswith("MBARGS mb_retire: key 2 must be "), said
+
+
+def test_a_malformed_reply_call_is_refused_before_any_reply_is_pushed(client: redis.Redis) -> None:
+    """A TTL of 0 deleted the replies it had just pushed (EXPIRE 0), one of `abc` failed after
+    pushing them, a count malformed for key 2 failed after key 1's replies were pushed (for
+    the worker to push them again), and replies past the counts were dropped unsaid."""
+    keys = ModelKeys("toy", "fn")
+    one, two = keys.inbox("one"), keys.inbox("two")
+    v = functions.VERSION
+    for ttl in ("0", "-1", "abc", "1.5", "", "9" * 10):
+        said = refusal(client, functions.REPLY, 1, one, v, ttl, 1, b"r")
+        assert said.startswith("MBARGS the reply TTL"), said
+    for counts in (("1", "x"), ("1", "1.5"), ("1", " 1"), ("1", "-1")):
+        said = refusal(client, functions.REPLY, 2, one, two, v, 60, *counts, b"r1", b"r2")
+        assert said == "MBARGS malformed mb_reply arguments for key 2", said
+    for pushed in ((b"r1",), (b"r1", b"r2", b"r3")):
+        said = refusal(client, functions.REPLY, 2, one, two, v, 60, 1, 1, *pushed)
+        assert said.startswith(f"MBARGS mb_reply was given {len(pushed)} replies"), said
+    assert client.exists(one, two) == 0
+    assert client.fcall(functions.REPLY, 0, v, 0) == []  # the workers' check of the library
+    assert client.fcall(functions.REPLY, 2, one, two, v, 60, 1, 1, b"r1", b"r2") == []
+    assert client.lrange(one, 0, -1) == [b"r1"] and 0 < client.ttl(two) <= 60
