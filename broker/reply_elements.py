@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import msgpack
 import numpy as np
 
 from . import codec
@@ -166,6 +167,44 @@ def decode_any(element: bytes) -> list[Reply | ProtocolError]:
     """Every reply of a reply list's element, whichever form it has (see
     :func:`decode_element`; a reply map gives one). Raises :class:`CodecError` or
     :class:`ProtocolError` when nothing of it can be routed."""
-    if is_packed(element):
-        return decode_element(element)
-    return [decode_reply(element)]
+    try:
+        if is_packed(element):
+            return decode_element(element)
+        return [decode_reply(element)]
+    except CodecError as exc:
+        salvaged = _salvage(element)
+        if salvaged is None:
+            raise exc from None
+        return salvaged
+
+
+def _salvage(element: bytes) -> list[Reply | ProtocolError] | None:
+    """The replies of an element holding a value the codec refuses (a foreign worker's array
+    of a dtype off section 4's list, an unknown extension type): each reply map is read alone,
+    and one the codec refuses fails its item with ProtocolError rather than leave its call to
+    its deadline. None where no map can be routed: not msgpack, or bigger than a packed
+    element (read without the codec's container count, which so many bytes cannot exceed)."""
+    if len(element) > MAX_ELEMENT_BYTES:
+        return None
+    try:
+        whole = msgpack.unpackb(element, raw=False, strict_map_key=False, ext_hook=msgpack.ExtType)
+    except Exception:  # not msgpack, or not of any value a reply can hold: nothing routes it
+        return None
+    if not (is_packed(element) and isinstance(whole, list)):
+        reply = _salvage_map(whole)
+        return [reply] if isinstance(reply, Reply) else None
+    return [_salvage_map(message) for message in whole]
+
+
+def _salvage_map(message: Any) -> Reply | ProtocolError:
+    """One reply map of :func:`_salvage`, decoded alone by the codec."""
+    try:
+        return reply_from_message(codec.decode(msgpack.packb(message)))
+    except ProtocolError as exc:
+        return exc
+    except CodecError as exc:
+        request_id = message.get("id") if isinstance(message, dict) else None
+        if not isinstance(request_id, str):
+            return ProtocolError("reply is not a map with a string 'id'")
+        return Reply(request_id, False, error_type="ProtocolError",
+                     error_message=f"malformed reply: {exc}")  # fmt: skip

@@ -264,3 +264,32 @@ def test_concurrent_callers_each_get_their_own_answer_from_packed_elements(
     assert out == [[2 * x[0], x[1] + 1, 0.0] for x in items]
     assert int(client.xinfo_stream(keys.stream)["entries-added"]) < len(items)
     assert sum(popped) < len(items)  # the replies came packed: fewer elements than calls
+
+
+def test_a_foreign_reply_holding_a_value_the_codec_refuses_fails_its_item_at_once(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A worker in another language sends an array of a dtype off the codec's list (`>f4`):
+    its call waited for its deadline, the reply dropped as unreadable although its id was
+    plain; the item now fails with ProtocolError at once, and its element-mate is routed."""
+    from broker import functions
+
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+    functions.load(client)
+    client.xgroup_create(keys.stream, "workers", id="0", mkstream=True)
+    big_endian = msgpack.ExtType(1, b"\x03>f4\x01" + (1).to_bytes(8, "little") + b"?\x80\x00\x00")
+    with Streamer("toy", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True) as s:
+        for packed in (True, False):
+            future = s.submit(["a", "b"], timeout=120)
+            read = client.xreadgroup("workers", "foreign", {keys.stream: ">"}, block=10_000)
+            ((_, ((_, fields),)),) = read
+            ids = [fields[f"id.{i}".encode()].decode() for i in (0, 1)]
+            bad = msgpack.packb({"id": ids[1], "ok": True, "result": big_endian})
+            good = msgpack.packb({"id": ids[0], "ok": True, "result": "fine"})
+            elements = [b"\x92" + good + bad] if packed else [good, bad]
+            counts = [len(elements)]
+            client.fcall("mb_reply", 1, fields[b"reply"], 2, 60, *counts, *elements)  # type: ignore[arg-type]
+            with pytest.raises(ProtocolError, match="dtype '>f4'") as failed:
+                future.result(timeout=30)
+            assert failed.value.index == 1
