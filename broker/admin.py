@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -19,7 +20,7 @@ from .keys import (
     parse_partitions,
 )
 from .liveness import server_time_ms
-from .partitions import tag, untag
+from .partitions import tag
 from .protocol import F_DATA, F_DEADLINE, F_ID
 from .transport import counter_value
 
@@ -32,6 +33,11 @@ STREAM_KEY = re.compile(
     rf"(?::p(?P<partition>[1-9][0-9]*))?\}}:requests(?:{re.escape(LEVEL_SUFFIX)})?"
 )
 DEAD_FIELDS = (b"dead_reason", b"dead_entry", b"dead_cut")
+# A dead id as dead_letters shows it (broker.partitions.tag): a stream id, then the lane's mark.
+DEAD_ID = re.compile(
+    r"(?P<stream>[0-9]{1,20}-[0-9]{1,20})(?:@(?P<partition>[0-9]{1,3})(?P<high>h?))?"
+)
+DEAD_PAGE = 1000  # dead letters read per XRANGE when replaying them all
 REPLAY_DROPS = (*DEAD_FIELDS, F_DEADLINE)
 
 
@@ -274,6 +280,64 @@ def dead_letters(client: redis.Redis, keys: ModelKeys, count: int = 100) -> list
     return out[:count]
 
 
+def parse_dead_id(text: str) -> tuple[str, int]:
+    """(the stream id, the lane) of a dead id as :func:`dead_letters` shows it:
+    ``<ms>-<seq>``, with ``@<k>`` for partition k and ``h`` after it for the high level; else
+    raise ValueError."""
+    match = DEAD_ID.fullmatch(text)
+    if match is None or any(int(part) >= 2**64 for part in match["stream"].split("-")):
+        raise ValueError(
+            f"invalid dead id {text!r}: use one that `broker dead-letters list` shows "
+            "(<ms>-<seq>, with @<k> for partition k and h after it for high priority)"
+        )
+    partition = int(match["partition"] or 0)
+    if partition >= MAX_PARTITIONS:
+        raise ValueError(f"invalid dead id {text!r}: no queue has partition {partition}")
+    return match["stream"], partition + (MAX_PARTITIONS if match["high"] else 0)
+
+
+def missing_dead_letters(client: redis.Redis, keys: ModelKeys, ids: list[str]) -> list[str]:
+    """Those of ``ids`` (valid: :func:`parse_dead_id`) that name no dead letter of the model."""
+    lanes = {part.lane: part for part in keys.lanes()}
+    pipe = client.pipeline(transaction=False)
+    asked = []
+    for text in ids:
+        stream_id, lane = parse_dead_id(text)
+        part = lanes.get(lane)
+        if part is not None:
+            pipe.xrange(part.dead_letters, stream_id, stream_id, count=1)
+            asked.append(text)
+    found = [text for text, entries in zip(asked, pipe.execute(), strict=True) if entries]
+    return [text for text in ids if text not in found]
+
+
+def _dead_entries(
+    client: redis.Redis, keys: ModelKeys, ids: list[str] | None
+) -> Iterator[tuple[ModelKeys, str, dict[Any, Any]]]:
+    """(lane keys, stream id, fields) of the dead letters with ``ids`` (all if None); all of
+    them read a page at a time, never a whole (uncapped) stream in one reply, and only those
+    there at the start (a replayed entry a worker dead-letters again is not replayed again)."""
+    lanes = {part.lane: part for part in keys.lanes()}
+    if ids is not None:
+        for stream_id, lane in dict.fromkeys(map(parse_dead_id, ids)):
+            if lane in lanes:  # (no dead letter is of a partition the model lacks)
+                entries: Any = client.xrange(lanes[lane].dead_letters, stream_id, stream_id)
+                for dead_id, fields in entries:
+                    yield lanes[lane], _text(dead_id), fields
+        return
+    for part in lanes.values():
+        last: Any = client.xrevrange(part.dead_letters, "+", "-", count=1)
+        start = "-"
+        while last and (page := _page(client, part.dead_letters, start, last[0][0])):
+            for dead_id, fields in page:
+                yield part, _text(dead_id), fields
+            start = "(" + _text(page[-1][0])
+
+
+def _page(client: redis.Redis, stream: str, start: str, end: Any) -> Any:
+    return client.xrange(stream, start, end, DEAD_PAGE)
+
+
 def replay_dead_letters(client: redis.Redis, keys: ModelKeys, ids: list[str] | None = None) -> int:
     """Queue dead letters again as fresh requests (all, or those with ``ids``), each on its
     own partition's stream; return how many.
@@ -282,29 +346,24 @@ def replay_dead_letters(client: redis.Redis, keys: ModelKeys, ids: list[str] | N
     (the deadline a pipeline's stage carried with it, F_DEADLINE, is not replayed).
     """
     replayed = 0
-    wanted = None if ids is None else {untag(i) for i in ids}
-    for part in keys.lanes():
-        entries: Any = client.xrange(part.dead_letters)
-        for dead_id, fields in entries:
-            dead = _text(dead_id)
-            if wanted is not None and (dead, part.lane) not in wanted:
-                continue
-            original = {k: v for k, v in fields.items() if k not in REPLAY_DROPS}
-            pipe = client.pipeline(transaction=True)
-            pipe.xadd(part.stream, original)
-            pipe.incrby(part.queued_bytes, len(original.get(F_DATA, b"")))
-            pipe.xdel(part.dead_letters, dead)
-            pipe.execute()
-            replayed += 1
+    for part, dead, fields in _dead_entries(client, keys, ids):
+        original = {k: v for k, v in fields.items() if k not in REPLAY_DROPS}
+        pipe = client.pipeline(transaction=True)
+        pipe.xadd(part.stream, original)
+        pipe.incrby(part.queued_bytes, len(original.get(F_DATA, b"")))
+        pipe.xdel(part.dead_letters, dead)
+        pipe.execute()
+        replayed += 1
     return replayed
 
 
 def purge_dead_letters(client: redis.Redis, keys: ModelKeys, ids: list[str] | None = None) -> int:
     """Delete dead letters (all, or those with ``ids``); return how many."""
     purged = 0
+    wanted = None if ids is None else [parse_dead_id(i) for i in ids]
     for part in keys.lanes():
-        if ids is not None:
-            mine = [i for i, k in map(untag, ids) if k == part.lane]
+        if wanted is not None:
+            mine = [i for i, k in wanted if k == part.lane]
             purged += int(client.xdel(part.dead_letters, *mine)) if mine else 0
             continue
         purged += int(client.xlen(part.dead_letters))

@@ -36,8 +36,8 @@ ENV = "MICROBATCH_BROKER_"
 MAX_COUNT = 2**63 - 1  # the most Redis' XRANGE ... COUNT takes
 EXIT_STATUS = (
     "Exit status: 0 on success; 1 when Redis cannot be reached or refuses a command (an ACL "
-    "user's NOPERM, say), or (dead-letters) holds nothing of the named model; 2 for a bad "
-    "option."
+    "user's NOPERM, say), or (dead-letters) holds nothing of the named model or no dead "
+    "letter of an --id given; 2 for a bad option."
 )
 
 app = new_app(
@@ -251,7 +251,7 @@ def list_dead(
     prefix: PrefixOption = DEFAULT_PREFIX,
     redis_url: RedisOption = DEFAULT_REDIS_URL,
     count: Annotated[
-        int, typer.Option(min=1, help="Show at most this many (of each partition).")
+        int, typer.Option(min=1, help="Show at most this many, the oldest first.")
     ] = 100,
     as_json: JsonOption = False,
 ) -> None:
@@ -279,10 +279,34 @@ def list_dead(
     _print(table)
 
 
+def _check_ids(ids: list[str] | None) -> list[str] | None:
+    """Each --id as `dead-letters list` shows it, else one error line and exit status 2."""
+    for text in ids or ():
+        try:
+            admin.parse_dead_id(text)
+        except ValueError as exc:
+            fail(f"--id: {exc}")
+    return ids or None  # (no --id: all of them)
+
+
 IdsOption = Annotated[
     list[str] | None,
-    typer.Option("--id", help="Only this dead id (repeatable) [default: all]."),
+    typer.Option(
+        "--id",
+        help="Only this dead id, as `dead-letters list` shows it (repeatable) [default: all].",
+        callback=_check_ids,
+    ),
 ]
+
+
+def _dead_targets(client: redis.Redis, name: str, prefix: str, ids: list[str] | None) -> ModelKeys:
+    """The keys of the model whose dead letters the command acts on; exit status 1 (nothing
+    done) if one of ``ids`` names no dead letter of it."""
+    keys = _served_keys(client, name, prefix)
+    missing = admin.missing_dead_letters(client, keys, ids) if ids else []
+    if missing:
+        fail(f"no dead letter {', '.join(missing)} of {name} (prefix {prefix}); nothing done", 1)
+    return keys
 
 
 @dead_app.command(short_help="Queue dead letters again (after fixing the model).")
@@ -295,7 +319,7 @@ def replay(
     """Queue dead letters again (after fixing the model); they leave the dead-letter stream."""
     client = _connect(redis_url)
     with _redis_errors(prefix):
-        count = admin.replay_dead_letters(client, _served_keys(client, name, prefix), ids)
+        count = admin.replay_dead_letters(client, _dead_targets(client, name, prefix, ids), ids)
     typer.echo(f"replayed {count} dead letter(s) of {name}")
 
 
@@ -312,7 +336,7 @@ def purge(
         raise typer.Exit(1)
     client = _connect(redis_url)
     with _redis_errors(prefix):
-        count = admin.purge_dead_letters(client, _served_keys(client, name, prefix), ids)
+        count = admin.purge_dead_letters(client, _dead_targets(client, name, prefix, ids), ids)
     typer.echo(f"purged {count} dead letter(s) of {name}")
 
 

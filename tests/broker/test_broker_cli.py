@@ -354,3 +354,43 @@ def test_a_misspelt_variable_of_the_prefix_is_one_warning_line() -> None:
         "Warning: MICROBATCH_BROKER_PREFX is not a setting of `broker`: ignored "
         "(did you mean MICROBATCH_BROKER_PREFIX?)"
     )
+
+
+def test_a_dead_id_that_is_malformed_or_names_nothing_is_refused_and_nothing_is_done(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A malformed --id was a traceback (`1-0@x`), 'Redis failed' (purge `garbage`) or, like
+    an id of no dead letter, 'replayed 0' with exit status 0: a typo looked like success."""
+    client = redis_server.client()
+    keys = ModelKeys("toy", prefix)
+    kept = client.xadd(keys.dead_letters, {"id": "x", "dead_reason": "test"}).decode()
+    base = ("--name", "toy", "--prefix", prefix, "--redis", redis_server.url)
+    for command in (("replay",), ("purge", "--yes")):
+        for bad in ("garbage", "1-0@x", "1-0@300", "99999999999999999999-0", f"{kept}@"):
+            result = broker_cli("dead-letters", *command, *base, "--id", bad)
+            assert result.returncode == 2, result.stderr
+            assert result.stderr.startswith(f"Error: --id: invalid dead id {bad!r}")
+            assert "Traceback" not in result.stderr
+        result = broker_cli("dead-letters", *command, *base, "--id", kept, "--id", f"{kept}@1")
+        assert result.returncode == 1, result.stderr
+        assert result.stderr.strip() == (
+            f"Error: no dead letter {kept}@1 of toy (prefix {prefix}); nothing done"
+        )
+        assert client.xlen(keys.dead_letters) == 1 and client.xlen(keys.stream) == 0
+    purged = broker_cli("dead-letters", "purge", "--yes", *base, "--id", kept)
+    assert purged.returncode == 0 and "purged 1" in purged.stdout
+
+
+def test_replaying_all_dead_letters_reads_them_a_page_at_a_time(
+    redis_server: RedisServer, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = redis_server.client()
+    keys = ModelKeys("toy", prefix)
+    for i in range(5):
+        client.xadd(keys.dead_letters, {"id": f"r{i}", "data": b"xy", "dead_reason": "test"})
+    monkeypatch.setattr(admin, "DEAD_PAGE", 2)
+    assert admin.replay_dead_letters(client, keys) == 5
+    assert [fields[b"id"] for _, fields in client.xrange(keys.stream)] == [
+        f"r{i}".encode() for i in range(5)
+    ]
+    assert client.xlen(keys.dead_letters) == 0 and client.get(keys.queued_bytes) == b"10"
