@@ -68,6 +68,23 @@ def find_models(client: redis.Redis, prefix: str | None = None) -> list[ModelKey
     ]
 
 
+def served_keys(client: redis.Redis, model: str, prefix: str) -> ModelKeys:
+    """A model's keys with as many partitions as stored with it, or as its streams (requests
+    or dead letters) show if more: after ``--partitions`` was lowered, the partitions dropped
+    keep what they held (a SCAN of every primary of a Redis Cluster)."""
+    pattern = f"mb:{{{prefix}:{model}:p*}}:*"
+    found = re.compile(
+        rf"mb:\{{{re.escape(prefix)}:{re.escape(model)}:p(?P<partition>[1-9][0-9]*)\}}"
+        rf":(?:requests|dead)(?:{re.escape(LEVEL_SUFFIX)})?"
+    )
+    seen = 1
+    for key in client.scan_iter(match=pattern, count=1000, _type="stream"):
+        match = found.fullmatch(_text(key))
+        if match and int(match["partition"]) < MAX_PARTITIONS:
+            seen = max(seen, int(match["partition"]) + 1)
+    return model_keys(client, model, prefix, seen)
+
+
 def model_keys(client: redis.Redis, model: str, prefix: str, seen: int = 1) -> ModelKeys:
     """A model's keys with its partition count: the stored one, or ``seen`` if more."""
     keys = ModelKeys(model, prefix)

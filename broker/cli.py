@@ -123,7 +123,7 @@ def _redis_errors(prefix: str | None) -> Iterator[None]:
 def _served_keys(client: redis.Redis, name: str, prefix: str) -> ModelKeys:
     """The keys of model ``name`` under ``prefix``; exit status 1 if Redis holds neither a
     queue nor a dead letter of it (a misspelt name would otherwise list nothing, silently)."""
-    keys = admin.model_keys(client, name, prefix)
+    keys = admin.served_keys(client, name, prefix)
     if any(client.xlen(lane.dead_letters) for lane in keys.lanes()):
         return keys
     models = {found.model for found in admin.find_models(client, prefix) if found.prefix == prefix}

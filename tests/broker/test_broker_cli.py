@@ -394,3 +394,26 @@ def test_replaying_all_dead_letters_reads_them_a_page_at_a_time(
         f"r{i}".encode() for i in range(5)
     ]
     assert client.xlen(keys.dead_letters) == 0 and client.get(keys.queued_bytes) == b"10"
+
+
+def test_dead_letters_of_partitions_dropped_by_a_lower_count_are_listed_and_purged(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """With --partitions lowered (the stored count 2, from 4), `status` showed partition 3's
+    dead letters but `dead-letters` took the stored count: it listed none of them, and could
+    neither replay nor purge them."""
+    client = redis_server.client()
+    keys = ModelKeys("toy", prefix, partitions=4)
+    client.set(keys.partitions_key, 2)
+    client.xadd(keys.stream, {"v": "1"})  # (a queue of the model, as workers leave it)
+    dropped = keys.of(3)
+    client.xadd(dropped.dead_letters, {"id": "r3", "dead_reason": "test"})
+    base = ("--name", "toy", "--prefix", prefix, "--redis", redis_server.url)
+    listed = broker_cli("dead-letters", "list", *base, "--json")
+    assert listed.returncode == 0, listed.stderr
+    (letter,) = json.loads(listed.stdout)
+    assert (letter["request_id"], letter["partition"]) == ("r3", 3)
+    assert letter["dead_id"].endswith("@3")
+    purged = broker_cli("dead-letters", "purge", "--yes", *base)
+    assert purged.returncode == 0 and "purged 1" in purged.stdout, purged.stderr
+    assert not client.exists(dropped.dead_letters)
