@@ -28,7 +28,7 @@ from .cli_common import (
     version_option,
 )
 from .client import DEFAULT_REDIS_URL
-from .keys import DEFAULT_PREFIX, ModelKeys, check_name
+from .keys import DEFAULT_PREFIX, ModelKeys, check_keys_name
 from .logs import configure_logging
 from .redis_url import RedisURLError
 
@@ -82,8 +82,8 @@ NameOption = Annotated[
     typer.Option(
         "--name",
         envvar=f"{ENV}NAME",
-        help="The model's name, e.g. mlp.",
-        callback=checked(check_name),
+        help="The model's name, e.g. mlp (a pipeline's later stage: <pipeline>.<stage>).",
+        callback=checked(check_keys_name),
     ),
 ]
 PrefixOption = Annotated[str, prefix_option("The deployment's key prefix.", f"{ENV}PREFIX")]

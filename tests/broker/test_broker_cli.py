@@ -417,3 +417,22 @@ def test_dead_letters_of_partitions_dropped_by_a_lower_count_are_listed_and_purg
     purged = broker_cli("dead-letters", "purge", "--yes", *base)
     assert purged.returncode == 0 and "purged 1" in purged.stdout, purged.stderr
     assert not client.exists(dropped.dead_letters)
+
+
+def test_dead_letters_of_a_pipeline_s_later_stage_are_named_as_the_docs_say(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """`--name sentiment.classifier` (docs/pipelines.md) was refused as an invalid model
+    name, exit status 2: a later stage's dead letters were out of the command's reach."""
+    client = redis_server.client()
+    stage = ModelKeys("chain.polarity", prefix)
+    client.xadd(stage.dead_letters, {"id": "r1", "dead_reason": "test"})
+    base = ("--name", "chain.polarity", "--prefix", prefix, "--redis", redis_server.url)
+    listed = broker_cli("dead-letters", "list", *base, "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [letter["request_id"] for letter in json.loads(listed.stdout)] == ["r1"]
+    purged = broker_cli("dead-letters", "purge", "--yes", *base)
+    assert "purged 1" in purged.stdout and not client.exists(stage.dead_letters)
+    for bad in ("chain.", ".polarity", "a.b.c"):
+        refused = broker_cli("dead-letters", "list", "--name", bad, "--redis", redis_server.url)
+        assert refused.returncode == 2 and refused.stderr.startswith("Error: invalid model name")
