@@ -11,10 +11,13 @@ from typing import Any
 
 import redis
 
+from . import liveness
 from .keys import (
+    HIGH,
     LEVEL_SUFFIX,
     MAX_PARTITIONS,
     NAME_PATTERN,
+    NORMAL,
     PREFIX_PATTERN,
     ModelKeys,
     parse_partitions,
@@ -386,3 +389,102 @@ def purge_dead_letters(client: redis.Redis, keys: ModelKeys, ids: list[str] | No
         purged += int(client.xlen(part.dead_letters))
         client.delete(part.dead_letters)
     return purged
+
+
+class ForgetRefused(Exception):
+    """What ``forget`` would delete is in use, or changed while it deleted."""
+
+
+def stored_keys(part: ModelKeys) -> list[str]:
+    """The keys of one partition of a model (of both levels) that stay until deleted: not its
+    heartbeats, inboxes or fan-out joins, which expire by themselves; of partition 0, the
+    model's partition count and withdrawn set too."""
+    names = [
+        key
+        for lane in (part.at(NORMAL), part.at(HIGH))
+        for key in (
+            lane.stream,
+            lane.dead_letters,
+            lane.cancelled,
+            lane.queued_bytes,
+            lane.packed_items,
+            lane.answered,
+        )
+    ]
+    names += [part.consumers, part.queue_bound]
+    if part.partition == 0:
+        names.append(part.partitions_key)
+        if part.pipeline == part.model:  # (a later stage's withdrawn set is its pipeline's)
+            names.append(part.withdrawn)
+    return names
+
+
+def forgettable(client: redis.Redis, keys: ModelKeys) -> tuple[list[ModelKeys], int]:
+    """The partitions of a model that no live worker reads (each partition's own consumers
+    set: workers vouch for themselves in every partition they read), and the model's live
+    workers: every partition when none is live, else those dropped when ``--partitions`` was
+    lowered. ``keys`` carry the partition count (:func:`model_keys`)."""
+    live = [len(liveness.live_consumers(client, part)) for part in keys.each()]
+    return [part for part, count in zip(keys.each(), live, strict=True) if not count], live[0]
+
+
+def _held(client: redis.Redis, part: ModelKeys) -> str:
+    """What one partition still holds (its entries queued or pending, its dead letters), in
+    words; empty when nothing."""
+    pipe = client.pipeline(transaction=False)
+    for level in (NORMAL, HIGH):
+        pipe.xlen(part.at(level).stream)
+        pipe.xlen(part.at(level).dead_letters)
+    queued, dead, high_queued, high_dead = pipe.execute()
+    held = []
+    if queued + high_queued:
+        held.append(f"{queued + high_queued} entry(ies) queued or pending")
+    if dead + high_dead:
+        held.append(f"{dead + high_dead} dead letter(s)")
+    return " and ".join(held)
+
+
+def check_forgettable(client: redis.Redis, parts: list[ModelKeys]) -> None:
+    """Raise ForgetRefused if one of these partitions holds entries or dead letters."""
+    refusals = [
+        f"partition {part.partition} holds {held}"
+        for part in parts
+        if (held := _held(client, part))
+    ]
+    if refusals:
+        raise ForgetRefused("; ".join(refusals))
+
+
+def forget(client: redis.Redis, parts: list[ModelKeys]) -> int:
+    """Delete what Redis keeps of these partitions of a model (:func:`stored_keys`); return
+    how many keys. Raise ForgetRefused, deleting nothing, if one holds entries or dead letters;
+    and if one changes meanwhile (a call queued, a worker started), having deleted only the
+    partitions done before it. Partition 0 (the model's count) goes last."""
+    check_forgettable(client, parts)
+    deleted = 0
+    for part in sorted(parts, key=lambda p: -p.partition):
+        deleted += _forget_partition(client, part)
+    return deleted
+
+
+def _forget_partition(client: redis.Redis, part: ModelKeys) -> int:
+    """Delete one partition's keys unless its streams or consumers change first."""
+    watched = [part.at(level).stream for level in (NORMAL, HIGH)]
+    watched += [part.at(level).dead_letters for level in (NORMAL, HIGH)]
+    watched.append(part.consumers)  # a worker starting to read it writes this first
+    with client.pipeline(transaction=True) as pipe:
+        try:
+            pipe.watch(*watched)  # type: ignore[no-untyped-call]
+            present = [name for name in stored_keys(part) if pipe.exists(name)]
+            if any(pipe.xlen(name) for name in watched[:4]):
+                raise redis.WatchError
+            pipe.multi()
+            if present:
+                pipe.delete(*present)
+            pipe.execute()
+        except redis.WatchError:
+            raise ForgetRefused(
+                f"partition {part.partition} changed meanwhile (a call was queued or a worker "
+                "started): nothing more was deleted"
+            ) from None
+    return len(present)

@@ -36,8 +36,9 @@ ENV = "MICROBATCH_BROKER_"
 MAX_COUNT = 2**63 - 1  # the most Redis' XRANGE ... COUNT takes
 EXIT_STATUS = (
     "Exit status: 0 on success; 1 when Redis cannot be reached or refuses a command (an ACL "
-    "user's NOPERM, say), or (dead-letters) holds nothing of the named model or no dead "
-    "letter of an --id given; 2 for a bad option."
+    "user's NOPERM, say), or (dead-letters, forget) holds nothing of the named model, or "
+    "(dead-letters) no dead letter of an --id given, or (forget) the model is in use; 2 for a "
+    "bad option."
 )
 
 app = new_app(
@@ -338,6 +339,60 @@ def purge(
     with _redis_errors(prefix):
         count = admin.purge_dead_letters(client, _dead_targets(client, name, prefix, ids), ids)
     typer.echo(f"purged {count} dead letter(s) of {name}")
+
+
+def _partition_list(parts: list[ModelKeys]) -> str:
+    numbers = [part.partition for part in parts]
+    if len(numbers) > 2 and numbers == list(range(numbers[0], numbers[-1] + 1)):
+        return f"partitions {numbers[0]}-{numbers[-1]}"
+    return ("partition " if len(numbers) == 1 else "partitions ") + ", ".join(map(str, numbers))
+
+
+@app.command(short_help="Delete what Redis keeps of a model no worker serves any more.")
+def forget(
+    name: NameOption,
+    prefix: PrefixOption = DEFAULT_PREFIX,
+    redis_url: RedisOption = DEFAULT_REDIS_URL,
+    yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False,
+) -> None:
+    """Delete what Redis keeps of a model no worker serves any more (removed from the
+    deployment), or, while live workers serve it, of the partitions they no longer read
+    (after --partitions was lowered): its streams and consumer group, counters, queue bound,
+    sets and partition count. Nothing else deletes them; heartbeats and inboxes expire by
+    themselves.
+
+    Refuses, deleting nothing (exit status 1), while any of it holds entries queued or pending,
+    or dead letters: let the queue drain, and replay or purge the dead letters first. A worker
+    started later simply begins anew. Needs a Redis user that may delete the prefix's keys:
+    none of those `broker acl` prints may (a tenant's admin cannot delete a queue).
+    """
+    client = _connect(redis_url)
+    with _redis_errors(prefix):
+        keys = _served_keys(client, name, prefix)
+        parts, live = admin.forgettable(client, keys)
+        if not parts:
+            fail(
+                f"{name} (prefix {prefix}) has {live} live worker(s), which read all of its "
+                f"{keys.partitions} partition(s): stop them first",
+                1,
+            )
+        whole = len(parts) == keys.partitions
+        what = name if whole else f"{_partition_list(parts)} of {name}"
+        if not whole:
+            typer.echo(
+                f"{name} has {live} live worker(s); they no longer read {_partition_list(parts)}"
+            )
+        try:
+            admin.check_forgettable(client, parts)
+        except admin.ForgetRefused as exc:
+            fail(f"not forgetting {what} (prefix {prefix}): {exc}", 1)
+        if not yes and not typer.confirm(f"Delete what Redis keeps of {what} (prefix {prefix})?"):
+            raise typer.Exit(1)
+        try:
+            deleted = admin.forget(client, parts)
+        except admin.ForgetRefused as exc:
+            fail(f"not forgetting {what} (prefix {prefix}): {exc}", 1)
+    typer.echo(f"forgot {what} (prefix {prefix}): deleted {deleted} key(s)")
 
 
 @app.command("acl", short_help="Print the Redis ACL users of one or more tenants (prefixes).")

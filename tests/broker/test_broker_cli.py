@@ -436,3 +436,81 @@ def test_dead_letters_of_a_pipeline_s_later_stage_are_named_as_the_docs_say(
     for bad in ("chain.", ".polarity", "a.b.c"):
         refused = broker_cli("dead-letters", "list", "--name", bad, "--redis", redis_server.url)
         assert refused.returncode == 2 and refused.stderr.startswith("Error: invalid model name")
+
+
+def _keys_of(client: redis.Redis, prefix: str) -> dict[str, int]:
+    """Every key of ``prefix`` with its TTL in ms (-1: none)."""
+    return {key.decode(): client.pttl(key) for key in client.scan_iter(f"mb:{{{prefix}:*")}
+
+
+def test_forget_deletes_what_a_removed_model_left_and_nothing_while_it_is_in_use(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A model removed from a deployment left its streams, consumer group, counters, bound,
+    sets and partition count in Redis for good, with no TTL and no command to delete them."""
+    client = redis_server.client()
+    keys = ModelKeys("toy", prefix)
+    base = ("--name", "toy", "--prefix", prefix, "--redis", redis_server.url)
+    with worker_process(redis_server.url, "tests.models:Toy", prefix):
+        with Streamer("toy", redis_url=redis_server.url, prefix=prefix) as streamer:
+            streamer.predict([1, 2])
+            streamer.predict([3], priority="high")
+        in_use = broker_cli("forget", "--yes", *base)
+        assert in_use.returncode == 1, in_use.stderr
+        assert "has 1 live worker(s), which read all of its 1 partition(s)" in in_use.stderr
+        assert client.exists(keys.stream, keys.queue_bound) == 2
+    client.zadd(keys.cancelled, {"1-0": 1})  # (left by a caller, pruned by workers only)
+    client.xadd(keys.stream, {"v": "1"})
+    queued = broker_cli("forget", "--yes", *base)
+    assert queued.returncode == 1
+    assert queued.stderr.strip() == (
+        f"Error: not forgetting toy (prefix {prefix}): partition 0 holds 1 entry(ies) queued "
+        "or pending"
+    )
+    client.delete(keys.stream)
+    client.xadd(keys.at(1).stream, {"v": "1"})
+    client.xtrim(keys.at(1).stream, maxlen=0)  # an empty stream, as workers leave it
+    left = _keys_of(client, prefix)
+    assert [key for key, ttl in left.items() if ttl < 0]  # what nothing deleted before
+    forgot = broker_cli("forget", "--yes", *base)
+    assert forgot.returncode == 0, forgot.stderr
+    assert forgot.stdout.startswith(f"forgot toy (prefix {prefix}): deleted ")
+    assert {key: ttl for key, ttl in _keys_of(client, prefix).items() if ttl < 0} == {}
+    unknown = broker_cli("forget", "--yes", *base)
+    assert unknown.returncode == 1 and "no model 'toy'" in unknown.stderr
+
+
+def test_forget_deletes_the_partitions_live_workers_no_longer_read(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """After --partitions was lowered (4 to 2), the dropped partitions' keys stayed for good
+    (and `broker status` listed them as the model's)."""
+    client = redis_server.client()
+    keys = ModelKeys("toy", prefix, partitions=4)
+    now_ms = int(client.time()[0]) * 1000
+    client.set(keys.partitions_key, 2)
+    for part in keys.each():
+        client.xgroup_create(part.stream, part.group, "0", mkstream=True)
+        client.hset(part.queue_bound, mapping={"items": 8, "bytes": 0})
+    for part in keys.each()[:2]:  # a live worker of 2 partitions vouches in each
+        client.zadd(part.consumers, {"w-1": now_ms + 600_000})
+    # and one still started with 4 (the stored count is the last written): not its partitions
+    client.zadd(keys.of(3).consumers, {"w-2": now_ms + 600_000})
+    base = ("--name", "toy", "--prefix", prefix, "--redis", redis_server.url)
+    assert "they no longer read partition 2\n" in broker_cli("forget", *base).stdout
+    client.delete(keys.of(3).consumers)
+    client.xadd(keys.of(3).dead_letters, {"id": "r", "dead_reason": "test"})
+    refused = broker_cli("forget", "--yes", *base)
+    assert refused.returncode == 1
+    assert "partitions 2, 3 of toy" in refused.stderr
+    assert "partition 3 holds 1 dead letter(s)" in refused.stderr
+    assert broker_cli("dead-letters", "purge", "--yes", *base).returncode == 0
+    forgot = broker_cli("forget", "--yes", *base)
+    assert forgot.returncode == 0, forgot.stderr
+    assert "they no longer read partitions 2, 3" in forgot.stdout
+    assert f"forgot partitions 2, 3 of toy (prefix {prefix}): deleted 4 key(s)" in forgot.stdout
+    left = _keys_of(client, prefix)
+    assert not [key for key in left if ":p2}" in key or ":p3}" in key]
+    assert {keys.stream, keys.of(1).stream, keys.consumers, keys.partitions_key} <= set(left)
+    (model,) = admin.status(client, prefix)
+    assert len(model.partitions) == 2

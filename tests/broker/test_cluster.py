@@ -818,3 +818,30 @@ def test_a_command_in_flight_to_a_primary_gone_silent_fails_once_its_replica_tak
         failed_after, answered_after = asyncio.run(main())
         assert failed_after < 8, f"the command in flight failed after {failed_after:.1f} s"
         assert answered_after < 10
+
+
+def test_broker_forget_deletes_a_partitioned_model_from_every_primary(
+    cluster: LocalCluster, prefix: str
+) -> None:
+    """Each partition's keys are deleted on its own node, in one transaction of its slot."""
+    spread = prefix_spreading_partitions(cluster, prefix, 3)
+    keys = ModelKeys("toy", spread, partitions=3)
+    url = cluster.url()
+    with connections.sync_client(url) as client:
+        client.set(keys.partitions_key, 3)
+        for part in keys.each():
+            client.xgroup_create(part.stream, part.group, "0", mkstream=True)
+            client.zadd(part.cancelled, {"1-0": 1})
+            client.hset(part.queue_bound, mapping={"items": 8, "bytes": 0})
+        client.xadd(keys.of(2).dead_letters, {"id": "r2", "dead_reason": "test"})
+    cli = CliRunner()
+    named = ["--name", "toy", "--prefix", spread, "--redis", url]
+    refused = cli.invoke(app, ["forget", "--yes", *named])
+    assert refused.exit_code == 1 and "partition 2 holds 1 dead letter(s)" in refused.output
+    assert cli.invoke(app, ["dead-letters", "purge", "--yes", *named]).exit_code == 0
+    forgot = cli.invoke(app, ["forget", "--yes", *named])
+    assert forgot.exit_code == 0, forgot.output
+    assert f"forgot toy (prefix {spread}): deleted 10 key(s)" in forgot.output
+    for port in cluster.primaries():
+        with cluster.client(port) as node:
+            assert list(node.scan_iter(f"mb:{{{spread}:*")) == []
