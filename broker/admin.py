@@ -71,6 +71,16 @@ def find_models(client: redis.Redis, prefix: str | None = None) -> list[ModelKey
     ]
 
 
+def prefixes(client: redis.Redis) -> list[str]:
+    """The prefixes with a model's request stream (their key names only: a SCAN)."""
+    found = set()
+    for key in client.scan_iter(match="mb:{*}:requests*", count=1000, _type="stream"):
+        match = STREAM_KEY.fullmatch(_text(key))
+        if match:
+            found.add(match["prefix"])
+    return sorted(found)
+
+
 def served_keys(client: redis.Redis, model: str, prefix: str) -> ModelKeys:
     """A model's keys with as many partitions as stored with it, or as its streams (requests
     or dead letters) show if more: after ``--partitions`` was lowered, the partitions dropped

@@ -235,7 +235,10 @@ def status(
             typer.echo(json.dumps([m.as_dict() for m in admin.status(client, prefix)], indent=2))
             return
         if not watch:
-            _print(_status_tables(admin.status(client, prefix)))
+            models = admin.status(client, prefix)
+            _print(_status_tables(models))
+            if not models:
+                _say_where_models_are(client, prefix)
             return
         with Live(_status_tables(admin.status(client, prefix)), console=Console()) as live:
             try:
@@ -244,6 +247,16 @@ def status(
                     live.update(_status_tables(admin.status(client, prefix)))
             except KeyboardInterrupt:
                 pass
+
+
+def _say_where_models_are(client: redis.Redis, prefix: str | None) -> None:
+    """A note (stderr) for a status that found no model: a misspelt --prefix shows empty
+    tables otherwise, as an idle deployment would."""
+    if prefix is None:
+        typer.echo("note: this Redis holds no microbatch queue", err=True)
+        return
+    others = ", ".join(admin.prefixes(client)) or "none"
+    typer.echo(f"note: no queue under prefix {prefix!r} (prefixes with queues: {others})", err=True)
 
 
 @dead_app.command("list")

@@ -514,3 +514,18 @@ def test_forget_deletes_the_partitions_live_workers_no_longer_read(
     assert {keys.stream, keys.of(1).stream, keys.consumers, keys.partitions_key} <= set(left)
     (model,) = admin.status(client, prefix)
     assert len(model.partitions) == 2
+
+
+def test_status_of_a_prefix_without_queues_says_which_prefixes_have_some(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A misspelt --prefix printed empty tables and exit status 0, as an idle deployment."""
+    redis_server.client().xadd(ModelKeys("toy", prefix).stream, {"v": "1"})
+    result = broker_cli("status", "--redis", redis_server.url, "--prefix", f"{prefix}x")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.startswith(f"note: no queue under prefix '{prefix}x' (prefixes with")
+    assert prefix in result.stderr.split("prefixes with queues: ")[1]
+    listed = broker_cli("status", "--redis", redis_server.url, "--prefix", prefix)
+    assert listed.returncode == 0 and listed.stderr == "", listed.stderr
+    as_json = broker_cli("status", "--redis", redis_server.url, "--prefix", f"{prefix}x", "--json")
+    assert (as_json.stdout.strip(), as_json.stderr) == ("[]", "")
