@@ -273,12 +273,15 @@ def list_dead(
     client = _connect(redis_url)
     count = min(count, MAX_COUNT)  # more than Redis' COUNT takes is all of them
     with _redis_errors(prefix):
-        letters = admin.dead_letters(client, _served_keys(client, name, prefix), count)
+        keys = _served_keys(client, name, prefix)
+        letters = admin.dead_letters(client, keys, count)
+        total = sum(int(client.xlen(lane.dead_letters)) for lane in keys.lanes())
     if as_json:
         typer.echo(json.dumps([letter.__dict__ for letter in letters], indent=2))
         return
+    shown = f"{len(letters)} of {total}, the oldest first" if total > len(letters) else total
     table = _table(
-        f"dead letters of {name} (prefix {prefix})",
+        f"dead letters of {name} (prefix {prefix}): {shown}",
         ["dead id", "request id", "reason", "bytes", "age s"],
         right=("bytes", "age s"),
     )

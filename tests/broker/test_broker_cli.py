@@ -529,3 +529,21 @@ def test_status_of_a_prefix_without_queues_says_which_prefixes_have_some(
     assert listed.returncode == 0 and listed.stderr == "", listed.stderr
     as_json = broker_cli("status", "--redis", redis_server.url, "--prefix", f"{prefix}x", "--json")
     assert (as_json.stdout.strip(), as_json.stderr) == ("[]", "")
+
+
+def test_dead_letters_list_says_how_many_it_leaves_out(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """--count 100 (the default) of 2,500 dead letters showed 100 rows and no hint of more."""
+    client = redis_server.client()
+    keys = ModelKeys("toy", prefix, partitions=2)
+    client.set(keys.partitions_key, 2)
+    for part in (keys, keys.of(1), keys.at(1)):
+        client.xadd(part.dead_letters, {"id": "x", "dead_reason": "test"})
+    listing = ("dead-letters", "list", "--name", "toy", "--prefix", prefix)
+    some = broker_cli(*listing, "--redis", redis_server.url, "--count", "2")
+    assert some.returncode == 0, some.stderr
+    title = " ".join(some.stdout.split())  # (a title wider than the table wraps)
+    assert f"dead letters of toy (prefix {prefix}): 2 of 3, the oldest first " in title
+    every = " ".join(broker_cli(*listing, "--redis", redis_server.url).stdout.split())
+    assert f"dead letters of toy (prefix {prefix}): 3 " in every
