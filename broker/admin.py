@@ -114,6 +114,8 @@ class ConsumerStatus:
     heartbeat_expires_in_ms: int | None
     current_batch: int = 0  # items in the batch it is computing (0: none)
     current_batch_ms: int = 0  # for how long, as of its last heartbeat
+    in_group: bool = True  # a consumer of the group (else only in the consumers set: it left
+    # the group, or never read; pending and idle_ms are then 0)
 
 
 @dataclass
@@ -219,6 +221,7 @@ def model_status(client: redis.Redis, keys: ModelKeys) -> ModelStatus:
                 heartbeat_expires_in_ms=None if expiry is None else expiry - now_ms,
                 current_batch=_count(state, "batch"),
                 current_batch_ms=_count(state, "batch_ms"),
+                in_group=name in held,
             )
         )
     live = max(sum(consumer.alive for consumer in consumers), 1)

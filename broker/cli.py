@@ -174,7 +174,10 @@ def _status_tables(models: list[admin.ModelStatus]) -> Group:
     counts = ("queued", "pending", "queued bytes", "live workers", "dead letters")
     summary = _table("microbatch models", ["prefix", "model", *counts], right=counts)
     columns = ["prefix", "model", "consumer", "alive", "pending", "idle s", "heartbeat s"]
-    workers = _table("workers", [*columns, "batch", "batch s"])
+    workers = _table(
+        "workers", [*columns, "batch", "batch s"], right=("pending", "idle s", "heartbeat s")
+    )
+    gone = 0
     shares = ("queued", "pending", "queued bytes", "dead letters", "bound items", "bound bytes")
     lanes = ["prefix", "model", "partition", "priority", *shares]
     partitions = _table("partitions", lanes, right=shares)
@@ -202,18 +205,27 @@ def _status_tables(models: list[admin.ModelStatus]) -> Group:
                 str(part.queue_bound_bytes) if part.queue_bound_bytes else "-",
             )
         for consumer in model.consumers:
+            if not consumer.alive and not consumer.in_group:
+                gone += 1  # (its heartbeat lapsed; the consumers set forgets it in an hour)
+                continue
             expires = consumer.heartbeat_expires_in_ms
             workers.add_row(
                 model.prefix,
                 model.model,
                 consumer.name,
                 "yes" if consumer.alive else "no",
-                str(consumer.pending),
-                f"{consumer.idle_ms / 1000:.1f}",
+                str(consumer.pending) if consumer.in_group else "-",
+                f"{consumer.idle_ms / 1000:.1f}" if consumer.in_group else "-",
                 "-" if expires is None else f"{expires / 1000:+.1f}",
                 str(consumer.current_batch) if consumer.current_batch else "-",
                 f"{consumer.current_batch_ms / 1000:.1f}" if consumer.current_batch else "-",
             )
+    if gone:
+        workers.caption = (
+            f"not shown: {gone} worker(s) gone, holding nothing (heartbeat lapsed within the "
+            "hour; --json lists them)"
+        )
+        workers.caption_justify = "left"
     if partitions.rows:  # only models spread over partitions or with high-priority entries
         return Group(summary, partitions, workers)
     return Group(summary, workers)

@@ -547,3 +547,26 @@ def test_dead_letters_list_says_how_many_it_leaves_out(
     assert f"dead letters of toy (prefix {prefix}): 2 of 3, the oldest first " in title
     every = " ".join(broker_cli(*listing, "--redis", redis_server.url).stdout.split())
     assert f"dead letters of toy (prefix {prefix}): 3 " in every
+
+
+def test_status_counts_workers_gone_for_good_instead_of_a_row_each(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """After an hour of worker restarts, `status` showed one row per worker gone (60 after
+    60 restarts), each 'idle 0.0' as if it had just read, though it had left the group."""
+    client = redis_server.client()
+    keys = ModelKeys("toy", prefix)
+    now_ms = int(client.time()[0]) * 1000
+    client.xgroup_create(keys.stream, keys.group, "0", mkstream=True)
+    client.xadd(keys.stream, {"v": "1"})
+    client.xreadgroup(keys.group, "holder-1", {keys.stream: ">"})  # died holding an entry
+    client.zadd(keys.consumers, {f"gone-{i}": now_ms - 60_000 for i in range(3)})
+    client.zadd(keys.consumers, {"holder-1": now_ms - 60_000})
+    human = broker_cli("status", "--redis", redis_server.url, "--prefix", prefix)
+    assert human.returncode == 0, human.stderr
+    assert "holder-1" in human.stdout and "gone-" not in human.stdout
+    assert "not shown: 3 worker(s) gone, holding nothing" in " ".join(human.stdout.split())
+    as_json = broker_cli("status", "--redis", redis_server.url, "--prefix", prefix, "--json")
+    (model,) = json.loads(as_json.stdout)
+    in_group = {c["name"]: c["in_group"] for c in model["consumers"]}
+    assert in_group == {"holder-1": True, "gone-0": False, "gone-1": False, "gone-2": False}
