@@ -404,6 +404,17 @@ def purge_dead_letters(client: redis.Redis, keys: ModelKeys, ids: list[str] | No
     return purged
 
 
+def purge_old_dead_letters(client: redis.Redis, keys: ModelKeys, older_than_ms: int) -> int:
+    """Delete the dead letters dead-lettered over ``older_than_ms`` ago (by the clock of the
+    node holding each, which stamped their ids); return how many."""
+    purged = 0
+    for part in keys.lanes():
+        oldest_kept = _now_ms(client, part) - older_than_ms
+        if oldest_kept > 0:
+            purged += int(client.xtrim(part.dead_letters, minid=oldest_kept, approximate=False))
+    return purged
+
+
 class ForgetRefused(Exception):
     """What ``forget`` would delete is in use, or changed while it deleted."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -352,21 +353,57 @@ def replay(
     typer.echo(f"replayed {count} dead letter(s) of {name}")
 
 
+AGE = re.compile(r"([0-9]+(?:\.[0-9]*)?)([smhd]?)")  # an --older-than: 3600, 90m, 12h, 7d
+AGE_UNITS_S = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _age_ms(value: str) -> int | None:
+    """An --older-than age in ms, or None if it is not one."""
+    match = AGE.fullmatch(value)
+    if match is None:
+        return None
+    age_ms = float(match[1]) * AGE_UNITS_S[match[2]] * 1000
+    return int(age_ms) if age_ms < 2**63 else None
+
+
+def _check_age(value: str | None) -> str | None:
+    if value is not None and _age_ms(value) is None:
+        fail(f"--older-than: {value!r} is not an age: give e.g. 3600, 90m, 12h or 7d")
+    return value
+
+
 @dead_app.command()
 def purge(
     name: NameOption,
     prefix: PrefixOption = DEFAULT_PREFIX,
     redis_url: RedisOption = DEFAULT_REDIS_URL,
     ids: IdsOption = None,
+    older_than: Annotated[
+        str | None,
+        typer.Option(
+            "--older-than",
+            metavar="AGE",
+            help="Only those dead-lettered longer ago than this: seconds, or with a unit "
+            "(90m, 12h, 7d) [default: all]. For a periodic clean-up, with --yes.",
+            callback=_check_age,
+        ),
+    ] = None,
     yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False,
 ) -> None:
     """Delete dead letters for good."""
-    if not yes and not typer.confirm(f"Delete dead letters of {name} (prefix {prefix})?"):
+    if ids and older_than is not None:
+        fail("give --id or --older-than, not both")
+    which = f" dead-lettered over {older_than} ago" if older_than is not None else ""
+    if not yes and not typer.confirm(f"Delete dead letters of {name} (prefix {prefix}){which}?"):
         raise typer.Exit(1)
     client = _connect(redis_url)
     with _redis_errors(prefix):
-        count = admin.purge_dead_letters(client, _dead_targets(client, name, prefix, ids), ids)
-    typer.echo(f"purged {count} dead letter(s) of {name}")
+        keys = _dead_targets(client, name, prefix, ids)
+        if older_than is not None:
+            count = admin.purge_old_dead_letters(client, keys, _age_ms(older_than) or 0)
+        else:
+            count = admin.purge_dead_letters(client, keys, ids)
+    typer.echo(f"purged {count} dead letter(s) of {name}{which}")
 
 
 def _partition_list(parts: list[ModelKeys]) -> str:

@@ -570,3 +570,39 @@ def test_status_counts_workers_gone_for_good_instead_of_a_row_each(
     (model,) = json.loads(as_json.stdout)
     in_group = {c["name"]: c["in_group"] for c in model["consumers"]}
     assert in_group == {"holder-1": True, "gone-0": False, "gone-1": False, "gone-2": False}
+
+
+def test_purge_older_than_keeps_the_recent_dead_letters_for_a_periodic_clean_up(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Dead letters are uncapped, and purge could only delete all of them (those just
+    dead-lettered, not looked at yet, too) or name each: no clean-up to run periodically."""
+    client = redis_server.client()
+    keys = ModelKeys("toy", prefix)
+    now_ms = int(client.time()[0]) * 1000
+    for lane, ms in ((keys, now_ms - 3 * 86_400_000), (keys.at(1), now_ms - 90_000)):
+        client.xadd(lane.dead_letters, {"id": "old", "dead_reason": "t"}, id=f"{ms}-0")
+        client.xadd(lane.dead_letters, {"id": "new", "dead_reason": "t"})
+    lines, _ = acl.render([prefix], environ={"MICROBATCH_REDIS_ADMIN_PASSWORD": "pw"})
+    (admin_line,) = [line for line in lines if line.startswith(f"user {prefix}-admin ")]
+    client.execute_command("ACL", "SETUSER", *setuser_rules(admin_line))
+    client.acl_log_reset()
+    url = redis_server.url.replace("redis://", f"redis://{prefix}-admin:pw@")
+    purge = ("dead-letters", "purge", "--yes", "--name", "toy", "--prefix", prefix, "--redis", url)
+    try:
+        for bad in ("7x", "-1", "d", "1e3", "9" * 30 + "d"):
+            refused = broker_cli(*purge, f"--older-than={bad}")
+            assert refused.returncode == 2, refused.stderr
+            assert refused.stderr.startswith(f"Error: --older-than: {bad!r} is not an age")
+        both = broker_cli(*purge, "--older-than", "1d", "--id", f"{now_ms}-0")
+        assert (both.returncode, both.stderr) == (2, "Error: give --id or --older-than, not both\n")
+        days = broker_cli(*purge, "--older-than", "2d")
+        assert days.stdout == "purged 1 dead letter(s) of toy dead-lettered over 2d ago\n"
+        minute = broker_cli(*purge, "--older-than", "60")
+        assert minute.returncode == 0 and "purged 1 " in minute.stdout, minute.stderr
+        assert client.acl_log() == []
+    finally:
+        client.execute_command("ACL", "DELUSER", f"{prefix}-admin")
+    left = [fields[b"id"] for lane in (keys, keys.at(1)) for _, fields in
+            client.xrange(lane.dead_letters)]  # fmt: skip
+    assert left == [b"new", b"new"]
