@@ -154,6 +154,10 @@ def _checked(options: dict[str, Any]) -> GatewaySettings:
         except OSError as exc:
             tokens_file = settings.auth_tokens_file
             raise ValueError(f"--auth-tokens-file {tokens_file}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:  # its bytes are not quoted: they may be tokens
+            raise ValueError(
+                f"--auth-tokens-file {settings.auth_tokens_file}: not UTF-8 text"
+            ) from None
         names = [load_model_class(path).name for path in settings.model]
         if len(set(names)) != len(names):
             raise ValueError(f"two models have the same name: {names}")

@@ -96,7 +96,9 @@ def authorize(request: Request, tokens: Sequence[bytes]) -> None:
     if not tokens:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    given = token.strip().encode()
+    # the header's own bytes (headers are read as Latin-1): a token's UTF-8, as a client sends
+    # it; only spaces and tabs are trimmed (0x85 and 0xa0 are bytes of UTF-8 characters)
+    given = token.strip(" \t").encode("latin-1")
     if scheme.lower() == "bearer" and given:
         # compare with every token, always, so timing tells nothing
         matched = False

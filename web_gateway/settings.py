@@ -267,7 +267,7 @@ class GatewaySettings(BaseSettings):
         """Every accepted bearer token, from ``auth_tokens`` and ``auth_tokens_file``."""
         tokens = set(self.auth_tokens)
         if self.auth_tokens_file is not None:
-            for line in self.auth_tokens_file.read_text().splitlines():
+            for line in self.auth_tokens_file.read_text(encoding="utf-8").splitlines():
                 line = line.strip()
                 if line and not line.startswith("#"):
                     tokens.add(line)

@@ -185,6 +185,17 @@ def test_an_infinite_duration_or_an_env_only_setting_gives_one_line_naming_it(
     assert line.startswith(f"Error: {said}"), line
 
 
+def test_a_tokens_file_that_is_not_utf8_is_named_without_its_bytes(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_bytes(b"s\xe9cret-latin1-token\n")
+    env = {"REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    args = ["--auth-tokens-file", str(tokens), "--port", str(free_port())]
+    refused = gateway("start", "--model", DOUBLER, *args, env=env)
+    assert refused.returncode == 2, refused.stderr
+    (line,) = refused.stderr.strip().splitlines()
+    assert line == f"Error: --auth-tokens-file {tokens}: not UTF-8 text"
+
+
 def test_the_gateway_s_own_redis_url_wins_over_redis_url_as_the_client_s_does(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

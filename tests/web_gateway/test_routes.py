@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import zlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from starlette.testclient import TestClient
@@ -59,6 +60,25 @@ def test_bearer_auth_guards_models_but_not_health(guarded: TestClient) -> None:
     assert guarded.get("/v1/models", headers=AUTH).json() == {"models": ["doubler"]}
     for path in ("/healthz", "/v2/health/live", "/v2"):
         assert guarded.get(path).status_code == 200, path
+
+
+def test_a_non_ascii_token_is_taken_as_its_utf8_bytes(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    """A token is compared as the UTF-8 bytes a client sends: the header's bytes, not their
+    Latin-1 reading encoded again (no non-ASCII token ever matched). Non-breaking spaces
+    (whose byte 0xa0 ends 'à' in UTF-8) are part of a token, not spaces around it."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# one per line\nclé-secrète-voilà\n", encoding="utf-8")
+    app = create_app(settings(redis_server.url, prefix, auth_tokens_file=tokens))
+    with TestClient(app) as http:
+        for token, status in (
+            ("clé-secrète-voilà", 200),
+            ("clé-secrète-voil", 401),
+            ("clé-secrète-voilà\u00a0", 401),
+        ):
+            header = f"Bearer {token}".encode()
+            assert http.get("/v1/models", headers={"Authorization": header}).status_code == status
 
 
 def test_errors_take_the_shape_of_their_protocol(guarded: TestClient) -> None:
