@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
@@ -20,19 +22,64 @@ FORMATS = ("text", "json")
 LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
+# What a text log writes escaped: line breaks (\n, \r and what else str.splitlines() breaks
+# at: \v, \f, \x1c-\x1e, \x85, \u2028-\u2029), and every other control character (ESC
+# starts the terminal sequences that move the cursor, erase or recolour lines: a forged line).
+# A tab stays.
+_UNSAFE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
+_UNSAFE_IN_TRACEBACK = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")  # not \n
+_NAMED = {"\n": "\\n", "\r": "\\r"}
+
+
+def _escaped(match: re.Match[str]) -> str:
+    char = match.group()
+    named = _NAMED.get(char)
+    if named is not None:
+        return named
+    return f"\\x{ord(char):02x}" if ord(char) < 0x100 else f"\\u{ord(char):04x}"
+
+
+def _exception_chain(exc: BaseException | None) -> list[BaseException]:
+    """``exc`` and every exception a traceback of it shows (causes, contexts, a group's)."""
+    chain: list[BaseException] = []
+    seen: set[int] = set()
+    pending = [exc]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        chain.append(current)
+        pending.append(current.__cause__)
+        if not current.__suppress_context__:
+            pending.append(current.__context__)
+        pending.extend(getattr(current, "exceptions", None) or ())
+    return chain
+
+
 class TextFormatter(logging.Formatter):
-    """``TEXT_FORMAT``, one line per event: a line break in a message (a value a client
-    chose, say) is written as ``\\n``, so it cannot start a line of its own (an exception's
-    traceback still follows on lines of its own)."""
+    """``TEXT_FORMAT``, one line per event: a line break or another control character in a
+    message (a value a client chose, say) is written escaped (``\\n``, ``\\x1b``), so it
+    cannot start a line of its own nor rewrite one on a terminal. An exception's traceback
+    follows on lines of its own, and the same holds there: an exception's message (which may
+    quote a client's input) stays on its own line too."""
 
     def __init__(self, fmt: str | None = TEXT_FORMAT, **kwargs: Any) -> None:
         super().__init__(fmt, **kwargs)
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         line = super().formatMessage(record)
-        if "\n" in line or "\r" in line:
-            line = line.replace("\r", "\\r").replace("\n", "\\n")
+        if not line.isprintable():  # the common line is: no search then
+            line = _UNSAFE.sub(_escaped, line)
         return line
+
+    def formatException(self, ei: Any) -> str:
+        text = super().formatException(ei)
+        for exc in _exception_chain(ei[1]):
+            shown = "".join(traceback.format_exception_only(type(exc), exc)).rstrip("\n")
+            if _UNSAFE.search(shown) is not None:
+                text = text.replace(shown, _UNSAFE.sub(_escaped, shown))
+        return _UNSAFE_IN_TRACEBACK.sub(_escaped, text)
 
 
 class JsonFormatter(logging.Formatter):

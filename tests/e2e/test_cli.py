@@ -141,3 +141,37 @@ def test_every_process_logs_in_one_format(capfd: pytest.CaptureFixture[str]) -> 
     # the compat supervisor uses the shared set-up too (no format string of its own)
     compat = (ROOT / "gpu_worker" / "compat.py").read_text()
     assert "configure_logging(" in compat and "basicConfig" not in compat
+
+
+FORGED = "\n2026-01-01 00:00:00,000 ERROR microbatch.gateway [1] forged\r\x1b[1A\x1b[2K\u2028x"
+
+
+def test_no_client_value_forges_a_line_of_a_text_log(capfd: pytest.CaptureFixture[str]) -> None:
+    """A message, and an exception's in a traceback (a model's, quoting its input, and the
+    exceptions it was raised from), start no line of their own and hold no terminal escape
+    nor other control character: each is written escaped."""
+    configure_logging("info", "text")
+    try:
+        logging.getLogger("microbatch.test").warning("model said %s", f"bad input{FORGED}")
+        message = capfd.readouterr().err
+        try:
+            try:
+                raise KeyError(f"cause{FORGED}")
+            except KeyError as cause:
+                raise ValueError(f"bad input{FORGED}") from cause
+        except ValueError:
+            logging.getLogger("microbatch.test").exception("the model raised")
+        traceback = capfd.readouterr().err
+    finally:
+        logging.getLogger().handlers.clear()
+    for text in (message, traceback):
+        assert not re.search("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]", text), text
+        lines = text.splitlines()
+        assert re.match(r"\d{4}-", lines[0]) and not any(re.match(r"\d", x) for x in lines[1:])
+    escaped = r"\n2026-01-01 00:00:00,000 ERROR microbatch.gateway [1] forged" + (
+        r"\r\x1b[1A\x1b[2K\u2028x"
+    )
+    assert message.endswith(f"model said bad input{escaped}\n")
+    assert traceback.splitlines()[1] == "Traceback (most recent call last):"
+    assert "ValueError: bad input\\n2026-01-01 00:00:00,000 ERROR" in traceback
+    assert "KeyError: 'cause\\n2026-01-01" in traceback
