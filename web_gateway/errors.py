@@ -62,6 +62,8 @@ withdrawals = ThrottledWarning(
     level=logging.INFO,
 )
 
+UNAVAILABLE_MESSAGE = "Redis, which queues the requests, is unavailable just now: retry later"
+
 STATUS_BY_ERROR: dict[type[MicrobatchError], int] = {
     InvalidInput: 422,
     CodecError: 422,
@@ -85,13 +87,19 @@ class HTTPError(Exception):
     """An error answered with ``status`` and a JSON body; raised anywhere in a request."""
 
     def __init__(
-        self, status: int, type_: str, message: str, headers: dict[str, str] | None = None
+        self,
+        status: int,
+        type_: str,
+        message: str,
+        headers: dict[str, str] | None = None,
+        detail: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.type = type_
         self.message = message
         self.headers = headers or {}
+        self.detail = message if detail is None else detail  # for the gateway's log only
 
 
 def bad_request(message: str) -> HTTPError:
@@ -125,6 +133,10 @@ def from_microbatch(exc: MicrobatchError, retry_after: int) -> HTTPError:
             status = STATUS_BY_ERROR[cls]
             break
     headers = {"Retry-After": str(retry_after)} if status == 503 else None
+    if isinstance(exc, BrokerUnavailable):
+        # what failed names the gateway's Redis (its address, its ACL user, a cluster node's
+        # MOVED): the gateway's log says it, the client is told to retry
+        return HTTPError(status, exc.type, UNAVAILABLE_MESSAGE, headers, detail=str(exc))
     return HTTPError(status, exc.type, str(exc), headers)
 
 

@@ -24,6 +24,7 @@ from . import kserve, metrics, reading
 from .disconnects import when_gone
 from .errors import (
     ClientGone,
+    HTTPError,
     from_microbatch,
     model_not_found,
     outcome_of,
@@ -219,8 +220,8 @@ class Gateway:
             return await handler(*args)
         except Exception as exc:
             outcome = outcome_of(exc)
-            if outcome == UNAVAILABLE:  # the workers log their outage; so does the gateway
-                self._unavailable.note(str(exc))
+            if outcome == UNAVAILABLE and isinstance(exc, HTTPError):  # so do the workers
+                self._unavailable.note(exc.detail)
             return to_response(exc, request.scope["method"], request.scope["path"])
         finally:
             served.metrics.answered(route, outcome, time.perf_counter() - started)

@@ -55,8 +55,8 @@ async def ready(request: Request) -> Response:
     gateway = _gateway(request)
     ok = await gateway.ping()
     body: dict[str, Any] = {"ready": ok}
-    if gateway.misuse:
-        body["error"] = gateway.misuse
+    if gateway.misuse:  # an open route: the log names the address, not this answer
+        body["error"] = "the gateway's Redis is a Redis Cluster node: give a redis+cluster:// URL"
     return json_response(body, 200 if ok else 503)
 
 

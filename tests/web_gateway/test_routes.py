@@ -217,6 +217,8 @@ def test_a_redis_url_of_a_cluster_node_leaves_the_gateway_unready(prefix: str) -
                 assert ready.status_code == 503, ready.text
                 assert ready.json()["ready"] is False
                 assert "give a redis+cluster:// URL" in ready.json()["error"]
+                # an open route: it names no address of the gateway's Redis
+                assert f":{node.port}" not in ready.text and "127.0.0.1" not in ready.text
     finally:
         node.stop()
 
@@ -231,17 +233,22 @@ def test_requests_failing_while_redis_is_away_are_logged_once_a_while(
     from broker.devserver import free_port
 
     body = {"inputs": [[1.0, 2.0, 3.0, 4.0]]}
+    port = free_port()
     with (
         caplog.at_level(logging.WARNING, logger="microbatch.gateway"),
-        TestClient(create_app(settings(f"redis://127.0.0.1:{free_port()}/0", prefix))) as http,
+        TestClient(create_app(settings(f"redis://127.0.0.1:{port}/0", prefix))) as http,
     ):
         for _ in range(3):
             answer = http.post("/v1/models/doubler/predict", json=body)
             assert answer.status_code == 503 and answer.json()["error"]["type"] == (
                 "BrokerUnavailable"
             )
+            # the client is told to retry, not where the gateway's Redis is nor why it failed
+            assert f":{port}" not in answer.text and "127.0.0.1" not in answer.text
+            assert "Errno" not in answer.text and "Redis" in answer.json()["error"]["message"]
     lines = [r.getMessage() for r in caplog.records if "answered 503" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("1 request(s) answered 503 BrokerUnavailable")
+    assert f"cannot connect to Redis at 127.0.0.1:{port}" in lines[0]  # the log says why
 
 
 def test_the_schema_names_the_served_models(guarded: TestClient) -> None:
