@@ -266,11 +266,19 @@ class GatewaySettings(BaseSettings):
     def tokens(self) -> frozenset[str]:
         """Every accepted bearer token, from ``auth_tokens`` and ``auth_tokens_file``."""
         tokens = set(self.auth_tokens)
-        if self.auth_tokens_file is not None:
-            for line in self.auth_tokens_file.read_text(encoding="utf-8").splitlines():
-                line = line.strip()
-                if line and not line.startswith("#"):
-                    tokens.add(line)
+        path = self.auth_tokens_file
+        if path is not None:
+            in_file = {
+                line
+                for line in (raw.strip() for raw in path.read_text(encoding="utf-8").splitlines())
+                if line and not line.startswith("#")
+            }
+            if not in_file:  # an emptied file (or a secret mounted empty) must not turn auth off
+                raise ValueError(
+                    f"--auth-tokens-file {path} holds no token (a line that is neither blank "
+                    "nor a '#' comment): give one, or no file to serve without auth"
+                )
+            tokens |= in_file
         return frozenset(tokens)
 
     def __repr_args__(self) -> Any:  # never print tokens nor passwords

@@ -196,6 +196,20 @@ def test_a_tokens_file_that_is_not_utf8_is_named_without_its_bytes(tmp_path: Pat
     assert line == f"Error: --auth-tokens-file {tokens}: not UTF-8 text"
 
 
+def test_a_tokens_file_without_a_token_is_refused_not_taken_as_auth_off(tmp_path: Path) -> None:
+    """A tokens file emptied (or commented out, or a secret mounted empty) turned auth off
+    without a word: every route open to anyone."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# the gateway's tokens\n\n   \n#old-token\n")
+    env = {"REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    args = ["--auth-tokens-file", str(tokens), "--port", str(free_port())]
+    refused = gateway("start", "--model", DOUBLER, *args, env=env)
+    assert refused.returncode == 2, refused.stderr
+    (line,) = refused.stderr.strip().splitlines()
+    assert line.startswith(f"Error: --auth-tokens-file {tokens} holds no token"), line
+    assert "old-token" not in line
+
+
 def test_the_gateway_s_own_redis_url_wins_over_redis_url_as_the_client_s_does(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
