@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from broker.cli_common import PREFIX_HELP, REDIS_HELP
@@ -220,8 +220,15 @@ class GatewaySettings(BaseSettings):
 
     @field_validator("model", "auth_tokens", mode="before")
     @classmethod
-    def _split(cls, value: Any) -> Any:
-        return _split_list(value)
+    def _split(cls, value: Any, info: ValidationInfo) -> Any:
+        try:
+            return _split_list(value)
+        except json.JSONDecodeError:  # its text is not quoted: it may hold tokens
+            name = "--model" if info.field_name == "model" else f"{ENV_PREFIX}AUTH_TOKENS"
+            raise ValueError(
+                f"{name}: a value starting with '[' is read as a JSON list of strings, and "
+                "this one is not JSON"
+            ) from None
 
     @field_validator("prefix")
     @classmethod

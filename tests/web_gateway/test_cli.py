@@ -169,6 +169,8 @@ def test_settings_are_checked_once_with_one_line_naming_the_option() -> None:
         ([], {"MICROBATCH_GATEWAY_RETRY_AFTER": "-1"}, "MICROBATCH_GATEWAY_RETRY_AFTER: "),
         ([], {"MICROBATCH_GATEWAY_PREPROCESS_THREADS": "0"}, "MICROBATCH_GATEWAY_PREPROCESS_"),
         (["--auth-tokens-file", "/nonexistent/tokens"], {}, "--auth-tokens-file /nonexistent/"),
+        # a list that is not JSON: named, never quoted (it holds tokens)
+        ([], {"MICROBATCH_GATEWAY_AUTH_TOKENS": "[tok-1, tok-2"}, "MICROBATCH_GATEWAY_AUTH_TOK"),
     ],
 )
 def test_an_infinite_duration_or_an_env_only_setting_gives_one_line_naming_it(
@@ -183,6 +185,7 @@ def test_an_infinite_duration_or_an_env_only_setting_gives_one_line_naming_it(
     assert refused.returncode == 2, refused.stderr
     (line,) = refused.stderr.strip().splitlines()
     assert line.startswith(f"Error: {said}"), line
+    assert "tok-1" not in line
 
 
 def test_a_tokens_file_that_is_not_utf8_is_named_without_its_bytes(tmp_path: Path) -> None:
