@@ -213,7 +213,7 @@ def _status_tables(models: list[admin.ModelStatus]) -> Group:
             workers.add_row(
                 model.prefix,
                 model.model,
-                consumer.name,
+                _inert(consumer.name),  # any name a worker user gave XREADGROUP
                 "yes" if consumer.alive else "no",
                 str(consumer.pending) if consumer.in_group else "-",
                 f"{consumer.idle_ms / 1000:.1f}" if consumer.in_group else "-",
@@ -302,7 +302,7 @@ def list_dead(
         table.add_row(
             letter.dead_id,
             _inert(letter.request_id),  # written by any caller
-            letter.reason,
+            _inert(letter.reason),  # any writer of the dead-letter stream
             str(letter.data_bytes),
             f"{letter.age_s:.0f}",
         )

@@ -174,6 +174,29 @@ def test_dead_letters_list_never_hands_a_caller_s_text_to_the_terminal(
         "request_id"] == hostile  # fmt: skip
 
 
+def test_status_never_hands_a_consumer_name_to_the_terminal(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Consumer names (any name XREADGROUP was given, by any tenant's worker user) reached the
+    operator's terminal raw in `broker status`, which reads every prefix: a window title, a
+    cleared screen, rich markup."""
+    client = redis_server.client()
+    keys = ModelKeys("toy", prefix)
+    hostile = "w\x1b]0;pwned\x07\x1b[2J\nforged[bold red]x[/]"
+    client.xgroup_create(keys.stream, "workers", id="0", mkstream=True)
+    client.xadd(keys.stream, {"a": "b"})
+    client.xreadgroup("workers", hostile, {keys.stream: ">"}, count=1)
+    shown = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "status", "--prefix", prefix,
+         "--redis", redis_server.url],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400"},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    assert "\x1b" not in shown.stdout and "\x07" not in shown.stdout
+    assert "w\\x1b]0;pwned\\x07\\x1b[2J\\nforged[bold red]x[/]" in shown.stdout
+
+
 def test_unreachable_redis_is_one_clear_line() -> None:
     result = broker_cli("status", "--redis", "redis://127.0.0.1:1/0")
     assert result.returncode == 1
