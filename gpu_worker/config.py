@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from broker.client import DEFAULT_REDIS_URL, MAX_TIMEOUT_S
 from broker.keys import DEFAULT_PREFIX, MAX_PARTITIONS, ModelKeys, check_name, check_prefix
+from broker.logs import redact_url
 from broker.redis_url import parse as parse_redis_url
 
 if TYPE_CHECKING:
@@ -250,6 +251,11 @@ class WorkerConfig:
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+    def __repr__(self) -> str:  # never the Redis URL's passwords (as Streamer's repr)
+        shown = {field.name: getattr(self, field.name) for field in fields(self)}
+        shown["redis_url"] = redact_url(self.redis_url)
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     @classmethod
     def from_json(cls, text: str) -> WorkerConfig:

@@ -105,3 +105,11 @@ def test_a_bad_argument_of_a_local_streamer_is_one_value_error_naming_it(
         LocalStreamer(Defaults, **arguments)
     assert str(raised.value).startswith(said)
     assert "\n" not in str(raised.value)
+
+
+def test_a_config_s_repr_never_shows_the_redis_password() -> None:
+    url = "redis+sentinel://w:s3cret-a@h:26379/svc?sentinel_password=s3cret-b"
+    shown = repr(WorkerConfig(model="tests.models:Toy", redis_url=url, workers=2))
+    assert "s3cret" not in shown
+    assert "redis_url='redis+sentinel://w:***@h:26379/svc?sentinel_password=***'" in shown
+    assert shown.startswith("WorkerConfig(model='tests.models:Toy', ") and "workers=2" in shown
