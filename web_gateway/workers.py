@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import signal
 import sys
 from typing import Any
@@ -41,6 +42,23 @@ class GatewayWorker(UvicornWorker):  # type: ignore[misc]
         # timeout, so a loop stalled for just over half of it could be killed; uvicorn checks
         # once a second, and now beats at each check.
         self.config.timeout_notify = HEARTBEAT_S
+        self._server: Server | None = None
+
+    async def callback_notify(self) -> None:
+        """Tell the master this worker lives; stop gracefully once the master is gone.
+
+        A master killed outright (SIGKILL, the OOM killer) can stop nothing: its workers, which
+        gunicorn's own worker types stop on seeing their parent change, served on unwatched,
+        holding the port, so a gateway started in its place could not bind it.
+        """
+        self.notify()
+        server = self._server
+        if server is None or server.should_exit or os.getppid() == self.ppid:
+            return
+        self.log.warning("the gunicorn master (pid %s) is gone: stopping", self.ppid)
+        server.should_exit = True
+        # what the master would have allowed: then the connections still open are dropped
+        asyncio.get_running_loop().call_later(self.cfg.graceful_timeout, _force_exit, server)
 
     async def _serve(self) -> None:
         # uvicorn_worker's _serve, handing uvicorn the listening sockets themselves rather than
@@ -48,7 +66,7 @@ class GatewayWorker(UvicornWorker):  # type: ignore[misc]
         # libuv having closed the descriptor already), and gunicorn's wrapper logged that
         # EBADF as "Error while closing socket [Errno 9]" at every shutdown.
         self.config.app = self.wsgi
-        server = Server(config=self.config)
+        server = self._server = Server(config=self.config)
         asyncio.get_running_loop().add_signal_handler(signal.SIGQUIT, _quit, server)
         await server.serve(sockets=[getattr(sock, "sock", sock) for sock in self.sockets])
         if not server.started:
@@ -63,3 +81,8 @@ def _quit(server: Server) -> None:
     forced one: at a terminal, Ctrl-C reaches the workers too, just before the master's
     SIGQUIT."""
     server.should_exit = True
+
+
+def _force_exit(server: Server) -> None:
+    """The graceful timeout of a worker whose master is gone has passed."""
+    server.force_exit = True

@@ -57,12 +57,14 @@ def gateway_process(
     env: dict[str, str] | None = None,
     workers: int = 1,
     log_path: Path | None = None,
+    port: int | None = None,
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """Run `gateway start` (gunicorn) on a free port; yield its base URL and process.
+    """Run `gateway start` (gunicorn) on ``port`` (default: a free one); yield its base URL
+    and process.
 
     With ``log_path``, its log (stderr) goes to that file.
     """
-    port = free_port()
+    port = port or free_port()
     command = [sys.executable, "-m", "web_gateway.cli", "start", "--redis", redis_url]
     for model in models:
         command += ["--model", model]

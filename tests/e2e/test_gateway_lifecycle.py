@@ -20,7 +20,14 @@ import httpx
 import pytest
 
 from broker.devserver import RedisServer, free_port
-from tests.conftest import ROOT, gateway_env, stop_process, wait_for_healthz, worker_process
+from tests.conftest import (
+    ROOT,
+    gateway_env,
+    stop_process,
+    wait_for_healthz,
+    wait_until,
+    worker_process,
+)
 from tests.e2e.test_gateway import DOUBLER, gateway_process
 from tests.gateway_models import sleep_item
 
@@ -125,3 +132,44 @@ def test_a_worker_stalled_for_less_than_the_timeout_is_not_killed(
     finally:
         stop_process(process)
     assert "WORKER TIMEOUT" not in log.read_text()
+
+
+def pid_gone(pid: int) -> bool:
+    """Whether a process has exited (a zombie counts: it no longer serves)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_workers_of_a_killed_master_stop_and_free_the_port(
+    doubler: str, prefix: str, tmp_path: Path
+) -> None:
+    """A master killed with SIGKILL cannot stop its workers: each notices its parent is gone,
+    answers what is in flight and exits, so a gateway started in its place can bind the port
+    (before, they served on, orphaned, and the new gateway exited with "Can't connect")."""
+    log = tmp_path / "gateway.log"
+    with gateway_process(doubler, [DOUBLER], prefix, workers=2, log_path=log) as (base, process):
+        workers = workers_of(process)
+        results: list[httpx.Response | Exception] = []
+        thread = threading.Thread(target=post_slow, args=(base, 2.0, results))
+        thread.start()
+        time.sleep(0.5)
+        process.kill()
+        process.wait()
+        thread.join()
+        try:
+            wait_until(lambda: all(pid_gone(pid) for pid in workers), 30, "the workers' exit")
+        finally:
+            for pid in workers:
+                if not pid_gone(pid):
+                    os.kill(pid, signal.SIGKILL)
+    assert [getattr(r, "status_code", r) for r in results] == [200]
+    assert "the gunicorn master (pid" in log.read_text()
+    port = int(base.rsplit(":", 1)[1])
+    with gateway_process(doubler, [DOUBLER], prefix, port=port) as (_, again):
+        response = httpx.post(
+            f"{base}/v1/models/doubler/predict", json={"inputs": [[1, 2, 3, 4]]}, timeout=10
+        )
+        assert response.json() == {"outputs": [[2.0, 4.0, 6.0, 8.0]]}
+        assert again.poll() is None
