@@ -60,6 +60,11 @@ MAX_CALL_BYTES = 64 * 1024 * 1024  # data bytes: one item at the codec's size li
 MAX_ENTRY_ITEMS = 512
 
 CANCELLED_TTL_MS = 10 * 60 * 1000  # how long a withdrawal is remembered for workers to skip
+# A worker still counts towards the queue bound this long after its heartbeat's expiry: after
+# Redis stalls for longer than the heartbeat TTL, every expiry is past until the supervisors
+# renew them, and the calls waiting meanwhile met a bound of one worker's share. (Takeover
+# likewise waits 2 s before it takes a lapsed worker's entries.)
+LAPSED_WORKER_GRACE_MS = 2000
 PUSH_CHUNK = 1000  # replies per RPUSH inside mb_reply (Lua's unpack has a stack limit)
 
 
@@ -77,6 +82,7 @@ local VERSION = @VERSION@
 local MAX_ENTRIES, MAX_BYTES = @MAX_ENTRIES@, @MAX_BYTES@
 local MAX_ENTRY_ITEMS = @MAX_ENTRY_ITEMS@
 local CANCELLED_TTL_MS, PUSH_CHUNK = @CANCELLED_TTL_MS@, @PUSH_CHUNK@
+local LAPSED_WORKER_GRACE_MS = @LAPSED_WORKER_GRACE_MS@
 local GROUP = '@GROUP@'
 local LEVEL_SUFFIX = '@LEVEL_SUFFIX@'
 
@@ -303,7 +309,7 @@ local function enqueue(keys, args)
     if length + entries > per_worker then
       local time = redis.call('TIME')
       local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-      live = math.max(redis.call('ZCOUNT', keys[4], now_ms, '+inf'), 1)
+      live = math.max(redis.call('ZCOUNT', keys[4], now_ms - LAPSED_WORKER_GRACE_MS, '+inf'), 1)
     end
     max_items = tighter(max_items, per_worker * live)
   end
@@ -525,6 +531,7 @@ redis.register_function{function_name='mb_reply', callback=reply, flags={'allow-
     .replace("@MAX_BYTES@", str(MAX_CALL_BYTES))
     .replace("@MAX_ENTRY_ITEMS@", str(MAX_ENTRY_ITEMS))
     .replace("@CANCELLED_TTL_MS@", str(CANCELLED_TTL_MS))
+    .replace("@LAPSED_WORKER_GRACE_MS@", str(LAPSED_WORKER_GRACE_MS))
     .replace("@PUSH_CHUNK@", str(PUSH_CHUNK))
     .replace("@GROUP@", GROUP)
     .replace("@LEVEL_SUFFIX@", LEVEL_SUFFIX)

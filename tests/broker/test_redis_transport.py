@@ -16,7 +16,7 @@ import redis
 
 from broker import functions, liveness, redis_transport
 from broker.devserver import RedisServer
-from broker.errors import BrokerUnavailable, InvalidInput
+from broker.errors import BrokerUnavailable, InvalidInput, QueueFull
 from broker.keys import ModelKeys
 from broker.protocol import CallRequests, request_fields
 from broker.redis_transport import EnqueuePacker, RedisTransport, _within_caps
@@ -192,6 +192,32 @@ def test_the_models_bound_scales_with_its_live_workers_and_callers_may_only_tigh
     assert int(client.get(keys.queued_bytes) or 0) == 3 + 95
     client.delete(keys.queue_bound)  # no bound stored: only the caller's
     assert fits(run(enqueue([call(10)]))) == [True]
+
+
+def test_a_worker_whose_heartbeat_just_lapsed_still_counts_towards_the_bound(
+    redis_server: RedisServer,
+) -> None:
+    """After Redis stalled for longer than the heartbeat TTL, every heartbeat's expiry was past
+    until the supervisors renewed it: the calls that had waited out the stall met a bound of
+    one worker's share (a quarter of it, with four workers)."""
+    keys = ModelKeys("m", f"t{uuid.uuid4().hex[:8]}")
+    client = redis_server.client()
+    client.hset(keys.queue_bound, mapping={"items": 2, "bytes": 0})
+    now_ms = int(client.time()[0]) * 1000
+    lapsed = {f"w{i}": now_ms - 500 for i in range(3)}  # expired half a second ago
+    client.zadd(keys.consumers, {**lapsed, "gone": now_ms - 60_000})
+
+    async def enqueue(items: int) -> object:
+        transport = RedisTransport(redis_server.url)
+        call = CallRequests(keys.inbox("a"), 1000, [f"a.{i}" for i in range(items)], [b"x"] * items)
+        try:
+            return (await transport.enqueue(keys, [call], UNBOUNDED))[0]
+        finally:
+            await transport.close()
+
+    assert isinstance(run(enqueue(6)), list)  # 3 workers (not the one gone a minute ago): 6
+    refused = run(enqueue(1))
+    assert isinstance(refused, QueueFull) and "bound of 6 items" in str(refused)
 
 
 def test_counters_left_beside_an_empty_stream_go_back_to_zero(redis_server: RedisServer) -> None:
