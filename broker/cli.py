@@ -238,7 +238,14 @@ def status(
     prefix: Annotated[
         str | None, prefix_option("Only this prefix [default: every prefix].", f"{ENV}PREFIX")
     ] = None,
-    watch: Annotated[bool, typer.Option("--watch", help="Refresh every second.")] = False,
+    watch: Annotated[
+        bool,
+        typer.Option(
+            "--watch",
+            help="Refresh every second, through Redis outages (a line says Redis cannot be "
+            "reached until it answers again); Ctrl-C stops.",
+        ),
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Each model's queue (stream length, pending, dead letters) and its workers."""
@@ -257,9 +264,19 @@ def status(
             try:
                 while True:
                     time.sleep(1.0)
-                    live.update(_status_tables(admin.status(client, prefix)))
+                    live.update(_watched_status(client, prefix))
             except KeyboardInterrupt:
                 pass
+
+
+def _watched_status(client: redis.Redis, prefix: str | None) -> RenderableType:
+    """The status tables, or, while Redis cannot be reached, a line saying so: a watch rides
+    out an outage (a restart, a failover) instead of exiting."""
+    try:
+        return _status_tables(admin.status(client, prefix))
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        when = time.strftime("%H:%M:%S")
+        return Text(f"{when} Redis cannot be reached ({exc}); trying again every second")
 
 
 def _say_where_models_are(client: redis.Redis, prefix: str | None) -> None:

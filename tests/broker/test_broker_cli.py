@@ -629,3 +629,17 @@ def test_purge_older_than_keeps_the_recent_dead_letters_for_a_periodic_clean_up(
     left = [fields[b"id"] for lane in (keys, keys.at(1)) for _, fields in
             client.xrange(lane.dead_letters)]  # fmt: skip
     assert left == [b"new", b"new"]
+
+
+def test_a_status_watch_rides_out_redis_being_away(redis_server: RedisServer) -> None:
+    """`status --watch` exited with a traceback-free 'Redis failed' (status 1) at the first
+    refresh after Redis went away (a restart, a failover), ending the operator's watch."""
+    from rich.text import Text
+
+    from broker.cli import _watched_status
+    from broker.devserver import free_port
+
+    away = redis.Redis(port=free_port(), socket_connect_timeout=1)
+    shown = _watched_status(away, None)
+    assert isinstance(shown, Text) and "Redis cannot be reached" in shown.plain
+    assert not isinstance(_watched_status(redis_server.client(), None), Text)
