@@ -365,6 +365,8 @@ class ConnectionLimits:
         return max(0.01, min(SWEEP_PERIOD_S, shortest / 4))
 
 
+SERVED_VERSIONS = frozenset(("1.1", "1.0"))  # as httptools names them
+
 # the request headers on_header looks into (uvicorn's looked for Expect alone)
 _FRAMING_HEADERS = frozenset((b"host", b"expect", b"transfer-encoding"))
 
@@ -651,10 +653,19 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         """Refuse (and stop the parser) a request whose body the gateway cannot read as sent
         (RFC 9112, 6.1): a transfer coding other than chunked is 501 (the parser takes the
         body as chunked alone, so a `gzip, chunked` body reached the app still compressed);
-        or that has more than one Host header, or none in HTTP/1.1 (RFC 9112, 3.2: 400)."""
+        or that has more than one Host header, or none in HTTP/1.1 (RFC 9112, 3.2: 400); or
+        of an HTTP version other than 1.0 and 1.1 (RFC 9110, 15.6.6: 505)."""
         v2 = is_v2(self.url.decode("latin-1"))
         coding = self.transfer_coding
-        if coding and coding != b"chunked":
+        version = self.parser.get_http_version()
+        if version not in SERVED_VERSIONS:  # the parser reads HTTP/0.9 and HTTP/2.0 request lines
+            refusal = self._refusal(
+                "505 HTTP Version Not Supported",
+                "HTTPVersionNotSupported",
+                f"HTTP/{version} is not served: send HTTP/1.1 (or HTTP/1.0)",
+                v2=v2,
+            )
+        elif coding and coding != b"chunked":
             refusal = self._refusal(
                 "501 Not Implemented",
                 "NotImplemented",
@@ -666,7 +677,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             refusal = self._refusal(
                 "400 Bad Request", "BadRequest", "a request has one Host header at most", v2=v2
             )
-        elif not self.host_lines and self.parser.get_http_version() == "1.1":
+        elif not self.host_lines and version == "1.1":
             refusal = self._refusal(
                 "400 Bad Request", "BadRequest", "an HTTP/1.1 request needs a Host header", v2=v2
             )
@@ -745,7 +756,11 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         self._close_refused("large", refusal)
 
     def on_headers_complete(self) -> None:
-        if self.host_lines != 1 or self.transfer_coding:
+        if (
+            self.host_lines != 1
+            or self.transfer_coding
+            or self.parser.get_http_version() not in SERVED_VERSIONS
+        ):
             self._check_framing()
         cycle = self.cycle
         super().on_headers_complete()

@@ -905,6 +905,16 @@ def test_a_request_without_its_one_host_header_is_refused_with_400() -> None:
         assert written(raw).startswith(b"HTTP/1.1 200 OK\r\n")
 
 
+def test_a_request_of_another_http_version_is_refused_with_505() -> None:
+    """The parser reads HTTP/2.0 and HTTP/0.9 request lines, and they were served as HTTP/1.x
+    (RFC 9110, 15.6.6: 505 for a major version the server does not support)."""
+    for version in (b"2.0", b"0.9"):
+        request = b"GET /v1/models HTTP/%s\r\nHost: x\r\n\r\n" % version
+        _, raw = run_protocol(answer_app, [request], expire=False)
+        assert written(raw).startswith(b"HTTP/1.1 505 HTTP Version Not Supported\r\n")
+        assert b"HTTP/%s is not served" % version in written(raw) and raw.closed
+
+
 async def answer_app(scope: Any, receive: Any, send: Any) -> None:
     await receive()
     await answer_ok(send)
