@@ -92,6 +92,8 @@ from uvicorn.protocols.http.httptools_impl import (
     RequestResponseCycle,
 )
 
+from broker.logs import Every
+
 from .disconnects import ON_GONE, gone
 from .errors import error_body, is_v2, v2_error_body
 
@@ -366,6 +368,7 @@ class ConnectionLimits:
 
 
 SERVED_VERSIONS = frozenset(("1.1", "1.0"))  # as httptools names them
+_CALLBACK_FAILURES = Every(60.0)
 
 # the request headers on_header looks into (uvicorn's looked for Expect alone)
 _FRAMING_HEADERS = frozenset((b"host", b"expect", b"transfer-encoding"))
@@ -706,6 +709,15 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             # what uvicorn's callback found (a request target that is no URL path, as
             # CONNECT's `host:port`), not the parser's "User callback error"
             exc = cause
+        elif (
+            isinstance(exc, httptools.HttpParserCallbackError)
+            and cause is not None
+            and _CALLBACK_FAILURES.due()
+        ):
+            # a callback's own failure (a fault of this code or uvicorn's), not the client's:
+            # answered 400 all the same, but said, with its traceback, at most once a minute
+            log.error("an HTTP parser callback failed; the request was answered 400",
+                      exc_info=cause)  # fmt: skip
         message = f"the request is not valid HTTP: {exc}"
         refusal = self._refusal("400 Bad Request", "BadRequest", message, v2=False)
         self._close_refused("invalid", refusal)

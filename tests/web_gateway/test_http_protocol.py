@@ -489,6 +489,25 @@ def test_what_is_not_http_gets_a_json_400_and_upgrades_are_served_without_a_log_
     assert len(said) == 1 and "1 not valid HTTP" in said[0]  # the sweeper's summary alone
 
 
+def test_a_parser_callback_s_own_failure_is_logged_with_its_traceback(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fault of the protocol's own code raised in a parser callback was answered as the
+    client's (400, 'not valid HTTP') and nothing was logged: a bug here looked like garbage."""
+    import web_gateway.http_protocol as http_protocol
+
+    def broken(self: Any, name: bytes, value: bytes) -> None:
+        raise RuntimeError("a fault of the protocol's own")
+
+    monkeypatch.setattr(GatewayHttpProtocol, "_note_framing", broken)
+    monkeypatch.setattr(http_protocol, "_CALLBACK_FAILURES", http_protocol.Every(60.0))
+    _, raw = run_protocol(answer_app, [b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"], False)
+    assert written(raw).startswith(b"HTTP/1.1 400 Bad Request\r\n") and raw.closed
+    failed = [r for r in caplog.records if "parser callback failed" in r.getMessage()]
+    assert len(failed) == 1 and failed[0].exc_info is not None
+    assert "a fault of the protocol's own" in str(failed[0].exc_info[1])
+
+
 def watch_gone(chunks: list[bytes], end: str) -> list[str]:
     """Serve ``chunks`` to an app that reads the body and waits on ``when_gone`` (no task on
     ``receive``); then end the connection as ``end`` says: "lost", "expire" or "answer"."""
