@@ -371,12 +371,35 @@ def _decode_reply_map(data: bytes) -> Reply:
     return reply_from_message(codec.decode(data))
 
 
+def _reply_text(value: Any) -> str | None:
+    """A reply's string field: a msgpack str, or a bin holding UTF-8 (a worker in another
+    language echoing the request id as the bytes its Redis client read it as); else None."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bytes):
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            return None
+    return None
+
+
+def _with_text_keys(message: Any) -> Any:
+    """A map whose bin keys holding UTF-8 are read as str keys (as :func:`_reply_text`)."""
+    if not isinstance(message, dict) or not any(isinstance(key, bytes) for key in message):
+        return message
+    return {_reply_text(key) or key: value for key, value in message.items()}
+
+
 def reply_from_message(message: Any) -> Reply:
     """A decoded reply map as a :class:`Reply` (see :func:`decode_reply`; raises
     :class:`ProtocolError` when it has no string ``id``)."""
     request_id = message.get("id") if isinstance(message, dict) else None
-    if not isinstance(request_id, str):
-        raise ProtocolError("reply is not a map with a string 'id'")
+    if not isinstance(request_id, str):  # (every reply of this package has a str id)
+        message = _with_text_keys(message)
+        request_id = _reply_text(message.get("id")) if isinstance(message, dict) else None
+        if request_id is None:
+            raise ProtocolError("reply is not a map with a string 'id'")
     ok = message.get("ok")
     if ok is True:
         return Reply(request_id, True, result=message.get("result"))
@@ -384,8 +407,9 @@ def reply_from_message(message: Any) -> Reply:
     if ok is not False or not isinstance(error, dict):
         problem = "'ok' is not a boolean" if ok is not False else "no 'error' map"
     else:
-        type_name, text = error.get("type"), error.get("message", "")
-        if isinstance(type_name, str) and isinstance(text, str):
+        error = _with_text_keys(error)
+        type_name, text = _reply_text(error.get("type")), _reply_text(error.get("message", ""))
+        if type_name is not None and text is not None:
             return Reply(request_id, False, error_type=type_name, error_message=text)
         problem = "'error.type' or 'error.message' is not a string"
     return Reply(

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from broker import codec
-from broker.errors import DeadlineExceeded, ModelError, error_from_wire
+from broker.errors import DeadlineExceeded, ModelError, ProtocolError, error_from_wire
 from broker.keys import ModelKeys
 from broker.protocol import (
     MalformedEntry,
@@ -114,6 +114,24 @@ def test_replies() -> None:
     assert "item 3" in str(rebuilt)
     assert isinstance(error_from_wire("DeadlineExceeded", "late"), DeadlineExceeded)
     assert "Weird" in str(error_from_wire("Weird", "x"))
+
+
+def test_a_reply_whose_strings_are_msgpack_bins_of_utf8_is_read() -> None:
+    """A worker in another language echoing the request id as the bytes its Redis client read
+    (a msgpack bin, not a str) had its replies dropped: each call waited for its deadline."""
+    import msgpack
+
+    ok = decode_reply(msgpack.packb({b"id": b"r1", "ok": True, "result": 2}, use_bin_type=True))
+    assert ok.ok and ok.request_id == "r1" and ok.result == 2
+    error = {"type": b"ModelError", "message": "bad \u00e9".encode()}
+    failed = decode_reply(msgpack.packb({"id": b"r2", "ok": False, "error": error}))
+    assert (failed.request_id, failed.error_type, failed.error_message) == (
+        "r2",
+        "ModelError",
+        "bad \u00e9",
+    )
+    with pytest.raises(ProtocolError, match="string 'id'"):
+        decode_reply(msgpack.packb({"id": b"\xff\xfe", "ok": True, "result": 1}))
 
 
 def test_a_non_ascii_digit_timeout_is_malformed_not_a_crash() -> None:
