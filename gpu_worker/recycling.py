@@ -1,9 +1,10 @@
 """Replacing a worker process that has served long enough or grown too big: a guard against
 model code that leaks memory (``worker start --max-batches`` and ``--max-rss-mib``).
 
-The worker process watches itself (once a second: nothing per batch or item); once due, it
-stops reading, finishes and answers the batches in hand as on SIGTERM, tells its supervisor why
-and exits, and the supervisor starts a fresh process at once.
+The worker process watches itself (once a second: nothing per batch or item) and, once due,
+tells its supervisor why. The supervisor stops it with SIGTERM (it stops reading, finishes and
+answers the batches in hand, and exits) and starts a fresh process at once; one slot at a
+time, so that the others serve meanwhile.
 """
 
 from __future__ import annotations
@@ -85,20 +86,19 @@ def replace_when_due(
     report: Callable[..., None],
 ) -> asyncio.Task[None] | None:
     """Watch ``batch_loop`` by ``policy`` on the running loop (None where it is never due):
-    once due, tell the supervisor (``report("replace", reason=...)``) and stop the loop."""
+    once due, tell the supervisor (``report("replace", reason=...)``), which stops it."""
     if not policy.active:
         return None
 
     def replace(reason: str) -> None:
         if batch_loop.batches:
-            log.info("worker %s stops to be replaced: %s", consumer, reason)
+            log.info("worker %s is due to be replaced: %s", consumer, reason)
         else:  # and so will every process after it: each one costs a model load
             log.warning(
-                "worker %s stops to be replaced before its first batch: %s; a worker needs "
+                "worker %s is due to be replaced before its first batch: %s; a worker needs "
                 "more than that once its model is loaded", consumer, reason,
             )  # fmt: skip
         report("replace", reason=reason)
-        batch_loop.stop()
 
     watch: Any = stop_when_due(policy, lambda: batch_loop.batches, replace)
     return asyncio.get_running_loop().create_task(watch)

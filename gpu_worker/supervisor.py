@@ -98,7 +98,9 @@ class Slot:
     restart_at: float | None = None
     last_error: str = ""
     refused: str = ""  # Redis' NOPERM to the worker's user, as the child reported it
-    replaced: str = ""  # why the child stopped itself to be replaced (--max-batches, --max-rss-mib)
+    due: str = ""  # why the child is due for replacement (--max-batches, --max-rss-mib), as it said
+    replaced: str = ""  # why the child was told to stop to be replaced
+    refilling: bool = False  # the fresh process of a replacement, not yet ready
     restarts: int = 0
     consumer: str | None = None
     device_bytes: int | None = None  # what its model holds on its device, as it reported
@@ -197,7 +199,7 @@ class Supervisor:
             except ValueError:
                 continue
             if message.get("event") == "ready":
-                slot.ready = True
+                slot.ready, slot.refilling = True, False
                 slot.consumer = str(message.get("consumer"))
                 size = message.get("device_bytes")
                 slot.device_bytes = size if isinstance(size, int) else None
@@ -211,7 +213,7 @@ class Supervisor:
             elif message.get("event") == "refused":
                 slot.refused = str(message.get("message", "NOPERM"))
             elif message.get("event") == "replace":
-                slot.replaced = str(message.get("reason", "due"))
+                slot.due = str(message.get("reason", "due"))
 
     def _close_status(self, slot: Slot) -> None:
         if slot.status_fd is not None:
@@ -225,6 +227,7 @@ class Supervisor:
         code = slot.process.returncode
         was_ready = slot.ready
         self._forget(slot)
+        slot.refilling = False
         if self._stopping:
             return
         if slot.refused:  # every worker logs in as the same user: none would get further
@@ -265,13 +268,28 @@ class Supervisor:
         slot.last_error = ""
         log.warning("worker %d %s; restarting in %.1f s", slot.index, reason, delay)
 
+    def _replace_due(self) -> None:
+        """Stop a child due for replacement (as SIGTERM does), one slot at a time: under an
+        even load the workers of one `worker start` come due together, and replacing them all
+        at once left the host serving nothing until a fresh process had loaded the model."""
+        if self._stopping:
+            return
+        replacing = any(slot.replaced or slot.refilling for slot in self.slots)
+        for slot in self.slots:
+            if replacing:
+                return
+            if slot.due and slot.process is not None and slot.process.poll() is None:
+                slot.replaced, slot.due = slot.due, ""
+                slot.process.send_signal(signal.SIGTERM)
+                replacing = True
+
     def _replaced(self, slot: Slot, code: int, now: float) -> bool:
         """Start a fresh child at once where this one stopped itself to be replaced and
         finished its batches (exit status 0): no crash, no backoff."""
         replaced, slot.replaced = slot.replaced, ""
         if not replaced or code != 0 or slot.last_error:
             return False
-        slot.restart_at = now
+        slot.restart_at, slot.refilling = now, True
         log.info("worker %d stopped to be replaced: %s; starting a fresh one", slot.index,
                  replaced)  # fmt: skip
         return True
@@ -285,7 +303,7 @@ class Supervisor:
         if self.metrics is not None:
             self.metrics.process_gone(slot.process.pid)
         slot.process = None
-        slot.ready, slot.busy_since = False, None
+        slot.ready, slot.busy_since, slot.due = False, None, ""
         if slot.consumer is not None:
             self.heartbeats.retire(slot.consumer)
             slot.consumer = None
@@ -391,6 +409,7 @@ class Supervisor:
             self._read_status(key.data)
         now = time.monotonic()
         self._tend_children(now)
+        self._replace_due()
         if self._sizing:
             self._size_devices()
         self._watchdog(now)

@@ -69,3 +69,45 @@ def test_a_worker_process_due_is_replaced_and_no_call_is_lost(
         assert len(pids) >= 3, "no worker process was replaced twice"
     text = log.read_text()
     assert "stopped to be replaced" in text and "restarting" not in text
+
+
+def test_workers_due_together_are_replaced_one_at_a_time() -> None:
+    """Under an even load every worker of a `worker start` comes due at once; stopping them
+    all at once left the host serving nothing until a fresh process had loaded the model."""
+    import signal
+
+    from gpu_worker import supervisor
+    from gpu_worker.config import WorkerConfig
+
+    class Running:
+        returncode = 0
+
+        def __init__(self, pid: int) -> None:
+            self.pid, self.signals = pid, list[int]()
+
+        def poll(self) -> int | None:
+            return 0 if self.signals else None
+
+        def send_signal(self, signum: int) -> None:
+            self.signals.append(signum)
+
+    workers = supervisor.Supervisor(
+        WorkerConfig(model="tests.models:Toy", workers=2, max_batches=5)
+    )
+    workers.all_ready_once = True
+    first, second = workers.slots
+    try:
+        first.process, second.process = Running(1), Running(2)  # type: ignore[assignment]
+        first.ready = second.ready = True
+        first.due = second.due = "computed 5 batches (--max-batches 5)"
+        workers._replace_due()
+        assert (first.process.signals, second.process.signals) == ([signal.SIGTERM], [])
+        workers._reap(first, 1000.0)  # it answered its batches and exited: a fresh one starts
+        assert first.refilling and first.restart_at == 1000.0
+        workers._replace_due()
+        assert second.process.signals == []  # not while the fresh one loads the model
+        first.process, first.ready, first.refilling = Running(3), True, False  # type: ignore[assignment]
+        workers._replace_due()
+        assert second.process.signals == [signal.SIGTERM]
+    finally:
+        workers.heartbeats.close()
