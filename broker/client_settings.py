@@ -162,7 +162,9 @@ def warn_unknown_variables() -> None:
     """Warn (once a process for each) of the ``MICROBATCH_CLIENT_`` variables that name no
     setting, naming the closest one: a misspelt setting is ignored, and not in silence."""
     known = [f"{ENV_PREFIX}{name.upper()}" for name in ClientSettings.model_fields]
-    for variable, hint in unknown_variables(ENV_PREFIX, known):
+    # pydantic-settings reads the environment ignoring case (MICROBATCH_CLIENT_Timeout sets
+    # the timeout): so is it checked here
+    for variable, hint in unknown_variables(ENV_PREFIX, known, case_sensitive=False):
         message = f"{variable} is not a setting of microbatch's client: ignored{hint}"
         warnings.warn(message, UnknownSettingWarning, stacklevel=2)
 

@@ -30,26 +30,31 @@ SERVICE_LINK_URL = re.compile(r"(tcp|udp|sctp)://")
 
 
 def unknown_variables(
-    prefix: str, known: Iterable[str], environ: Mapping[str, str] | None = None
+    prefix: str,
+    known: Iterable[str],
+    environ: Mapping[str, str] | None = None,
+    case_sensitive: bool = True,
 ) -> list[tuple[str, str]]:
     """``(variable, hint)`` for each variable of ``prefix`` in ``environ`` (the process's
     environment by default) that is none of ``known``, in name order; the hint names the
     closest setting (or is empty). Kubernetes' service links and compose's own variables
-    share the prefix and are left out."""
+    share the prefix and are left out. Not ``case_sensitive``: names are compared in upper
+    case, as a reader that ignores case reads them (``known`` are given in upper case)."""
     environ = os.environ if environ is None else environ
     names = sorted(set(known))
     found = []
     for variable, value in sorted(environ.items()):
-        if not variable.startswith(prefix) or variable in names or variable in COMPOSE_VARIABLES:
+        name = variable if case_sensitive else variable.upper()
+        if not name.startswith(prefix) or name in names or name in COMPOSE_VARIABLES:
             continue
-        if SERVICE_LINK.fullmatch(variable) or SERVICE_LINK_URL.match(value):
+        if SERVICE_LINK.fullmatch(name) or SERVICE_LINK_URL.match(value):
             continue
-        if variable.endswith(("_REDIS", "_REDIS_URL")) and f"{prefix}REDIS_URL" not in names:
+        if name.endswith(("_REDIS", "_REDIS_URL")) and f"{prefix}REDIS_URL" not in names:
             hint = " (--redis reads REDIS_URL)"
         else:
             # compared without the prefix, which every name shares
-            settings = [name[len(prefix) :] for name in names]
-            close = difflib.get_close_matches(variable[len(prefix) :], settings, n=1)
+            settings = [known_name[len(prefix) :] for known_name in names]
+            close = difflib.get_close_matches(name[len(prefix) :], settings, n=1)
             hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
         found.append((variable, hint))
     return found

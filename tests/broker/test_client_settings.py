@@ -154,6 +154,22 @@ def test_a_misspelt_variable_is_warned_of_naming_the_setting_meant(
     streamer.close()
 
 
+def test_variables_are_checked_ignoring_case_as_they_are_read(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    """The client reads its variables ignoring case: MICROBATCH_CLIENT_Timeout set the timeout
+    and was warned of as ignored, and a misspelt one in lower case was not warned of."""
+    clean_env.setenv(f"{ENV_PREFIX}Timeout", "7")
+    clean_env.setenv(ENV_PREFIX.lower() + "prefx", "p")
+    with pytest.warns(UnknownSettingWarning) as caught:
+        settings = ClientSettings()
+    assert [str(warning.message) for warning in caught] == [
+        f"{ENV_PREFIX.lower()}prefx is not a setting of microbatch's client: ignored "
+        f"(did you mean {ENV_PREFIX}PREFIX?)",
+    ]
+    assert settings.timeout == 7
+
+
 def test_settings_that_read_no_environment_warn_of_none_of_it(
     clean_env: pytest.MonkeyPatch,
 ) -> None:
