@@ -426,6 +426,8 @@ class Supervisor:
             )
         if not self.all_ready_once:
             self._check_started(now)
+        else:
+            self._stop_late(self._late(now))
 
     def _tend_children(self, now: float) -> None:
         """Reap the children that exited, restart those due, and read the others' batches."""
@@ -487,16 +489,28 @@ class Supervisor:
                 f"{size} bytes in all" if size else "no byte bound",
             )  # fmt: skip
             return
-        late = [
-            slot
-            for slot in self.slots
-            if not slot.ready and now - slot.started_at > self.config.start_timeout
-        ]
+        late = self._late(now)
         if any(not slot.auto_extra for slot in late):
             raise StartError(
                 f"workers not ready within {self.config.start_timeout:g} s (--start-timeout)"
             )
-        for slot in late:  # auto's own extras: stopped, then left out as they exit
+        self._stop_late(late)  # auto's own extras: stopped, then left out as they exit
+
+    def _late(self, now: float) -> list[Slot]:
+        """The slots whose process has not loaded the model within --start-timeout."""
+        return [
+            slot
+            for slot in self.slots
+            if slot.process is not None
+            and not slot.ready
+            and now - slot.started_at > self.config.start_timeout
+        ]
+
+    def _stop_late(self, late: list[Slot]) -> None:
+        """Kill the processes of these late slots: a restarted (or replacement) process stuck
+        loading the model is then restarted as one that failed to start, instead of holding
+        its slot for good."""
+        for slot in late:
             if slot.process is not None and not slot.last_error:
                 slot.last_error = f"not ready within {self.config.start_timeout:g} s"
                 slot.process.kill()

@@ -13,6 +13,7 @@ from broker import Streamer
 from broker.devserver import RedisServer
 from gpu_worker.recycling import RecyclePolicy, resident_bytes, stop_when_due
 from tests.conftest import worker_process
+from tests.models import INIT_UNTIL_ENV
 
 
 def test_a_policy_is_due_after_its_batches_or_over_its_memory() -> None:
@@ -111,3 +112,28 @@ def test_workers_due_together_are_replaced_one_at_a_time() -> None:
         assert second.process.signals == [signal.SIGTERM]
     finally:
         workers.heartbeats.close()
+
+
+def test_a_fresh_process_stuck_loading_the_model_is_restarted_after_the_start_timeout(
+    redis_server: RedisServer, prefix: str, tmp_path: Path
+) -> None:
+    """--start-timeout held only until every worker had first been ready: a replacement (or
+    restarted) process stuck loading the model then held its slot for good, serving nothing."""
+    log, loadable = tmp_path / "worker.log", tmp_path / "loadable"
+    loadable.touch()
+    options = ("--max-batches", "1", "--start-timeout", "3")
+    with (
+        worker_process(
+            redis_server.url, "tests.models:Toy", prefix, *options,
+            env={INIT_UNTIL_ENV: str(loadable)}, log_path=log,
+        ),
+        Streamer("toy", redis_url=redis_server.url, prefix=prefix, timeout=60) as streamer,
+    ):  # fmt: skip
+        loadable.unlink()  # the next process hangs in init_model (60 s)
+        first = streamer.predict([1])[0]["pid"]
+        deadline = time.monotonic() + 40
+        while "not ready within 3 s; restarting" not in log.read_text():
+            assert time.monotonic() < deadline, "the stuck process was never stopped"
+            time.sleep(0.2)
+        loadable.touch()
+        assert streamer.predict([2])[0]["pid"] != first
