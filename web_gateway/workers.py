@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import logging
 import os
 import signal
 import sys
@@ -58,7 +59,15 @@ class GatewayWorker(UvicornWorker):  # type: ignore[misc]
         self.log.warning("the gunicorn master (pid %s) is gone: stopping", self.ppid)
         server.should_exit = True
         # what the master would have allowed: then the connections still open are dropped
-        asyncio.get_running_loop().call_later(self.cfg.graceful_timeout, _force_exit, server)
+        asyncio.get_running_loop().call_later(self.cfg.graceful_timeout, self._drop_the_rest)
+
+    def _drop_the_rest(self) -> None:
+        """The graceful timeout of a worker whose master is gone has passed: exit at once, as
+        the master's SIGKILL would have ended it. (uvicorn's forced exit cancelled the requests
+        in flight instead, answering each with a 500 and logging its traceback as an error.)"""
+        self.log.warning("graceful timeout passed: dropping the connections still open")
+        logging.shutdown()
+        os._exit(0)
 
     async def _serve(self) -> None:
         # uvicorn_worker's _serve, handing uvicorn the listening sockets themselves rather than
@@ -81,8 +90,3 @@ def _quit(server: Server) -> None:
     forced one: at a terminal, Ctrl-C reaches the workers too, just before the master's
     SIGQUIT."""
     server.should_exit = True
-
-
-def _force_exit(server: Server) -> None:
-    """The graceful timeout of a worker whose master is gone has passed."""
-    server.force_exit = True

@@ -142,6 +142,31 @@ def pid_gone(pid: int) -> bool:
         return True
 
 
+def test_a_killed_master_s_worker_drops_what_outlasts_the_graceful_timeout(
+    doubler: str, prefix: str, tmp_path: Path
+) -> None:
+    """Past --graceful-timeout, a worker whose master was killed dropped its requests in flight
+    as the master's SIGKILL would have: uvicorn's forced exit cancelled them instead, answering
+    each with a 500 and logging two tracebacks as errors."""
+    log = tmp_path / "gateway.log"
+    with gateway_process(
+        doubler, [DOUBLER], prefix, "--graceful-timeout", "1", workers=1, log_path=log
+    ) as (base, process):
+        [worker] = workers_of(process)
+        results: list[httpx.Response | Exception] = []
+        thread = threading.Thread(target=post_slow, args=(base, 8.0, results))
+        thread.start()
+        time.sleep(0.5)
+        process.kill()
+        process.wait()
+        thread.join()
+        wait_until(lambda: pid_gone(worker), 30, "the worker's exit")
+    [dropped] = results
+    assert isinstance(dropped, httpx.RemoteProtocolError), dropped  # no response, not a 500
+    text = log.read_text()
+    assert "dropping the connections still open" in text and "ERROR" not in text, text
+
+
 def test_workers_of_a_killed_master_stop_and_free_the_port(
     doubler: str, prefix: str, tmp_path: Path
 ) -> None:
