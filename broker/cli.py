@@ -139,6 +139,18 @@ def _served_keys(client: redis.Redis, name: str, prefix: str) -> ModelKeys:
     )
 
 
+def _confirm(question: str) -> None:
+    """Ask ``question``; exit status 1, deleting nothing, unless the answer is yes (without a
+    terminal to answer, say how to confirm instead: click's bare 'Aborted!' did not)."""
+    try:
+        confirmed = typer.confirm(question)
+    except typer.Abort:  # stdin closed: no one to answer
+        confirmed = False
+        typer.echo("", err=True)
+    if not confirmed:
+        fail("nothing deleted: not confirmed (give --yes to confirm without being asked)", 1)
+
+
 def _print(renderable: RenderableType) -> None:
     """Print tables whole: never cut at the terminal's width (or at 80 columns in a pipe);
     a terminal narrower than the tables wraps their lines instead."""
@@ -411,8 +423,8 @@ def purge(
     if ids and older_than is not None:
         fail("give --id or --older-than, not both")
     which = f" dead-lettered over {older_than} ago" if older_than is not None else ""
-    if not yes and not typer.confirm(f"Delete dead letters of {name} (prefix {prefix}){which}?"):
-        raise typer.Exit(1)
+    if not yes:
+        _confirm(f"Delete dead letters of {name} (prefix {prefix}){which}?")
     client = _connect(redis_url)
     with _redis_errors(prefix):
         keys = _dead_targets(client, name, prefix, ids)
@@ -468,8 +480,8 @@ def forget(
             admin.check_forgettable(client, parts)
         except admin.ForgetRefused as exc:
             fail(f"not forgetting {what} (prefix {prefix}): {exc}", 1)
-        if not yes and not typer.confirm(f"Delete what Redis keeps of {what} (prefix {prefix})?"):
-            raise typer.Exit(1)
+        if not yes:
+            _confirm(f"Delete what Redis keeps of {what} (prefix {prefix})?")
         try:
             deleted = admin.forget(client, parts)
         except admin.ForgetRefused as exc:

@@ -148,7 +148,17 @@ def test_dead_letters_list_replay_purge(redis_server: RedisServer, prefix: str) 
         text=True,
         timeout=60,
     )
-    assert refused.returncode != 0 and client.xlen(keys.dead_letters) == 1
+    assert refused.returncode == 1 and client.xlen(keys.dead_letters) == 1
+    unasked = subprocess.run(  # no one to answer: stdin at its end
+        [sys.executable, "-m", "broker.cli", "dead-letters", "purge", *base],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert unasked.returncode == 1 and client.xlen(keys.dead_letters) == 1
+    assert "give --yes to confirm without being asked" in unasked.stderr
     purged = broker_cli("dead-letters", "purge", *base, "--yes")
     assert "purged 1" in purged.stdout and client.xlen(keys.dead_letters) == 0
 
