@@ -142,6 +142,21 @@ def pid_gone(pid: int) -> bool:
         return True
 
 
+def kill_master_during_a_slow_request(
+    base: str, master: subprocess.Popen[bytes], seconds: float
+) -> list[httpx.Response | Exception]:
+    """SIGKILL the gunicorn master half a second into a request its model takes ``seconds``
+    on; that request's response (or error), once it ends."""
+    results: list[httpx.Response | Exception] = []
+    thread = threading.Thread(target=post_slow, args=(base, seconds, results))
+    thread.start()
+    time.sleep(0.5)
+    master.kill()
+    master.wait()
+    thread.join()
+    return results
+
+
 def test_a_killed_master_s_worker_drops_what_outlasts_the_graceful_timeout(
     doubler: str, prefix: str, tmp_path: Path
 ) -> None:
@@ -153,13 +168,7 @@ def test_a_killed_master_s_worker_drops_what_outlasts_the_graceful_timeout(
         doubler, [DOUBLER], prefix, "--graceful-timeout", "1", workers=1, log_path=log
     ) as (base, process):
         [worker] = workers_of(process)
-        results: list[httpx.Response | Exception] = []
-        thread = threading.Thread(target=post_slow, args=(base, 8.0, results))
-        thread.start()
-        time.sleep(0.5)
-        process.kill()
-        process.wait()
-        thread.join()
+        results = kill_master_during_a_slow_request(base, process, 8.0)
         wait_until(lambda: pid_gone(worker), 30, "the worker's exit")
     [dropped] = results
     assert isinstance(dropped, httpx.RemoteProtocolError), dropped  # no response, not a 500
@@ -176,13 +185,7 @@ def test_workers_of_a_killed_master_stop_and_free_the_port(
     log = tmp_path / "gateway.log"
     with gateway_process(doubler, [DOUBLER], prefix, workers=2, log_path=log) as (base, process):
         workers = workers_of(process)
-        results: list[httpx.Response | Exception] = []
-        thread = threading.Thread(target=post_slow, args=(base, 2.0, results))
-        thread.start()
-        time.sleep(0.5)
-        process.kill()
-        process.wait()
-        thread.join()
+        results = kill_master_during_a_slow_request(base, process, 2.0)
         try:
             wait_until(lambda: all(pid_gone(pid) for pid in workers), 30, "the workers' exit")
         finally:
