@@ -151,8 +151,11 @@ class MalformedEntry(ProtocolError):
 
 def _text(fields: Fields, name: bytes) -> str | None:
     value = fields.get(name)
-    if not isinstance(value, bytes):
-        return None
+    return _utf8(value) if isinstance(value, bytes) else None
+
+
+def _utf8(value: bytes) -> str | None:
+    """``value`` read as UTF-8; None where it is not."""
     try:
         return value.decode("utf-8")
     except UnicodeDecodeError:
@@ -376,12 +379,7 @@ def _reply_text(value: Any) -> str | None:
     language echoing the request id as the bytes its Redis client read it as); else None."""
     if isinstance(value, str):
         return value
-    if isinstance(value, bytes):
-        try:
-            return value.decode()
-        except UnicodeDecodeError:
-            return None
-    return None
+    return _utf8(value) if isinstance(value, bytes) else None
 
 
 def _with_text_keys(message: Any) -> Any:

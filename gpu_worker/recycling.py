@@ -63,19 +63,19 @@ class RecyclePolicy:
         return None
 
 
-async def stop_when_due(
+async def call_when_due(
     policy: RecyclePolicy,
     batches: Callable[[], int],
-    stop: Callable[[str], None],
+    call: Callable[[str], None],
     every_s: float = CHECK_EVERY_S,
 ) -> None:
     """Check ``policy`` every ``every_s`` seconds against the ``batches`` computed so far, and
-    call ``stop`` with the reason once it is due (then return)."""
+    call ``call`` with the reason once it is due (then return)."""
     while True:
         await asyncio.sleep(every_s)
         reason = policy.reason(batches())
         if reason is not None:
-            stop(reason)
+            call(reason)
             return
 
 
@@ -100,5 +100,5 @@ def replace_when_due(
             )  # fmt: skip
         report("replace", reason=reason)
 
-    watch: Any = stop_when_due(policy, lambda: batch_loop.batches, replace)
+    watch: Any = call_when_due(policy, lambda: batch_loop.batches, replace)
     return asyncio.get_running_loop().create_task(watch)

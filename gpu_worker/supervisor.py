@@ -227,7 +227,6 @@ class Supervisor:
         code = slot.process.returncode
         was_ready = slot.ready
         self._forget(slot)
-        slot.refilling = False
         if self._stopping:
             return
         if slot.refused:  # every worker logs in as the same user: none would get further
@@ -272,16 +271,13 @@ class Supervisor:
         """Stop a child due for replacement (as SIGTERM does), one slot at a time: under an
         even load the workers of one `worker start` come due together, and replacing them all
         at once left the host serving nothing until a fresh process had loaded the model."""
-        if self._stopping:
+        if self._stopping or any(slot.replaced or slot.refilling for slot in self.slots):
             return
-        replacing = any(slot.replaced or slot.refilling for slot in self.slots)
         for slot in self.slots:
-            if replacing:
-                return
             if slot.due and slot.process is not None and slot.process.poll() is None:
                 slot.replaced, slot.due = slot.due, ""
                 slot.process.send_signal(signal.SIGTERM)
-                replacing = True
+                return
 
     def _replaced(self, slot: Slot, code: int, now: float) -> bool:
         """Start a fresh child at once where this one stopped itself to be replaced and
@@ -303,7 +299,7 @@ class Supervisor:
         if self.metrics is not None:
             self.metrics.process_gone(slot.process.pid)
         slot.process = None
-        slot.ready, slot.busy_since, slot.due = False, None, ""
+        slot.ready, slot.busy_since, slot.due, slot.refilling = False, None, "", False
         if slot.consumer is not None:
             self.heartbeats.retire(slot.consumer)
             slot.consumer = None

@@ -11,7 +11,7 @@ import pytest
 
 from broker import Streamer
 from broker.devserver import RedisServer
-from gpu_worker.recycling import RecyclePolicy, resident_bytes, stop_when_due
+from gpu_worker.recycling import RecyclePolicy, call_when_due, resident_bytes
 from tests.conftest import worker_process
 from tests.models import INIT_UNTIL_ENV
 
@@ -31,21 +31,21 @@ def test_this_process_s_resident_memory_is_read() -> None:
     assert 2**20 < resident_bytes() < 2**40
 
 
-def test_the_watch_stops_once_due_and_only_then() -> None:
+def test_the_watch_calls_once_due_and_only_then() -> None:
     batches = [0]
-    stopped: list[str] = []
+    called: list[str] = []
 
     async def scenario() -> None:
         watch = asyncio.create_task(
-            stop_when_due(RecyclePolicy(max_batches=3), lambda: batches[0], stopped.append, 0.01)
+            call_when_due(RecyclePolicy(max_batches=3), lambda: batches[0], called.append, 0.01)
         )
         await asyncio.sleep(0.05)
-        assert not stopped and not watch.done()
+        assert not called and not watch.done()
         batches[0] = 3
         await asyncio.wait_for(watch, 5)
 
     asyncio.run(scenario())
-    assert stopped == ["computed 3 batches (--max-batches 3)"]
+    assert called == ["computed 3 batches (--max-batches 3)"]
 
 
 @pytest.mark.parametrize("option", [["--max-batches", "2"], ["--max-rss-mib", "1"]])
