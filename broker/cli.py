@@ -580,10 +580,12 @@ def load_functions(redis_url: RedisOption = DEFAULT_REDIS_URL) -> None:
         before, after = functions.load(client)
     except redis.RedisError as exc:
         fail(f"could not load the microbatch functions: {exc}", 1)
+    loaded = functions.describe_release(after)
     if before is None:
-        typer.echo(f"loaded the microbatch library, version {after}")
+        typer.echo(f"loaded the microbatch library, {loaded}")
     else:
-        typer.echo(f"loaded the microbatch library, version {after} (replaced version {before})")
+        replaced = functions.describe_release(before)
+        typer.echo(f"loaded the microbatch library, {loaded} (replaced {replaced})")
 
 
 @functions_app.command("dump")

@@ -1,6 +1,6 @@
 """The Redis Functions library microbatch runs in Redis (``microbatch``), and how it is loaded.
 
-Four functions, called with FCALL (docs/protocol.md, sections 6, 7, 8 and 10.6):
+Five functions, called with FCALL (docs/protocol.md, sections 2.1, 6, 7, 8 and 10.6):
 
 - ``mb_enqueue``: append calls' entries to a model's stream, each call only if it fits the
   queue bound, atomically with the check (so many gateways cannot overshoot it together, and
@@ -8,7 +8,8 @@ Four functions, called with FCALL (docs/protocol.md, sections 6, 7, 8 and 10.6):
 - ``mb_withdraw``: take back entries whose caller gave up;
 - ``mb_retire``: remove a dead consumer from the group once it holds nothing;
 - ``mb_reply``: push replies to reply lists, never to a key that is not a list, and never
-  giving a TTL to a key the reply did not create.
+  giving a TTL to a key the reply did not create;
+- ``mb_release``: answer the library's version and revision (a worker's check at start).
 
 Every function takes the library version its caller was written for as its first argument and
 refuses a newer one (``MBVERSION``), so a library older than its callers is detected on the
@@ -42,11 +43,16 @@ from .keys import (
 
 LIBRARY = "microbatch"
 VERSION = 2
+# Changes to the library's code that keep its interface (a fix, a new limit) raise REVISION;
+# a worker that finds an older revision of its version loaded replaces it if its user may,
+# as callers replace an older version. A change of interface raises VERSION (and resets this).
+REVISION = 1
 
 ENQUEUE = "mb_enqueue"
 WITHDRAW = "mb_withdraw"
 RETIRE = "mb_retire"
 REPLY = "mb_reply"
+RELEASE = "mb_release"
 
 # What one FCALL of mb_enqueue (or mb_withdraw) may carry: Redis runs a function to its end
 # without serving anyone else, so one call's work is capped (about 5 ms of Redis time for
@@ -78,7 +84,7 @@ def _key_name(template: str) -> str:
 CODE = (
     r"""#!lua name=microbatch
 -- microbatch's functions: broker/functions.py and docs/protocol.md are their documentation.
-local VERSION = @VERSION@
+local VERSION, REVISION = @VERSION@, @REVISION@
 local MAX_ENTRIES, MAX_BYTES = @MAX_ENTRIES@, @MAX_BYTES@
 local MAX_ENTRY_ITEMS = @MAX_ENTRY_ITEMS@
 local CANCELLED_TTL_MS, PUSH_CHUNK = @CANCELLED_TTL_MS@, @PUSH_CHUNK@
@@ -526,7 +532,11 @@ redis.register_function{function_name='mb_retire', callback=retire, flags={'allo
   description='microbatch v' .. VERSION .. ': remove a dead consumer holding nothing'}
 redis.register_function{function_name='mb_reply', callback=reply, flags={'allow-oom'},
   description='microbatch v' .. VERSION .. ': push replies to reply lists'}
+redis.register_function{function_name='mb_release',
+  callback=function() return {VERSION, REVISION} end, flags={'no-writes', 'allow-stale'},
+  description='microbatch v' .. VERSION .. ': this library\'s version and revision'}
 """.replace("@VERSION@", str(VERSION))
+    .replace("@REVISION@", str(REVISION))
     .replace("@MAX_ENTRIES@", str(MAX_CALL_ENTRIES))
     .replace("@MAX_BYTES@", str(MAX_CALL_BYTES))
     .replace("@MAX_ENTRY_ITEMS@", str(MAX_ENTRY_ITEMS))
@@ -551,13 +561,47 @@ HOW_TO_LOAD = (
     "(docs/deployment.md, 'Functions')"
 )
 
-_VERSION_LINE = re.compile(r"^local VERSION = (\d+)$", re.MULTILINE)
+_VERSION_LINE = re.compile(r"^local VERSION(?:, REVISION)? = (\d+)(?:, (\d+))?$", re.MULTILINE)
+
+
+def code_release(code: str) -> tuple[int, int] | None:
+    """The library version and revision written in a library's code (None if it has no
+    version; revision 0 if it has none)."""
+    found = _VERSION_LINE.search(code)
+    if found is None:
+        return None
+    return int(found.group(1)), int(found.group(2) or 0)
 
 
 def code_version(code: str) -> int | None:
     """The library version written in a library's code (None if it has none)."""
-    found = _VERSION_LINE.search(code)
-    return int(found.group(1)) if found else None
+    release = code_release(code)
+    return release[0] if release else None
+
+
+def listed_release(listed: Any) -> tuple[int, int] | None:
+    """The version and revision of the microbatch library in a reply to ``FUNCTION LIST
+    LIBRARYNAME microbatch WITHCODE`` (None if the reply holds no such library)."""
+    release = None
+    for library in listed or []:
+        info = _as_dict(library)
+        if _text(info.get("library_name")) == LIBRARY:
+            release = code_release(_text(info.get("library_code", "")))
+    return release
+
+
+def answered_release(answer: Any) -> tuple[int, int] | None:
+    """The version and revision in mb_release's answer (None if it is not two numbers)."""
+    if isinstance(answer, list | tuple) and len(answer) == 2:
+        version, revision = answer
+        if isinstance(version, int) and isinstance(revision, int):
+            return version, revision
+    return None
+
+
+def describe_release(release: tuple[int, int]) -> str:
+    """A loaded library's version and revision, as the commands and logs say them."""
+    return f"version {release[0]} revision {release[1]}"
 
 
 def is_missing(error: BaseException) -> bool:
@@ -590,32 +634,35 @@ def _targets(client: Any) -> list[dict[str, Any]]:
     return [{}]
 
 
+LIST_COMMAND = ("FUNCTION", "LIST", "LIBRARYNAME", LIBRARY, "WITHCODE")
+
+
+def loaded_release(client: Any) -> tuple[int, int] | None:
+    """The version and revision of the library loaded in Redis (a redis-py client), or None
+    if none is; of a Redis Cluster, the oldest of its primaries' (None if one lacks it)."""
+    releases = []
+    for target in _targets(client):
+        release = listed_release(client.execute_command(*LIST_COMMAND, **target))
+        if release is None:
+            return None
+        releases.append(release)
+    return min(releases, default=None)
+
+
 def loaded_version(client: Any) -> int | None:
     """The version of the library loaded in Redis (a redis-py client), or None if none is;
     of a Redis Cluster, the oldest of its primaries' (None if one lacks it)."""
-    versions = []
-    for target in _targets(client):
-        found: Any = client.execute_command(
-            "FUNCTION", "LIST", "LIBRARYNAME", LIBRARY, "WITHCODE", **target
-        )
-        version = None
-        for library in found or []:
-            info = _as_dict(library)
-            if _text(info.get("library_name")) == LIBRARY:
-                version = code_version(_text(info.get("library_code", "")))
-        if version is None:
-            return None
-        versions.append(version)
-    return min(versions, default=None)
+    release = loaded_release(client)
+    return release[0] if release else None
 
 
-def load(client: Any) -> tuple[int | None, int]:
+def load(client: Any) -> tuple[tuple[int, int] | None, tuple[int, int]]:
     """Load (or replace) the library with a redis-py client (on every primary of a Redis
-    Cluster): (the version it replaced, or None, and the version now loaded)."""
-    before = loaded_version(client)
+    Cluster): (the version and revision it replaced, or None, and those now loaded)."""
+    before = loaded_release(client)
     for target in _targets(client):
         client.execute_command(*LOAD_COMMAND, **target)
-    return before, VERSION
+    return before, (VERSION, REVISION)
 
 
 def _as_dict(value: Any) -> dict[str, Any]:

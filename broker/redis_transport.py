@@ -150,10 +150,7 @@ class RedisTransport:
         ``warn``, logged once until the library answers again; a worker's loop logs its own)."""
         if self._may_load is not False:
             try:
-                if isinstance(lane, SlotLane):  # functions are per node: load on every primary
-                    await lane.everywhere(*functions.LOAD_COMMAND)
-                else:
-                    await lane.execute(*functions.LOAD_COMMAND)
+                await _load_library(lane)
             except ResponseError as exc:  # NOPERM: an operator's job (broker functions load)
                 self._may_load = False
                 log.debug("may not load the microbatch functions: %s", exc)
@@ -194,8 +191,47 @@ class RedisTransport:
 
     async def check_functions(self) -> None:
         await self._fcall(REPLY, (), (0,), warn=False)  # no keys: a no-op it must answer
-        self._note_replies_checked(self._lane.at(self._home).generation)
+        lane = self._lane.at(self._home)
+        self._note_replies_checked(lane.generation)
+        await self._replace_older_revision(lane)
         await self._write_unwritten()
+
+    async def _replace_older_revision(self, lane: RespLane | SlotLane) -> None:
+        """Replace a loaded library of this version but an older revision (a fix of its code
+        that kept its interface, which no caller's version argument reveals), if this user
+        may; one who may not is told once to run `broker functions load`."""
+        if self._may_load is False:
+            return
+        try:
+            try:
+                loaded = functions.answered_release(
+                    await lane.execute("FCALL", functions.RELEASE, 0)
+                )
+            except ResponseError as exc:
+                if not functions.is_missing(exc):
+                    log.debug("the library's release is unknown: %s", exc)
+                    return
+                loaded = (functions.VERSION, 0)  # from before revisions: it has no mb_release
+            ours = (functions.VERSION, functions.REVISION)
+            if loaded is None or loaded >= ours:
+                return
+            try:
+                await _load_library(lane)
+            except ResponseError as exc:  # NOPERM: an operator's job
+                self._may_load = False
+                log.warning(
+                    "the microbatch library in Redis (%s) is older than this release's (%s): "
+                    "%s (%s)", functions.describe_release(loaded),
+                    functions.describe_release(ours), functions.HOW_TO_LOAD, exc,
+                )  # fmt: skip
+            else:
+                self._may_load = True
+                log.info(
+                    "replaced the microbatch library (%s) by %s",
+                    functions.describe_release(loaded), functions.describe_release(ours),
+                )  # fmt: skip
+        except UNAVAILABLE as exc:
+            raise _unavailable(exc) from exc
 
     # -- caller side ----------------------------------------------------------------------
     async def enqueue(
@@ -1295,6 +1331,15 @@ def _log_refused(refused: Any) -> None:
         log.warning(
             "replies to %s were not delivered: it holds a %s, not a list", _text(key), _text(kind)
         )
+
+
+async def _load_library(lane: RespLane | SlotLane) -> None:
+    """FUNCTION LOAD REPLACE the library through a lane (on every primary of a cluster: each
+    node has its own functions)."""
+    if isinstance(lane, SlotLane):
+        await lane.everywhere(*functions.LOAD_COMMAND)
+    else:
+        await lane.execute(*functions.LOAD_COMMAND)
 
 
 def _is_missing(result: Any) -> bool:

@@ -3,6 +3,7 @@ malformed calls are refused with MBARGS before anything is written."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 
 import pytest
@@ -193,3 +194,37 @@ def test_a_malformed_reply_call_is_refused_before_any_reply_is_pushed(client: re
     assert client.fcall(functions.REPLY, 0, v, 0) == []  # the workers' check of the library
     assert client.fcall(functions.REPLY, 2, one, two, v, 60, 1, 1, b"r1", b"r2") == []
     assert client.lrange(one, 0, -1) == [b"r1"] and 0 < client.ttl(two) <= 60
+
+
+# The library's code as released, by (version, revision). A change to the Lua (or to a constant
+# written into it) must raise functions.REVISION, or VERSION if the interface changed, so that
+# workers replace the code already loaded in Redis; then record the new digest here.
+RELEASED = {(2, 1): "ca1774b2e4eba0239bb7e67a47078ee03a20ab3a27bbea5b122ffbc8db086f85"}
+
+
+def test_a_change_to_the_library_code_comes_with_a_new_revision() -> None:
+    digest = hashlib.sha256(functions.CODE.encode()).hexdigest()
+    release = (functions.VERSION, functions.REVISION)
+    assert RELEASED.get(release) == digest, (
+        f"the library's code changed without a new revision: raise functions.REVISION "
+        f"(VERSION if its interface changed) and record {digest} for it in RELEASED"
+    )
+    assert functions.code_release(functions.CODE) == release
+
+
+def test_mb_release_answers_the_version_and_revision_to_any_caller(client: redis.Redis) -> None:
+    release = [functions.VERSION, functions.REVISION]
+    assert client.execute_command("FCALL", functions.RELEASE, 0) == release
+    assert client.execute_command("FCALL_RO", functions.RELEASE, 0) == release
+    assert functions.answered_release(release) == tuple(release)
+    assert functions.answered_release([b"2", b"1"]) is None
+
+
+def test_code_release_reads_libraries_without_a_revision_as_revision_0() -> None:
+    assert functions.code_release("#!lua name=microbatch\nlocal VERSION = 2\n") == (2, 0)
+    assert functions.code_release("#!lua name=microbatch\nlocal VERSION, REVISION = 3, 7\n") == (
+        3,
+        7,
+    )
+    assert functions.code_release("#!lua name=microbatch\n") is None
+    assert functions.code_version(functions.CODE) == functions.VERSION

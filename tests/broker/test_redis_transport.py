@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -319,13 +320,89 @@ def test_missing_functions_are_loaded_by_a_user_who_may(redis_server: RedisServe
     # An older library (its version below this code's) is detected and replaced the same way.
     older = functions.VERSION - 1
     admin.function_load(
-        functions.CODE.replace(f"local VERSION = {functions.VERSION}", f"local VERSION = {older}"),
+        library_code(older),
         True,
     )
     assert functions.loaded_version(admin) == older
     run(main())
     assert functions.loaded_version(admin) == functions.VERSION
     assert admin.xlen(keys.stream) == 2
+
+
+def library_code(version: int, revision: int | None = None) -> str:
+    """The library's code as another release wrote it (revision None: one from before
+    revisions, without mb_release, which reads as revision 0)."""
+    if revision is not None:
+        return functions.CODE.replace(
+            f"local VERSION, REVISION = {functions.VERSION}, {functions.REVISION}\n",
+            f"local VERSION, REVISION = {version}, {revision}\n",
+        )
+    code = functions.CODE.replace(
+        f"local VERSION, REVISION = {functions.VERSION}, {functions.REVISION}\n",
+        f"local VERSION = {version}\n",
+    )
+    return re.sub(
+        r"redis.register_function\{function_name='mb_release'.*?'\}\n", "", code, flags=re.S
+    )
+
+
+def _older_revision() -> str:
+    return library_code(functions.VERSION)
+
+
+def test_an_older_revision_of_the_library_is_replaced_by_a_worker_who_may(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A fix of the library's code that kept its version stayed out of Redis until someone
+    ran `broker functions load`: every call was accepted by the old code."""
+    admin = redis_server.client()
+    admin.function_load(_older_revision(), True)
+    assert functions.loaded_release(admin) == (functions.VERSION, 0)
+
+    async def main() -> None:
+        transport = RedisTransport(redis_server.url)  # the default user: may load
+        try:
+            await transport.check_functions()  # what a worker does before it reads
+        finally:
+            await transport.close()
+
+    with caplog.at_level(logging.INFO, logger="microbatch.redis"):
+        run(main())
+    assert functions.loaded_release(admin) == (functions.VERSION, functions.REVISION)
+    said = [r.getMessage() for r in caplog.records if "replaced the microbatch" in r.getMessage()]
+    assert said == [
+        f"replaced the microbatch library (version {functions.VERSION} revision 0) by "
+        f"version {functions.VERSION} revision {functions.REVISION}"
+    ]
+    # a newer revision (a later release's) is left alone
+    admin.function_load(library_code(functions.VERSION, functions.REVISION + 1), True)
+    run(main())
+    assert functions.loaded_release(admin) == (functions.VERSION, functions.REVISION + 1)
+
+
+def test_an_older_revision_is_reported_once_to_a_user_who_may_not_load(
+    redis_server: RedisServer, restricted: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    admin = redis_server.client()
+    admin.function_load(_older_revision(), True)
+
+    async def main() -> None:
+        transport = RedisTransport(restricted)
+        try:
+            for _ in range(3):  # a start and two outages
+                await transport.check_functions()
+        finally:
+            await transport.close()
+
+    with caplog.at_level(logging.INFO, logger="microbatch.redis"):
+        run(main())
+    assert functions.loaded_release(admin) == (functions.VERSION, 0)  # still there: it serves
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "broker functions load" in warnings[0], warnings
+    assert f"(version {functions.VERSION} revision 0) is older" in warnings[0]
+    # what the ACL log holds of it: the one refused load, no other command
+    refused = {entry["object"] for entry in admin.acl_log() if entry["reason"] == "command"}
+    assert refused <= {"function|load"}, refused
 
 
 def test_missing_functions_are_a_clear_broker_unavailable_for_a_user_who_may_not(
@@ -456,9 +533,7 @@ def test_replies_of_acknowledged_entries_wait_for_the_library_rather_than_being_
             if library == "older":
                 older = functions.VERSION - 1
                 admin.function_load(
-                    functions.CODE.replace(
-                        f"local VERSION = {functions.VERSION}", f"local VERSION = {older}"
-                    ),
+                    library_code(older),
                     True,
                 )
             else:
