@@ -4,17 +4,50 @@ Every process writes its samples to files in one directory (``PROMETHEUS_MULTIPR
 one exporter serves them all, summed. prometheus-client picks its mode when it is first
 imported, so the directory is set before that, in the parent, before any child starts: this
 module imports it only inside its functions.
+
+prometheus-client keeps an exited process's files, so that its counts stay in the sums, and
+reads every file at every scrape: a worker replaced every few minutes (``--max-batches``) or
+restarted in a loop would slow its scrapes down file by file, day after day. So the files of
+an exited process are folded into one file a type (``counter_retired.db``, ...), under a lock
+that scrapes share, so that no scrape sees a count twice or not at all.
 """
 
 from __future__ import annotations
 
 import bisect
+import fcntl
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
+RETIRED = "retired"  # in the place of the pid in the name of a file of folded samples
+_LOCK_FILE = ".fold.lock"
+
+# How an exited process's sample is folded into the retired one, by file kind (the part of the
+# file name before the pid): (value, timestamp) of the retired sample and of the process's.
+_Fold = Callable[[tuple[float, float], tuple[float, float]], tuple[float, float]]
+
+
+def _add(kept: tuple[float, float], gone: tuple[float, float]) -> tuple[float, float]:
+    return kept[0] + gone[0], max(kept[1], gone[1])
+
+
+def _latest(kept: tuple[float, float], gone: tuple[float, float]) -> tuple[float, float]:
+    return gone if gone[1] > kept[1] else kept
+
+
+_FOLDS: dict[str, _Fold] = {
+    "counter": _add,
+    "histogram": _add,
+    "summary": _add,
+    "gauge_sum": _add,
+    "gauge_max": lambda kept, gone: gone if gone[0] > kept[0] else kept,
+    "gauge_min": lambda kept, gone: gone if gone[0] < kept[0] else kept,
+    "gauge_mostrecent": _latest,
+}  # not gauge_all (one sample a process, by design) nor the live modes (removed at exit)
 
 
 def fresh_directory(prefix: str) -> str:
@@ -25,20 +58,68 @@ def fresh_directory(prefix: str) -> str:
     return directory
 
 
+@contextmanager
+def _locked(directory: str, exclusive: bool) -> Iterator[None]:
+    """The directory's fold lock (shared by scrapes, exclusive to a fold), between processes
+    and threads alike (each holder opens the lock file anew)."""
+    with open(os.path.join(directory, _LOCK_FILE), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield  # closing the file lets go
+
+
+class _FoldAwareCollector:
+    """prometheus-client's multiprocess collector, reading under the fold lock."""
+
+    def __init__(self, directory: str) -> None:
+        from prometheus_client import multiprocess
+
+        self._directory = directory
+        self._collector: Any = multiprocess.MultiProcessCollector(None, directory)  # type: ignore[no-untyped-call]
+
+    def collect(self) -> Any:
+        with _locked(self._directory, exclusive=False):
+            return list(self._collector.collect())
+
+
 def registry() -> Any:
     """A registry that reads the samples of every process writing to the directory."""
-    from prometheus_client import CollectorRegistry, multiprocess
+    from prometheus_client import CollectorRegistry
 
     collected = CollectorRegistry()
-    multiprocess.MultiProcessCollector(collected)  # type: ignore[no-untyped-call]
+    collected.register(_FoldAwareCollector(os.environ[ENV]))
     return collected
 
 
 def process_gone(pid: int) -> None:
-    """Forget an exited process's live gauges (its counters keep counting in the sum)."""
+    """Forget an exited process's live gauges, and fold the rest of its samples into the
+    retired files (its counts stay in the sums)."""
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(pid)  # type: ignore[no-untyped-call]
+    fold(os.environ[ENV], pid)
+
+
+def fold(directory: str, pid: int) -> None:
+    """Fold the files of the exited process ``pid`` into the directory's retired files, and
+    remove them."""
+    from prometheus_client.mmap_dict import MmapedDict
+
+    with _locked(directory, exclusive=True):
+        for kind, combine in _FOLDS.items():
+            own = os.path.join(directory, f"{kind}_{pid}.db")
+            try:
+                samples = MmapedDict.read_all_values_from_file(own)  # type: ignore[no-untyped-call]
+            except FileNotFoundError:
+                continue
+            retired: Any = MmapedDict(os.path.join(directory, f"{kind}_{RETIRED}.db"))  # type: ignore[no-untyped-call]
+            try:
+                kept = {key: (value, stamp) for key, value, stamp in retired.read_all_values()}
+                for key, value, stamp, _ in samples:
+                    gone = (value, stamp)
+                    retired.write_value(key, *(combine(kept[key], gone) if key in kept else gone))
+            finally:
+                retired.close()
+            os.remove(own)
 
 
 def observe_many(histogram: Any, values: Sequence[float]) -> None:

@@ -19,13 +19,13 @@ from typing import Any
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
-    CollectorRegistry,
     Counter,
     Gauge,
     Histogram,
     generate_latest,
 )
 
+from broker import multiproc_metrics
 from broker.multiproc_metrics import observe_many
 
 log = logging.getLogger("microbatch.gateway")
@@ -146,9 +146,5 @@ async def flush_every(models: list[ModelMetrics], interval: float) -> None:
 def render() -> tuple[bytes, str]:
     """The exposition text of every gateway process (or of this one without a multiproc dir)."""
     if os.environ.get(MULTIPROC_ENV):
-        from prometheus_client import multiprocess
-
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
-        return generate_latest(registry), CONTENT_TYPE_LATEST
+        return generate_latest(multiproc_metrics.registry()), CONTENT_TYPE_LATEST
     return generate_latest(REGISTRY), CONTENT_TYPE_LATEST

@@ -22,6 +22,7 @@ from typing import Any
 
 from gunicorn.app.base import BaseApplication
 
+from broker import multiproc_metrics
 from broker.logs import dict_config
 
 from .settings import GatewaySettings
@@ -54,9 +55,7 @@ def on_starting(server: Any) -> None:
 
 
 def child_exit(server: Any, worker: Any) -> None:
-    from prometheus_client import multiprocess
-
-    multiprocess.mark_process_dead(worker.pid)  # type: ignore[no-untyped-call]
+    multiproc_metrics.process_gone(worker.pid)
 
 
 def on_exit(server: Any) -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 from broker import Streamer
-from broker.devserver import RedisServer
+from broker.devserver import RedisServer, free_port
 from gpu_worker.recycling import RecyclePolicy, call_when_due, resident_bytes
 from tests.conftest import worker_process
 from tests.models import INIT_UNTIL_ENV
@@ -53,8 +54,17 @@ def test_a_worker_process_due_is_replaced_and_no_call_is_lost(
     redis_server: RedisServer, prefix: str, option: list[str], tmp_path: Path
 ) -> None:
     log = tmp_path / "worker.log"
+    port = free_port()
     with (
-        worker_process(redis_server.url, "tests.models:Toy", prefix, *option, log_path=log),
+        worker_process(
+            redis_server.url,
+            "tests.models:Toy",
+            prefix,
+            *option,
+            "--metrics-port",
+            str(port),
+            log_path=log,
+        ),  # fmt: skip
         Streamer("toy", redis_url=redis_server.url, prefix=prefix, timeout=60) as streamer,
     ):
         pids: set[int] = set()
@@ -68,6 +78,12 @@ def test_a_worker_process_due_is_replaced_and_no_call_is_lost(
                 pids |= {out["pid"] for out in outputs}
             sent += len(futures)
         assert len(pids) >= 3, "no worker process was replaced twice"
+        # the replaced processes' counts stay in the sums (folded, not dropped)
+        served = sent * 2
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        line = 'microbatch_worker_items_total{model="toy",outcome="ok"} '
+        counted = [float(x.split()[-1]) for x in text.decode().splitlines() if x.startswith(line)]
+        assert counted == [served]
     text = log.read_text()
     assert "stopped to be replaced" in text and "restarting" not in text
 
