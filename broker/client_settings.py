@@ -10,9 +10,13 @@ Imported by a Streamer when it is made, not by ``import broker`` (pydantic is sl
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from typing import Any
 
+import pydantic
+import pydantic_settings
 from pydantic import AliasChoices, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -166,7 +170,20 @@ def warn_unknown_variables() -> None:
     # the timeout): so is it checked here
     for variable, hint in unknown_variables(ENV_PREFIX, known, case_sensitive=False):
         message = f"{variable} is not a setting of microbatch's client: ignored{hint}"
-        warnings.warn(message, UnknownSettingWarning, stacklevel=2)
+        warnings.warn(message, UnknownSettingWarning, stacklevel=_callers_level())
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside microbatch and pydantic: a warning
+    raised for settings then names the caller's line (``Streamer(...)``), not ours."""
+    ours = tuple(
+        os.path.dirname(module.__file__ or "") + os.sep
+        for module in (sys.modules[__name__], pydantic, pydantic_settings)
+    )
+    level, frame = 2, sys._getframe(2)  # 1: warn_unknown_variables, which calls warn
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(ours):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def first_error(exc: ValidationError) -> ValueError:

@@ -36,6 +36,7 @@ from .child import CONFIG_ENV, DEVICE_ENV, STATUS_FD_ENV, SUPERVISOR_PID_ENV
 from .config import WorkerConfig
 from .devices import auto_workers_per_device, child_environment, plan_devices
 from .heartbeat import Heartbeats
+from .oom import oom_kills, sigkill_cause
 from .pipeline import load_stage
 from .polling import usable_cores
 
@@ -61,8 +62,9 @@ def certificate_refused(exc: BaseException) -> bool:
     return False
 
 
-def exit_reason(code: int) -> str:
-    """How a child ended, from its return code: a negative one is the signal that killed it."""
+def exit_reason(code: int, oom_kills: tuple[int | None, int | None] = (None, None)) -> str:
+    """How a child ended, from its return code (a negative one is the signal that killed it)
+    and its memory cgroup's OOM kill counts at its start and at its end."""
     if code >= 0:
         return f"exited with code {code}"
     try:
@@ -70,7 +72,7 @@ def exit_reason(code: int) -> str:
     except ValueError:
         name = f"signal {-code}"
     if -code == signal.SIGKILL:  # nobody here sends it but the watchdog, which says so itself
-        return f"killed by {name} (the kernel's out-of-memory killer sends it: see dmesg)"
+        return f"killed by {name} ({sigkill_cause(*oom_kills)})"
     return f"killed by {name}"
 
 
@@ -98,6 +100,7 @@ class Slot:
     restart_at: float | None = None
     last_error: str = ""
     refused: str = ""  # Redis' NOPERM to the worker's user, as the child reported it
+    oom_kills_at_start: int | None = None  # the memory cgroup's OOM kills when it started
     due: str = ""  # why the child is due for replacement (--max-batches, --max-rss-mib), as it said
     replaced: str = ""  # why the child was told to stop to be replaced
     refilling: bool = False  # the fresh process of a replacement, not yet ready
@@ -176,6 +179,7 @@ class Supervisor:
         os.set_blocking(read_fd, False)
         slot.status_fd, slot.buffer, slot.ready = read_fd, b"", False
         slot.started_at, slot.restart_at = time.monotonic(), None
+        slot.oom_kills_at_start = oom_kills()
         self.selector.register(read_fd, selectors.EVENT_READ, slot)
         log.info(
             "started worker %d (pid %d) on %s%s", slot.index, slot.process.pid, slot.device,
@@ -237,7 +241,7 @@ class Supervisor:
             )
         if self._replaced(slot, code, now):
             return
-        reason = slot.last_error or exit_reason(code)
+        reason = slot.last_error or exit_reason(code, (slot.oom_kills_at_start, oom_kills()))
         if not self.all_ready_once:
             if slot.auto_extra:  # one the user did not ask for: serve without it
                 self._drop_extra(slot, reason)

@@ -151,6 +151,7 @@ def test_a_misspelt_variable_is_warned_of_naming_the_setting_meant(
         f"(did you mean {ENV_PREFIX}TIMEOUT?)",
     ]
     assert streamer.client_settings.timeout == DEFAULT_TIMEOUT_S
+    assert {warning.filename for warning in caught} == {__file__}  # the caller's line, not ours
     streamer.close()
 
 
