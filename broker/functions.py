@@ -46,7 +46,7 @@ VERSION = 2
 # Changes to the library's code that keep its interface (a fix, a new limit) raise REVISION;
 # a worker that finds an older revision of its version loaded replaces it if its user may,
 # as callers replace an older version. A change of interface raises VERSION (and resets this).
-REVISION = 1
+REVISION = 2
 
 ENQUEUE = "mb_enqueue"
 WITHDRAW = "mb_withdraw"
@@ -106,6 +106,12 @@ local function version_error(args)
   return redis.error_reply('MBVERSION this Redis holds version ' .. VERSION ..
     ' of the microbatch library; the caller needs version ' .. given ..
     ': run `broker functions load`')
+end
+
+-- A count as callers and workers write it: ASCII digits only (tonumber also takes ' 2', '0x2',
+-- '2.0' and '1e1', which would be queued and then refused by the worker that reads them).
+local function digits(text)
+  return string.match(text or '', '^[0-9]+$') and tonumber(text)
 end
 
 -- Each function names the keys it needs (docs/protocol.md, section 2.1).
@@ -266,8 +272,8 @@ local function enqueue(keys, args)
   local max_items, max_bytes = tonumber(args[2]), tonumber(args[3])
   local pack, at = 1, 4
   if tonumber(args[1]) >= 2 then
-    pack = tonumber(args[4])
-    if not pack or pack < 1 or pack > MAX_ENTRY_ITEMS or pack % 1 ~= 0 then
+    pack = digits(args[4])
+    if not pack or pack < 1 or pack > MAX_ENTRY_ITEMS then
       return redis.error_reply('MBARGS items per entry must be 1 to ' .. MAX_ENTRY_ITEMS)
     end
     if pack > 1 and not keys[5] then
@@ -278,8 +284,8 @@ local function enqueue(keys, args)
   -- The shape and the caps are checked before anything is written.
   local calls, entries, bytes = {}, 0, 0
   while at <= #args do
-    local n = tonumber(args[at])
-    if not n or n < 1 or n % 1 ~= 0 or at + 3 + 2 * n > #args then
+    local n = digits(args[at])
+    if not n or n < 1 or at + 3 + 2 * n > #args then
       return redis.error_reply('MBARGS malformed mb_enqueue arguments at ' .. at)
     end
     if entries + n > MAX_ENTRIES then return limit_error('mb_enqueue') end
@@ -358,8 +364,8 @@ local function entry_size(fields)
   local size, n, v2 = 0, nil, false
   for f = 1, #fields - 1, 2 do
     local name = fields[f]
-    if name == 'n' then  -- digits only, as the workers read it (tonumber takes ' 2', '0x2')
-      n = string.match(fields[f + 1], '^[0-9]+$') and tonumber(fields[f + 1])
+    if name == 'n' then  -- digits only, as the workers read it
+      n = digits(fields[f + 1])
     elseif name == 'v' then
       v2 = fields[f + 1] == '2'
     elseif name == 'data' or string.sub(name, 1, 5) == 'data.' then

@@ -199,7 +199,10 @@ def test_a_malformed_reply_call_is_refused_before_any_reply_is_pushed(client: re
 # The library's code as released, by (version, revision). A change to the Lua (or to a constant
 # written into it) must raise functions.REVISION, or VERSION if the interface changed, so that
 # workers replace the code already loaded in Redis; then record the new digest here.
-RELEASED = {(2, 1): "ca1774b2e4eba0239bb7e67a47078ee03a20ab3a27bbea5b122ffbc8db086f85"}
+RELEASED = {
+    (2, 1): "ca1774b2e4eba0239bb7e67a47078ee03a20ab3a27bbea5b122ffbc8db086f85",
+    (2, 2): "683d936fb9100ee68819fde8d0bfa2584bb4cd023d4a17c5fa01111af6ba3e5f",
+}
 
 
 def test_a_change_to_the_library_code_comes_with_a_new_revision() -> None:
@@ -228,3 +231,22 @@ def test_code_release_reads_libraries_without_a_revision_as_revision_0() -> None
     )
     assert functions.code_release("#!lua name=microbatch\n") is None
     assert functions.code_version(functions.CODE) == functions.VERSION
+
+
+def test_counts_that_are_no_plain_digits_are_refused_before_anything_is_queued(
+    client: redis.Redis,
+) -> None:
+    """Lua's tonumber took ' 2', '0x2', '2.0' and '1e1' as counts: the call was queued, and the
+    worker that read its entry refused it (its `n` is digits only) and dead-lettered it."""
+    keys = ModelKeys("toy", "counts")
+    head = (functions.ENQUEUE, 5, keys.stream, keys.queued_bytes, keys.queue_bound,
+            keys.consumers, keys.packed_items, functions.VERSION, 0, 0)  # fmt: skip
+    call = (keys.inbox("c"), 1000, "", "c.0", codec.encode(1), "c.1", codec.encode(2))
+    for count in (" 2", "0x2", "2.0", "1e0", "+2"):
+        said = refusal(client, *head, 4, count, *call)
+        assert said.startswith("MBARGS malformed mb_enqueue arguments at 5"), (count, said)
+        said = refusal(client, *head, count, 2, *call)
+        assert said.startswith("MBARGS items per entry must be 1 to"), (count, said)
+    assert client.exists(keys.stream, keys.queued_bytes, keys.packed_items) == 0
+    queued = client.execute_command("FCALL", *head, 4, 2, *call)  # the same call, well formed
+    assert queued[0][0] == 0 and client.xlen(keys.stream) == 1
