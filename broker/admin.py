@@ -11,7 +11,7 @@ from typing import Any
 
 import redis
 
-from . import liveness
+from . import functions, liveness
 from .keys import (
     HIGH,
     LEVEL_SUFFIX,
@@ -502,13 +502,19 @@ def _forget_partition(client: redis.Redis, part: ModelKeys) -> int:
             present = [name for name in stored_keys(part) if pipe.exists(name)]
             if any(pipe.xlen(name) for name in watched[:4]):
                 raise redis.WatchError
+            # A pipeline's withdrawn set is shared with its later stages, which may still hold
+            # withdrawn calls to skip: it is left to expire with its latest withdrawal.
+            withdrawn = part.withdrawn if part.withdrawn in present else None
             pipe.multi()
-            if present:
-                pipe.delete(*present)
+            deleted = [name for name in present if name != withdrawn]
+            if deleted:
+                pipe.delete(*deleted)
+            if withdrawn is not None:
+                pipe.pexpire(withdrawn, functions.CANCELLED_TTL_MS)
             pipe.execute()
         except redis.WatchError:
             raise ForgetRefused(
                 f"partition {part.partition} changed meanwhile (a call was queued or a worker "
                 "started): nothing more was deleted"
             ) from None
-    return len(present)
+    return len(deleted)

@@ -8,13 +8,14 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgpack
 import pytest
 import redis
 
-from broker import Streamer, acl, admin
+from broker import Streamer, acl, admin, functions
 from broker.devserver import RedisServer
 from broker.keys import ModelKeys
 from broker.protocol import decode_reply, request_fields
@@ -493,6 +494,8 @@ def test_forget_deletes_what_a_removed_model_left_and_nothing_while_it_is_in_use
         assert "has 1 live worker(s), which read all of its 1 partition(s)" in in_use.stderr
         assert client.exists(keys.stream, keys.queue_bound) == 2
     client.zadd(keys.cancelled, {"1-0": 1})  # (left by a caller, pruned by workers only)
+    # a call withdrawn a moment ago, which a pipeline's later stages may still hold
+    client.zadd(keys.withdrawn, {"c.7": int(time.time() * 1000) + 60_000})
     client.xadd(keys.stream, {"v": "1"})
     queued = broker_cli("forget", "--yes", *base)
     assert queued.returncode == 1
@@ -509,6 +512,9 @@ def test_forget_deletes_what_a_removed_model_left_and_nothing_while_it_is_in_use
     assert forgot.returncode == 0, forgot.stderr
     assert forgot.stdout.startswith(f"forgot toy (prefix {prefix}): deleted ")
     assert {key: ttl for key, ttl in _keys_of(client, prefix).items() if ttl < 0} == {}
+    # the withdrawn set is left to expire (it was deleted: later stages computed those calls)
+    assert client.zscore(keys.withdrawn, "c.7") is not None
+    assert 0 < client.pttl(keys.withdrawn) <= functions.CANCELLED_TTL_MS
     unknown = broker_cli("forget", "--yes", *base)
     assert unknown.returncode == 1 and "no model 'toy'" in unknown.stderr
 
