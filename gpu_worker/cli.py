@@ -162,7 +162,9 @@ def start(
     metrics_port: Annotated[
         int | None,
         typer.Option(
-            help="Serve Prometheus metrics of all this command's worker processes on this port.",
+            help="Serve Prometheus metrics of all this command's worker processes on this port "
+            "(/metrics), with its probes: /ready (a worker process serves the model) and /live "
+            "(the supervisor's loop goes round; a Redis outage does not fail it).",
         ),
     ] = None,
     start_timeout: Annotated[

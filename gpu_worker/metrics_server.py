@@ -1,5 +1,5 @@
-"""The worker's ``/metrics`` endpoint (and ``/ready``, its readiness): prometheus_client's WSGI
-app on a threaded server whose connections time out and are capped.
+"""The worker's ``/metrics`` endpoint (and ``/ready`` and ``/live``, its probes):
+prometheus_client's WSGI app on a threaded server whose connections time out and are capped.
 
 prometheus_client's ``start_http_server`` gives each connection a thread that waits for its
 request without a timeout: 1,000 connections that sent nothing held 1,000 threads of a
@@ -89,15 +89,18 @@ class MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
         log.debug("metrics connection from %s failed", client_address, exc_info=True)
 
 
-def with_readiness(app: Any, ready: Callable[[], bool]) -> Any:
-    """``app`` (WSGI), with ``/ready`` answered 200 while ``ready()`` is true, else 503."""
+def with_probes(app: Any, probes: dict[str, tuple[Callable[[], bool], str, str]]) -> Any:
+    """``app`` (WSGI), with each probe's path answered 200 and its first word while its check
+    is true, else 503 and its second: ``{"/ready": (ready, "ready", "not ready")}``."""
 
     def serve(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
-        if environ.get("PATH_INFO") != "/ready":
+        probe = probes.get(environ.get("PATH_INFO", ""))
+        if probe is None:
             result: Iterable[bytes] = app(environ, start_response)
             return result
-        ok = ready()
-        body = b"ready\n" if ok else b"not ready\n"
+        check, yes, no = probe
+        ok = check()
+        body = f"{yes if ok else no}\n".encode()
         status = "200 OK" if ok else "503 Service Unavailable"
         start_response(status, [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
         return [body]
@@ -112,13 +115,19 @@ def start_metrics_server(
     timeout: float = TIMEOUT_S,
     deadline: float = DEADLINE_S,
     ready: Callable[[], bool] | None = None,
+    alive: Callable[[], bool] | None = None,
 ) -> tuple[MetricsServer, threading.Thread]:
     """Serve ``registry`` on ``http://host:port/metrics`` from a daemon thread, and, given
-    ``ready``, ``/ready``: 200 while it returns true, else 503."""
+    ``ready`` and ``alive``, ``/ready`` and ``/live``: 200 while each returns true, else 503."""
     handler = type("Handler", (_QuietHandler,), {"timeout": timeout})
     app = make_wsgi_app(registry)
+    probes = {}
     if ready is not None:
-        app = with_readiness(app, ready)
+        probes["/ready"] = (ready, "ready", "not ready")
+    if alive is not None:
+        probes["/live"] = (alive, "alive", "stalled")
+    if probes:
+        app = with_probes(app, probes)
     server: Any = make_server(host, port, app, server_class=MetricsServer, handler_class=handler)
     server.deadline = deadline
     thread = threading.Thread(target=server.serve_forever, name="metrics-server", daemon=True)

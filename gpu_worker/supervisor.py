@@ -47,6 +47,9 @@ HEALTHY_AFTER_S = 60.0
 HEARTBEAT_EVERY_S = 1.0
 REDIS_WAIT_LOG_EVERY_S = 10.0
 REDIS_WAIT_POLL_S = 0.5
+# /live fails once the loop has not gone round for this long: well beyond what its Redis
+# commands can take in an outage (a few seconds each, a cluster's or sentinels' retries included).
+LIVE_STALL_S = 60.0
 
 
 def certificate_refused(exc: BaseException) -> bool:
@@ -148,10 +151,11 @@ class Supervisor:
         self._heartbeat_every = min(HEARTBEAT_EVERY_S, config.heartbeat_ttl / 3)
         self.selector = selectors.DefaultSelector()
         self._stopping = False
+        self._ticked = time.monotonic()  # when the supervisor's loop last went round
         self.metrics: SupervisorMetrics | None = None
         if config.metrics_port is not None:
             self.metrics = SupervisorMetrics(
-                config.metrics_port, self.keys, self.heartbeats, self.ready
+                config.metrics_port, self.keys, self.heartbeats, self.ready, self.alive
             )
         self.all_ready_once = False
 
@@ -159,6 +163,12 @@ class Supervisor:
         """Whether a worker process has loaded the model and serves it, and no stop was asked
         (``/ready`` on the metrics port; read from its thread)."""
         return not self._stopping and any(slot.ready for slot in list(self.slots))
+
+    def alive(self) -> bool:
+        """Whether the supervisor's loop went round within ``LIVE_STALL_S`` (``/live`` on the
+        metrics port; read from its thread). A Redis outage does not stall it (every Redis
+        command it sends times out within seconds); a stop in progress counts as alive."""
+        return self._stopping or time.monotonic() - self._ticked < LIVE_STALL_S
 
     # -- children -----------------------------------------------------------------------------
     def _spawn(self, slot: Slot) -> None:
@@ -365,6 +375,7 @@ class Supervisor:
         next_log = started
         waited_before = False
         while not self._stopping:
+            self._ticked = time.monotonic()
             try:
                 self.heartbeats.client.ping()
             except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
@@ -405,6 +416,7 @@ class Supervisor:
             raise RedisUnreachable(error)
 
     def _step(self) -> None:
+        self._ticked = time.monotonic()
         for key, _ in self.selector.select(timeout=min(0.2, self._heartbeat_every)):
             self._read_status(key.data)
         now = time.monotonic()
@@ -585,6 +597,7 @@ class SupervisorMetrics:
         keys: ModelKeys,
         heartbeats: Heartbeats,
         ready: Callable[[], bool] | None = None,
+        alive: Callable[[], bool] | None = None,
     ) -> None:
         self.directory = multiproc_metrics.fresh_directory("microbatch-metrics-")
         from . import metrics
@@ -593,7 +606,7 @@ class SupervisorMetrics:
         self._metrics = metrics
         try:
             self.server, self.thread = start_metrics_server(
-                port, multiproc_metrics.registry(), ready=ready
+                port, multiproc_metrics.registry(), ready=ready, alive=alive
             )
         except OSError as exc:  # the port is taken, say: a bad option, not a traceback
             shutil.rmtree(self.directory, ignore_errors=True)

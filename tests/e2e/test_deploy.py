@@ -1435,10 +1435,10 @@ def test_drain_times_match_the_graceful_timeouts(tmp_path: Path) -> None:
     assert container["args"][:1] == ["--cuda"]
     assert container_env(worker)["MICROBATCH_WORKER_METRICS_PORT"] == "9100"
     assert pod["terminationGracePeriodSeconds"] >= graceful
-    # ready once the model is loaded (not /metrics, which answers at once); live on /metrics
+    # ready once the model is loaded (not /metrics, which answers at once); live on /live
     assert container["startupProbe"]["httpGet"]["path"] == "/ready"
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
-    assert container["livenessProbe"]["httpGet"]["path"] == "/metrics"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/live"
     startup = container["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600  # --start-timeout
 

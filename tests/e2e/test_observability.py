@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
 import signal
 import time
@@ -145,6 +146,52 @@ def test_the_queue_gauges_say_unknown_while_redis_is_away(prefix: str) -> None:
             wait_until(lambda: gauges() == (1, 1, 0), 30, "the gauges back")
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_the_worker_stays_live_while_redis_is_silent_or_gone(prefix: str) -> None:
+    """/live answers 200 whenever the supervisor's loop goes round: a Redis that answers
+    nothing (its process stopped: every command waits for its timeout), then a Redis that is
+    gone, must not make it fail, or Kubernetes would restart every worker pod in an outage."""
+    server = RedisServer().start()
+    port = free_port()
+    live_url = f"http://127.0.0.1:{port}/live"
+    statuses: list[int] = []
+
+    def probe_for(seconds: float) -> None:
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            statuses.append(httpx.get(live_url, timeout=5).status_code)
+            time.sleep(0.5)
+
+    try:
+        with worker_process(server.url, TOY, prefix, "--metrics-port", str(port)):
+            probe_for(1)
+            assert server.process is not None
+            os.kill(server.process.pid, signal.SIGSTOP)
+            try:
+                probe_for(12)
+            finally:
+                os.kill(server.process.pid, signal.SIGCONT)
+            server.kill()
+            probe_for(4)
+            server.start()
+            probe_for(1)
+    finally:
+        server.stop()
+    assert len(statuses) > 20 and set(statuses) == {200}, statuses
+
+
+def test_live_fails_once_the_supervisor_s_loop_stalls() -> None:
+    from gpu_worker.supervisor import LIVE_STALL_S, Supervisor
+
+    supervisor = object.__new__(Supervisor)  # the probe's state only: no Redis, no children
+    supervisor._stopping, supervisor._ticked = False, time.monotonic()
+    assert supervisor.alive()
+    supervisor._ticked = time.monotonic() - LIVE_STALL_S - 1
+    assert not supervisor.alive()
+    supervisor._stopping = True  # a stop in progress (draining) is not a stall
+    assert supervisor.alive()
 
 
 @dataclass
