@@ -271,6 +271,7 @@ def status(
             _print(_status_tables(models))
             if not models:
                 _say_where_models_are(client, prefix)
+            _say_if_library_is_old(client)
             return
         with Live(_status_tables(admin.status(client, prefix)), console=Console()) as live:
             try:
@@ -289,6 +290,26 @@ def _watched_status(client: redis.Redis, prefix: str | None) -> RenderableType:
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         when = time.strftime("%H:%M:%S")
         return Text(f"{when} Redis cannot be reached ({exc}); trying again every second")
+
+
+def _say_if_library_is_old(client: redis.Redis) -> None:
+    """A note (stderr) where the functions library is missing from Redis (from a primary of a
+    cluster) or older than this release's; nothing for a user who may not list functions."""
+    try:
+        loaded = functions.loaded_release(client)
+    except redis.ResponseError:  # NOPERM
+        return
+    ours = (functions.VERSION, functions.REVISION)
+    if loaded is None:
+        said = "is not loaded (callers and workers whose Redis user may load it do so themselves)"
+    elif loaded < ours:
+        said = (
+            f"is {functions.describe_release(loaded)}, older than this release's "
+            f"{functions.describe_release(ours)}"
+        )
+    else:
+        return
+    typer.echo(f"note: the microbatch functions library {said}: {functions.HOW_TO_LOAD}", err=True)
 
 
 def _say_where_models_are(client: redis.Redis, prefix: str | None) -> None:

@@ -559,6 +559,7 @@ def test_status_of_a_prefix_without_queues_says_which_prefixes_have_some(
     redis_server: RedisServer, prefix: str
 ) -> None:
     """A misspelt --prefix printed empty tables and exit status 0, as an idle deployment."""
+    functions.load(redis_server.client())  # (no note about the library either)
     redis_server.client().xadd(ModelKeys("toy", prefix).stream, {"v": "1"})
     result = broker_cli("status", "--redis", redis_server.url, "--prefix", f"{prefix}x")
     assert result.returncode == 0, result.stderr
@@ -568,6 +569,35 @@ def test_status_of_a_prefix_without_queues_says_which_prefixes_have_some(
     assert listed.returncode == 0 and listed.stderr == "", listed.stderr
     as_json = broker_cli("status", "--redis", redis_server.url, "--prefix", f"{prefix}x", "--json")
     assert (as_json.stdout.strip(), as_json.stderr) == ("[]", "")
+
+
+def test_status_says_when_the_functions_library_is_missing_or_older(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Workers whose Redis user may not load functions serve on with an older library (a
+    warning in each worker's log): nothing an operator looks at said so."""
+    admin_client = redis_server.client()
+    admin_client.xadd(ModelKeys("toy", prefix).stream, {"v": "1"})
+    status = ("status", "--redis", redis_server.url, "--prefix", prefix)
+    try:
+        admin_client.function_flush()
+        missing = broker_cli(*status)
+        assert missing.returncode == 0
+        assert missing.stderr.startswith("note: the microbatch functions library is not loaded")
+        assert "broker functions load" in missing.stderr
+        older = functions.CODE.replace(
+            f"local VERSION, REVISION = {functions.VERSION}, {functions.REVISION}\n",
+            f"local VERSION, REVISION = {functions.VERSION}, {functions.REVISION - 1}\n",
+        )
+        admin_client.function_load(older, True)
+        old = broker_cli(*status)
+        assert old.stderr.startswith(
+            f"note: the microbatch functions library is version {functions.VERSION} revision "
+            f"{functions.REVISION - 1}, older than this release's"
+        ), old.stderr
+    finally:
+        functions.load(admin_client)
+    assert broker_cli(*status).stderr == ""
 
 
 def test_dead_letters_list_says_how_many_it_leaves_out(
