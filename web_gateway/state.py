@@ -33,6 +33,7 @@ from .errors import (
 )
 from .serving import ServedModel
 from .settings import GatewaySettings
+from .tokens import Tokens
 
 log = logging.getLogger("microbatch.gateway")
 
@@ -75,7 +76,7 @@ class Gateway:
                 raise ValueError(f"two models are named {served.name!r}")
             self.models[served.name] = served
         self.names = sorted(self.models)
-        self.tokens = [token.encode() for token in settings.tokens()]
+        self.tokens = Tokens(settings)
         self.pool: ThreadPoolExecutor | None = None
         self.redis: Any = None
         self.misuse: str | None = None  # what is wrong with the Redis its URL names
@@ -138,8 +139,9 @@ class Gateway:
         return size <= INLINE_BYTES and not served.has_preprocess
 
     def authorize(self, request: Request) -> None:
-        if self.tokens:  # auth on
-            reading.authorize(request, self.tokens)
+        tokens = self.tokens.get()
+        if tokens:  # auth on
+            reading.authorize(request, tokens)
 
     def model(self, name: str, version: str | None = None) -> ServedModel:
         """The served model ``name`` (404 if none), at ``version`` when one is named."""

@@ -35,6 +35,7 @@ from tests.conftest import (
     stop_process,
     wait_for_consumers,
     wait_for_healthz,
+    wait_until,
     worker_process,
 )
 from tests.gateway_models import RECORD_ENV, ByteStats, fail_item, sleep_item
@@ -141,6 +142,7 @@ def stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -
         stack.prefix = prefix  # type: ignore[attr-defined]
         stack.records = records  # type: ignore[attr-defined]
         stack.redis_url = url  # type: ignore[attr-defined]
+        stack.tokens = tokens  # type: ignore[attr-defined]
         yield stack
 
 
@@ -157,6 +159,35 @@ def mlp_direct() -> Any:
 def client(stack: Any) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=stack.base, headers=AUTH, timeout=30) as http:
         yield http
+
+
+def test_a_rotated_tokens_file_reaches_every_gateway_process_without_a_restart(
+    stack: Any,
+) -> None:
+    """Tokens were read as each gateway process started: a rotated Secret needed a restart
+    of every gateway, and until then the new token was refused."""
+    path: Path = stack.tokens
+    before = path.read_text()
+
+    def statuses(token: str) -> set[int]:  # of enough requests to reach both processes
+        headers = {"Authorization": f"Bearer {token}"}
+        with httpx.Client(base_url=stack.base, headers=headers, timeout=10) as http:
+            return {http.get("/v2/models/doubler").status_code for _ in range(16)}
+
+    def rotate(text: str) -> None:
+        fresh = path.with_suffix(".new")
+        fresh.write_text(text)
+        os.replace(fresh, path)
+
+    assert statuses("rotated-token") == {401}
+    try:
+        rotate(f"{TOKEN}\nrotated-token\n")
+        wait_until(lambda: statuses("rotated-token") == {200}, 10, "the new token accepted")
+        assert statuses(TOKEN) == {200}
+    finally:
+        rotate(before)
+    wait_until(lambda: statuses("rotated-token") == {401}, 10, "the old token refused again")
+    assert statuses(TOKEN) == {200}
 
 
 def test_importing_the_app_with_the_mlp_leaves_torch_out() -> None:
