@@ -25,7 +25,11 @@ def redis_time_ms(reply: Sequence[Any]) -> int:
 
 
 def _names(members: Any) -> list[str]:
-    return [m.decode() if isinstance(m, bytes) else str(m) for m in members]
+    # A worker in another language may vouch under a name that is not UTF-8: it still counts
+    # (under distinct, printable escapes: b"\xff" is "\\xff").
+    return [
+        m.decode(errors="backslashreplace") if isinstance(m, bytes) else str(m) for m in members
+    ]
 
 
 def server_time_ms(client: redis.Redis, key: str) -> int:

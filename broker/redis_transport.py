@@ -170,7 +170,7 @@ class RedisTransport:
             log.info("the microbatch functions answer again")
 
     async def _fcall(
-        self, name: str, keys: Sequence[str], args: Sequence[Any], warn: bool = True
+        self, name: str, keys: Sequence[str | bytes], args: Sequence[Any], warn: bool = True
     ) -> Any:
         """FCALL one of the library's functions on the lane, loading the library first if
         it is missing and this user may."""
@@ -802,8 +802,9 @@ class RedisTransport:
                         keys, consumer, holder, min_idle_ms, count - len(taken), own
                     )
                 if holder != consumer:
+                    heartbeat = _wire(keys.heartbeat(holder))
                     await self._fcall(
-                        RETIRE, (keys.stream, keys.heartbeat(holder)), (keys.group, holder), False
+                        RETIRE, (keys.stream, heartbeat), (keys.group, _wire(holder)), False
                     )
             return taken
         except UNAVAILABLE as exc:
@@ -822,14 +823,15 @@ class RedisTransport:
             consumers: Any = await self.redis.xinfo_consumers(keys.stream, keys.group)
         except ResponseError:  # no stream or group yet
             return []
-        others = [_text(info["name"]) for info in consumers]
+        others = [_consumer_name(info["name"]) for info in consumers]
         others = [name for name in others if name != consumer]
         if not others:
             return []
+        members: list[Any] = [_wire(name) for name in others]  # redis-py takes bytes too
         async with self.redis.pipeline(transaction=False) as pipe:
             for name in others:
-                pipe.exists(keys.heartbeat(name))
-            pipe.zmscore(keys.consumers, others)
+                pipe.exists(_wire(keys.heartbeat(name)))
+            pipe.zmscore(keys.consumers, members)
             *alive, scores = await pipe.execute()
         now = time.monotonic()
         for seen in [s for s in self._lapsed if s[0] == keys.stream and s[1] not in others]:
@@ -850,7 +852,7 @@ class RedisTransport:
         self, keys: ModelKeys, consumer: str, holder: str, min_idle_ms: int, count: int, own: bool
     ) -> list[Redelivery]:
         pending: Any = await self.redis.xpending_range(
-            keys.stream, keys.group, "-", "+", count, consumername=holder
+            keys.stream, keys.group, "-", "+", count, consumername=_wire(holder)
         )
         if not pending:
             return []
@@ -879,7 +881,8 @@ class RedisTransport:
         if found:
             log.warning(
                 "took over %d entr%s from %s consumer %s",
-                len(found), "y" if len(found) == 1 else "ies", "own" if own else "dead", holder,
+                len(found), "y" if len(found) == 1 else "ies", "own" if own else "dead",
+                _wire(holder).decode(errors="backslashreplace"),
             )  # fmt: skip
         taken: list[Redelivery] = []
         acks = self._acks(keys.stream)
@@ -1113,6 +1116,18 @@ def _cluster_node(moved: str) -> BrokerUnavailable:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _consumer_name(value: Any) -> str:
+    """A consumer's name as XINFO CONSUMERS gives it. A worker in another language may name
+    its consumer with bytes that are not UTF-8: they are kept (as surrogates) so that
+    ``_wire`` gives Redis back the very name."""
+    return value.decode(errors="surrogateescape") if isinstance(value, bytes) else str(value)
+
+
+def _wire(text: str) -> bytes:
+    """``text`` as Redis holds it: UTF-8, with a ``_consumer_name``'s surrogates as its bytes."""
+    return text.encode(errors="surrogateescape")
 
 
 def _enqueue_outcome(result: Any) -> list[str] | MicrobatchError:

@@ -854,3 +854,40 @@ def test_the_start_up_warning_of_credentials_redis_refuses_says_so(
         "username-password pair or user is disabled.): requests get 503 BrokerUnavailable "
         "until the URL's user and password are ones it accepts"
     ]
+
+
+def test_a_consumer_whose_name_is_not_utf8_is_taken_over_and_counted_not_a_crash(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A worker in another language names its consumer as it likes: bytes that are not UTF-8
+    (random bytes, say) reached every Python worker of the model through XINFO CONSUMERS, and
+    the takeover's decode killed them, again after each restart; the readiness count failed on
+    such a member of the consumers set. Its entries are taken over, it is retired, it counts."""
+    keys = ModelKeys("m", prefix)
+    name = b"\xff\xfe-ruby"
+    client = redis_server.client()
+
+    async def main() -> tuple[int, list[bytes], list[str]]:
+        transport = RedisTransport(redis_server.url)
+        try:
+            await transport.ensure_group(keys)
+            calls = [CallRequests(keys.inbox("c"), 60_000, ["r1"], [b"\x01"])]
+            await transport.enqueue(keys, calls, UNBOUNDED)
+            read = client.xreadgroup(keys.group, name, {keys.stream: ">"}, count=1)
+            assert len(read[0][1]) == 1  # held by the foreign consumer, which then died
+            await asyncio.sleep(0.3)  # past the takeover's minimum idle time
+            taken = len(await transport.reclaim(keys, "taker", 200, 10))
+            left = [info["name"] for info in client.xinfo_consumers(keys.stream, keys.group)]
+            now_ms = liveness.server_time_ms(client, keys.consumers)
+            client.zadd(keys.consumers, {name: now_ms + 60_000})  # alive after all
+            return taken, left, liveness.live_consumers(client, keys)
+        finally:
+            await transport.close()
+
+    try:
+        taken, left, live = run(main())
+        assert taken == 1
+        assert left == [b"taker"]
+        assert live == ["\\xff\\xfe-ruby"]
+    finally:
+        client.close()
