@@ -286,7 +286,10 @@ local function enqueue(keys, args)
   while at <= #args do
     local n = digits(args[at])
     if not n or n < 1 or at + 3 + 2 * n > #args then
-      return redis.error_reply('MBARGS malformed mb_enqueue arguments at ' .. at)
+      return redis.error_reply('MBARGS mb_enqueue: the call at argument ' .. at ..
+        ' (the version is argument 1) is malformed: a call is <n> <reply key> <timeout ms> ' ..
+        '<traceparent> then n pairs of request id and data, n a whole number of items from 1 ' ..
+        'in ASCII digits')
     end
     if entries + n > MAX_ENTRIES then return limit_error('mb_enqueue') end
     local size = 0

