@@ -874,7 +874,7 @@ class RedisTransport:
             gone = [
                 entry_id
                 for entry_id, rows in zip(missed, owners, strict=True)
-                if rows and _text(rows[0]["consumer"]) == consumer
+                if rows and _consumer_name(rows[0]["consumer"]) == consumer
             ]
             if gone:
                 await self.redis.xack(keys.stream, keys.group, *gone)

@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import redis
@@ -889,5 +889,42 @@ def test_a_consumer_whose_name_is_not_utf8_is_taken_over_and_counted_not_a_crash
         assert taken == 1
         assert left == [b"taker"]
         assert live == ["\\xff\\xfe-ruby"]
+    finally:
+        client.close()
+
+
+def test_an_entry_another_consumer_claimed_first_under_a_name_not_utf8_is_left_to_it(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Between the takeover's XPENDING and its XCLAIM, a worker in another language, whose
+    consumer name is not UTF-8, claimed the dead consumer's entry first: the check of whose
+    the entry is now decoded that name and killed the worker."""
+    keys = ModelKeys("m", prefix)
+    client = redis_server.client()
+
+    async def main() -> tuple[int, list[bytes]]:
+        transport = RedisTransport(redis_server.url)
+        xclaim = transport.redis.xclaim
+
+        async def claimed_first(*args: Any, **kwargs: Any) -> Any:
+            ids = args[4]
+            client.xclaim(keys.stream, keys.group, b"\xfe-ruby", 0, ids)  # the foreign worker
+            return await xclaim(*args, **kwargs)
+
+        try:
+            await transport.ensure_group(keys)
+            calls = [CallRequests(keys.inbox("c"), 60_000, ["r1"], [b"\x01"])]
+            await transport.enqueue(keys, calls, UNBOUNDED)
+            client.xreadgroup(keys.group, "gone", {keys.stream: ">"}, count=1)
+            await asyncio.sleep(0.3)  # past the takeover's minimum idle time
+            transport.redis.xclaim = claimed_first  # type: ignore[method-assign]
+            taken = len(await transport.reclaim(keys, "taker", 200, 10))
+            owners = client.xpending_range(keys.stream, keys.group, "-", "+", 10)
+            return taken, [row["consumer"] for row in owners]
+        finally:
+            await transport.close()
+
+    try:
+        assert run(main()) == (0, [b"\xfe-ruby"])  # left pending for the one that claimed it
     finally:
         client.close()
