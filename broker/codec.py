@@ -338,6 +338,34 @@ class _Containers:
         return value
 
 
+def decode_unchecked(
+    data: bytes,
+    *,
+    max_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_containers: int = DEFAULT_MAX_CONTAINERS,
+) -> Any:
+    """Decode within :func:`decode`'s size and container limits, but leave every extension
+    value a :class:`msgpack.ExtType`, unchecked: to read what surrounds a value :func:`decode`
+    refuses (the request id of a foreign worker's reply). Raises :class:`CodecError`, and
+    nothing else, for anything malformed."""
+    if len(data) > max_bytes:
+        raise CodecError(f"message of {len(data)} bytes is over the {max_bytes}-byte limit")
+    count = _Containers(max_containers) if len(data) > max_containers else None
+    try:
+        return msgpack.unpackb(
+            data,
+            ext_hook=msgpack.ExtType,
+            raw=False,
+            strict_map_key=False,
+            list_hook=count,
+            object_hook=count,
+        )
+    except CodecError:
+        raise
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise CodecError(f"malformed payload: {type(exc).__name__}") from exc
+
+
 def decode(
     data: bytes,
     *,

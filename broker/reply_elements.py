@@ -182,13 +182,10 @@ def _salvage(element: bytes) -> list[Reply | ProtocolError] | None:
     """The replies of an element holding a value the codec refuses (a foreign worker's array
     of a dtype off section 4's list, an unknown extension type): each reply map is read alone,
     and one the codec refuses fails its item with ProtocolError rather than leave its call to
-    its deadline. None where no map can be routed: not msgpack, or bigger than a packed
-    element (read without the codec's container count, which so many bytes cannot exceed)."""
-    if len(element) > MAX_ELEMENT_BYTES:
-        return None
+    its deadline. None where no map can be routed: not msgpack, or over the codec's limits."""
     try:
-        whole = msgpack.unpackb(element, raw=False, strict_map_key=False, ext_hook=msgpack.ExtType)
-    except Exception:  # not msgpack, or not of any value a reply can hold: nothing routes it
+        whole = codec.decode_unchecked(element)
+    except CodecError:  # not msgpack, or not of any value a reply can hold: nothing routes it
         return None
     if not (is_packed(element) and isinstance(whole, list)):
         reply = _salvage_map(whole)

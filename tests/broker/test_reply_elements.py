@@ -293,3 +293,36 @@ def test_a_foreign_reply_holding_a_value_the_codec_refuses_fails_its_item_at_onc
             with pytest.raises(ProtocolError, match="dtype '>f4'") as failed:
                 future.result(timeout=30)
             assert failed.value.index == 1
+
+
+def test_a_foreign_reply_over_a_packed_elements_size_holding_a_refused_value_fails_at_once(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A Ruby worker packs its float32 output with `pack("g*")`, big-endian, and says so:
+    `>f4`. Over 1 MiB, its reply was dropped as unroutable although its id came first and
+    plain, and the call waited for its deadline (HTTP 504 at a gateway); it now fails with
+    ProtocolError at once, as a smaller one does, in a packed element too."""
+    from broker import functions
+
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+    functions.load(client)
+    client.xgroup_create(keys.stream, "workers", id="0", mkstream=True)
+    count = 300_000  # 1.2 MB of data
+    data = np.arange(count, dtype=">f4").tobytes()
+    header = b"\x03>f4\x01" + count.to_bytes(8, "little")
+    big_endian = msgpack.ExtType(1, header + data)
+    with Streamer("toy", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True) as s:
+        for packed in (False, True):
+            future = s.submit(["a", "b"], timeout=120)
+            read = client.xreadgroup("workers", "ruby", {keys.stream: ">"}, block=10_000)
+            ((_, ((_, fields),)),) = read
+            ids = [fields[f"id.{i}".encode()].decode() for i in (0, 1)]
+            bad = msgpack.packb({"id": ids[1], "ok": True, "result": big_endian})
+            good = msgpack.packb({"id": ids[0], "ok": True, "result": "fine"})
+            assert len(bad) > MAX_ELEMENT_BYTES
+            elements = [b"\x92" + good + bad] if packed else [good, bad]
+            client.fcall("mb_reply", 1, fields[b"reply"], 2, 60, len(elements), *elements)  # type: ignore[arg-type]
+            with pytest.raises(ProtocolError, match="dtype '>f4'") as failed:
+                future.result(timeout=60)  # the call's own timeout is 120 s
+            assert failed.value.index == 1
