@@ -345,25 +345,38 @@ def decode_unchecked(
     max_containers: int = DEFAULT_MAX_CONTAINERS,
 ) -> Any:
     """Decode within :func:`decode`'s size and container limits, but leave every extension
-    value a :class:`msgpack.ExtType`, unchecked: to read what surrounds a value :func:`decode`
-    refuses (the request id of a foreign worker's reply). Raises :class:`CodecError`, and
-    nothing else, for anything malformed."""
+    value a :class:`msgpack.ExtType`, unchecked, and take arrays and maps as map keys (arrays
+    as tuples, maps as dicts that hash by identity): to read what surrounds a value
+    :func:`decode` refuses (the request id of a foreign worker's reply). Raises
+    :class:`CodecError`, and nothing else, for anything malformed."""
     if len(data) > max_bytes:
         raise CodecError(f"message of {len(data)} bytes is over the {max_bytes}-byte limit")
     count = _Containers(max_containers) if len(data) > max_containers else None
+
+    def mapping(pairs: list[tuple[Any, Any]]) -> _KeyMap:
+        built = _KeyMap(pairs)
+        return count(built) if count is not None else built
+
     try:
         return msgpack.unpackb(
             data,
             ext_hook=msgpack.ExtType,
             raw=False,
             strict_map_key=False,
+            use_list=False,
             list_hook=count,
-            object_hook=count,
+            object_pairs_hook=mapping,
         )
     except CodecError:
         raise
     except Exception as exc:  # msgpack raises several unrelated types
         raise CodecError(f"malformed payload: {type(exc).__name__}") from exc
+
+
+class _KeyMap(dict):  # type: ignore[type-arg]
+    """A decoded map that may itself be a map key (a Ruby Hash's key may be any value)."""
+
+    __hash__ = object.__hash__  # type: ignore[assignment]
 
 
 def decode(

@@ -187,7 +187,7 @@ def _salvage(element: bytes) -> list[Reply | ProtocolError] | None:
         whole = codec.decode_unchecked(element)
     except CodecError:  # not msgpack, or not of any value a reply can hold: nothing routes it
         return None
-    if not (is_packed(element) and isinstance(whole, list)):
+    if not (is_packed(element) and isinstance(whole, tuple)):
         reply = _salvage_map(whole)
         return [reply] if isinstance(reply, Reply) else None
     return [_salvage_map(message) for message in whole]

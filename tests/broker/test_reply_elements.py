@@ -326,3 +326,34 @@ def test_a_foreign_reply_over_a_packed_elements_size_holding_a_refused_value_fai
             with pytest.raises(ProtocolError, match="dtype '>f4'") as failed:
                 future.result(timeout=60)  # the call's own timeout is 120 s
             assert failed.value.index == 1
+
+
+def test_a_foreign_reply_whose_result_has_array_or_map_keys_fails_its_item_at_once(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A Ruby model's Hash may have any value as a key (bigram counts: `{["a", "b"] => 2}`),
+    which no Python dict can hold: the reply was dropped as unroutable although its id was
+    plain, and the call waited for its deadline. It now fails with ProtocolError at once."""
+    from broker import functions
+
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+    functions.load(client)
+    client.xgroup_create(keys.stream, "workers", id="0", mkstream=True)
+    array_key = b"\x81\x92\xcb" + np.float64(1).tobytes()[::-1] + b"\xcb" + bytes(8) + b"\x01"
+    map_key = b"\x81\x81\xa1k\xcb" + np.float64(1).tobytes()[::-1] + b"\x01"
+    with Streamer("toy", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True) as s:
+        for result, packed in ((array_key, False), (map_key, False), (array_key, True)):
+            future = s.submit(["a", "b"], timeout=120)
+            read = client.xreadgroup("workers", "ruby", {keys.stream: ">"}, block=10_000)
+            ((_, ((_, fields),)),) = read
+            ids = [fields[f"id.{i}".encode()].decode() for i in (0, 1)]
+            # as msgpack-ruby packs {"id" => id, "ok" => true, "result" => {key => 1}}
+            head = msgpack.packb({"id": ids[1], "ok": True})
+            bad = b"\x83" + head[1:] + b"\xa6result" + result
+            good = msgpack.packb({"id": ids[0], "ok": True, "result": "fine"})
+            elements = [b"\x92" + good + bad] if packed else [good, bad]
+            client.fcall("mb_reply", 1, fields[b"reply"], 2, 60, len(elements), *elements)  # type: ignore[arg-type]
+            with pytest.raises(ProtocolError, match="map key is an array or a map") as failed:
+                future.result(timeout=60)  # the call's own timeout is 120 s
+            assert failed.value.index == 1
