@@ -345,8 +345,9 @@ def decode_unchecked(
     max_containers: int = DEFAULT_MAX_CONTAINERS,
 ) -> Any:
     """Decode within :func:`decode`'s size and container limits, but leave every extension
-    value a :class:`msgpack.ExtType`, unchecked, and take arrays and maps as map keys (arrays
-    as tuples, maps as dicts that hash by identity): to read what surrounds a value
+    value a :class:`msgpack.ExtType`, unchecked, take arrays and maps as map keys (arrays as
+    tuples, maps as dicts that hash by identity) and str that are not UTF-8 (their bytes as
+    surrogates, which :func:`repack_unchecked` packs back): to read what surrounds a value
     :func:`decode` refuses (the request id of a foreign worker's reply). Raises
     :class:`CodecError`, and nothing else, for anything malformed."""
     if len(data) > max_bytes:
@@ -366,11 +367,19 @@ def decode_unchecked(
             use_list=False,
             list_hook=count,
             object_pairs_hook=mapping,
+            unicode_errors="surrogateescape",
         )
     except CodecError:
         raise
     except Exception as exc:  # msgpack raises several unrelated types
         raise CodecError(f"malformed payload: {type(exc).__name__}") from exc
+
+
+def repack_unchecked(value: Any) -> bytes:
+    """msgpack of a value :func:`decode_unchecked` gave, with the bytes it read (for
+    :func:`decode` to say what is wrong with them)."""
+    packed: bytes = msgpack.packb(value, use_bin_type=True, unicode_errors="surrogateescape")
+    return packed
 
 
 class _KeyMap(dict):  # type: ignore[type-arg]
@@ -415,6 +424,10 @@ def decode(
             raise CodecError(f"malformed payload: {type(exc).__name__}") from exc
         raise CodecError(
             "a map key is an array or a map (a tuple key, say), which cannot be decoded"
+        ) from exc
+    except UnicodeDecodeError as exc:
+        raise CodecError(
+            "a msgpack str holds bytes that are not UTF-8 (send bytes as bin)"
         ) from exc
     except Exception as exc:  # msgpack (and numpy) raise several unrelated types
         raise CodecError(f"malformed payload: {type(exc).__name__}") from exc

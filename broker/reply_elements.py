@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from . import codec
@@ -196,7 +195,7 @@ def _salvage(element: bytes) -> list[Reply | ProtocolError] | None:
 def _salvage_map(message: Any) -> Reply | ProtocolError:
     """One reply map of :func:`_salvage`, decoded alone by the codec."""
     try:
-        return reply_from_message(codec.decode(msgpack.packb(message)))
+        return reply_from_message(codec.decode(codec.repack_unchecked(message)))
     except ProtocolError as exc:
         return exc
     except CodecError as exc:

@@ -76,6 +76,10 @@ def test_refusals_say_what_the_value_is() -> None:
     for value in ({(1, 2): "a"}, [{"k": {(0,): 1}}]):
         with pytest.raises(CodecError, match="a map key is an array or a map"):
             codec.decode(codec.encode(value))
+    # bytes packed as a str (Ruby's msgpack packs a String tagged UTF-8 so, bytes or not)
+    for data in (b"\xa2\xc7\x15", b"\x81\xa1k\xa1\xff", b"\x81\xa1\xff\x01"):
+        with pytest.raises(CodecError, match="str holds bytes that are not UTF-8"):
+            codec.decode(data)
 
 
 def test_malformed_payloads_raise_codec_error() -> None:

@@ -357,3 +357,36 @@ def test_a_foreign_reply_whose_result_has_array_or_map_keys_fails_its_item_at_on
             with pytest.raises(ProtocolError, match="map key is an array or a map") as failed:
                 future.result(timeout=60)  # the call's own timeout is 120 s
             assert failed.value.index == 1
+
+
+def test_a_foreign_reply_holding_a_str_that_is_not_utf8_fails_its_item_at_once(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Ruby's redis client reads every value as a String tagged UTF-8, bytes or not, and its
+    msgpack packs such a String as a str: a Ruby worker that echoes what it read (the item's
+    data) sends a str that is not UTF-8. The reply was dropped as unroutable although its id
+    was plain, and the call waited for its deadline; it now fails with ProtocolError at once,
+    saying what is wrong."""
+    from broker import functions
+
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+    functions.load(client)
+    client.xgroup_create(keys.stream, "workers", id="0", mkstream=True)
+    for packed in (False, True):
+        with Streamer("toy", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True) as s:
+            future = s.submit(["a", "b"], timeout=120)
+            read = client.xreadgroup("workers", "ruby", {keys.stream: ">"}, block=10_000)
+            ((_, ((_, fields),)),) = read
+            ids = [fields[f"id.{i}".encode()].decode() for i in (0, 1)]
+            echoed = fields[b"data.1"] + b"\xc7\x15"  # what msgpack-ruby packs as a str
+            # {"id" => id, "ok" => true, "result" => {"echo" => echoed}}, as msgpack-ruby packs it
+            head = msgpack.packb({"id": ids[1], "ok": True})
+            bad = b"\x83" + head[1:] + b"\xa6result\x81\xa4echo" + bytes([0xA0 | len(echoed)])
+            bad += echoed
+            good = msgpack.packb({"id": ids[0], "ok": True, "result": "fine"})
+            elements = [b"\x92" + good + bad] if packed else [good, bad]
+            client.fcall("mb_reply", 1, fields[b"reply"], 2, 60, len(elements), *elements)  # type: ignore[arg-type]
+            with pytest.raises(ProtocolError, match="str holds bytes that are not UTF-8") as failed:
+                future.result(timeout=60)  # the call's own timeout is 120 s
+            assert failed.value.index == 1
