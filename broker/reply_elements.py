@@ -173,8 +173,27 @@ def decode_any(element: bytes) -> list[Reply | ProtocolError]:
     except CodecError as exc:
         salvaged = _salvage(element)
         if salvaged is None:
+            salvaged = _failed_by_head(element, exc)
+        if salvaged is None:
             raise exc from None
         return salvaged
+
+
+def _failed_by_head(element: bytes, problem: CodecError) -> list[Reply | ProtocolError] | None:
+    """A reply map the codec cannot read at all (more arrays and maps, or more bytes, than it
+    reads) that begins as workers write one, a map of three whose first key is ``id`` with a
+    str value: its item fails with ProtocolError rather than wait for its deadline. None for
+    any other element."""
+    span = result_id_span(element)
+    if span is None or span[1] > len(element):
+        return None
+    try:
+        request_id = element[span[0] : span[1]].decode()
+    except UnicodeDecodeError:
+        return None
+    failed = Reply(request_id, False, error_type=ProtocolError.__name__,
+                   error_message=f"malformed reply: {problem}")  # fmt: skip
+    return [failed]
 
 
 def _salvage(element: bytes) -> list[Reply | ProtocolError] | None:

@@ -390,3 +390,32 @@ def test_a_foreign_reply_holding_a_str_that_is_not_utf8_fails_its_item_at_once(
             with pytest.raises(ProtocolError, match="str holds bytes that are not UTF-8") as failed:
                 future.result(timeout=60)  # the call's own timeout is 120 s
             assert failed.value.index == 1
+
+
+def test_a_reply_with_more_containers_than_the_codec_reads_fails_its_item_at_once(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A result of over 2**20 arrays and maps (a Ruby model's Array.new(2**20 + 1) { [] }, or a
+    Python model's list of as many dicts: the worker sends it, the caller's codec refuses it)
+    was dropped as unroutable although its id came first, and the call waited for its
+    deadline. It now fails with ProtocolError at once, saying why."""
+    from broker import functions
+
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+    functions.load(client)
+    client.xgroup_create(keys.stream, "workers", id="0", mkstream=True)
+    many = codec.DEFAULT_MAX_CONTAINERS + 1
+    with Streamer("toy", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True) as s:
+        future = s.submit(["a", "b"], timeout=120)
+        read = client.xreadgroup("workers", "ruby", {keys.stream: ">"}, block=10_000)
+        ((_, ((_, fields),)),) = read
+        ids = [fields[f"id.{i}".encode()].decode() for i in (0, 1)]
+        # {"id" => id, "ok" => true, "result" => Array.new(many) { [] }}, as msgpack-ruby packs it
+        head = msgpack.packb({"id": ids[1], "ok": True})
+        bad = b"\x83" + head[1:] + b"\xa6result\xdd" + many.to_bytes(4, "big") + b"\x90" * many
+        good = msgpack.packb({"id": ids[0], "ok": True, "result": "fine"})
+        client.fcall("mb_reply", 1, fields[b"reply"], 2, 60, 2, good, bad)  # type: ignore[arg-type]
+        with pytest.raises(ProtocolError, match="more than 1048576 arrays and maps") as failed:
+            future.result(timeout=60)  # the call's own timeout is 120 s
+        assert failed.value.index == 1
