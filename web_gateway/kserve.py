@@ -118,6 +118,8 @@ def _flatten(data: Any) -> list[Any]:
 
 
 def _decode_bytes_elements(blob: bytes, count: int, name: str) -> list[bytes]:
+    if count * _U32.size > len(blob):  # each element has its length: checked before any work
+        raise bad_request(f"input {name!r}: binary BYTES data is truncated")
     out: list[bytes] = []
     pos = 0
     for _ in range(count):
@@ -163,8 +165,10 @@ def _header(spec: dict[str, Any]) -> tuple[str, str, list[int], int]:
 def _from_binary(blob: bytes, name: str, datatype: str, shape: list[int], count: int) -> Any:
     dtype_name = DATATYPES[datatype]
     if dtype_name is None:
+        # decoded before the array is made: a shape the blob cannot hold allocates nothing
+        elements = _decode_bytes_elements(blob, count, name)
         array = np.empty(count, dtype=object)
-        array[:] = _decode_bytes_elements(blob, count, name)
+        array[:] = elements
         return array
     dtype = np.dtype(dtype_name).newbyteorder("<")
     if len(blob) != count * dtype.itemsize:

@@ -345,3 +345,20 @@ def test_the_json_header_is_held_to_the_container_budget() -> None:
     with pytest.raises(HTTPError) as refused:
         kserve.parse_request(raw, None, max_containers=6)
     assert refused.value.status == 413
+
+
+def test_a_bytes_shape_far_past_its_binary_data_is_refused_before_any_allocation() -> None:
+    """Each BYTES element takes at least its 4-byte length: a shape claiming more elements
+    than the binary data can hold is a 400 allocating nothing for them (a 150-byte request
+    claiming 2**26 elements made the gateway allocate 512 MiB, 2**31 elements 16 GiB)."""
+    import tracemalloc
+
+    head = body(tensor("s", "BYTES", (2**24,), parameters={"binary_data_size": 4}))
+    tracemalloc.start()
+    try:
+        status, said = refused(head + struct.pack("<I", 0), str(len(head)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert (status, said) == (400, "input 's': binary BYTES data is truncated")
+    assert peak < 2**20  # the old code's array of 2**24 pointers alone was 128 MiB
