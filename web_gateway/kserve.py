@@ -280,11 +280,15 @@ def _requested_outputs(wanted: Any, all_binary: bool) -> list[tuple[str, bool]] 
     if not isinstance(wanted, list):
         raise bad_request("'outputs' must be a list")
     outputs = []
+    named: set[str] = set()
     for raw in wanted:
         out = _object(raw, "each requested output")
         out_name = out.get("name")
         if not isinstance(out_name, str):
             raise bad_request("every requested output needs a 'name'")
+        if out_name in named:  # each one named would be answered, its data with it
+            raise bad_request(f"output {out_name!r} is requested twice")
+        named.add(out_name)
         out_params = _object(out.get("parameters") or {}, "output 'parameters'")
         outputs.append((out_name, bool(out_params.get("binary_data", all_binary))))
     return outputs

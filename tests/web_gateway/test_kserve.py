@@ -362,3 +362,14 @@ def test_a_bytes_shape_far_past_its_binary_data_is_refused_before_any_allocation
         tracemalloc.stop()
     assert (status, said) == (400, "input 's': binary BYTES data is truncated")
     assert peak < 2**20  # the old code's array of 2**24 pointers alone was 128 MiB
+
+
+def test_an_output_requested_twice_is_a_400() -> None:
+    """Each requested output was answered as often as it was named, its binary data with it:
+    a 5 MB request naming one output 100,000 times got a 111 MB answer (the bigger a model's
+    outputs, the more: past any memory, within the body limit)."""
+    twice = [{"name": "y", "parameters": {"binary_data": True}}, {"name": "y"}]
+    status, said = refused(body(tensor(data=[0, 0]), outputs=twice))
+    assert (status, said) == (400, "output 'y' is requested twice")
+    once = kserve.parse_request(body(tensor(data=[0, 0]), outputs=twice[:1]), None)
+    assert once.outputs == [("y", True)]
