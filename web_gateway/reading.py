@@ -266,28 +266,44 @@ async def _received(receive: Any, limit: int) -> bytes:
             raise ClientGone("before its body arrived")
 
 
+# The most gzip members one body may hold (a tool writing one per block, as BGZF's 64 KiB
+# blocks, makes 256 of a 16 MiB body), and the compressed bytes handed to zlib at once: at a
+# member's end zlib copies out what it was given past that end (its unused_data), so given
+# the whole body, every member cost a copy of the rest (quadratic: a 16 MiB body of empty
+# members held the event loop for minutes).
+MAX_GZIP_MEMBERS = 1024
+_INFLATE_STEP = 64 * 1024
+
+
 def _decompress(data: bytes, encoding: str, limit: int) -> bytes:
     """``data`` decompressed, checked whole: a stream cut short (for gzip, its CRC and length
     trailer) or followed by other bytes is a 400; gzip members one after another are one body,
-    as RFC 1952 and the gzip tool take them; 413 past ``limit`` bytes."""
+    as RFC 1952 and the gzip tool take them (at most MAX_GZIP_MEMBERS, else a 400); 413 past
+    ``limit`` bytes."""
     wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
+    view = memoryview(data)
     parts: list[bytes] = []
-    size = 0
+    size = pos = members = 0
     while True:
+        if members == MAX_GZIP_MEMBERS:
+            raise bad_request(f"body is not valid {encoding}: it has more than {members} members")
         inflater = zlib.decompressobj(wbits)
-        try:
-            out = inflater.decompress(data, limit - size + 1)
-        except zlib.error as exc:
-            what = "bytes follow its end" if parts else str(exc)
-            raise bad_request(f"body is not valid {encoding}: {what}") from None
-        size += len(out)
-        if size > limit or inflater.unconsumed_tail:
-            raise too_large(f"decompressed request body is over {limit} bytes")
+        while not inflater.eof and pos < len(data):
+            step = view[pos : pos + _INFLATE_STEP]
+            try:
+                out = inflater.decompress(step, limit - size + 1)
+            except zlib.error as exc:
+                what = "bytes follow its end" if members else str(exc)
+                raise bad_request(f"body is not valid {encoding}: {what}") from None
+            size += len(out)
+            if size > limit or inflater.unconsumed_tail:
+                raise too_large(f"decompressed request body is over {limit} bytes")
+            parts.append(out)
+            pos += len(step) - len(inflater.unused_data)
         if not inflater.eof:
             raise bad_request(f"body is not valid {encoding}: it is cut short")
-        parts.append(out)
-        data = inflater.unused_data
-        if not data:
+        members += 1
+        if pos == len(data):
             return parts[0] if len(parts) == 1 else b"".join(parts)
         if encoding != "gzip":
             raise bad_request(f"body is not valid {encoding}: bytes follow its end")
