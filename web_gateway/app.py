@@ -23,6 +23,7 @@ from starlette.responses import Response
 from broker.logs import redact_url
 
 from . import access_log, operations, package_version, reading, v1, v2
+from .descriptors import raise_descriptor_limit
 from .disconnects import gateway_cycle
 from .docs import install_docs
 from .errors import HTTPError, to_response
@@ -98,6 +99,7 @@ def create_app(settings: GatewaySettings | None = None) -> GatewayApp:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        raise_descriptor_limit(settings.max_connections, len(gateway.names))
         await gateway.start()
         log.info(
             "gateway serving %s under prefix %r from Redis %s%s",

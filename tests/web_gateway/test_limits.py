@@ -26,7 +26,7 @@ import pytest
 
 from broker.devserver import RedisServer
 from broker.keys import ModelKeys
-from tests.conftest import wait_for_consumers, worker_process
+from tests.conftest import run_python, wait_for_consumers, worker_process
 from tests.e2e.test_gateway import gateway_process
 
 DOUBLER = "tests.gateway_models:Doubler"
@@ -223,6 +223,61 @@ def test_connections_over_the_cap_are_refused_at_once(
         assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200
         for connection in held[cap // 2 :]:
             connection.sock.close()
+
+
+@contextlib.contextmanager
+def descriptor_limit(soft: int) -> Iterator[None]:
+    """Processes started within get a soft RLIMIT_NOFILE of ``soft`` (this process's own is
+    restored on leaving: it needs its descriptors)."""
+    before = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, before[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, before)
+
+
+def test_a_gateway_under_a_low_descriptor_limit_still_holds_its_connection_cap(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A soft limit of descriptors (`ulimit -n`: 1024 under systemd and many shells) below
+    --max-connections left the cap unreachable: past the descriptors, new connections were
+    reset unanswered (libuv accepts and closes them) and the gateway could not open a Redis
+    connection. Each gateway process raises its soft limit (within the hard one) to what its
+    cap needs."""
+    cap, soft = 300, 128
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 4 * cap:
+        pytest.skip("the hard descriptor limit is too low to raise the soft one")
+    with contextlib.ExitStack() as stack:
+        with descriptor_limit(soft):
+            gateway = gateway_process(
+                redis_server.url, [DOUBLER], prefix, f"--max-connections={cap}"
+            )
+            base, _ = stack.enter_context(gateway)
+        port = int(base.rsplit(":", 1)[1])
+        held = [Stalled(port, b"") for _ in range(soft + 50)]
+        time.sleep(0.5)
+        assert httpx.get(f"{base}/healthz", timeout=5).status_code == 200
+        for connection in held:
+            connection.sock.close()
+
+
+def test_a_hard_descriptor_limit_below_the_cap_is_said_at_start() -> None:
+    code = (
+        "import logging, resource\n"
+        "from web_gateway.descriptors import raise_descriptor_limit\n"
+        "logging.basicConfig(format='%(levelname)s %(message)s')\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (100, 200))\n"
+        "raise_descriptor_limit(1000, 2)\n"
+        "print(resource.getrlimit(resource.RLIMIT_NOFILE))\n"
+    )
+    done = run_python(code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "(200, 200)"  # raised as far as the hard limit lets it
+    assert done.stderr.startswith(
+        "WARNING this gateway process may open only 200 files (ulimit -n) where "
+        "--max-connections 1000 needs about 1264: "
+    )
 
 
 def read_until_closed(sock: socket.socket) -> bytes:
