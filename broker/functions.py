@@ -60,6 +60,12 @@ RELEASE = "mb_release"
 # more items or bytes is refused before it is sent (InvalidInput).
 MAX_CALL_ENTRIES = 4096
 MAX_CALL_BYTES = 64 * 1024 * 1024  # data bytes: one item at the codec's size limit fits
+# What one mb_withdraw may spend on the entries it reads (a step per field) and on the items
+# of multi-item entries it checks or unmarks (a command each): past it, a handle is only
+# marked, as for an entry a worker has read. The most a caller's own withdrawal needs is about
+# 25,000 (4096 handles of entries with a traceparent); without the bound, 4096 handles of
+# entries of 512 items cost 2 million commands, seconds of Redis.
+MAX_WITHDRAW_STEPS = 8 * MAX_CALL_ENTRIES
 
 # The most items one multi-item entry may hold: mb_enqueue passes XADD its 3 to 4 field pairs
 # per item as one Lua unpack, which Redis caps at 8000 values.
@@ -86,6 +92,7 @@ CODE = (
 -- microbatch's functions: broker/functions.py and docs/protocol.md are their documentation.
 local VERSION, REVISION = @VERSION@, @REVISION@
 local MAX_ENTRIES, MAX_BYTES = @MAX_ENTRIES@, @MAX_BYTES@
+local MAX_WITHDRAW_STEPS = @MAX_WITHDRAW_STEPS@
 local MAX_ENTRY_ITEMS = @MAX_ENTRY_ITEMS@
 local CANCELLED_TTL_MS, PUSH_CHUNK = @CANCELLED_TTL_MS@, @PUSH_CHUNK@
 local LAPSED_WORKER_GRACE_MS = @LAPSED_WORKER_GRACE_MS@
@@ -379,39 +386,60 @@ local function entry_size(fields)
   return size, nil
 end
 
+-- The steps one mb_withdraw spends (MAX_WITHDRAW_STEPS in all): a step per field of each
+-- entry it reads, and per item of a multi-item entry it checks or unmarks. `spend` takes
+-- `cost` more, or returns false (spending nothing) past the budget: the handle is then only
+-- marked, as for an entry a worker has read (workers skip it), and a deleted entry's marks
+-- are left to expire. Else 4096 handles of entries of 512 items took 2 million commands.
+local function spend(budget, cost)
+  if budget.steps + cost > MAX_WITHDRAW_STEPS then return false end
+  budget.steps = budget.steps + cost
+  return true
+end
+
+-- An entry no worker has read: its fields (a step each), or nil past the budget or if gone.
+local function unread_fields(keys, entry, budget)
+  if budget.steps >= MAX_WITHDRAW_STEPS then return nil end
+  local found = redis.pcall('XRANGE', keys[1], entry, entry)
+  if type(found) ~= 'table' or found.err ~= nil or #found == 0 then return nil end
+  budget.steps = budget.steps + #found[1][2] / 2
+  return found[1][2]
+end
+
 -- Withdraws items of v2 entries (handles `<entry id>#<i>`, grouped by entry): an entry no
 -- worker has read whose every item is withdrawn (now, or marked before) is deleted (its
 -- bytes and packed items released, the latter only when the packed-items counter is given);
 -- otherwise each handle is marked in the cancelled set for the workers to skip. Returns the
 -- bytes released.
-local function withdraw_items(keys, group, entries, order, now_ms)
+local function withdraw_items(keys, group, entries, order, now_ms, budget)
   local released, packed = 0, 0
   for _, entry in ipairs(order) do
     local handles, deleted = entries[entry], false
     local pending = redis.pcall('XPENDING', keys[1], group, entry, entry, 1)
     local read = type(pending) == 'table' and pending.err == nil and #pending > 0
-    if keys[4] and not read then  -- (no group yet: nobody has read it)
-      local found = redis.pcall('XRANGE', keys[1], entry, entry)
-      if type(found) == 'table' and found.err == nil and #found > 0 then
-        local size, n = entry_size(found[1][2])
-        local seen, distinct = {}, 0
-        for _, index in ipairs(handles) do
-          if n and index >= 0 and index < n and not seen[index] then
+    local fields = keys[4] and not read and unread_fields(keys, entry, budget)
+    if fields then  -- (no group yet: nobody has read it)
+      local size, n = entry_size(fields)
+      local seen, distinct = {}, 0
+      for _, index in ipairs(handles) do
+        if n and index >= 0 and index < n and not seen[index] then
+          seen[index], distinct = true, distinct + 1
+        end
+      end
+      -- the entry's other items may have been withdrawn before
+      if n and distinct < n and spend(budget, n) then
+        for index = 0, n - 1 do
+          if not seen[index] and redis.call('ZSCORE', keys[3], entry .. '#' .. index) then
             seen[index], distinct = true, distinct + 1
           end
         end
-        if n and distinct < n then  -- the entry's other items may have been withdrawn before
-          for index = 0, n - 1 do
-            if not seen[index] and redis.call('ZSCORE', keys[3], entry .. '#' .. index) then
-              seen[index], distinct = true, distinct + 1
-            end
-          end
-        end
-        if n and distinct == n then
-          redis.call('XDEL', keys[1], entry)
+      end
+      if n and distinct == n then
+        redis.call('XDEL', keys[1], entry)
+        if spend(budget, n) then
           for index = 0, n - 1 do redis.call('ZREM', keys[3], entry .. '#' .. index) end
-          released, packed, deleted = released + size, packed + n - 1, true
         end
+        released, packed, deleted = released + size, packed + n - 1, true
       end
     end
     if not deleted then
@@ -438,7 +466,7 @@ local function withdraw(keys, args)
   if #args - 2 > MAX_ENTRIES then return limit_error('mb_withdraw') end
   local time = redis.call('TIME')
   local now_ms = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-  local released, packed, items, order = 0, 0, {}, {}
+  local released, packed, items, order, budget = 0, 0, {}, {}, {steps = 0}
   for i = 3, #args do
     local id = args[i]
     local mark = string.find(id, '#', 1, true)
@@ -454,20 +482,21 @@ local function withdraw(keys, args)
       end
     else
       local pending = redis.pcall('XPENDING', keys[1], args[2], id, id, 1)
-      if type(pending) == 'table' and pending.err == nil and #pending > 0 then
-        redis.call('ZADD', keys[3], now_ms + CANCELLED_TTL_MS, id)
-      else
-        local found = redis.pcall('XRANGE', keys[1], id, id)
-        if type(found) == 'table' and found.err == nil and #found > 0 then
-          local size, n = entry_size(found[1][2])  -- a whole v2 entry too, by its id
-          released, packed = released + size, packed + (n or 1) - 1
-          redis.call('XDEL', keys[1], id)
-          for index = 0, (n or 0) - 1 do redis.call('ZREM', keys[3], id .. MARK[index]) end
+      local read = type(pending) == 'table' and pending.err == nil and #pending > 0
+      local fields = not read and unread_fields(keys, id, budget)
+      if fields then
+        local size, n = entry_size(fields)  -- a whole v2 entry too, by its id
+        released, packed = released + size, packed + (n or 1) - 1
+        redis.call('XDEL', keys[1], id)
+        if n and spend(budget, n) then
+          for index = 0, n - 1 do redis.call('ZREM', keys[3], id .. MARK[index]) end
         end
+      elseif read or budget.steps >= MAX_WITHDRAW_STEPS then
+        redis.call('ZADD', keys[3], now_ms + CANCELLED_TTL_MS, id)
       end
     end
   end
-  local item_bytes, item_packed = withdraw_items(keys, args[2], items, order, now_ms)
+  local item_bytes, item_packed = withdraw_items(keys, args[2], items, order, now_ms, budget)
   released, packed = released + item_bytes, packed + item_packed
   if released > 0 then redis.call('DECRBY', keys[2], released) end
   if packed > 0 and keys[4] then redis.call('DECRBY', keys[4], packed) end
@@ -548,6 +577,7 @@ redis.register_function{function_name='mb_release',
     .replace("@REVISION@", str(REVISION))
     .replace("@MAX_ENTRIES@", str(MAX_CALL_ENTRIES))
     .replace("@MAX_BYTES@", str(MAX_CALL_BYTES))
+    .replace("@MAX_WITHDRAW_STEPS@", str(MAX_WITHDRAW_STEPS))
     .replace("@MAX_ENTRY_ITEMS@", str(MAX_ENTRY_ITEMS))
     .replace("@CANCELLED_TTL_MS@", str(CANCELLED_TTL_MS))
     .replace("@LAPSED_WORKER_GRACE_MS@", str(LAPSED_WORKER_GRACE_MS))

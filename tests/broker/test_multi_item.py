@@ -571,3 +571,32 @@ def test_withdrawing_a_v2_entry_by_its_id_releases_its_bytes_and_items(
     assert withdraw(client, keys, entry_id.decode()) == size
     assert client.xlen(keys.stream) == 0
     assert int(client.get(keys.queued_bytes)) == 0 and int(client.get(keys.packed_items)) == 0
+
+
+def test_a_withdraw_call_spends_a_bounded_number_of_steps_on_multi_item_entries(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Each handle of an unread v2 entry made mb_withdraw check the entry's other items, one
+    ZSCORE each: 4096 handles of entries of 512 items (any caller may XADD them) held Redis,
+    for every tenant, 2.6 s per call. Past MAX_WITHDRAW_STEPS a handle is only marked."""
+    from broker import functions
+
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+    functions.load(client)
+    entries = 2 * functions.MAX_WITHDRAW_STEPS // (functions.MAX_ENTRY_ITEMS - 1) + 1
+    adding = client.pipeline(transaction=False)
+    for _ in range(entries):
+        adding.xadd(keys.stream, {"v": "2", "n": str(functions.MAX_ENTRY_ITEMS), "reply": "x"})
+    handles = [f"{entry.decode()}#0" for entry in adding.execute()]
+    client.config_resetstat()
+    assert withdraw(client, keys, *handles) == 0
+    stats = client.info("commandstats")
+    steps = sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("zscore", "zrem"))
+    assert steps <= functions.MAX_WITHDRAW_STEPS
+    assert client.zcard(keys.cancelled) == entries  # every handle marked for the workers
+    whole = [handle.partition("#")[0] for handle in handles]
+    client.config_resetstat()
+    withdraw(client, keys, *whole)
+    stats = client.info("commandstats")
+    assert stats.get("cmdstat_zrem", {}).get("calls", 0) <= functions.MAX_WITHDRAW_STEPS
