@@ -6,7 +6,8 @@ one phase, with a deadline checked by one sweep per event loop (every 0.5 s, or 
 shortest timeout when that is less), so a request costs a few attribute writes and no timer:
 
 - headers: from the connection's start (or from the first byte of a later request) until its
-  headers are complete, at most ``header_timeout`` s; then 408 and close.
+  headers are complete, at most ``header_timeout`` s; then 408 and close (pipelined behind
+  requests still being answered: after their answers).
 - body: from the end of the headers until the last body byte, at most ``body_timeout`` s (a
   Content-Length longer than the body sent ends here); then 408 (or a bare close once a
   response has started) and the app sees the client gone.
@@ -946,6 +947,12 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         self._sweeper.count("unread")
         self.transport.abort()
 
+    def _timeout_refusal(self, what: str, v2: bool) -> bytes:
+        """The 408 of a request whose ``what`` (headers or body) came too slowly."""
+        limit = self._limits.header_timeout if what == "headers" else self._limits.body_timeout
+        message = f"the request's {what} did not arrive within {limit:g} s"
+        return self._refusal("408 Request Timeout", "RequestTimeout", message, v2=v2)
+
     def expire(self) -> None:
         """The deadline passed: answer 408 where nothing was answered yet, and close."""
         phase, self.deadline = self.phase, NO_DEADLINE
@@ -958,22 +965,19 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             self.deadline = self.loop.time() + self._limits.header_timeout
             return
         cycle = self.cycle
-        if phase == HEADERS:  # a new request: answer unless the last one is still answering
-            unanswered = cycle is None or cycle.response_complete
+        if phase == HEADERS and cycle is not None and not cycle.response_complete:
+            # a pipelined request's headers, behind one still answering: that answer goes
+            # first, then the 408 (as any refusal in order), then the close
+            self._close_refused("headers", self._timeout_refusal("headers", v2=False))
+            return
+        if phase == HEADERS:  # a new request
+            unanswered = True
         else:  # its body: answer unless the app has (e.g. 413 before reading it all)
             unanswered = phase == BODY and cycle is not None and not cycle.response_started
         if unanswered:
             what = "headers" if phase == HEADERS else "body"
-            limit = self._limits.header_timeout if phase == HEADERS else self._limits.body_timeout
             v2 = phase == BODY and is_v2(str(self.scope.get("path", "")))
-            self.transport.write(
-                self._refusal(
-                    "408 Request Timeout",
-                    "RequestTimeout",
-                    f"the request's {what} did not arrive within {limit:g} s",
-                    v2=v2,
-                )
-            )
+            self.transport.write(self._timeout_refusal(what, v2))
         if phase in (HEADERS, BODY):
             self._sweeper.count("headers" if phase == HEADERS else "body")
         if cycle is not None and not cycle.response_complete:
