@@ -26,7 +26,7 @@ from . import access_log, operations, package_version, reading, v1, v2
 from .descriptors import raise_descriptor_limit
 from .disconnects import gateway_cycle
 from .docs import install_docs
-from .errors import HTTPError, to_response
+from .errors import HTTPError, bad_request, to_response
 from .http_protocol import report_closed_connections
 from .openapi import install_openapi
 from .responses import JSONBody
@@ -77,11 +77,23 @@ class GatewayApp(FastAPI):
                         return
                 await response(scope, receive, send)
                 return
+        if scope["type"] == "http" and scope["path"] == "*":
+            await _asterisk(scope["method"])(scope, receive, send)
+            return
         if scope["type"] == "http" and scope["method"] == "HEAD":
             # HEAD is GET without the body (the server leaves it out): load balancers and
             # uptime checks probe /healthz with it, and FastAPI routes answer GET alone
             scope = {**scope, "method": "GET"}
         await super().__call__(scope, receive, send)
+
+
+def _asterisk(method: str) -> Response:
+    """The answer to a request whose target is ``*``: for OPTIONS, the server's own options
+    (RFC 9110, 9.3.7), the methods of its routes; for any other method, whose target it cannot
+    be (RFC 9112, 3.2.4), a 400."""
+    if method == "OPTIONS":
+        return Response(headers={"Allow": "GET, HEAD, POST"})
+    return to_response(bad_request("'*' is the target of OPTIONS alone"), method, "*")
 
 
 # Exceptions the routes end with (the last, the unexpected, is also logged by the server).

@@ -329,3 +329,41 @@ def test_v1_outputs_that_json_cannot_hold_are_invalid_output() -> None:
         assert (raised.value.status, raised.value.type) == (500, "InvalidOutput")
         assert raised.value.message.startswith("model outputs cannot be written as JSON")
         assert what in raised.value.message
+
+
+def asgi_request(app: Any, method: str, target: str) -> tuple[int, dict[bytes, bytes], bytes]:
+    """One request straight through the ASGI app, as uvicorn hands over a ``target``."""
+    import asyncio
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": method, "scheme": "http", "path": target, "raw_path": target.encode(),
+             "query_string": b"", "root_path": "", "headers": [(b"host", b"x")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}  # fmt: skip
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    start, body = sent[0], b"".join(m.get("body", b"") for m in sent[1:])
+    return start["status"], dict(start["headers"]), body
+
+
+def test_options_asterisk_asks_the_server_and_other_methods_may_not_use_it(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """`OPTIONS *` (RFC 9110, 9.3.7: the server's own options, as a ping) was a 404 NotFound;
+    the asterisk is a target for OPTIONS alone (RFC 9112, 3.2.4), and was a 404 for others."""
+    app = make_app(redis_server.url, prefix)
+    status, headers, body = asgi_request(app, "OPTIONS", "*")
+    assert (status, headers[b"allow"], headers[b"content-length"], body) == (
+        200,
+        b"GET, HEAD, POST",
+        b"0",
+        b"",
+    )
+    status, _, body = asgi_request(app, "GET", "*")
+    assert status == 400 and b"'*' is the target of OPTIONS alone" in body
