@@ -3,14 +3,16 @@
 Constructor arguments win, else the environment (``MICROBATCH_GATEWAY_<FIELD>``: the one prefix,
 which ``gateway start``'s options read too), else the defaults stated here. ``redis_url`` reads
 ``MICROBATCH_GATEWAY_REDIS_URL``, else ``REDIS_URL`` (the variable every microbatch command
-shares), as the client's settings do. List settings (``model``,
-``auth_tokens``) read a comma-separated string or a JSON list. ``gunicorn -c
-deploy/gunicorn.conf.py`` and ``create_app()`` build it from the environment alone.
+shares), as the client's settings do. List settings read a JSON list, or a comma-separated
+string (``model``'s also space-separated, as ``gateway start`` reads it; ``auth_tokens``
+commas only). ``gunicorn -c deploy/gunicorn.conf.py`` and ``create_app()`` build it from the
+environment alone.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -30,18 +32,20 @@ from .reading import DEFAULT_MAX_JSON_CONTAINERS
 ENV_PREFIX = "MICROBATCH_GATEWAY_"
 
 
-def _split_list(value: Any) -> Any:
-    """A JSON list, or comma-separated entries (in one string, or in each string of a list)."""
+def _split_list(value: Any, separators: str = ",") -> Any:
+    """A JSON list, or entries separated by ``separators`` (a regex character class's
+    contents), in one string or in each string of a list."""
     if isinstance(value, str):
         text = value.strip()
         if text.startswith("["):
             return json.loads(text)
         value = [text]
     if isinstance(value, (list, tuple)):
+        pattern = re.compile(f"[{separators}]")
         return [
             part.strip()
             for entry in value
-            for part in (entry.split(",") if isinstance(entry, str) else [entry])
+            for part in (pattern.split(entry) if isinstance(entry, str) else [entry])
             if not isinstance(part, str) or part.strip()
         ]
     return value
@@ -221,8 +225,8 @@ class GatewaySettings(BaseSettings):
     @field_validator("model", "auth_tokens", mode="before")
     @classmethod
     def _split(cls, value: Any, info: ValidationInfo) -> Any:
-        try:
-            return _split_list(value)
+        try:  # a model path holds no space; a token may
+            return _split_list(value, r",\s" if info.field_name == "model" else ",")
         except json.JSONDecodeError:  # its text is not quoted: it may hold tokens
             name = "--model" if info.field_name == "model" else f"{ENV_PREFIX}AUTH_TOKENS"
             raise ValueError(

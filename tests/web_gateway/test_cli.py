@@ -284,3 +284,20 @@ def test_gunicorn_directly_warns_of_a_misspelt_variable_as_gateway_start_does() 
         "Warning: MICROBATCH_GATEWAY_WORKRS is not a setting of `gunicorn -c`: ignored "
         "(did you mean MICROBATCH_GATEWAY_WORKERS?)"
     )
+
+
+@pytest.mark.parametrize("separator", [" ", ",", ", ", "\n"])
+def test_the_model_variable_is_split_as_gateway_start_splits_it(
+    separator: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`gateway start` took MICROBATCH_GATEWAY_MODEL space-separated, as the docs say, but
+    gunicorn -c (and create_app) read one model path 'a:A b:B', and every worker failed to boot."""
+    import typer
+
+    from web_gateway.cli import app
+
+    models = ["tests.gateway_models:Doubler", "examples.mlp:MLP"]
+    monkeypatch.setenv("MICROBATCH_GATEWAY_MODEL", separator.join(models))
+    assert GatewaySettings().model == models
+    start = typer.main.get_command(app).commands["start"]  # type: ignore[attr-defined]
+    assert GatewaySettings(model=start.make_context("start", []).params["model"]).model == models
