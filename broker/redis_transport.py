@@ -1045,8 +1045,10 @@ class RedisTransport:
         return results
 
     async def ping(self) -> bool:
+        # on the lane calls are sent on, which it connects: a caller's first call then
+        # need not, and no connection is opened that calls never use
         try:
-            return bool(await self.redis.ping())
+            return bool(await self._lane.at(self._home).execute("PING"))
         except (*UNAVAILABLE, ResponseError):
             return False
 

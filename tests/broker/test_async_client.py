@@ -89,3 +89,28 @@ def test_a_sync_close_on_the_loop_as_it_ends_closes_its_connections(
         assert fds() <= fds_before + 1, "each run left its connection open"
     finally:
         gc.enable()
+
+
+def test_aconnect_opens_the_connection_calls_are_sent_on(prefix: str) -> None:
+    """aconnect() pinged on a connection no call uses: a gateway's first request to each model
+    still paid for connecting, and each model it had called held three connections, not two
+    (the one calls are sent on and the reader of their replies)."""
+    from broker import DeadlineExceeded
+
+    with RedisServer() as server:
+        admin = server.client()
+
+        def streamer_connections() -> int:
+            return len(admin.client_list(_type="normal")) - 1  # less admin's own
+
+        async def connect_then_call() -> tuple[int, int]:
+            async with Streamer(
+                "toy", redis_url=server.url, prefix=prefix, wait_for_workers=True
+            ) as streamer:
+                assert await streamer.aconnect()
+                connected = streamer_connections()
+                with pytest.raises(DeadlineExceeded):
+                    await streamer.apredict([[1.0]], timeout=0.2)
+                return connected, streamer_connections()
+
+        assert asyncio.run(connect_then_call()) == (1, 2)
