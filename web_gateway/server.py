@@ -87,8 +87,9 @@ def gunicorn_options(settings: GatewaySettings) -> dict[str, Any]:
         "worker_class": WORKER_CLASS,
         "bind": [f"{bind_host(settings.host)}:{settings.port}"],
         "workers": settings.workers,
-        # SIGTERM: stop accepting, let in-flight requests finish for up to this long, then exit.
-        "graceful_timeout": int(settings.graceful_timeout),
+        # SIGTERM: stop accepting, let in-flight requests finish for up to this long, then exit
+        # (gunicorn takes whole seconds: rounded up, never less than asked).
+        "graceful_timeout": math.ceil(settings.graceful_timeout),
         "timeout": 60,  # a worker whose event loop stops answering gunicorn this long restarts
         # uvicorn's keep-alive timer is replaced by the idle deadline of
         # web_gateway.http_protocol, which enforces keepalive_timeout (and the read deadlines).

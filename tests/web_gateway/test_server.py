@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import pytest
 
 from broker.devserver import RedisServer, free_port
 from tests.conftest import ROOT, gateway_env, stop_process, wait_for_healthz
@@ -92,3 +93,14 @@ def test_an_empty_host_is_refused_not_every_address() -> None:
         assert refused.stderr.strip() == (
             f"Error: --host must be an address or a host name, not {host!r}"
         )
+
+
+@pytest.mark.parametrize("seconds", [0.0, 0.9, 2.5, 30.0])
+def test_gunicorn_gives_in_flight_requests_at_least_the_graceful_timeout(seconds: float) -> None:
+    """gunicorn takes whole seconds: --graceful-timeout 0.9 became 0, and SIGTERM dropped a
+    request 0.5 s from its answer (the client saw the connection closed without one)."""
+    from web_gateway.server import gunicorn_options
+    from web_gateway.settings import GatewaySettings
+
+    given = gunicorn_options(GatewaySettings(graceful_timeout=seconds))["graceful_timeout"]
+    assert isinstance(given, int) and seconds <= given < seconds + 1
