@@ -4,6 +4,8 @@ key, for items of multi-item entries, in one list element; every other reply alo
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -295,6 +297,40 @@ def test_a_foreign_reply_holding_a_value_the_codec_refuses_fails_its_item_at_onc
             assert failed.value.index == 1
 
 
+def _foreign_streamer(redis_server: RedisServer, prefix: str) -> tuple[Any, Streamer]:
+    """A Redis client that plays a foreign worker of model ``toy`` (its group made), and a
+    Streamer whose calls it answers."""
+    from broker import functions
+
+    client = redis_server.client()
+    functions.load(client)
+    client.xgroup_create(ModelKeys("toy", prefix).stream, "workers", id="0", mkstream=True)
+    return client, Streamer("toy", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True)
+
+
+def _second_item_fails_at_once(
+    client: Any, streamer: Streamer, result: Callable[[dict[bytes, bytes]], bytes], match: str,
+    packed: bool = False,
+) -> None:  # fmt: skip
+    """Answer a call of two items as a foreign worker would, the first right, the second with
+    ``result`` (the msgpack of the reply's `result`, made from the entry's fields): the
+    second item must fail with ProtocolError at once, saying ``match``, the call's own timeout
+    being 120 s."""
+    future = streamer.submit(["a", "b"], timeout=120)
+    read = client.xreadgroup("workers", "ruby", {streamer.keys.stream: ">"}, block=10_000)
+    ((_, ((_, fields),)),) = read
+    ids = [fields[f"id.{i}".encode()].decode() for i in (0, 1)]
+    # {"id" => id, "ok" => true, "result" => ...}, as msgpack-ruby packs it
+    head = msgpack.packb({"id": ids[1], "ok": True})
+    bad = b"\x83" + head[1:] + b"\xa6result" + result(fields)
+    good = msgpack.packb({"id": ids[0], "ok": True, "result": "fine"})
+    elements = [b"\x92" + good + bad] if packed else [good, bad]
+    client.fcall("mb_reply", 1, fields[b"reply"], 2, 60, len(elements), *elements)
+    with pytest.raises(ProtocolError, match=match) as failed:
+        future.result(timeout=60)
+    assert failed.value.index == 1
+
+
 def test_a_foreign_reply_over_a_packed_elements_size_holding_a_refused_value_fails_at_once(
     redis_server: RedisServer, prefix: str
 ) -> None:
@@ -302,30 +338,17 @@ def test_a_foreign_reply_over_a_packed_elements_size_holding_a_refused_value_fai
     `>f4`. Over 1 MiB, its reply was dropped as unroutable although its id came first and
     plain, and the call waited for its deadline (HTTP 504 at a gateway); it now fails with
     ProtocolError at once, as a smaller one does, in a packed element too."""
-    from broker import functions
-
-    keys = ModelKeys("toy", prefix)
-    client = redis_server.client()
-    functions.load(client)
-    client.xgroup_create(keys.stream, "workers", id="0", mkstream=True)
     count = 300_000  # 1.2 MB of data
     data = np.arange(count, dtype=">f4").tobytes()
     header = b"\x03>f4\x01" + count.to_bytes(8, "little")
-    big_endian = msgpack.ExtType(1, header + data)
-    with Streamer("toy", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True) as s:
+    big_endian = msgpack.packb(msgpack.ExtType(1, header + data))
+    assert len(big_endian) > MAX_ELEMENT_BYTES
+    client, streamer = _foreign_streamer(redis_server, prefix)
+    with streamer:
         for packed in (False, True):
-            future = s.submit(["a", "b"], timeout=120)
-            read = client.xreadgroup("workers", "ruby", {keys.stream: ">"}, block=10_000)
-            ((_, ((_, fields),)),) = read
-            ids = [fields[f"id.{i}".encode()].decode() for i in (0, 1)]
-            bad = msgpack.packb({"id": ids[1], "ok": True, "result": big_endian})
-            good = msgpack.packb({"id": ids[0], "ok": True, "result": "fine"})
-            assert len(bad) > MAX_ELEMENT_BYTES
-            elements = [b"\x92" + good + bad] if packed else [good, bad]
-            client.fcall("mb_reply", 1, fields[b"reply"], 2, 60, len(elements), *elements)  # type: ignore[arg-type]
-            with pytest.raises(ProtocolError, match="dtype '>f4'") as failed:
-                future.result(timeout=60)  # the call's own timeout is 120 s
-            assert failed.value.index == 1
+            _second_item_fails_at_once(
+                client, streamer, lambda _: big_endian, "dtype '>f4'", packed
+            )
 
 
 def test_a_foreign_reply_whose_result_has_array_or_map_keys_fails_its_item_at_once(
@@ -334,29 +357,14 @@ def test_a_foreign_reply_whose_result_has_array_or_map_keys_fails_its_item_at_on
     """A Ruby model's Hash may have any value as a key (bigram counts: `{["a", "b"] => 2}`),
     which no Python dict can hold: the reply was dropped as unroutable although its id was
     plain, and the call waited for its deadline. It now fails with ProtocolError at once."""
-    from broker import functions
-
-    keys = ModelKeys("toy", prefix)
-    client = redis_server.client()
-    functions.load(client)
-    client.xgroup_create(keys.stream, "workers", id="0", mkstream=True)
     array_key = b"\x81\x92\xcb" + np.float64(1).tobytes()[::-1] + b"\xcb" + bytes(8) + b"\x01"
     map_key = b"\x81\x81\xa1k\xcb" + np.float64(1).tobytes()[::-1] + b"\x01"
-    with Streamer("toy", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True) as s:
+    client, streamer = _foreign_streamer(redis_server, prefix)
+    with streamer:
         for result, packed in ((array_key, False), (map_key, False), (array_key, True)):
-            future = s.submit(["a", "b"], timeout=120)
-            read = client.xreadgroup("workers", "ruby", {keys.stream: ">"}, block=10_000)
-            ((_, ((_, fields),)),) = read
-            ids = [fields[f"id.{i}".encode()].decode() for i in (0, 1)]
-            # as msgpack-ruby packs {"id" => id, "ok" => true, "result" => {key => 1}}
-            head = msgpack.packb({"id": ids[1], "ok": True})
-            bad = b"\x83" + head[1:] + b"\xa6result" + result
-            good = msgpack.packb({"id": ids[0], "ok": True, "result": "fine"})
-            elements = [b"\x92" + good + bad] if packed else [good, bad]
-            client.fcall("mb_reply", 1, fields[b"reply"], 2, 60, len(elements), *elements)  # type: ignore[arg-type]
-            with pytest.raises(ProtocolError, match="map key is an array or a map") as failed:
-                future.result(timeout=60)  # the call's own timeout is 120 s
-            assert failed.value.index == 1
+            _second_item_fails_at_once(
+                client, streamer, lambda _, r=result: r, "map key is an array or a map", packed
+            )
 
 
 def test_a_foreign_reply_holding_a_str_that_is_not_utf8_fails_its_item_at_once(
@@ -367,29 +375,17 @@ def test_a_foreign_reply_holding_a_str_that_is_not_utf8_fails_its_item_at_once(
     data) sends a str that is not UTF-8. The reply was dropped as unroutable although its id
     was plain, and the call waited for its deadline; it now fails with ProtocolError at once,
     saying what is wrong."""
-    from broker import functions
 
-    keys = ModelKeys("toy", prefix)
-    client = redis_server.client()
-    functions.load(client)
-    client.xgroup_create(keys.stream, "workers", id="0", mkstream=True)
-    for packed in (False, True):
-        with Streamer("toy", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True) as s:
-            future = s.submit(["a", "b"], timeout=120)
-            read = client.xreadgroup("workers", "ruby", {keys.stream: ">"}, block=10_000)
-            ((_, ((_, fields),)),) = read
-            ids = [fields[f"id.{i}".encode()].decode() for i in (0, 1)]
-            echoed = fields[b"data.1"] + b"\xc7\x15"  # what msgpack-ruby packs as a str
-            # {"id" => id, "ok" => true, "result" => {"echo" => echoed}}, as msgpack-ruby packs it
-            head = msgpack.packb({"id": ids[1], "ok": True})
-            bad = b"\x83" + head[1:] + b"\xa6result\x81\xa4echo" + bytes([0xA0 | len(echoed)])
-            bad += echoed
-            good = msgpack.packb({"id": ids[0], "ok": True, "result": "fine"})
-            elements = [b"\x92" + good + bad] if packed else [good, bad]
-            client.fcall("mb_reply", 1, fields[b"reply"], 2, 60, len(elements), *elements)  # type: ignore[arg-type]
-            with pytest.raises(ProtocolError, match="str holds bytes that are not UTF-8") as failed:
-                future.result(timeout=60)  # the call's own timeout is 120 s
-            assert failed.value.index == 1
+    def echo(fields: dict[bytes, bytes]) -> bytes:  # {"echo" => data}, data packed as a str
+        echoed = fields[b"data.1"] + b"\xc7\x15"
+        return b"\x81\xa4echo" + bytes([0xA0 | len(echoed)]) + echoed
+
+    client, streamer = _foreign_streamer(redis_server, prefix)
+    with streamer:
+        for packed in (False, True):
+            _second_item_fails_at_once(
+                client, streamer, echo, "str holds bytes that are not UTF-8", packed
+            )
 
 
 def test_a_reply_with_more_containers_than_the_codec_reads_fails_its_item_at_once(
@@ -399,23 +395,10 @@ def test_a_reply_with_more_containers_than_the_codec_reads_fails_its_item_at_onc
     Python model's list of as many dicts: the worker sends it, the caller's codec refuses it)
     was dropped as unroutable although its id came first, and the call waited for its
     deadline. It now fails with ProtocolError at once, saying why."""
-    from broker import functions
-
-    keys = ModelKeys("toy", prefix)
-    client = redis_server.client()
-    functions.load(client)
-    client.xgroup_create(keys.stream, "workers", id="0", mkstream=True)
     many = codec.DEFAULT_MAX_CONTAINERS + 1
-    with Streamer("toy", redis_url=redis_server.url, prefix=prefix, wait_for_workers=True) as s:
-        future = s.submit(["a", "b"], timeout=120)
-        read = client.xreadgroup("workers", "ruby", {keys.stream: ">"}, block=10_000)
-        ((_, ((_, fields),)),) = read
-        ids = [fields[f"id.{i}".encode()].decode() for i in (0, 1)]
-        # {"id" => id, "ok" => true, "result" => Array.new(many) { [] }}, as msgpack-ruby packs it
-        head = msgpack.packb({"id": ids[1], "ok": True})
-        bad = b"\x83" + head[1:] + b"\xa6result\xdd" + many.to_bytes(4, "big") + b"\x90" * many
-        good = msgpack.packb({"id": ids[0], "ok": True, "result": "fine"})
-        client.fcall("mb_reply", 1, fields[b"reply"], 2, 60, 2, good, bad)  # type: ignore[arg-type]
-        with pytest.raises(ProtocolError, match="more than 1048576 arrays and maps") as failed:
-            future.result(timeout=60)  # the call's own timeout is 120 s
-        assert failed.value.index == 1
+    arrays = b"\xdd" + many.to_bytes(4, "big") + b"\x90" * many
+    client, streamer = _foreign_streamer(redis_server, prefix)
+    with streamer:
+        _second_item_fails_at_once(
+            client, streamer, lambda _: arrays, "more than 1048576 arrays and maps"
+        )
