@@ -39,7 +39,7 @@ from .errors import (
     error_from_wire,
 )
 from .handoff import CallFuture, Mailbox, Relay, Waiter
-from .keys import NORMAL, ModelKeys
+from .keys import MAX_PARTITIONS, NORMAL, ModelKeys
 from .logs import Every, ThrottledWarning, redact_url
 from .loop_thread import LoopThread
 from .partitions import split_bound
@@ -62,6 +62,11 @@ REPLY_BATCH = 1024
 REPLY_WAIT_S = 1.0
 LOG_EVERY_S = 60.0  # garbage flooding an inbox logs a line a minute, not one per reply
 PARTITIONS_EVERY_S = 5.0  # how often a busy core reads the model's partition count again
+# A partition whose enqueue has gone unanswered this long (its primary gone silent: stopped,
+# its host frozen or cut off without a reset) takes no new calls while another partition
+# does not wait so; the calls sent to it wait for that enqueue's end (an answer, or
+# BrokerUnavailable at the connection's 10 s reply timeout) or their deadline.
+SEND_STALLED_S = 1.0
 
 AnyFuture = Future[list[Any]] | asyncio.Future[list[Any]]
 Outcome = AnyFuture | Waiter  # where a call's results go: a future, or a blocked thread's waiter
@@ -153,6 +158,14 @@ class ClientCore:
         self._relay = Relay()  # wakes the blocked threads of one batch of replies in turn
         self._waking: list[tuple[Waiter, Any, BaseException | None]] | None = None
         self._flusher: asyncio.Task[None] | None = None
+        # A partitioned queue's calls go out per lane (each level of each partition), one
+        # enqueue in flight per lane, so that a partition whose primary does not answer
+        # holds back no other: the calls waiting for each lane, the keys and bound they go
+        # with, its sender, and the loop time its enqueue in flight was sent.
+        self._lane_outbox: dict[int, list[_Call]] = {}
+        self._lane_target: dict[int, tuple[ModelKeys, QueueBound]] = {}
+        self._lane_senders: dict[int, asyncio.Task[None]] = {}
+        self._lane_sent_at: dict[int, float] = {}
         self._readers: dict[str, asyncio.Task[None]] = {}  # one per inbox with calls waiting
         self._background: set[asyncio.Task[None]] = set()
         self._deadlines: Deadlines[_Call] = Deadlines(loop, self._expire)
@@ -364,9 +377,13 @@ class ClientCore:
         # slot), read by a reader of its own.
         by_lane: dict[int, list[_Call]] = {}
         queue = self.keys.spread(count)
+        stalled = self._stalled_partitions(count) if self._lane_sent_at else set()
         for call in calls:
             self._turn += 1
             partition = self._turn % count
+            while partition in stalled:  # (some partition is not: see _stalled_partitions)
+                self._turn += 1
+                partition = self._turn % count
             lane = queue.of(partition).at(call.level).lane
             by_lane.setdefault(lane, []).append(call)
             call.requests.reply_key = inbox = self._inbox(queue, partition)
@@ -374,9 +391,39 @@ class ClientCore:
         bound = QueueBound(
             split_bound(self.bound.max_items, count), split_bound(self.bound.max_bytes, count)
         )
-        await asyncio.gather(
-            *(self._send_to(queue.of(lane), part, bound) for lane, part in by_lane.items())
-        )
+        for lane, part in by_lane.items():
+            self._lane_outbox.setdefault(lane, []).extend(part)
+            self._lane_target[lane] = (queue.of(lane), bound)
+            if lane not in self._lane_senders:
+                self._lane_senders[lane] = self.loop.create_task(self._send_lane(lane))
+
+    def _stalled_partitions(self, count: int) -> set[int]:
+        """The partitions (of ``count``) whose enqueue in flight has waited SEND_STALLED_S or
+        more; none where that is every one (the calls then go in turn, as ever)."""
+        since = self.loop.time() - SEND_STALLED_S
+        stalled = {
+            lane % MAX_PARTITIONS
+            for lane, sent_at in self._lane_sent_at.items()
+            if sent_at <= since and lane % MAX_PARTITIONS < count
+        }
+        return stalled if len(stalled) < count else set()
+
+    async def _send_lane(self, lane: int) -> None:
+        """Send a lane's calls, those that come while an enqueue is in flight together in
+        the next, until none waits."""
+        try:
+            while self._lane_outbox.get(lane):
+                calls = [call for call in self._lane_outbox.pop(lane) if not call.future.done()]
+                if not calls:
+                    continue
+                queue, bound = self._lane_target[lane]
+                self._lane_sent_at[lane] = self.loop.time()
+                try:
+                    await self._send_to(queue, calls, bound)
+                finally:
+                    del self._lane_sent_at[lane]
+        finally:
+            del self._lane_senders[lane]
 
     def _inbox(self, queue: ModelKeys, partition: int) -> str:
         """This client's inbox in partition ``partition``'s namespace."""
@@ -730,11 +777,13 @@ class ClientCore:
         # withdrawal (of those, of the calls given up on now or before) goes out.
         if self._flusher is not None:
             await asyncio.wait([self._flusher], timeout=CLOSE_WITHDRAW_S)
+        if self._lane_senders:
+            await asyncio.wait(list(self._lane_senders.values()), timeout=CLOSE_WITHDRAW_S)
         if self._background:
             await asyncio.wait(list(self._background), timeout=CLOSE_WITHDRAW_S)
         running = (
             *self._readers.values(), self._flusher, self._watch_task, self._partitions_task,
-            *self._background,
+            *self._lane_senders.values(), *self._background,
         )  # fmt: skip
         tasks = [task for task in running if task is not None]
         for task in tasks:

@@ -5,8 +5,10 @@ hash slot follow MOVED, ASK and TRYAGAIN; the broker commands, the Python client
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import time
 import uuid
@@ -782,7 +784,6 @@ def test_a_command_in_flight_to_a_primary_gone_silent_fails_once_its_replica_tak
     nothing answers) is not held until the 10 s reply timeout: once a failover promotes its
     replica the connection is dropped, the command fails as a connection error (the
     caller's BrokerUnavailable) and the next one is answered by the new primary."""
-    import signal
 
     with LocalCluster(primaries=3, replicas=1, node_timeout_ms=1000) as setup:
         k = f"{{m{uuid.uuid4().hex[:6]}}}:k"
@@ -845,3 +846,65 @@ def test_broker_forget_deletes_a_partitioned_model_from_every_primary(
     for port in cluster.primaries():
         with cluster.client(port) as node:
             assert list(node.scan_iter(f"mb:{{{spread}:*")) == []
+
+
+@pytest.fixture(scope="module")
+def lenient_cluster() -> Iterator[LocalCluster]:
+    """Three primaries that go on serving their slots while another serves none (`cluster-
+    require-full-coverage no`): for the tests that stop one."""
+    config = {"cluster-require-full-coverage": "no"}
+    with LocalCluster(primaries=3, node_timeout_ms=1000, redis_config=config) as setup:
+        yield setup
+
+
+@contextlib.contextmanager
+def stopped(node: Any) -> Iterator[None]:
+    """The redis-server of ``node`` stopped (SIGSTOP: its connections stay open and nothing
+    answers), continued afterwards."""
+    assert node.process is not None
+    os.kill(node.process.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(node.process.pid, signal.SIGCONT)
+
+
+def test_calls_avoid_a_partition_whose_primary_went_silent(
+    lenient_cluster: LocalCluster, prefix: str
+) -> None:
+    """Three partitions on three primaries, partition 1's stopped: the enqueue in flight to it
+    holds back none to the others, and once it has waited a second, new calls go to the
+    partitions whose primaries answer."""
+    cluster = lenient_cluster
+    spread = prefix_spreading_partitions(cluster, prefix, 3)
+    keys = ModelKeys("toy", spread, partitions=3)
+    url = cluster.url(nodes=3)
+    with cluster.client(cluster.owner(keys.partitions_key)) as client:
+        client.set(keys.partitions_key, 3)  # as a supervisor would store it
+    owners = [cluster.owner(part.stream) for part in keys.each()]
+
+    def queued(partitions: tuple[int, ...] = (0, 2)) -> int:
+        total = 0
+        for part in (keys.of(k) for k in partitions):
+            with cluster.client(owners[part.partition]) as client:
+                total += int(client.xlen(part.stream)) if client.exists(part.stream) else 0
+        return total
+
+    with Streamer("toy", redis_url=url, prefix=spread, entry_items=1) as streamer:
+        warm = [streamer.submit([i], timeout=30) for i in range(3)]  # one call to each node
+        wait_for(lambda: queued((0, 1, 2)) == 3, 10, "the first calls to be queued", 0.05)
+        before = queued()
+        with stopped(cluster.node(owners[1])):
+            futures = []
+            for i in range(30):
+                futures.append(streamer.submit([i], timeout=30))
+                time.sleep(0.1)
+            added = queued() - before
+        wait_for(lambda: queued((0, 1, 2)) == 33, 20, "every call to be queued", 0.05)
+        to_one = queued((1,)) - 1
+        for future in warm + futures:
+            future.cancel()
+    # about 10 calls in the first second, a third of them to partition 1, then 20 more to
+    # partitions 0 and 2 (in turn, 10 calls of 30 would have gone to each partition)
+    assert added >= 20, added
+    assert to_one < 10, to_one
