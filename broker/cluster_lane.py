@@ -253,6 +253,9 @@ class ClusterLanes:
         self._nodes: dict[Address, RespLane] = {}
         self._slots: dict[int, SlotLane] = {}
         self._watch: asyncio.Task[None] | None = None  # see _watch_stalled
+        # Set (a worker of a partitioned queue): a node that answers nothing for this long
+        # while commands wait is dropped, its commands failed, though it still serves slots.
+        self.silent_after_s: float | None = None
 
     def at(self, key: str | bytes) -> SlotLane:
         """The lane of ``key``'s hash slot."""
@@ -288,7 +291,9 @@ class ClusterLanes:
         long, read the slot map again (that node asked last), and drop the connection to it
         if it serves no slot any more. A primary gone silent (its host lost, its process
         stopped) keeps its connections open: once a failover has promoted its replica, its
-        commands fail at once (a connection error) instead of waiting out the reply timeout."""
+        commands fail at once (a connection error) instead of waiting out the reply timeout.
+        With :attr:`silent_after_s`, so do they once the node has answered nothing for that
+        long, whether or not it still serves slots."""
         while True:
             await asyncio.sleep(FOLLOW_EVERY_S)
             waited = {address: lane.unanswered_for() for address, lane in self._nodes.items()}
@@ -302,9 +307,13 @@ class ClusterLanes:
             with contextlib.suppress(*_FAILURES):
                 await self.map.refresh()
             primaries = set(self.map.primaries())
+            silent_s = self.silent_after_s
             for address in stalled:
                 if address not in primaries:
                     reason = f"cluster node {address} serves no slot any more (a failover?)"
+                    self._nodes[address].abandon(reason)
+                elif silent_s is not None and waited[address] >= silent_s:
+                    reason = f"cluster node {address} answered nothing for {silent_s:g} s"
                     self._nodes[address].abandon(reason)
 
     def close(self) -> None:

@@ -18,7 +18,8 @@ import contextlib
 import heapq
 from collections.abc import Awaitable, Callable
 
-from .partitions import is_high
+from .keys import MAX_PARTITIONS
+from .partitions import is_high, untag
 from .protocol import entry_time_ms
 from .transport import Entry
 
@@ -100,6 +101,14 @@ class PartitionReads:
             )
         if entries or self._error is not None:
             self._arrived.set()
+
+    def forget(self, partition: int) -> None:
+        """Drop what reads of ``partition`` (either level) brought and was not taken: it stays
+        pending for this consumer, taken back later as its own."""
+        kept = [item for item in self._kept if untag(item[3][0])[1] % MAX_PARTITIONS != partition]
+        if len(kept) != len(self._kept):
+            heapq.heapify(kept)
+            self._kept = kept
 
     def held(self) -> list[str]:
         """The ids of the entries kept (read, not yet taken)."""

@@ -18,10 +18,10 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Collection, Hashable, Mapping, Sequence
+from collections.abc import Awaitable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import (
@@ -36,10 +36,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from . import connections, functions, multi_item, partitions
-from .cluster_lane import ClusterLanes, ClusterMap, SlotLane, _unwrap
+from .cluster_lane import ClusterLanes, ClusterMap, SlotLane, _unwrap, key_slot
 from .errors import BrokerUnavailable, InvalidInput, MicrobatchError, QueueFull
 from .functions import ENQUEUE, MAX_CALL_BYTES, MAX_CALL_ENTRIES, REPLY, RETIRE, WITHDRAW
-from .keys import HIGH, NORMAL, ModelKeys, parse_partitions
+from .keys import HIGH, MAX_PARTITIONS, NORMAL, ModelKeys, parse_partitions
 from .liveness import lapsed_s, redis_time_ms
 from .multi_item import ITEM_MARK, ItemAcks
 from .partition_reads import PartitionReads
@@ -52,6 +52,7 @@ from .reply_elements import reply_id
 from .resp_lane import CONNECT_TIMEOUT_S, RespLane, bulk_strings, is_script_busy
 from .transport import (
     Entry,
+    PartitionsChanged,
     QueueBound,
     Redelivery,
     RepliesRefused,
@@ -65,6 +66,19 @@ LAPSE_CONFIRM_S = 2.0
 """Seconds a consumer's heartbeat must stay lapsed before its entries are taken over: more
 than a supervisor takes to renew it once a stalled Redis answers again (a renewal every
 second at most, each given up after 2 s)."""
+
+# A worker of a partitioned queue on a Redis Cluster sets aside a partition whose primary does
+# not answer, and serves the others meanwhile (RedisTransport._set_aside):
+NODE_SILENT_S = 2.0
+"""Seconds a cluster node may answer none of a worker's commands (they wait on its lane)
+before its connection is dropped and the commands fail: its partitions are then set aside."""
+ASIDE_BOUND_S = 3.0
+"""Seconds a worker's group creation or sweep (takeover) of one partition may take on a
+cluster before that partition is set aside (redis-py's client would wait 10 s per command)."""
+PROBE_EVERY_S = 0.5  # how often a partition set aside is checked for its node answering again
+PROBE_TIMEOUT_S = 1.0  # each check's connect and reply timeout
+
+T = TypeVar("T")
 
 # (and redis-py's cluster client's own: no node of the cluster reachable, a slot not covered,
 # a pipeline's command that the nodes kept redirecting)
@@ -134,6 +148,12 @@ class RedisTransport:
         # anything else once the library answers again, or they would be lost
         self._unwritten: list[ReplyCall] = []
         self._refused = ""  # the last refusal of an enqueue warned of
+        # A worker's partitioned queue on a cluster (ensure_group): its keys, the partitions
+        # set aside (their primary silent) with the task that waits for it to answer again,
+        # and those found answering again, to be taken back.
+        self._queue: ModelKeys | None = None
+        self._aside: dict[int, asyncio.Task[None]] = {}
+        self._back: list[int] = []
 
     # -- the functions library ------------------------------------------------------------
     @property
@@ -175,7 +195,7 @@ class RedisTransport:
         """FCALL one of the library's functions on the lane, loading the library first if
         it is missing and this user may."""
         command = ("FCALL", name, len(keys), *keys, functions.VERSION, *args)
-        lane = self._lane.at(keys[0] if keys else self._home)
+        lane = self._lane.at(keys[0] if keys else self._home_key())
         try:
             try:
                 reply = await lane.execute(*command)
@@ -191,7 +211,7 @@ class RedisTransport:
 
     async def check_functions(self) -> None:
         await self._fcall(REPLY, (), (0,), warn=False)  # no keys: a no-op it must answer
-        lane = self._lane.at(self._home)
+        lane = self._lane.at(self._home_key())
         self._note_replies_checked(lane.generation)
         await self._replace_older_revision(lane)
         await self._write_unwritten()
@@ -371,8 +391,135 @@ class RedisTransport:
     # -- worker side ----------------------------------------------------------------------
     async def ensure_group(self, keys: ModelKeys) -> None:
         self._home = keys.stream
+        if keys.partitions > 1 and isinstance(self._lane, ClusterLanes):
+            self._queue = keys
+            self._lane.silent_after_s = NODE_SILENT_S
         for part in keys.lanes():
-            await self._create_group(part)
+            if part.partition not in self._aside:
+                await self._bounded(part.partition, self._create_group(part))
+
+    # -- partitions set aside ---------------------------------------------------------------
+    # A worker of a partitioned queue on a Redis Cluster: a partition whose primary stops
+    # answering (stopped, its host frozen or cut off without a reset: its connections stay
+    # open) is set aside, rather than the whole worker waiting out its timeouts: nothing is
+    # sent to it (reads, replies, acks, sweeps) until it answers again, and the worker goes on
+    # with the others. Both changes reach the batch loop as PartitionsChanged, on which it
+    # drops what it holds and takes its own pending entries back, as after an outage.
+
+    def _home_key(self) -> str:
+        """Where keyless commands go (TIME, the library check): the model's stream, or while
+        its partition is set aside the first partition's that is not."""
+        queue = self._queue
+        if not self._aside or queue is None or 0 not in self._aside:
+            return self._home
+        return next(part.stream for part in queue.each() if part.partition not in self._aside)
+
+    def _set_aside(self, partition: int, exc: BaseException) -> bool:
+        """Set a partition aside after ``exc`` (its node did not answer); False where there is
+        nothing to set aside from (not a partitioned queue on a cluster, or every other partition
+        is aside already: an outage of the whole worker)."""
+        queue = self._queue
+        if queue is None:
+            return False
+        if partition in self._aside:
+            return True
+        if len(self._aside) + 1 >= queue.partitions:
+            return False
+        log.warning(
+            "partition %d of %s set aside: its primary does not answer (%s); the other "
+            "partitions are served meanwhile, and it again once its primary answers",
+            partition, queue.stream, exc,
+        )  # fmt: skip
+        part = queue.of(partition)
+        self._aside[partition] = asyncio.get_running_loop().create_task(self._probe(part))
+        for reads in self._partition_reads.values():
+            reads.forget(partition)
+        for level in (HIGH, NORMAL):
+            stream = part.at(level).stream
+            for kept in [kept for kept in self._kept if kept[0] == stream]:
+                del self._kept[kept]  # (pending for this consumer: taken back later)
+        return True
+
+    def _failed(self, partition: int, exc: BaseException) -> BrokerUnavailable:
+        """What a command to a partition's node that failed raises: PartitionsChanged where
+        it sets the partition aside, else BrokerUnavailable."""
+        if self._set_aside(partition, exc):
+            return PartitionsChanged(f"partition {partition} set aside: {exc}")
+        return exc if isinstance(exc, BrokerUnavailable) else _unavailable(exc)
+
+    async def _bounded(self, partition: int, work: Awaitable[T]) -> T:
+        """``work`` on a partition's node; while partitions may be set aside, bounded by
+        ASIDE_BOUND_S, and if it cannot reach Redis the partition is set aside."""
+        if self._queue is None:
+            return await work
+        try:
+            return await asyncio.wait_for(work, ASIDE_BOUND_S)
+        except PartitionsChanged:
+            raise
+        except (BrokerUnavailable, *UNAVAILABLE) as exc:  # (and wait_for's TimeoutError)
+            raise self._failed(partition, exc) from exc
+
+    async def _probe(self, keys: ModelKeys) -> None:
+        """Wait until the primary serving a partition set aside answers for its slot again,
+        asking every PROBE_EVERY_S on a connection of its own, then note it back."""
+        assert self._cluster is not None
+        cluster, slot = self._cluster, key_slot(keys.stream)
+        while True:
+            await asyncio.sleep(PROBE_EVERY_S)
+            try:
+                address = await cluster.owner(slot)
+                lane = RespLane(cluster.target(address), PROBE_TIMEOUT_S, PROBE_TIMEOUT_S)
+                try:
+                    await lane.execute("EXISTS", keys.stream)
+                finally:
+                    lane.close()
+            except ResponseError:  # MOVED, CLUSTERDOWN: read the slot map again
+                cluster.failed()
+                continue
+            except UNAVAILABLE:
+                continue
+            break
+        self._back.append(keys.partition)
+
+    def _take_back(self) -> PartitionsChanged:
+        """The partitions found answering again are served again: what the batch loop is told."""
+        back, self._back = self._back, []
+        for partition in back:
+            self._aside.pop(partition, None)
+        stream = self._queue.stream if self._queue is not None else ""
+        log.warning(
+            "partition(s) %s of %s answer again: served again, this worker's entries there "
+            "taken back", ", ".join(map(str, back)), stream,
+        )  # fmt: skip
+        return PartitionsChanged(f"partition(s) {', '.join(map(str, back))} answer again")
+
+    def _without_aside(
+        self,
+        keys: ModelKeys,
+        replies: Sequence[tuple[str, bytes]],
+        entries: Sequence[Entry],
+        check: Sequence[str],
+    ) -> tuple[list[tuple[str, bytes]], list[Entry], list[str]]:
+        """What :meth:`finish` may send while partitions are set aside: nothing to their
+        nodes. Their entries, and those whose replies go to their inboxes, are left pending
+        for this consumer, taken back once they answer again."""
+        aside = self._aside
+        tags = {keys.of(partition).tag for partition in aside}
+
+        def leaves(entry: Entry) -> bool:
+            if partitions.untag(entry[0])[1] % MAX_PARTITIONS in aside:
+                return False
+            reply = entry[1].get(b"reply")
+            return (
+                not isinstance(reply, bytes)
+                or _hash_tag(reply.decode("utf-8", "replace")) not in tags
+            )
+
+        return (
+            [(key, reply) for key, reply in replies if _hash_tag(key) not in tags],
+            [entry for entry in entries if leaves(entry)],
+            [i for i in check if partitions.untag(i)[1] % MAX_PARTITIONS not in aside],
+        )
 
     async def _create_group(self, keys: ModelKeys) -> None:
         """Create one partition's stream and consumer group if missing."""
@@ -391,12 +538,16 @@ class RedisTransport:
     ) -> list[Entry]:
         if keys.partitions == 1:
             return await self._read_partition(keys, consumer, count, block_ms, busy_poll_s)
+        if self._back:
+            raise self._take_back()
         reads = self._partition_reads.get((keys.stream, consumer))
         if reads is None or reads.partitions != keys.partitions:
             if reads is not None:
                 await reads.close()
 
             def read(partition: int, count: int, block_ms: int, poll_s: float) -> Any:
+                if partition in self._aside:  # nothing is read there until it answers again
+                    return asyncio.sleep(block_ms / 1000, [])
                 return self._read_partition(keys.of(partition), consumer, count, block_ms, poll_s)
 
             reads = self._partition_reads[keys.stream, consumer] = PartitionReads(
@@ -450,7 +601,7 @@ class RedisTransport:
             return []
         except UNAVAILABLE as exc:
             keep.clear()  # pending for this consumer: taken back as its own
-            raise _unavailable(exc) from exc
+            return self._read_failed(keys.partition, exc)
         levels = {name.encode(): level for level, name in streams.items()}
         for reply in replies:
             for stream, entries in reply or ():
@@ -462,6 +613,13 @@ class RedisTransport:
                     )
                 keep.add(levels[stream], items)
         return _tagged(keys, keep.take(count))
+
+    def _read_failed(self, partition: int, exc: BaseException) -> list[Entry]:
+        """Nothing, for a read of a partition set aside since it was sent; else raise what a
+        read that could not reach Redis raises."""
+        if partition in self._aside:
+            return []
+        raise self._failed(partition, exc) from exc
 
     def _acks(self, stream: str) -> ItemAcks:
         acks = self._item_acks.get(stream)
@@ -523,6 +681,8 @@ class RedisTransport:
         reply_ttl_s: int,
         check: Sequence[str] = (),
     ) -> set[str]:
+        if self._aside:
+            replies, entries, check = self._without_aside(keys, replies, entries, check)
         calls = _reply_calls(replies, reply_ttl_s, _packable(entries)) if replies else []
         # Per lane (each level of each partition), all of its slot: its acks,
         # deletes and byte release, its withdrawal checks, the count of its withdrawals standing.
@@ -530,6 +690,8 @@ class RedisTransport:
         checks = partitions.group_ids(check)
         batches: list[tuple[ModelKeys, list[tuple[Any, ...]]]] = []
         for part in keys.lanes():
+            if part.partition in self._aside:
+                continue
             commands = self._removal(part, held.get(part.lane, []))
             if part.lane in checks:
                 commands.append(("ZMSCORE", part.cancelled, *checks[part.lane]))
@@ -672,6 +834,13 @@ class RedisTransport:
             ),
             return_exceptions=True,
         )
+        failed = [
+            batches[indexes[0]][0]
+            for indexes, result in zip(tags.values(), got, strict=True)
+            if isinstance(result, UNAVAILABLE)
+        ]
+        if failed:
+            self._slots_failed(failed, next(r for r in got if isinstance(r, UNAVAILABLE)))
         for result in got:
             if isinstance(result, BaseException):
                 raise result
@@ -685,6 +854,21 @@ class RedisTransport:
                 per_batch[i] = list(result[at : at + count])
                 at += count
         return per_batch
+
+    def _slots_failed(self, keys: Sequence[str], exc: BaseException) -> None:
+        """The nodes of these keys' slots did not answer: raise PartitionsChanged where each
+        is a partition's that could be set aside (then all are), else return."""
+        queue = self._queue
+        if queue is None:
+            return
+        tags = {part.tag: part.partition for part in queue.each()}
+        failed = {tags.get(_hash_tag(key)) for key in keys}
+        if None in failed or len(self._aside) + len(failed) >= queue.partitions:
+            return
+        for partition in failed:
+            assert partition is not None
+            self._set_aside(partition, exc)
+        raise PartitionsChanged(f"partition(s) set aside: {exc}") from exc
 
     def _keep_unwritten(self, call: ReplyCall) -> None:
         if len(self._unwritten) >= MAX_UNWRITTEN_CALLS:  # an outage without end: the oldest go
@@ -778,11 +962,12 @@ class RedisTransport:
         # Every lane (each level of each partition), each holding its own pending entries;
         # each call starts from the next one, so that one with many to take over does not
         # starve the others.
-        parts = keys.lanes()
+        parts = [part for part in keys.lanes() if part.partition not in self._aside]
         self._reclaim_turn = turn = (self._reclaim_turn + 1) % len(parts)
         for part in parts[turn:] + parts[:turn]:
-            found = await self._reclaim_partition(
-                part, consumer, min_idle_ms, count - len(taken), own
+            found = await self._bounded(
+                part.partition,
+                self._reclaim_partition(part, consumer, min_idle_ms, count - len(taken), own),
             )
             taken += [((partitions.tag(i, part.lane), f), n) for (i, f), n in found]
         return taken
@@ -1019,7 +1204,7 @@ class RedisTransport:
 
     async def time_ms(self) -> int:
         try:
-            reply = await self._lane.at(self._home).execute("TIME")
+            reply = await self._lane.at(self._home_key()).execute("TIME")
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
         return redis_time_ms(reply)
@@ -1053,6 +1238,8 @@ class RedisTransport:
             return False
 
     async def close(self) -> None:
+        for probe in self._aside.values():
+            probe.cancel()
         for reads in self._partition_reads.values():
             await reads.close()
         lanes = (self._lane, self._reads, self._replies, *self._partition_lanes.values())

@@ -32,6 +32,13 @@ class RepliesRefused(BrokerUnavailable):
         return BrokerUnavailable.__name__
 
 
+class PartitionsChanged(BrokerUnavailable):
+    """A worker's partitioned queue on a Redis Cluster: a partition was set aside (its primary
+    stopped answering) or is back. What the worker holds is dropped and its own pending
+    entries taken back, as after an outage, and it goes on with the partitions that answer
+    (:class:`broker.redis_transport.RedisTransport`)."""
+
+
 @dataclass(frozen=True)
 class QueueBound:
     """Refuse a call whose items would take the queue over either limit (0: no limit)."""

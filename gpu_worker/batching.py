@@ -20,7 +20,7 @@ from broker.keys import ModelKeys
 from broker.logs import Every
 from broker.multi_item import ITEM_MARK
 from broker.protocol import Request, encode_error, entry_time_ms, parse_request
-from broker.transport import Entry, Transport
+from broker.transport import Entry, PartitionsChanged, Transport
 
 from .config import MODEL_THREAD_MODES, BatchSettings
 from .model import ItemCheck
@@ -200,6 +200,9 @@ class BatchLoop:
                 if self._stopping:
                     log.warning("broker unavailable (%s) while stopping; stopping now", exc)
                     return
+                if isinstance(exc, PartitionsChanged):  # (the transport said which, and why)
+                    ready = False  # this consumer's pending entries are taken back at once
+                    continue
                 self._in_outage = True
                 if self._outage_log.due():
                     log.warning("broker unavailable (%s); retrying until it answers", exc)
