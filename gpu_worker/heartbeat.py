@@ -17,15 +17,22 @@ Callers prune the cancelled and withdrawn sets only when they withdraw something
 else pruned the answered set, so after the last withdrawal their members stayed for good (a
 burst of cancelled calls held its 10 minutes' worth of marks in Redis until the next one); an
 emptied set is then removed by Redis itself.
+
+A partitioned queue on a Redis Cluster: a partition whose primary does not answer (stopped,
+its host frozen or cut off) is renewed apart from the others, after them, and for
+``ASIDE_S`` not at all, so that the heartbeats of the partitions on the other primaries do not
+lapse with it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
+import redis
 from redis.exceptions import NoPermissionError
 
 from broker.connections import REDIS_ERRORS, sync_client
@@ -39,6 +46,7 @@ log = logging.getLogger("microbatch.heartbeat")
 DEFAULT_TTL_S = 5.0
 FORGET_AFTER_MS = 3_600_000
 PRUNE_EVERY_S = 60.0  # the expired marks of the model's sets: pruned at most this often
+ASIDE_S = 5.0  # a partition whose renewal failed (others' did not) is tried alone after this
 
 
 class Heartbeats:
@@ -60,6 +68,8 @@ class Heartbeats:
         self._warn = Every(10.0)  # during an outage: one line every 10 s, not one per renewal
         self._failing = False
         self._prune = Every(PRUNE_EVERY_S)
+        # partitions set aside (their renewal failed where others' did not): when to try again
+        self._aside: dict[int, float] = {}
 
     def renew(self, states: Mapping[str, Mapping[str, Any]]) -> bool:
         """Vouch for consumers for another TTL; False (logged) if Redis is unreachable.
@@ -67,31 +77,17 @@ class Heartbeats:
         ``states`` maps each consumer to what `broker status` shows of it (its current batch);
         the heartbeat key holds it as JSON, with the expiry.
         """
-        consumers = list(states)
-        if not consumers:
+        if not states:
             return True
+        parts = [part for part in self.keys.each() if part.partition not in self._aside]
         try:
-            parts = self.keys.each()
-            # each partition's expiry by the clock of its node (that of its functions)
-            clocks = server_times_ms(self.client, [part.consumers for part in parts])
-            pipe = self.client.pipeline(transaction=False)
-            count = self.keys.partitions
-            for part, now_ms in zip(parts, clocks, strict=True):
-                expires_ms = now_ms + self.ttl_ms
-                pipe.zadd(part.consumers, dict.fromkeys(consumers, expires_ms))
-                # forget consumers whose heartbeat lapsed long ago (their supervisor died)
-                pipe.zremrangebyscore(part.consumers, "-inf", expires_ms - FORGET_AFTER_MS)
-                for consumer, state in states.items():
-                    value = json.dumps({"expires_ms": expires_ms, **state})
-                    pipe.set(part.heartbeat(consumer), value, px=self.ttl_ms)
-                if self.queue_bound is not None:
-                    items, size = (split_bound(n, count) for n in self.queue_bound)
-                    pipe.hset(part.queue_bound, mapping={"items": items, "bytes": size})
-            if self.queue_bound is not None:  # the supervisor's: a child's first one has none
-                pipe.set(self.keys.partitions_key, count)
-                if self._prune.due():
-                    self._prune_expired(pipe, clocks)
-            pipe.execute()
+            try:
+                self._renew(parts, states)
+            except REDIS_ERRORS:
+                if not self._may_set_aside(parts):
+                    raise
+                self._renew_each(parts, states)
+            self._renew_aside(states)
         except REDIS_ERRORS as exc:
             self._failing = True
             if self._warn.due():
@@ -104,6 +100,72 @@ class Heartbeats:
             self._warn.reset()
             log.info("heartbeats renewed again")
         return True
+
+    def _renew(self, parts: list[ModelKeys], states: Mapping[str, Mapping[str, Any]]) -> None:
+        """Renew the heartbeats of these partitions (and with partition 0's the model's
+        partition count and its pruning) in one pipeline."""
+        if not parts:
+            return
+        consumers = list(states)
+        # each partition's expiry by the clock of its node (that of its functions)
+        clocks = server_times_ms(self.client, [part.consumers for part in parts])
+        pipe = self.client.pipeline(transaction=False)
+        count = self.keys.partitions
+        for part, now_ms in zip(parts, clocks, strict=True):
+            expires_ms = now_ms + self.ttl_ms
+            pipe.zadd(part.consumers, dict.fromkeys(consumers, expires_ms))
+            # forget consumers whose heartbeat lapsed long ago (their supervisor died)
+            pipe.zremrangebyscore(part.consumers, "-inf", expires_ms - FORGET_AFTER_MS)
+            for consumer, state in states.items():
+                value = json.dumps({"expires_ms": expires_ms, **state})
+                pipe.set(part.heartbeat(consumer), value, px=self.ttl_ms)
+            if self.queue_bound is not None:
+                items, size = (split_bound(n, count) for n in self.queue_bound)
+                pipe.hset(part.queue_bound, mapping={"items": items, "bytes": size})
+        # the supervisor's (a child's first one has no bound), with partition 0's
+        if self.queue_bound is not None and parts[0].partition == 0:
+            pipe.set(self.keys.partitions_key, count)
+            if len(parts) == count and self._prune.due():
+                self._prune_expired(pipe, clocks)
+        pipe.execute()
+
+    def _may_set_aside(self, parts: list[ModelKeys]) -> bool:
+        """Whether a failed renewal of ``parts`` is worth trying partition by partition: a
+        partitioned queue on a cluster, whose primaries may fail one at a time."""
+        return len(parts) > 1 and isinstance(self.client, redis.cluster.RedisCluster)
+
+    def _renew_each(self, parts: list[ModelKeys], states: Mapping[str, Mapping[str, Any]]) -> None:
+        """Renew each partition alone, setting aside those whose renewal fails (tried alone
+        again ASIDE_S later); raise the last failure if every one fails."""
+        failed: list[int] = []
+        for part in parts:
+            try:
+                self._renew([part], states)
+            except REDIS_ERRORS as exc:
+                if len(failed) + 1 == len(parts):
+                    raise
+                failed.append(part.partition)
+                log.warning(
+                    "cannot renew the heartbeats of partition %d of %s (%s): renewing the "
+                    "others, and it again every %g s", part.partition, self.keys.stream, exc,
+                    ASIDE_S,
+                )  # fmt: skip
+        again = time.monotonic() + ASIDE_S
+        for partition in failed:
+            self._aside[partition] = again
+
+    def _renew_aside(self, states: Mapping[str, Mapping[str, Any]]) -> None:
+        """Try each partition set aside whose time has come, alone: back with the others if
+        renewed, else aside for ASIDE_S more."""
+        now = time.monotonic()
+        for partition in [k for k, again in self._aside.items() if again <= now]:
+            try:
+                self._renew([self.keys.of(partition)], states)
+            except REDIS_ERRORS:
+                self._aside[partition] = time.monotonic() + ASIDE_S
+                continue
+            del self._aside[partition]
+            log.info("heartbeats of partition %d of %s renewed again", partition, self.keys.stream)
 
     def _prune_expired(self, pipe: Any, clocks: list[int]) -> None:
         """Remove the members whose expiry (their score, ms) has passed from the sorted sets

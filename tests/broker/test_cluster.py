@@ -29,6 +29,7 @@ from broker.keys import HIGH, NORMAL, ModelKeys
 from broker.liveness import server_times_ms
 from broker.redis_transport import RedisTransport
 from gpu_worker.batching import BatchLoop, BatchSettings
+from gpu_worker.heartbeat import Heartbeats
 from tests.cluster_local import LocalCluster
 from tests.conftest import worker_process
 from tests.sentinel_local import wait_for
@@ -909,6 +910,41 @@ def test_calls_avoid_a_partition_whose_primary_went_silent(
     # partitions 0 and 2 (in turn, 10 calls of 30 would have gone to each partition)
     assert added >= 20, added
     assert to_one < 10, to_one
+
+
+def test_the_heartbeats_of_partitions_on_other_primaries_go_on_while_one_is_silent(
+    lenient_cluster: LocalCluster, prefix: str
+) -> None:
+    """Three partitions on three primaries, partition 1's stopped: the supervisor's renewals
+    fail there only, so the others' heartbeats stay current (they lapsed 5 s in, one TTL,
+    when every partition was renewed in one round trip), and partition 1's is renewed again
+    once its primary answers."""
+    cluster = lenient_cluster
+    spread = prefix_spreading_partitions(cluster, prefix, 3)
+    keys = ModelKeys("toy", spread, partitions=3)
+    owners = [cluster.owner(part.stream) for part in keys.each()]
+    heartbeats = Heartbeats(cluster.url(nodes=3), keys, ttl_s=2.0, queue_bound=(30, 0))
+
+    def live(partition: int) -> bool:
+        part = keys.of(partition)
+        with cluster.client(owners[partition]) as client:
+            seconds, micros = client.time()
+            score = client.zscore(part.consumers, "w-1")
+        return score is not None and score > seconds * 1000 + micros // 1000
+
+    try:
+        assert heartbeats.renew({"w-1": {}})
+        with stopped(cluster.node(owners[1])):
+            renewed = []
+            started = time.monotonic()
+            while time.monotonic() - started < 4.5:  # more than twice the TTL
+                renewed.append(heartbeats.renew({"w-1": {}}))
+                time.sleep(0.3)
+            assert all(renewed)
+            assert live(0) and live(2)
+        wait_for(lambda: heartbeats.renew({"w-1": {}}) and live(1), 20, "partition 1's renewal")
+    finally:
+        heartbeats.close()
 
 
 @pytest.mark.slow
