@@ -457,6 +457,9 @@ class RedisTransport:
         except PartitionsChanged:
             raise
         except (BrokerUnavailable, *UNAVAILABLE) as exc:  # (and wait_for's TimeoutError)
+            cause = exc.__cause__ if isinstance(exc, BrokerUnavailable) else exc
+            if not isinstance(cause, UNAVAILABLE):  # e.g. the library missing: not silence
+                raise
             raise self._failed(partition, exc) from exc
 
     async def _probe(self, keys: ModelKeys) -> None:
@@ -863,7 +866,7 @@ class RedisTransport:
             return
         tags = {part.tag: part.partition for part in queue.each()}
         failed = {tags.get(_hash_tag(key)) for key in keys}
-        if None in failed or len(self._aside) + len(failed) >= queue.partitions:
+        if None in failed or len(failed.union(self._aside)) >= queue.partitions:
             return
         for partition in failed:
             assert partition is not None

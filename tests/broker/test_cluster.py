@@ -22,12 +22,13 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
-from broker import MicrobatchError, Streamer, connections, functions
+from broker import BrokerUnavailable, MicrobatchError, Streamer, connections, functions
 from broker.cli import app
 from broker.cluster_lane import ClusterLanes, key_slot
 from broker.keys import HIGH, NORMAL, ModelKeys
 from broker.liveness import server_times_ms
 from broker.redis_transport import RedisTransport
+from broker.transport import PartitionsChanged
 from gpu_worker.batching import BatchLoop, BatchSettings
 from gpu_worker.heartbeat import Heartbeats
 from tests.cluster_local import LocalCluster
@@ -945,6 +946,40 @@ def test_the_heartbeats_of_partitions_on_other_primaries_go_on_while_one_is_sile
         wait_for(lambda: heartbeats.renew({"w-1": {}}) and live(1), 20, "partition 1's renewal")
     finally:
         heartbeats.close()
+
+
+def test_a_partition_is_set_aside_for_its_node_s_silence_only(
+    lenient_cluster: LocalCluster, prefix: str
+) -> None:
+    """A worker's sweep of a partition whose node lacks the library (and may not load it) is
+    an outage as ever (BrokerUnavailable), not a silent node: the partition is not set aside."""
+    cluster = lenient_cluster
+    spread = prefix_spreading_partitions(cluster, prefix, 3)
+    keys = ModelKeys("toy", spread, partitions=3)
+    one = keys.of(1)
+    owner = cluster.owner(one.stream)
+
+    async def main() -> BrokerUnavailable:
+        transport = RedisTransport(cluster.url(nodes=3))
+        try:
+            await transport.ensure_group(keys)
+            with cluster.client(owner) as client:  # a consumer gone without a trace: dead
+                client.xadd(one.stream, {"id": "r1"})
+                client.xreadgroup(one.group, "gone", {one.stream: ">"})
+                client.function_flush()
+            transport._may_load = False  # (as for a user refused FUNCTION LOAD)
+            with pytest.raises(BrokerUnavailable) as raised:
+                for _ in range(len(keys.lanes())):  # each sweep starts from the next lane
+                    await transport.reclaim(keys, "w-1", 0, 10)
+            assert transport._aside == {}
+            return raised.value
+        finally:
+            await transport.close()
+            with cluster.client(owner) as client:
+                client.execute_command(*functions.LOAD_COMMAND)
+
+    error = asyncio.run(main())
+    assert not isinstance(error, PartitionsChanged), error
 
 
 @pytest.mark.slow
