@@ -902,6 +902,9 @@ def test_calls_avoid_a_partition_whose_primary_went_silent(
             for i in range(30):
                 futures.append(streamer.submit([i], timeout=30))
                 time.sleep(0.1)
+            # (well before the enqueue in flight to partition 1 fails, at its 10 s reply timeout)
+            with contextlib.suppress(TimeoutError):
+                wait_for(lambda: queued() - before >= 20, 4, "the calls to reach 0 and 2", 0.05)
             added = queued() - before
         wait_for(lambda: queued((0, 1, 2)) == 33, 20, "every call to be queued", 0.05)
         to_one = queued((1,)) - 1
