@@ -24,6 +24,7 @@ from itertools import chain
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+import redis.asyncio.cluster as async_cluster
 from redis.exceptions import (
     AuthenticationError,
     BusyLoadingError,
@@ -45,7 +46,14 @@ from .multi_item import ITEM_MARK, ItemAcks
 from .partition_reads import PartitionReads
 from .priorities import LevelKeep
 from .protocol import CallRequests, MalformedEntry, parse_request
-from .redis_url import CLUSTER_NODE_HINT, ClusterURL, RedisURL, cluster_node_error, describe
+from .redis_url import (
+    CLUSTER_NODE_HINT,
+    Address,
+    ClusterURL,
+    RedisURL,
+    cluster_node_error,
+    describe,
+)
 from .redis_url import parse as parse_url
 from .reply_elements import pack as pack_replies
 from .reply_elements import reply_id
@@ -154,6 +162,7 @@ class RedisTransport:
         self._queue: ModelKeys | None = None
         self._aside: dict[int, asyncio.Task[None]] = {}
         self._back: list[int] = []
+        self._asides: dict[int, int] = {}  # how many times each partition was set aside
 
     # -- the functions library ------------------------------------------------------------
     @property
@@ -432,6 +441,7 @@ class RedisTransport:
         )  # fmt: skip
         part = queue.of(partition)
         self._aside[partition] = asyncio.get_running_loop().create_task(self._probe(part))
+        self._asides[partition] = self._asides.get(partition, 0) + 1
         for reads in self._partition_reads.values():
             reads.forget(partition)
         for level in (HIGH, NORMAL):
@@ -456,33 +466,51 @@ class RedisTransport:
             return await asyncio.wait_for(work, ASIDE_BOUND_S)
         except PartitionsChanged:
             raise
-        except (BrokerUnavailable, *UNAVAILABLE) as exc:  # (and wait_for's TimeoutError)
+        except asyncio.TimeoutError as exc:
+            silent = RedisTimeoutError(f"no answer within {ASIDE_BOUND_S:g} s")
+            raise self._failed(partition, silent) from exc
+        except (BrokerUnavailable, *UNAVAILABLE) as exc:
             cause = exc.__cause__ if isinstance(exc, BrokerUnavailable) else exc
             if not isinstance(cause, UNAVAILABLE):  # e.g. the library missing: not silence
                 raise
             raise self._failed(partition, exc) from exc
 
     async def _probe(self, keys: ModelKeys) -> None:
-        """Wait until the primary serving a partition set aside answers for its slot again,
+        """Wait until the primary serving a partition set aside (the one it was, or a replica
+        a failover promoted: the slot map is read again each time) answers for its slot,
         asking every PROBE_EVERY_S on a connection of its own, then note it back."""
         assert self._cluster is not None
         cluster, slot = self._cluster, key_slot(keys.stream)
         while True:
             await asyncio.sleep(PROBE_EVERY_S)
             try:
+                await cluster.refresh()
                 address = await cluster.owner(slot)
                 lane = RespLane(cluster.target(address), PROBE_TIMEOUT_S, PROBE_TIMEOUT_S)
                 try:
                     await lane.execute("EXISTS", keys.stream)
                 finally:
                     lane.close()
-            except ResponseError:  # MOVED, CLUSTERDOWN: read the slot map again
-                cluster.failed()
-                continue
-            except UNAVAILABLE:
+                await asyncio.wait_for(
+                    self._redis_py_follows(keys.stream, address), PROBE_TIMEOUT_S
+                )
+            except (ResponseError, *UNAVAILABLE):  # silent still, or refusing (CLUSTERDOWN)
                 continue
             break
         self._back.append(keys.partition)
+
+    async def _redis_py_follows(self, key: str, address: Address) -> None:
+        """Have redis-py's cluster client (group creation, sweeps) send ``key``'s commands to
+        ``address`` too: it reads its slot map again itself only after a command has waited out
+        its 10 s socket timeout, which the bounded ones here never do (after a failover it
+        would go on sending them to the old primary)."""
+        client = self.redis
+        if not isinstance(client, async_cluster.RedisCluster):
+            return
+        node = client.get_node_from_key(key)
+        if node is not None and node.name == f"{address.host}:{address.port}":
+            return
+        await client.nodes_manager.initialize(last_failed_node_name=node.name if node else None)
 
     def _take_back(self) -> PartitionsChanged:
         """The partitions found answering again are served again: what the batch loop is told."""
@@ -588,6 +616,7 @@ class RedisTransport:
         if keep is None:
             keep = self._kept[keys.stream, consumer] = LevelKeep()
         streams = {level: keys.at(level).stream for level in (HIGH, NORMAL)}
+        asides = self._asides.get(keys.partition, 0)
         try:
             replies = await self._read_levels(keys, consumer, keep, count, block_ms, busy_poll_s)
         except ResponseError as exc:
@@ -604,7 +633,7 @@ class RedisTransport:
             return []
         except UNAVAILABLE as exc:
             keep.clear()  # pending for this consumer: taken back as its own
-            return self._read_failed(keys.partition, exc)
+            return self._read_failed(keys.partition, asides, exc)
         levels = {name.encode(): level for level, name in streams.items()}
         for reply in replies:
             for stream, entries in reply or ():
@@ -617,10 +646,11 @@ class RedisTransport:
                 keep.add(levels[stream], items)
         return _tagged(keys, keep.take(count))
 
-    def _read_failed(self, partition: int, exc: BaseException) -> list[Entry]:
-        """Nothing, for a read of a partition set aside since it was sent; else raise what a
-        read that could not reach Redis raises."""
-        if partition in self._aside:
+    def _read_failed(self, partition: int, asides: int, exc: BaseException) -> list[Entry]:
+        """Nothing, for a read of a partition set aside since it was sent (``asides``: how
+        many times it had been then; it may be back already, on another node); else raise
+        what a read that could not reach Redis raises."""
+        if partition in self._aside or self._asides.get(partition, 0) != asides:
             return []
         raise self._failed(partition, exc) from exc
 

@@ -1063,3 +1063,64 @@ def test_a_primary_gone_silent_leaves_the_partitions_on_the_other_primaries_serv
     assert len(while_stopped) >= 40, kinds
     late = [kind for sent, _, kind in outcomes if sent > resumed + 3]
     assert late and set(late) == {"ok"}, Counter(late)
+
+
+@pytest.mark.slow
+def test_a_partition_set_aside_comes_back_on_the_replica_a_failover_promotes() -> None:
+    """Partition 1's primary goes silent for good (SIGSTOP) and the cluster promotes its
+    replica: the worker, which set the partition aside, finds the new primary and serves the
+    partition there again, so every call sent once the failover has settled is answered."""
+    config = {"cluster-require-full-coverage": "no"}
+    with LocalCluster(primaries=3, replicas=1, redis_config=config) as cluster:
+        spread = prefix_spreading_partitions(cluster, "aside", 3)
+        keys = ModelKeys("toy", spread, partitions=3)
+        url = cluster.url(nodes=len(cluster.nodes))
+        old = cluster.owner(keys.of(1).stream)
+        other = cluster.owner(keys.of(0).stream)
+        with cluster.client(cluster.owner(keys.partitions_key)) as client:
+            client.set(keys.partitions_key, 3)  # as a supervisor would store it
+
+        def promoted() -> bool:
+            with cluster.client(other) as client:
+                slot = int(client.execute_command("CLUSTER", "KEYSLOT", keys.of(1).stream))
+                slots = client.execute_command("CLUSTER", "SLOTS")
+            return any(a <= slot <= b and int(p[1]) != old for a, b, p, *_ in slots)
+
+        async def main() -> tuple[list[tuple[float, str]], float]:
+            worker = RedisTransport(url)
+            loop = BatchLoop(lambda items: items, worker, keys, "w-1", BatchSettings(block_ms=50))
+            serving = asyncio.ensure_future(loop.run())
+            streamer = Streamer(
+                "toy", redis_url=url, prefix=spread, entry_items=1, wait_for_workers=True
+            )
+            outcomes: list[tuple[float, str]] = []
+
+            async def call(item: int) -> None:
+                sent = time.monotonic()
+                try:
+                    [output] = await streamer.apredict([item], timeout=5)
+                    outcomes.append((sent, "ok" if output == item else "wrong"))
+                except MicrobatchError as exc:
+                    outcomes.append((sent, type(exc).__name__))
+
+            try:
+                for item in range(9):  # every partition's node has answered before the fault
+                    await call(item)
+                with stopped(cluster.node(old)):
+                    await asyncio.to_thread(wait_for, promoted, 30, "the replica to take over")
+                    settled = time.monotonic() + 4
+                    calls = []
+                    while time.monotonic() < settled + 4:
+                        calls.append(asyncio.ensure_future(call(len(calls))))
+                        await asyncio.sleep(0.05)
+                    await asyncio.gather(*calls)
+                return outcomes, settled
+            finally:
+                await streamer.aclose()
+                loop.stop()
+                await serving
+                await worker.close()
+
+        outcomes, settled = asyncio.run(main())
+    late = Counter(kind for sent, kind in outcomes if sent >= settled)
+    assert late and set(late) == {"ok"}, late
