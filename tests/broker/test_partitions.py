@@ -201,6 +201,32 @@ def test_partition_reads_keep_what_came_and_never_hand_out_more_than_asked() -> 
     asyncio.run(scenario())
 
 
+def test_partition_reads_forget_what_a_partition_set_aside_brought() -> None:
+    """What reads of a partition set aside brought (either level) is dropped, the rest kept."""
+
+    async def scenario() -> None:
+        queued = {0: [("5-0", {}), ("9-0", {})], 1: [("6-0@1", {}), ("7-0@1h", {})]}
+
+        async def read(partition: int, count: int, block_ms: int, poll_s: float) -> list[Any]:
+            got, queued[partition] = queued[partition], []  # (more than asked: all kept)
+            return got
+
+        reads = PartitionReads(2, read)
+        taken = await reads.take(1, 50)
+        await asyncio.sleep(0)  # both reads have come back
+        assert len(taken + reads.held()) == 4
+        reads.forget(1)
+        assert reads.held() and all("@" not in entry_id for entry_id in reads.held())
+        rest = [entry_id for entry_id, _ in await reads.take(5, 50)]
+        assert sorted(rest + [entry_id for entry_id, _ in taken if "@" not in entry_id]) == [
+            "5-0",
+            "9-0",
+        ]
+        await reads.close()
+
+    asyncio.run(scenario())
+
+
 # -- over Redis ---------------------------------------------------------------------------------
 def entries_added(client: redis.Redis, keys: ModelKeys) -> list[int]:
     """How many entries each partition's stream was ever given (XINFO STREAM)."""
