@@ -85,10 +85,11 @@ def run_supervisor(config: WorkerConfig) -> int:
 def start(
     ctx: typer.Context,
     model: Annotated[
-        str,
+        list[str],
         typer.Option(
             help="Import path 'module:Class' of a ManagedModel subclass, e.g. examples.mlp:MLP, "
-            "or of a Pipeline with --stage.",
+            "or of a Pipeline with --stage. One: a worker start serves one model.",
+            metavar="<str>",
         ),
     ],
     stage: Annotated[
@@ -296,10 +297,21 @@ def start(
     try:
         configure_logging(log_level, log_format)
         # every option by its name, as declared above (and checked by typer)
-        config = WorkerConfig.from_options(**ctx.params)
+        config = WorkerConfig.from_options(**{**ctx.params, "model": _one_model(model)})
     except (ValueError, DeviceError) as exc:
         fail(str(exc))
     raise typer.Exit(run_supervisor(config))
+
+
+def _one_model(models: list[str]) -> str:
+    """The model of a `worker start`, which serves one: a second --model (taken as the
+    last one given, the others ignored without a word) is an error."""
+    if len(models) > 1:
+        raise ValueError(
+            f"--model was given {len(models)} times ({', '.join(models)}): a worker start "
+            "serves one model; run one per model (a gateway serves several)"
+        )
+    return models[0]
 
 
 def main() -> None:

@@ -160,6 +160,16 @@ def test_an_unknown_model_thread_mode_gives_one_line() -> None:
     assert result.stderr.strip() == "Error: --model-thread must be one of auto, on, off"
 
 
+def test_a_second_model_is_refused_not_ignored() -> None:
+    """`worker start --model A --model B` served B alone, without a word of A."""
+    result = run_worker_cli("--model", "tests.models:Toy", "--model", "tests.models:Echo")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        "Error: --model was given 2 times (tests.models:Toy, tests.models:Echo): a worker "
+        "start serves one model; run one per model (a gateway serves several)"
+    )
+
+
 def test_a_busy_polling_worker_serves_and_says_so(
     redis_server: RedisServer, prefix: str, tmp_path: Path
 ) -> None:
