@@ -7,7 +7,7 @@ import math
 import re
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
@@ -303,7 +303,7 @@ def dead_letters(client: redis.Redis, keys: ModelKeys, count: int = 100) -> list
                     entry_id=tag(_text(fields.get(b"dead_entry", b"")), part.lane),
                     request_id=_text(fields.get(F_ID, b"")),
                     reason=_text(fields.get(b"dead_reason", b"")),
-                    data_bytes=len(fields.get(F_DATA, b"")),
+                    data_bytes=_data_bytes(fields),
                     age_s=max(0.0, (now_ms - int(dead.split("-")[0])) / 1000),
                     partition=part.partition,
                     priority=part.priority,
@@ -371,23 +371,57 @@ def _page(client: redis.Redis, stream: str, start: str, end: Any) -> Any:
     return client.xrange(stream, start, end, DEAD_PAGE)
 
 
-def replay_dead_letters(client: redis.Redis, keys: ModelKeys, ids: list[str] | None = None) -> int:
+class Replayed(NamedTuple):
+    """What a replay did: how many dead letters it queued again, and the dead ids of those it
+    left, which hold no request (nothing but the dead letter's own fields)."""
+
+    replayed: int
+    empty: list[str]
+
+
+def replay_dead_letters(
+    client: redis.Redis, keys: ModelKeys, ids: list[str] | None = None
+) -> Replayed:
     """Queue dead letters again as fresh requests (all, or those with ``ids``), each on its
-    own partition's stream; return how many.
+    own partition's stream, counting their data bytes (and a multi-item entry's packed items)
+    as an enqueue does.
 
     A replayed request keeps its request id, reply key and timeout; its deadline starts anew
     (the deadline a pipeline's stage carried with it, F_DEADLINE, is not replayed).
     """
-    replayed = 0
+    replayed, empty = 0, []
     for part, dead, fields in _dead_entries(client, keys, ids):
         original = {k: v for k, v in fields.items() if k not in REPLAY_DROPS}
+        if not original:
+            empty.append(tag(dead, part.lane))
+            continue
         pipe = client.pipeline(transaction=True)
         pipe.xadd(part.stream, original)
-        pipe.incrby(part.queued_bytes, len(original.get(F_DATA, b"")))
+        pipe.incrby(part.queued_bytes, _data_bytes(original))
+        if (packed := _packed_items(original)) > 0:
+            pipe.incrby(part.packed_items, packed)
         pipe.xdel(part.dead_letters, dead)
         pipe.execute()
         replayed += 1
-    return replayed
+    return Replayed(replayed, empty)
+
+
+def _data_bytes(fields: dict[Any, Any]) -> int:
+    """The data bytes of an entry's fields: ``data``, or a multi-item entry's ``data.<i>``."""
+    data = _text(F_DATA)
+    return sum(
+        len(value)
+        for name, value in fields.items()
+        if _text(name) == data or _text(name).startswith(data + ".")
+    )
+
+
+def _packed_items(fields: dict[Any, Any]) -> int:
+    """Items of a multi-item entry beyond its first (what the packed-items counter holds of
+    it); 0 for any other entry."""
+    values = {_text(name): _text(value) for name, value in fields.items()}
+    count = values.get("n", "")
+    return int(count) - 1 if values.get("v") == "2" and count.isdigit() else 0
 
 
 def purge_dead_letters(client: redis.Redis, keys: ModelKeys, ids: list[str] | None = None) -> int:

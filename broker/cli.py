@@ -399,8 +399,16 @@ def replay(
     """Queue dead letters again (after fixing the model); they leave the dead-letter stream."""
     client = _connect(redis_url)
     with _redis_errors(prefix):
-        count = admin.replay_dead_letters(client, _dead_targets(client, name, prefix, ids), ids)
-    typer.echo(f"replayed {count} dead letter(s) of {name}")
+        replayed = admin.replay_dead_letters(client, _dead_targets(client, name, prefix, ids), ids)
+    typer.echo(f"replayed {replayed.replayed} dead letter(s) of {name}")
+    if replayed.empty:
+        shown = " ".join(f"--id {dead}" for dead in replayed.empty[:10])
+        more = f" (and {len(replayed.empty) - 10} more)" if len(replayed.empty) > 10 else ""
+        typer.echo(
+            f"note: left {len(replayed.empty)} dead letter(s) holding no request (nothing but "
+            f"their dead_* fields): `broker dead-letters purge --name {name} {shown}`{more}",
+            err=True,
+        )
 
 
 AGE = re.compile(r"([0-9]+(?:\.[0-9]*)?)([smhd]?)")  # an --older-than: 3600, 90m, 12h, 7d

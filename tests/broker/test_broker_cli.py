@@ -423,11 +423,43 @@ def test_replaying_all_dead_letters_reads_them_a_page_at_a_time(
     for i in range(5):
         client.xadd(keys.dead_letters, {"id": f"r{i}", "data": b"xy", "dead_reason": "test"})
     monkeypatch.setattr(admin, "DEAD_PAGE", 2)
-    assert admin.replay_dead_letters(client, keys) == 5
+    assert admin.replay_dead_letters(client, keys).replayed == 5
     assert [fields[b"id"] for _, fields in client.xrange(keys.stream)] == [
         f"r{i}".encode() for i in range(5)
     ]
     assert client.xlen(keys.dead_letters) == 0 and client.get(keys.queued_bytes) == b"10"
+
+
+def test_replay_leaves_dead_letters_without_a_request_and_counts_multi_item_ones(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A dead letter holding nothing but its dead_* fields stopped the replay ("XADD fields
+    must be a non-empty dict") after replaying those before it; one shaped as a whole
+    multi-item entry (a foreign worker's) was counted without its data.<i> bytes and packed
+    items, which the workers then took below 0."""
+    client = redis_server.client()
+    keys = ModelKeys("toy", prefix)
+    client.xadd(keys.dead_letters, {"id": "r0", "data": b"xy", "dead_reason": "test"})
+    empty = _text_id(client.xadd(keys.dead_letters, {"dead_reason": "x", "dead_entry": "1-1"}))
+    items = {"id.0": "a", "data.0": b"abc", "id.1": "b", "data.1": b"d", "id.2": "c"}
+    whole = {"v": "2", "n": "3", "reply": keys.inbox("c"), **items, "data.2": b"ef"}
+    client.xadd(keys.dead_letters, {**whole, "dead_reason": "test"})
+    listed = {letter.data_bytes for letter in admin.dead_letters(client, keys, 10)}
+    assert listed == {2, 0, 6}
+    base = ("--name", "toy", "--prefix", prefix, "--redis", redis_server.url)
+    replayed = broker_cli("dead-letters", "replay", *base)
+    assert replayed.returncode == 0, replayed.stderr
+    assert replayed.stdout.strip() == "replayed 2 dead letter(s) of toy"
+    assert replayed.stderr.strip() == (
+        "note: left 1 dead letter(s) holding no request (nothing but their dead_* fields): "
+        f"`broker dead-letters purge --name toy --id {empty}`"
+    )
+    assert client.xlen(keys.stream) == 2 and client.xlen(keys.dead_letters) == 1
+    assert client.get(keys.queued_bytes) == b"8" and client.get(keys.packed_items) == b"2"
+
+
+def _text_id(entry_id: bytes | str) -> str:
+    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
 
 
 def test_dead_letters_of_partitions_dropped_by_a_lower_count_are_listed_and_purged(

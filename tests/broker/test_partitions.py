@@ -598,7 +598,7 @@ def test_an_entry_dead_lettered_in_partition_k_is_listed_and_replayed_there(
         assert letter.partition == 1 and letter.dead_id.endswith("@1")
         assert letter.request_id == "odd" and letter.entry_id.endswith("@1")
     # replayed onto its own partition's stream (no worker now: it stays queued there)
-    assert admin.replay_dead_letters(client, keys, [letter.dead_id]) == 1
+    assert admin.replay_dead_letters(client, keys, [letter.dead_id]).replayed == 1
     assert (client.xlen(keys.stream), client.xlen(keys.of(1).stream)) == (0, 1)
     assert client.xlen(keys.of(1).dead_letters) == 0
 

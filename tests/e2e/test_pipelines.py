@@ -481,7 +481,8 @@ def test_a_stages_dead_letter_is_replayed_with_a_fresh_deadline(
     later = ModelKeys("chain.polarity", prefix)
     fields = request_fields("r-1", ModelKeys("chain", prefix).inbox("c"), 5000, b"\xc0")
     client.xadd(later.dead_letters, {**fields, "deadline": "1", "dead_reason": "x"})
-    assert admin.replay_dead_letters(client, admin.model_keys(client, later.model, prefix)) == 1
+    later_keys = admin.model_keys(client, later.model, prefix)
+    assert admin.replay_dead_letters(client, later_keys).replayed == 1
     [(_, replayed)] = client.xrange(later.stream)
     assert b"deadline" not in replayed and b"dead_reason" not in replayed
     assert replayed[b"timeout"] == b"5000"

@@ -362,6 +362,6 @@ def test_status_and_dead_letters_cover_the_high_level(
     [letter] = admin.dead_letters(client, keys)
     assert letter.priority == "high" and letter.dead_id.endswith("@0h")
     assert letter.request_id == "stray"
-    assert admin.replay_dead_letters(client, keys, [letter.dead_id]) == 1
+    assert admin.replay_dead_letters(client, keys, [letter.dead_id]).replayed == 1
     assert client.xlen(high.dead_letters) == 0 and client.xlen(high.stream) == 1
     assert admin.purge_dead_letters(client, keys) == 0
