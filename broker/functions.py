@@ -470,9 +470,9 @@ local function withdraw(keys, args)
   for i = 3, #args do
     local id = args[i]
     local mark = string.find(id, '#', 1, true)
-    local index = mark and tonumber(string.sub(id, mark + 1))
+    local index = mark and digits(string.sub(id, mark + 1))
     if mark then
-      if index and index % 1 == 0 then
+      if index then
         local entry = string.sub(id, 1, mark - 1)
         if not items[entry] then
           items[entry] = {}

@@ -556,6 +556,26 @@ def test_withdrawing_takes_no_count_the_workers_would_not_take(
     assert client.xlen(keys.stream) == 1
 
 
+@pytest.mark.parametrize("index", ["1.0", " 1", "1e0", "0x1", "+1"])
+def test_an_item_handle_s_index_is_digits_only(
+    redis_server: RedisServer, prefix: str, index: str
+) -> None:
+    """Lua's tonumber read `<entry id>#1.0` or `# 1` as item 1, a handle no caller was given
+    (the workers know items by `#<digits>`). Such a handle withdraws nothing."""
+    from broker import functions
+
+    keys = ModelKeys("toy", prefix)
+    client = redis_server.client()
+    functions.load(client)
+    fields = {"v": "2", "n": "2", "reply": keys.inbox("c"), "data.0": b"\x01", "data.1": b"\x02"}
+    entry = client.xadd(keys.stream, fields).decode()  # type: ignore[arg-type]
+    assert withdraw(client, keys, f"{entry}#0", f"{entry}#{index}") == 0
+    assert client.xlen(keys.stream) == 1
+    assert client.zrange(keys.cancelled, 0, -1) == [f"{entry}#0".encode()]
+    assert withdraw(client, keys, f"{entry}#1") == 2  # the handle as given: all withdrawn
+    assert client.xlen(keys.stream) == 0
+
+
 def test_withdrawing_a_v2_entry_by_its_id_releases_its_bytes_and_items(
     redis_server: RedisServer, prefix: str
 ) -> None:
