@@ -26,6 +26,7 @@ from .cli_common import (
     new_app,
     prefix_option,
     redis_option,
+    run_app,
     version_option,
 )
 from .client import DEFAULT_REDIS_URL
@@ -627,7 +628,7 @@ def dump_functions() -> None:
 
 
 def main() -> None:
-    app(prog_name="broker")
+    run_app(app, "broker", ENV)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 import typer
 
-from .environment import unknown_variables
+from .environment import drop_service_links, unknown_variables
 from .keys import check_prefix
 from .logs import parse_format, parse_level
 
@@ -83,6 +83,35 @@ def check_environment(command: str, prefix: str, known: Iterable[str]) -> None:
     compose's own variables and those of another version of microbatch share the prefix too."""
     for variable, hint in unknown_variables(prefix, known):
         typer.echo(f"Warning: {variable} is not a setting of `{command}`: ignored{hint}", err=True)
+
+
+def run_app(app: typer.Typer, name: str, prefix: str) -> None:
+    """Run a command's app, its environment rid of Kubernetes service links first: a Service
+    named after the command (``microbatch-gateway``) gives every pod ``<PREFIX>_PORT=tcp://
+    <ip>:<port>``, which click would read as --port and refuse (exit 2)."""
+    options = _option_variables(typer.main.get_command(app), prefix)
+    for variable in drop_service_links(prefix):
+        if variable in options:  # (another, such as ..._SIDECAR_PORT, is let be in silence)
+            service = variable.removesuffix("_PORT").lower().replace("_", "-")
+            typer.echo(
+                f"Warning: {variable} holds a Kubernetes service link's address (of a Service "
+                f"named {service}), not a setting: ignored",
+                err=True,
+            )
+    app(prog_name=name)
+
+
+def _option_variables(command: Any, prefix: str) -> set[str]:
+    """The variables the options of ``command`` and its subcommands read: each one's own,
+    and ``<prefix><NAME>`` (click's ``auto_envvar_prefix``)."""
+    names: set[str] = set()
+    for param in command.params:
+        names.add(f"{prefix}{(param.name or '').upper()}")
+        envvar = param.envvar
+        names.update([envvar] if isinstance(envvar, str) else envvar or [])
+    for sub in getattr(command, "commands", {}).values():
+        names |= _option_variables(sub, prefix)
+    return names
 
 
 def version_option() -> Any:

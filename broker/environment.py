@@ -6,7 +6,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
 
 # Variables of the compose files (docker-compose*.yml, .env.example) that share a command's
 # prefix: compose reads them, never a command, so they are not typos of its settings.
@@ -29,6 +29,26 @@ SERVICE_LINK = re.compile(
 SERVICE_LINK_URL = re.compile(r"(tcp|udp|sctp)://")
 
 
+def is_service_link(value: str) -> bool:
+    """Whether a variable's value is a Kubernetes service link's address (``tcp://ip:port``):
+    a Service named after a command (``microbatch-gateway``) gives ``MICROBATCH_GATEWAY_PORT``
+    such a value, which names no setting's value however its name reads."""
+    return bool(SERVICE_LINK_URL.match(value))
+
+
+def drop_service_links(prefix: str, environ: MutableMapping[str, str] | None = None) -> list[str]:
+    """Remove from the environment (this process's by default) the variables of ``prefix``
+    whose values are service links' addresses, which a command (click) would take as its
+    options' values and refuse; return their names, in order."""
+    target = os.environ if environ is None else environ
+    dropped = sorted(
+        name for name, value in target.items() if name.startswith(prefix) and is_service_link(value)
+    )
+    for name in dropped:
+        del target[name]
+    return dropped
+
+
 def unknown_variables(
     prefix: str,
     known: Iterable[str],
@@ -47,7 +67,7 @@ def unknown_variables(
         name = variable if case_sensitive else variable.upper()
         if not name.startswith(prefix) or name in names or name in COMPOSE_VARIABLES:
             continue
-        if SERVICE_LINK.fullmatch(name) or SERVICE_LINK_URL.match(value):
+        if SERVICE_LINK.fullmatch(name) or is_service_link(value):
             continue
         if name.endswith(("_REDIS", "_REDIS_URL")) and f"{prefix}REDIS_URL" not in names:
             hint = " (--redis reads REDIS_URL)"

@@ -22,6 +22,7 @@ from broker.cli_common import (
     new_app,
     prefix_option,
     redis_option,
+    run_app,
     version_option,
 )
 from broker.client import DEFAULT_REDIS_URL
@@ -315,7 +316,7 @@ def _one_model(models: list[str]) -> str:
 
 
 def main() -> None:
-    app(prog_name="worker")
+    run_app(app, "worker", f"{ENV_PREFIX}_")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from broker.cli_common import (
     new_app,
     prefix_option,
     redis_option,
+    run_app,
     version_option,
 )
 
@@ -173,7 +174,7 @@ ENV_ONLY = frozenset(FIELDS) - {"redis_url"} - set(inspect.signature(start).para
 
 
 def main() -> None:
-    app(prog_name="gateway")
+    run_app(app, "gateway", ENV_PREFIX)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from broker.cli_common import PREFIX_HELP, REDIS_HELP
 from broker.client import DEFAULT_REDIS_URL, MAX_TIMEOUT_S
+from broker.environment import is_service_link
 from broker.keys import DEFAULT_PREFIX, check_prefix
 from broker.logs import parse_format, parse_level, redact_url
 from broker.multi_item import DEFAULT_ENTRY_ITEMS, MAX_ENTRY_ITEMS
@@ -221,6 +222,15 @@ class GatewaySettings(BaseSettings):
         description="Log one line per request (client, method, path without query, status, "
         "duration; never bodies or headers). Off, it costs nothing.",
     )
+
+    @field_validator("port", mode="before")
+    @classmethod
+    def _not_a_service_link(cls, value: Any) -> Any:
+        # A Kubernetes Service named microbatch-gateway gives every pod of its namespace
+        # MICROBATCH_GATEWAY_PORT=tcp://<ip>:<port> (gunicorn binds by its own --bind here).
+        if isinstance(value, str) and is_service_link(value):
+            return cls.model_fields["port"].default
+        return value
 
     @field_validator("model", "auth_tokens", mode="before")
     @classmethod

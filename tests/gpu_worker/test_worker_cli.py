@@ -170,6 +170,20 @@ def test_a_second_model_is_refused_not_ignored() -> None:
     )
 
 
+def test_a_kubernetes_service_link_named_like_a_setting_is_ignored() -> None:
+    """A Service named microbatch-worker-metrics gives every pod
+    MICROBATCH_WORKER_METRICS_PORT=tcp://..., which --metrics-port read and refused."""
+    env = {"MICROBATCH_WORKER_METRICS_PORT": "tcp://10.96.0.9:9100"}
+    result = run_worker_cli("--model", "no_such_module:Model", env=env)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == (
+        "Warning: MICROBATCH_WORKER_METRICS_PORT holds a Kubernetes service link's address "
+        "(of a Service named microbatch-worker-metrics), not a setting: ignored"
+    )
+    assert "no_such_module" in lines[-1], lines
+
+
 def test_a_busy_polling_worker_serves_and_says_so(
     redis_server: RedisServer, prefix: str, tmp_path: Path
 ) -> None:

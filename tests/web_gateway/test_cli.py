@@ -250,6 +250,28 @@ def test_a_misspelt_variable_of_the_prefix_is_one_warning_line() -> None:
     assert len(lines) == 2 and "no_such_module" in lines[1], lines
 
 
+def test_a_kubernetes_service_link_named_like_the_port_setting_is_ignored() -> None:
+    """A Service named microbatch-gateway gives every pod MICROBATCH_GATEWAY_PORT=tcp://...,
+    which --port read and refused: `gateway start` exited 2 ("Invalid value for '--port'"),
+    and gunicorn's workers, reading the settings, failed to boot."""
+    from web_gateway.settings import GatewaySettings
+
+    link = "tcp://10.96.0.8:8000"
+    env = {"MICROBATCH_GATEWAY_PORT": link, "MICROBATCH_GATEWAY_PORT_8000_TCP": link,
+           "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}  # fmt: skip
+    refused = gateway("start", "--model", "no_such_module:Model", env=env)
+    assert refused.returncode == 2  # past the settings: the model cannot be imported
+    lines = refused.stderr.strip().splitlines()
+    assert lines[0] == (
+        "Warning: MICROBATCH_GATEWAY_PORT holds a Kubernetes service link's address (of a "
+        "Service named microbatch-gateway), not a setting: ignored"
+    )
+    assert len(lines) == 2 and "no_such_module" in lines[1], lines
+    with pytest.MonkeyPatch.context() as patch:  # what gunicorn's workers read
+        patch.setenv("MICROBATCH_GATEWAY_PORT", link)
+        assert GatewaySettings(model=[DOUBLER]).port == 8000
+
+
 def test_a_flag_turns_off_what_its_variable_turned_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """MICROBATCH_GATEWAY_WAIT_FOR_WORKERS=true (the scale-to-zero overlay's) had no flag to
     undo it on one gateway's command line, unlike --access-log's --no-access-log."""
