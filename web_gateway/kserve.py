@@ -218,10 +218,10 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryvi
     """The JSON part of a body and the binary data after it."""
     if header_length is None:
         return body, memoryview(b"")
-    try:
-        json_size = int(header_length)
-    except ValueError:
-        raise bad_request("Inference-Header-Content-Length must be an integer") from None
+    if not header_length.strip(" \t").isascii() or not header_length.strip(" \t").isdigit():
+        # (int() also takes '1_0', '+1' and '-0')
+        raise bad_request("Inference-Header-Content-Length must be an integer")
+    json_size = int(header_length)
     if not 0 < json_size <= len(body):
         raise bad_request("Inference-Header-Content-Length is outside the body")
     return body[:json_size], memoryview(body)[json_size:]

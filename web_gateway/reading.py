@@ -28,6 +28,8 @@ from .disconnects import gateway_cycle
 from .errors import ClientGone, HTTPError, bad_request, too_large
 
 TIMEOUT_HEADER = "x-request-timeout"
+# An X-Request-Timeout: decimal seconds, with an exponent if need be (`2.5`, `.5`, `1e3`).
+SECONDS = re.compile(r"[+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 UTF8_BOM = b"\xef\xbb\xbf"
 # The most arrays and objects one JSON body may hold (--max-json-containers). Each costs the
 # parse about 90 bytes (a Python list or dict, the pointer to it, orjson's own node) for as
@@ -120,10 +122,9 @@ def timeout(request: Request, fallback: float, cap: float) -> float:
     raw = request.headers.get(TIMEOUT_HEADER)
     if raw is None:
         return min(fallback, cap)
-    try:
-        value = float(raw)
-    except ValueError:
-        raise bad_request("X-Request-Timeout must be a number of seconds") from None
+    if not SECONDS.fullmatch(raw.strip(" \t")):  # float() also takes '1_0', 'inf', 'nan'
+        raise bad_request("X-Request-Timeout must be a number of seconds")
+    value = float(raw)
     if not (value > 0 and math.isfinite(value)):
         raise bad_request("X-Request-Timeout must be a positive number of seconds")
     return min(value, cap)

@@ -141,6 +141,10 @@ def test_binary_tensors_follow_the_json_header() -> None:
         (body(tensor(data=[1, 2]), outputs={}), None, "'outputs' must be a list"),
         (body(tensor(data=[1, 2]), outputs=[{}]), None, "every requested output needs a 'name'"),
         (body(tensor(data=[1, 2])), "x", "Inference-Header-Content-Length must be an integer"),
+        # int() took these as 10, 1 and 1: no length a client means
+        (body(tensor(data=[1, 2])), "1_0", "Inference-Header-Content-Length must be an integer"),
+        (body(tensor(data=[1, 2])), "+1", "Inference-Header-Content-Length must be an integer"),
+        (body(tensor(data=[1, 2])), "\u0661", "Inference-Header-Content-Length must be an integer"),
         (body(tensor(data=[1, 2])), "100000", "Inference-Header-Content-Length is outside"),
         (
             body(tensor(parameters={"binary_data_size": True})),

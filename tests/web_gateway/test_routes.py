@@ -157,6 +157,8 @@ def test_limits_and_malformed_requests(guarded: TestClient) -> None:
     assert v1(b'{"inputs": []}') == (400, "BadRequest")
     assert v1(b"[" * 300) == (413, "PayloadTooLarge")
     assert v1(b"{}", **{"X-Request-Timeout": "soon"}) == (400, "BadRequest")
+    for lax in ("1_0", "inf", "nan", "0x10", "1e"):  # float() took the first three
+        assert v1(b"{}", **{"X-Request-Timeout": lax}) == (400, "BadRequest"), lax
     assert v1(b"{}", **{"X-Request-Timeout": "-1"}) == (400, "BadRequest")
     assert v1(b"{}", **{"Content-Encoding": "br"}) == (415, "UnsupportedMediaType")
     assert v1(b"not gzip", **{"Content-Encoding": "gzip"}) == (400, "BadRequest")
