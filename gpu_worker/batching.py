@@ -455,6 +455,8 @@ class BatchLoop:
             for reason in dict.fromkeys(reason for _, reason in dead):
                 entries = [entry for entry, why in dead if why == reason]
                 await self.transport.dead_letter(self.keys, entries, reason)
+            self.dead_lettered += len(dead)
+            self.observer.dead_lettered(len(dead))
             dead_ids = {entry_id for (entry_id, _), _ in dead}
             answered = [entry for entry in answered if entry[0] not in dead_ids]
         await self._send_answers(replies, answered)
@@ -536,6 +538,7 @@ class BatchLoop:
         await self.transport.dead_letter(self.keys, [entry], reason)
         self.dead_lettered += 1
         self.observer.answered("poison")
+        self.observer.dead_lettered(1)
         log.error("dead-lettered entry %s of %s: %s", entry[0], self.keys.stream, reason)
         try:
             request: Request | None = parse_request(*entry)

@@ -52,7 +52,9 @@ REDELIVERIES = Counter(
     ["model"],
 )
 DEAD_LETTERS = Counter(
-    "microbatch_worker_dead_letters_total", "Requests dead-lettered as poison.", ["model"]
+    "microbatch_worker_dead_letters_total",
+    "Entries dead-lettered: poison, or entries no caller can be answered for.",
+    ["model"],
 )
 RESTARTS = Counter(
     "microbatch_worker_restarts_total", "Worker processes restarted by the supervisor.", ["model"]
@@ -114,6 +116,7 @@ class WorkerObserver(BatchObserver):
         self._waits: list[float] = []
         self._inference: list[float] = []
         self._outcomes: dict[str, int] = {}
+        self._dead = 0
         self._items: dict[str, Any] = {}  # ITEMS' child of each outcome
 
     def batch_started(
@@ -137,6 +140,9 @@ class WorkerObserver(BatchObserver):
     def answered(self, outcome: str, count: int = 1) -> None:
         self._outcomes[outcome] = self._outcomes.get(outcome, 0) + count
 
+    def dead_lettered(self, count: int) -> None:
+        self._dead += count
+
     def redelivered(self) -> None:
         self.redeliveries.inc()
 
@@ -149,6 +155,7 @@ class WorkerObserver(BatchObserver):
         waits, self._waits = self._waits, []
         inference, self._inference = self._inference, []
         outcomes, self._outcomes = self._outcomes, {}
+        dead, self._dead = self._dead, 0
         if sizes:
             observe_many(self.batch_size, sizes)
         if waits:
@@ -163,5 +170,5 @@ class WorkerObserver(BatchObserver):
             if counter is None:
                 counter = self._items[outcome] = ITEMS.labels(self.model, outcome)
             counter.inc(count)
-            if outcome == "poison":
-                self.dead_letters.inc(count)
+        if dead:
+            self.dead_letters.inc(dead)

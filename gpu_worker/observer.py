@@ -25,6 +25,10 @@ class BatchObserver:
         """``count`` items got their answer: ok, model_error, invalid_output, deadline,
         codec_error, invalid_input, malformed, withdrawn or poison."""
 
+    def dead_lettered(self, count: int) -> None:
+        """``count`` entries were put in the dead-letter stream: poison, or entries no caller
+        can be answered for (no request id or reply key, or a reply key outside the model's)."""
+
     def redelivered(self) -> None:
         """An entry was taken over from a dead consumer (or this one's, after an outage)."""
 

@@ -90,6 +90,32 @@ def test_worker_metrics_count_the_batches_the_workers_ran(
     assert "microbatch_queue_depth" in text and "microbatch_worker_restarts_total" in text
 
 
+def test_every_dead_letter_is_counted(redis_server: RedisServer, prefix: str) -> None:
+    """Entries no caller can be told about (no request id, a reply key outside the model's
+    inboxes) are dead-lettered too: the dead-letter counter counts them, not only poison."""
+    import redis
+
+    port = free_port()
+    keys = ModelKeys("toy", prefix)
+    with worker_process(redis_server.url, TOY, prefix, "--metrics-port", str(port)):
+        client = redis.Redis.from_url(redis_server.url)
+        client.xadd(keys.stream, {"v": "1", "junk": "x"})
+        client.xadd(keys.stream, {"v": "1", "id": "r-1", "reply": "elsewhere", "data": "x"})
+        wait_until(lambda: client.xlen(keys.dead_letters) == 2, 30, "two dead letters")
+
+        def counted() -> bool:
+            text = scrape(port)
+            malformed = sample(
+                text, "microbatch_worker_items_total", model="toy", outcome="malformed"
+            )
+            return malformed == 2
+
+        wait_until(counted, 30, "the malformed entries' metrics")
+        text = scrape(port)
+        client.close()
+    assert sample(text, "microbatch_worker_dead_letters_total", model="toy") == 2
+
+
 def test_the_worker_is_ready_while_a_worker_process_serves_the_model(
     redis_server: RedisServer, prefix: str, tmp_path: Path
 ) -> None:
