@@ -41,7 +41,8 @@ def tokens_file(tmp_path: Path) -> Path:
 def test_a_rotated_file_is_read_once_it_has_settled(tokens_file: Path) -> None:
     """Tokens were read as each gateway process started: a rotated Secret took a restart."""
     clock = Clock()
-    tokens = Tokens(GatewaySettings(auth_tokens_file=tokens_file), clock)
+    just_written = lambda: os.stat(tokens_file).st_mtime  # noqa: E731 (the wall clock)
+    tokens = Tokens(GatewaySettings(auth_tokens_file=tokens_file), clock, just_written)
     assert tokens.get() == [b"old-token"]
     replace(tokens_file, "new-token\n")
     clock.tick()
@@ -85,3 +86,16 @@ def test_without_a_file_nothing_is_looked_at(tmp_path: Path) -> None:
     clock.tick()
     assert tokens.get() == [b"a"]
     assert Tokens(GatewaySettings(), clock).get() == []
+
+
+def test_a_change_made_while_no_request_came_is_in_force_at_the_next(tokens_file: Path) -> None:
+    """A process looks only on some request's way: the first requests after a quiet spell were
+    let in by a token removed minutes before (the change had not been seen to settle yet)."""
+    clock = Clock()
+    tokens = Tokens(GatewaySettings(auth_tokens_file=tokens_file), clock)
+    replace(tokens_file, "new-token\n")
+    changed = os.stat(tokens_file).st_mtime - 600  # the Secret was rotated 10 minutes ago
+    os.utime(tokens_file, (changed, changed))
+    for _ in range(600):  # quiet: no request, so no look
+        clock.tick()
+    assert tokens.get() == [b"new-token"]
