@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import bisect
 import fcntl
+import glob
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -78,7 +79,21 @@ class _FoldAwareCollector:
 
     def collect(self) -> Any:
         with _locked(self._directory, exclusive=False):
-            return list(self._collector.collect())
+            files = glob.glob(os.path.join(self._directory, "*.db"))
+            return list(self._collector.merge(_sized(files), accumulate=True))
+
+
+def _sized(files: list[str]) -> list[str]:
+    """The files that a process has sized: one that a process has just created is empty (it
+    holds no sample yet; prometheus-client fails to read it) until the process sizes it."""
+    sized = []
+    for path in files:
+        try:
+            if os.path.getsize(path) > 0:
+                sized.append(path)
+        except FileNotFoundError:  # a live gauge's, removed as its process was marked dead
+            continue
+    return sized
 
 
 def registry() -> Any:
@@ -107,10 +122,11 @@ def fold(directory: str, pid: int) -> None:
     with _locked(directory, exclusive=True):
         for kind, combine in _FOLDS.items():
             own = os.path.join(directory, f"{kind}_{pid}.db")
-            try:
-                samples = MmapedDict.read_all_values_from_file(own)  # type: ignore[no-untyped-call]
-            except FileNotFoundError:
+            if not _sized([own]):  # none, or one it was killed creating: no sample in it
+                with suppress(FileNotFoundError):
+                    os.remove(own)
                 continue
+            samples = MmapedDict.read_all_values_from_file(own)  # type: ignore[no-untyped-call]
             retired: Any = MmapedDict(os.path.join(directory, f"{kind}_{RETIRED}.db"))  # type: ignore[no-untyped-call]
             try:
                 kept = {key: (value, stamp) for key, value, stamp in retired.read_all_values()}

@@ -101,3 +101,15 @@ def test_a_scrape_waits_for_a_fold_in_progress(tmp_path: Path) -> None:
         assert scraper.is_alive() and not seen  # waiting for the fold
     scraper.join(10)
     assert seen == [1.0]
+
+
+def test_a_process_that_is_creating_its_file_fails_no_scrape_nor_fold(tmp_path: Path) -> None:
+    """A process creates its file empty, then sizes it: a scrape at that moment (a worker
+    replaced by --max-batches under load, every few seconds) answered 500, and a fold of a
+    process killed at that moment raised in the supervisor."""
+    write_samples(tmp_path, 2.0)
+    (tmp_path / "counter_999999.db").touch()  # a process just starting, or killed as it did
+    assert scrape(tmp_path)["mb_test_batches_total[('model', 'toy')]"] == 2.0
+    multiproc_metrics.fold(str(tmp_path), 999999)
+    assert not (tmp_path / "counter_999999.db").exists()
+    assert scrape(tmp_path)["mb_test_batches_total[('model', 'toy')]"] == 2.0
