@@ -39,7 +39,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import hiredis
 from redis.crc import key_slot as _key_slot
@@ -73,6 +73,7 @@ _MULTI = hiredis.pack_command(("MULTI",))
 _EXEC = hiredis.pack_command(("EXEC",))
 _REDIRECTS = ("MOVED ", "ASK ", "TRYAGAIN", "CLUSTERDOWN")
 _FAILURES = (RedisConnectionError, RedisTimeoutError, OSError)
+_T = TypeVar("_T")
 
 
 class Settling:
@@ -343,19 +344,22 @@ class SlotLane:
         self.slot = slot
         self.answered_by: Address | None = None  # the node that ran the last command
 
-    async def everywhere(self, *args: Any) -> None:
-        """Run a keyless command on every primary, and on the node that ran this slot's last
-        command (the target of a migration may serve no other slot yet): e.g. FUNCTION LOAD,
-        since each node has its own functions. Raises the first error."""
+    async def each_node(self, action: Callable[[RespLane], Awaitable[_T]]) -> list[_T]:
+        """Run ``action`` with the lane of every primary, and of the node that ran this slot's
+        last command (the target of a migration may serve no other slot yet), one after the
+        other: e.g. to load the functions, since each node has its own. Raises the first
+        error."""
         cluster = self._lanes.map
         await cluster.owner(self.slot)  # the map, read if it must be
         nodes = dict.fromkeys([*cluster.primaries(), *filter(None, [self.answered_by])])
+        done = []
         for address in nodes:
             try:
-                await self._lanes.node(address).execute(*args)
+                done.append(await action(self._lanes.node(address)))
             except _FAILURES:
                 cluster.failed(address)
                 raise
+        return done
 
     @property
     def generation(self) -> Hashable:

@@ -16,7 +16,8 @@ refuses a newer one (``MBVERSION``), so a library older than its callers is dete
 first call. The library is loaded with ``FUNCTION LOAD REPLACE`` by ``broker functions load``
 (an operator's user; on every primary of a Redis Cluster, since functions are per node); a
 caller or worker whose Redis user may load functions (the default user of a development Redis)
-loads it by itself when it finds it missing or old (on the node that lacks it).
+loads it by itself when it finds it missing or old (of a Redis Cluster, on every primary that
+lacks it or holds an older release; never over a newer one).
 
 Arguments are flat (no blob to unpack): Redis hands a function its arguments as Lua strings,
 and each function checks their shape and its per-call caps before it writes anything.

@@ -179,13 +179,14 @@ class RedisTransport:
         ``warn``, logged once until the library answers again; a worker's loop logs its own)."""
         if self._may_load is not False:
             try:
-                await _load_library(lane)
+                loaded = await _load_library(lane)
             except ResponseError as exc:  # NOPERM: an operator's job (broker functions load)
                 self._may_load = False
                 log.debug("may not load the microbatch functions: %s", exc)
             else:
-                self._may_load = True
-                log.info("loaded the microbatch functions (version %d)", functions.VERSION)
+                if loaded:  # else another loaded it meanwhile, this release's or a newer one
+                    self._may_load = True
+                    log.info("loaded the microbatch functions (version %d)", functions.VERSION)
                 return
         message = functions.missing_message(error)
         if warn and not self._library_warned:
@@ -1570,13 +1571,31 @@ def _log_refused(refused: Any) -> None:
         )
 
 
-async def _load_library(lane: RespLane | SlotLane) -> None:
-    """FUNCTION LOAD REPLACE the library through a lane (on every primary of a cluster: each
-    node has its own functions)."""
+async def _load_library(lane: RespLane | SlotLane) -> list[tuple[int, int]]:
+    """FUNCTION LOAD REPLACE the library through a lane where it is missing or older than this
+    code's, never over a newer one (of a cluster, on every primary: each node has its own
+    functions, and a later release's workers may have loaded theirs on some). The releases
+    replaced, one per node loaded (raises ResponseError if this user may not load)."""
     if isinstance(lane, SlotLane):
-        await lane.everywhere(*functions.LOAD_COMMAND)
+        replaced = await lane.each_node(_load_if_older)
     else:
-        await lane.execute(*functions.LOAD_COMMAND)
+        replaced = [await _load_if_older(lane)]
+    return [release for release in replaced if release is not None]
+
+
+async def _load_if_older(node: RespLane) -> tuple[int, int] | None:
+    """Load the library on one node unless it holds this release or a newer one (or one that
+    answers no release: left alone); the release replaced, or None."""
+    try:
+        loaded = functions.answered_release(await node.execute("FCALL", functions.RELEASE, 0))
+    except ResponseError as exc:
+        if not functions.is_missing(exc):
+            raise
+        loaded = (functions.VERSION, 0)  # no library, or one from before revisions
+    if loaded is None or loaded >= (functions.VERSION, functions.REVISION):
+        return None
+    await node.execute(*functions.LOAD_COMMAND)
+    return loaded
 
 
 def _is_missing(result: Any) -> bool:

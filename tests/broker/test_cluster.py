@@ -27,10 +27,12 @@ from broker.cli import app
 from broker.cluster_lane import ClusterLanes, key_slot
 from broker.keys import HIGH, NORMAL, ModelKeys
 from broker.liveness import server_times_ms
+from broker.protocol import CallRequests
 from broker.redis_transport import RedisTransport
-from broker.transport import PartitionsChanged
+from broker.transport import UNBOUNDED, PartitionsChanged
 from gpu_worker.batching import BatchLoop, BatchSettings
 from gpu_worker.heartbeat import Heartbeats
+from tests.broker.test_redis_transport import library_code
 from tests.cluster_local import LocalCluster
 from tests.conftest import worker_process
 from tests.sentinel_local import wait_for
@@ -1124,3 +1126,44 @@ def test_a_partition_set_aside_comes_back_on_the_replica_a_failover_promotes() -
         outcomes, settled = asyncio.run(main())
     late = Counter(kind for sent, kind in outcomes if sent >= settled)
     assert late and set(late) == {"ok"}, late
+
+
+def _releases(cluster: LocalCluster) -> dict[int, tuple[int, int] | None]:
+    """The library's release on each primary, by port."""
+    return {port: functions.loaded_release(cluster.client(port)) for port in cluster.primaries()}
+
+
+def test_a_primary_missing_the_library_gets_it_and_a_newer_one_elsewhere_is_kept(
+    cluster: LocalCluster, prefix: str
+) -> None:
+    """A caller or worker that found the library missing on one primary loaded its own
+    release on every primary with REPLACE: a later release's library there (a fleet's newer
+    workers') was replaced by this older one, and nothing put it back."""
+    newer = library_code(functions.VERSION, functions.REVISION + 1)
+    keys = ModelKeys("m", prefix)
+    lacking = cluster.owner(keys.stream)
+    try:
+        for port in cluster.primaries():
+            cluster.client(port).function_load(newer, True)
+        cluster.client(lacking).function_delete(functions.LIBRARY)
+        call = CallRequests(keys.inbox("a"), 1000, ["a.0"], [b"x"])
+
+        async def main() -> None:
+            transport = RedisTransport(cluster.url())  # the default user: may load
+            try:
+                (ids,) = await transport.enqueue(keys, [call], UNBOUNDED)
+                assert isinstance(ids, list)
+            finally:
+                await transport.close()
+
+        asyncio.run(main())
+        ours, later = (
+            (functions.VERSION, functions.REVISION),
+            (functions.VERSION, functions.REVISION + 1),
+        )
+        assert _releases(cluster) == {
+            port: ours if port == lacking else later for port in cluster.primaries()
+        }
+    finally:
+        for port in cluster.primaries():
+            cluster.client(port).function_load(functions.CODE, True)
