@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import redis
@@ -58,8 +58,13 @@ class Heartbeats:
         keys: ModelKeys,
         ttl_s: float = DEFAULT_TTL_S,
         queue_bound: tuple[int, int] | None = None,
+        progress: Callable[[], None] | None = None,
     ) -> None:
         self.client = sync_client(redis_url, socket_timeout=2, socket_connect_timeout=2)
+        # called before each partition's renewal tried alone: a renewal of many partitions
+        # whose primaries are all silent takes seconds a partition, and the supervisor's loop
+        # (whose `/live` says whether it goes round) is making progress meanwhile
+        self._progress = progress or (lambda: None)
         self.keys = keys
         self.ttl_ms = int(ttl_s * 1000)
         # (items per live worker, bytes): written with every renewal, so that the bound is back
@@ -139,6 +144,7 @@ class Heartbeats:
         again ASIDE_S later); raise the last failure if every one fails."""
         failed: list[int] = []
         for part in parts:
+            self._progress()
             try:
                 self._renew([part], states)
             except REDIS_ERRORS as exc:
@@ -159,6 +165,7 @@ class Heartbeats:
         renewed, else aside for ASIDE_S more."""
         now = time.monotonic()
         for partition in [k for k, again in self._aside.items() if again <= now]:
+            self._progress()
             try:
                 self._renew([self.keys.of(partition)], states)
             except REDIS_ERRORS:

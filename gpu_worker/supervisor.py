@@ -144,7 +144,7 @@ class Supervisor:
         self.keys = config.keys(self.model_class)
         self.queue_bound = config.queue_bound(config.batch_settings(self.model_class).batch_size)
         self.heartbeats = Heartbeats(
-            config.redis_url, self.keys, config.heartbeat_ttl, self.queue_bound
+            config.redis_url, self.keys, config.heartbeat_ttl, self.queue_bound, self._went_round
         )
         self._next_heartbeat = 0.0
         # Renew well within the TTL: a renewal can come up to one select timeout late.
@@ -167,8 +167,13 @@ class Supervisor:
     def alive(self) -> bool:
         """Whether the supervisor's loop went round within ``LIVE_STALL_S`` (``/live`` on the
         metrics port; read from its thread). A Redis outage does not stall it (every Redis
-        command it sends times out within seconds); a stop in progress counts as alive."""
+        command it sends times out within seconds, and each partition a renewal tries alone
+        counts as going round); a stop in progress counts as alive."""
         return self._stopping or time.monotonic() - self._ticked < LIVE_STALL_S
+
+    def _went_round(self) -> None:
+        """Note that the loop makes progress (at each turn, and within a long renewal)."""
+        self._ticked = time.monotonic()
 
     # -- children -----------------------------------------------------------------------------
     def _spawn(self, slot: Slot) -> None:

@@ -1167,3 +1167,30 @@ def test_a_primary_missing_the_library_gets_it_and_a_newer_one_elsewhere_is_kept
     finally:
         for port in cluster.primaries():
             cluster.client(port).function_load(functions.CODE, True)
+
+
+@pytest.mark.slow
+def test_renewals_tried_partition_by_partition_say_that_the_supervisor_goes_round(
+    lenient_cluster: LocalCluster, prefix: str
+) -> None:
+    """Every primary silent: one renewal tried the partitions one by one, each for seconds
+    (about 8 s each through the cluster client), so the supervisor's loop went round once in
+    over 60 s with 6 partitions or more, and its `/live` answered 503: Kubernetes restarted the
+    pods for a Redis outage. Each partition tried now counts as the loop going round."""
+    cluster = lenient_cluster
+    spread = prefix_spreading_partitions(cluster, prefix, 3)
+    keys = ModelKeys("toy", spread, partitions=3)
+    went_round: list[float] = []
+    heartbeats = Heartbeats(
+        cluster.url(nodes=3), keys, ttl_s=2.0, progress=lambda: went_round.append(0.0)
+    )
+    try:
+        assert heartbeats.renew({"w-1": {}})
+        went_round.clear()
+        with contextlib.ExitStack() as stack:
+            for port in cluster.primaries():
+                stack.enter_context(stopped(cluster.node(port)))
+            assert not heartbeats.renew({"w-1": {}})
+        assert len(went_round) >= keys.partitions  # once before each partition tried alone
+    finally:
+        heartbeats.close()
