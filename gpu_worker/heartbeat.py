@@ -141,8 +141,9 @@ class Heartbeats:
 
     def _renew_each(self, parts: list[ModelKeys], states: Mapping[str, Mapping[str, Any]]) -> None:
         """Renew each partition alone, setting aside those whose renewal fails (tried alone
-        again ASIDE_S later); raise the last failure if every one fails."""
-        failed: list[int] = []
+        again ASIDE_S later); raise the last failure if every one fails (an outage of all,
+        which renew says at most every 10 s: nothing is set aside, nor said of each)."""
+        failed: list[tuple[int, BaseException]] = []
         for part in parts:
             self._progress()
             try:
@@ -150,15 +151,14 @@ class Heartbeats:
             except REDIS_ERRORS as exc:
                 if len(failed) + 1 == len(parts):
                     raise
-                failed.append(part.partition)
-                log.warning(
-                    "cannot renew the heartbeats of partition %d of %s (%s): renewing the "
-                    "others, and it again every %g s", part.partition, self.keys.stream, exc,
-                    ASIDE_S,
-                )  # fmt: skip
+                failed.append((part.partition, exc))
         again = time.monotonic() + ASIDE_S
-        for partition in failed:
+        for partition, why in failed:
             self._aside[partition] = again
+            log.warning(
+                "cannot renew the heartbeats of partition %d of %s (%s): renewing the "
+                "others, and it again every %g s", partition, self.keys.stream, why, ASIDE_S,
+            )  # fmt: skip
 
     def _renew_aside(self, states: Mapping[str, Mapping[str, Any]]) -> None:
         """Try each partition set aside whose time has come, alone: back with the others if

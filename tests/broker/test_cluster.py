@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import itertools
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -1194,3 +1195,29 @@ def test_renewals_tried_partition_by_partition_say_that_the_supervisor_goes_roun
         assert len(went_round) >= keys.partitions  # once before each partition tried alone
     finally:
         heartbeats.close()
+
+
+def test_renewals_refused_on_every_partition_are_said_every_10_s_not_per_partition(
+    lenient_cluster: LocalCluster, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every partition failing (a cluster down, a user refused them all) logged one line a
+    partition at every renewal, every second, besides the outage's one line every 10 s."""
+    cluster = lenient_cluster
+    spread = prefix_spreading_partitions(cluster, prefix, 3)
+    keys = ModelKeys("toy", spread, partitions=3)
+    user = f"nozadd{uuid.uuid4().hex[:6]}"
+    for port in cluster.primaries():
+        cluster.client(port).acl_setuser(
+            user, enabled=True, passwords=["+pw"], commands=["+@all", "-zadd"], keys=["*"]
+        )
+    heartbeats = Heartbeats(cluster.url(credentials=f"{user}:pw@", nodes=3), keys, ttl_s=2.0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="microbatch.heartbeat"):
+            for _ in range(3):
+                assert not heartbeats.renew({"w-1": {}})
+        said = [r.getMessage() for r in caplog.records if r.name == "microbatch.heartbeat"]
+        assert len(said) == 1 and said[0].startswith("cannot renew heartbeats"), said
+    finally:
+        heartbeats.close()
+        for port in cluster.primaries():
+            cluster.client(port).acl_deluser(user)
