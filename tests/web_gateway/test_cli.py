@@ -239,15 +239,20 @@ def test_a_misspelt_variable_of_the_prefix_is_one_warning_line() -> None:
     env = {"MICROBATCH_GATEWAY_MAX_TIMEOT": "5", "MICROBATCH_GATEWAY_SERVICE_HOST": "10.96.0.8",
            "MICROBATCH_GATEWAY_PORT_8000_TCP_PORT": "8000",
            "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}  # fmt: skip
-    refused = gateway("start", "--model", "no_such_module:Model", "--port", str(free_port()),
-                      env=env)  # fmt: skip
-    assert refused.returncode == 2  # past the settings: the model cannot be imported
-    lines = refused.stderr.strip().splitlines()
-    assert lines[0] == (
+    assert warning_past_the_settings(env, "--port", str(free_port())) == (
         "Warning: MICROBATCH_GATEWAY_MAX_TIMEOT is not a setting of `gateway start`: ignored "
         "(did you mean MICROBATCH_GATEWAY_MAX_TIMEOUT?)"
     )
+
+
+def warning_past_the_settings(env: dict[str, str], *args: str) -> str:
+    """The one warning line `gateway start` prints with ``env`` before it fails to import
+    its model (so past the settings: none refused)."""
+    refused = gateway("start", "--model", "no_such_module:Model", *args, env=env)
+    assert refused.returncode == 2
+    lines = refused.stderr.strip().splitlines()
     assert len(lines) == 2 and "no_such_module" in lines[1], lines
+    return lines[0]
 
 
 def test_a_kubernetes_service_link_named_like_the_port_setting_is_ignored() -> None:
@@ -259,14 +264,10 @@ def test_a_kubernetes_service_link_named_like_the_port_setting_is_ignored() -> N
     link = "tcp://10.96.0.8:8000"
     env = {"MICROBATCH_GATEWAY_PORT": link, "MICROBATCH_GATEWAY_PORT_8000_TCP": link,
            "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}  # fmt: skip
-    refused = gateway("start", "--model", "no_such_module:Model", env=env)
-    assert refused.returncode == 2  # past the settings: the model cannot be imported
-    lines = refused.stderr.strip().splitlines()
-    assert lines[0] == (
+    assert warning_past_the_settings(env) == (
         "Warning: MICROBATCH_GATEWAY_PORT holds a Kubernetes service link's address (of a "
         "Service named microbatch-gateway), not a setting: ignored"
     )
-    assert len(lines) == 2 and "no_such_module" in lines[1], lines
     with pytest.MonkeyPatch.context() as patch:  # what gunicorn's workers read
         patch.setenv("MICROBATCH_GATEWAY_PORT", link)
         assert GatewaySettings(model=[DOUBLER]).port == 8000
