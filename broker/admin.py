@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import redis
 
-from . import functions, liveness
+from . import functions, liveness, multi_item
 from .keys import (
     HIGH,
     LEVEL_SUFFIX,
@@ -24,8 +24,8 @@ from .keys import (
 )
 from .liveness import server_time_ms
 from .partitions import tag
-from .protocol import F_DATA, F_DEADLINE, F_ID
-from .transport import counter_value
+from .protocol import F_DEADLINE, F_ID
+from .transport import counter_value, entry_data_size
 
 # A request stream of either level (a model whose callers queued only at high priority, before
 # any worker made its normal stream, has only the high one), of a valid prefix and model (or
@@ -303,7 +303,7 @@ def dead_letters(client: redis.Redis, keys: ModelKeys, count: int = 100) -> list
                     entry_id=tag(_text(fields.get(b"dead_entry", b"")), part.lane),
                     request_id=_text(fields.get(F_ID, b"")),
                     reason=_text(fields.get(b"dead_reason", b"")),
-                    data_bytes=_data_bytes(fields),
+                    data_bytes=entry_data_size(fields),
                     age_s=max(0.0, (now_ms - int(dead.split("-")[0])) / 1000),
                     partition=part.partition,
                     priority=part.priority,
@@ -397,31 +397,13 @@ def replay_dead_letters(
             continue
         pipe = client.pipeline(transaction=True)
         pipe.xadd(part.stream, original)
-        pipe.incrby(part.queued_bytes, _data_bytes(original))
-        if (packed := _packed_items(original)) > 0:
-            pipe.incrby(part.packed_items, packed)
+        pipe.incrby(part.queued_bytes, entry_data_size(original))
+        if (count := multi_item.item_count(original)) is not None and count > 1:
+            pipe.incrby(part.packed_items, count - 1)
         pipe.xdel(part.dead_letters, dead)
         pipe.execute()
         replayed += 1
     return Replayed(replayed, empty)
-
-
-def _data_bytes(fields: dict[Any, Any]) -> int:
-    """The data bytes of an entry's fields: ``data``, or a multi-item entry's ``data.<i>``."""
-    data = _text(F_DATA)
-    return sum(
-        len(value)
-        for name, value in fields.items()
-        if _text(name) == data or _text(name).startswith(data + ".")
-    )
-
-
-def _packed_items(fields: dict[Any, Any]) -> int:
-    """Items of a multi-item entry beyond its first (what the packed-items counter holds of
-    it); 0 for any other entry."""
-    values = {_text(name): _text(value) for name, value in fields.items()}
-    count = values.get("n", "")
-    return int(count) - 1 if values.get("v") == "2" and count.isdigit() else 0
 
 
 def purge_dead_letters(client: redis.Redis, keys: ModelKeys, ids: list[str] | None = None) -> int:

@@ -300,7 +300,7 @@ def _say_if_library_is_old(client: redis.Redis) -> None:
         loaded = functions.loaded_release(client)
     except redis.ResponseError:  # NOPERM
         return
-    ours = (functions.VERSION, functions.REVISION)
+    ours = functions.THIS_RELEASE
     if loaded is None:
         said = "is not loaded (callers and workers whose Redis user may load it do so themselves)"
     elif loaded < ours:

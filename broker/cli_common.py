@@ -89,8 +89,9 @@ def run_app(app: typer.Typer, name: str, prefix: str) -> None:
     """Run a command's app, its environment rid of Kubernetes service links first: a Service
     named after the command (``microbatch-gateway``) gives every pod ``<PREFIX>_PORT=tcp://
     <ip>:<port>``, which click would read as --port and refuse (exit 2)."""
-    options = _option_variables(typer.main.get_command(app), prefix)
-    for variable in drop_service_links(prefix):
+    dropped = drop_service_links(prefix)
+    options = _option_variables(typer.main.get_command(app), prefix) if dropped else set()
+    for variable in dropped:
         if variable in options:  # (another, such as ..._SIDECAR_PORT, is let be in silence)
             service = variable.removesuffix("_PORT").lower().replace("_", "-")
             typer.echo(

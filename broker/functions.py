@@ -48,6 +48,7 @@ VERSION = 2
 # a worker that finds an older revision of its version loaded replaces it if its user may,
 # as callers replace an older version. A change of interface raises VERSION (and resets this).
 REVISION = 2
+THIS_RELEASE = (VERSION, REVISION)  # what callers compare a loaded library's release with
 
 ENQUEUE = "mb_enqueue"
 WITHDRAW = "mb_withdraw"
@@ -702,7 +703,7 @@ def load(client: Any) -> tuple[tuple[int, int] | None, tuple[int, int]]:
     before = loaded_release(client)
     for target in _targets(client):
         client.execute_command(*LOAD_COMMAND, **target)
-    return before, (VERSION, REVISION)
+    return before, THIS_RELEASE
 
 
 def _as_dict(value: Any) -> dict[str, Any]:

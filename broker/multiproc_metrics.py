@@ -72,15 +72,14 @@ class _FoldAwareCollector:
     """prometheus-client's multiprocess collector, reading under the fold lock."""
 
     def __init__(self, directory: str) -> None:
-        from prometheus_client import multiprocess
-
         self._directory = directory
-        self._collector: Any = multiprocess.MultiProcessCollector(None, directory)  # type: ignore[no-untyped-call]
 
     def collect(self) -> Any:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
         with _locked(self._directory, exclusive=False):
             files = glob.glob(os.path.join(self._directory, "*.db"))
-            return list(self._collector.merge(_sized(files), accumulate=True))
+            return list(MultiProcessCollector.merge(_sized(files), accumulate=True))  # type: ignore[no-untyped-call]
 
 
 def _sized(files: list[str]) -> list[str]:

@@ -233,16 +233,12 @@ class RedisTransport:
         if self._may_load is False:
             return
         try:
-            try:
-                loaded = functions.answered_release(
-                    await lane.execute("FCALL", functions.RELEASE, 0)
-                )
+            try:  # (here, the home node's alone: another's silence must not hold readiness)
+                loaded = await _release_of(lane)
             except ResponseError as exc:
-                if not functions.is_missing(exc):
-                    log.debug("the library's release is unknown: %s", exc)
-                    return
-                loaded = (functions.VERSION, 0)  # from before revisions: it has no mb_release
-            ours = (functions.VERSION, functions.REVISION)
+                log.debug("the library's release is unknown: %s", exc)
+                return
+            ours = functions.THIS_RELEASE
             if loaded is None or loaded >= ours:
                 return
             try:
@@ -1586,16 +1582,23 @@ async def _load_library(lane: RespLane | SlotLane) -> list[tuple[int, int]]:
 async def _load_if_older(node: RespLane) -> tuple[int, int] | None:
     """Load the library on one node unless it holds this release or a newer one (or one that
     answers no release: left alone); the release replaced, or None."""
-    try:
-        loaded = functions.answered_release(await node.execute("FCALL", functions.RELEASE, 0))
-    except ResponseError as exc:
-        if not functions.is_missing(exc):
-            raise
-        loaded = (functions.VERSION, 0)  # no library, or one from before revisions
-    if loaded is None or loaded >= (functions.VERSION, functions.REVISION):
+    loaded = await _release_of(node)
+    if loaded is None or loaded >= functions.THIS_RELEASE:
         return None
     await node.execute(*functions.LOAD_COMMAND)
     return loaded
+
+
+async def _release_of(lane: RespLane | SlotLane) -> tuple[int, int] | None:
+    """The library release a node holds (through a lane): revision 0 of this version where it
+    has no library or one from before revisions (no mb_release); None where mb_release
+    answers no release. Raises ResponseError for any other refusal."""
+    try:
+        return functions.answered_release(await lane.execute("FCALL", functions.RELEASE, 0))
+    except ResponseError as exc:
+        if not functions.is_missing(exc):
+            raise
+        return (functions.VERSION, 0)
 
 
 def _is_missing(result: Any) -> bool:
