@@ -133,6 +133,9 @@ def create_app(settings: GatewaySettings | None = None) -> GatewayApp:
         lifespan=lifespan,
         docs_url=None,  # served by install_docs, without a CDN
         redoc_url=None,
+        # a path with a trailing slash is an unknown route (404), not a 307 to
+        # http://<Host header>/...: a host and scheme a client behind a proxy may not reach
+        redirect_slashes=False,
         exception_handlers=dict.fromkeys(HANDLED, _any_error),
     )
     app.gateway = app.state.gateway = gateway

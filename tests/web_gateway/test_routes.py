@@ -102,6 +102,30 @@ def test_errors_take_the_shape_of_their_protocol(guarded: TestClient) -> None:
     assert method.status_code == 405 and method.json()["error"]["type"] == "MethodNotAllowed"
 
 
+def test_a_path_with_a_trailing_slash_is_an_unknown_route(guarded: TestClient) -> None:
+    """No redirect (FastAPI's default was a bodiless 307 to ``http://<Host header>/...``:
+    a scheme and host a client behind a proxy cannot reach, and a client that follows it
+    sends its body again): the documented 404 ``NotFound``, in the route's format."""
+    for method, path in (
+        ("GET", "/healthz/"),
+        ("GET", "/v1/models/"),
+        ("GET", "/v2/models/doubler/"),
+        ("GET", "/v2/models/doubler/versions/1/ready/"),
+        ("POST", "/v1/models/doubler/predict/"),
+        ("POST", "/v2/models/doubler/infer/"),
+    ):
+        answer = guarded.request(
+            method, path, headers={**AUTH, "Host": "elsewhere.example"}, follow_redirects=False
+        )
+        assert answer.status_code == 404, path
+        assert "location" not in answer.headers, path
+        body = answer.json()
+        if path.startswith("/v2"):
+            assert body == {"error": "NotFound: Not Found", "type": "NotFound"}, path
+        else:
+            assert body == {"error": {"type": "NotFound", "message": "Not Found"}}, path
+
+
 def test_head_is_get_without_the_body(guarded: TestClient) -> None:
     """Load balancers and uptime checks probe with HEAD; FastAPI's routes answered it 405."""
     health = guarded.head("/healthz")
