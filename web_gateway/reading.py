@@ -51,6 +51,7 @@ class IndexedHeaders(Headers):
     def __init__(self, scope: Any) -> None:
         super().__init__(scope=scope)
         self._first = dict(reversed(self._list))  # reversed: the first of a repeated name wins
+        self.repeated = len(self._first) < len(self._list)  # some name comes more than once
 
     def get(self, key: str, default: Any = None) -> Any:
         value = self._first.get(_NAMES.get(key) or _name(key))
@@ -94,6 +95,17 @@ class GatewayRequest(Request):
     headers = _IndexedOnce()
 
 
+def single(headers: Headers, name: str) -> str | None:
+    """The value of header ``name``, its lines joined as their comma-separated list when it
+    comes more than once (RFC 9110, 5.3), so that a header taking one value refuses two lines
+    as it refuses a list on one, rather than obeying the first."""
+    value = headers.get(name)
+    if value is None or not getattr(headers, "repeated", True):
+        return value
+    values = headers.getlist(name)
+    return value if len(values) == 1 else ", ".join(values)
+
+
 def authorize(request: Request, tokens: Sequence[bytes]) -> None:
     """401 unless auth is off (no ``tokens``) or the request's bearer token is one of them."""
     if not tokens:
@@ -119,7 +131,7 @@ def authorize(request: Request, tokens: Sequence[bytes]) -> None:
 
 def timeout(request: Request, fallback: float, cap: float) -> float:
     """Seconds from the X-Request-Timeout header (else ``fallback``), at most ``cap``."""
-    raw = request.headers.get(TIMEOUT_HEADER)
+    raw = single(request.headers, TIMEOUT_HEADER)
     if raw is None:
         return min(fallback, cap)
     if not SECONDS.fullmatch(raw.strip(" \t")):  # float() also takes '1_0', 'inf', 'nan'
@@ -136,7 +148,7 @@ def priority(request: Request, parameter: Any = None) -> int:
     if parameter is not None:
         where, value = "the 'priority' parameter", parameter
     else:
-        where, value = PRIORITY_HEADER, request.headers.get(PRIORITY_HEADER)
+        where, value = PRIORITY_HEADER, single(request.headers, PRIORITY_HEADER)
     try:
         return parse_priority(value)
     except ValueError as exc:
@@ -177,7 +189,7 @@ async def body(request: Request, limit: int) -> bytes:
     else:
         data = whole
     request._stream_consumed = True
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    encoding = (single(request.headers, "content-encoding") or "identity").strip().lower()
     if encoding in ("gzip", "deflate"):
         received = len(data)
         # off the event loop (zlib lets go of the GIL): a small body may inflate to the

@@ -137,7 +137,7 @@ def handle_infer(
 
 async def _infer(gateway: Gateway, request: Request, served: ServedModel) -> Response:
     body = await gateway.body(request)
-    header_length = request.headers.get(kserve.HEADER_LENGTH)
+    header_length = reading.single(request.headers, kserve.HEADER_LENGTH)
     settings = gateway.settings
     max_items, max_containers = settings.max_items, settings.max_json_containers
     if gateway.inline(served, len(body)):  # no coroutine for the common case

@@ -9,6 +9,7 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 from starlette.testclient import TestClient
 
@@ -205,6 +206,32 @@ def test_limits_and_malformed_requests(guarded: TestClient) -> None:
     for bad in (-1, 1.5, "5000", True, [1], {"us": 1}):
         status, error = v2_timeout(bad)
         assert status == 400 and "'timeout' parameter" in error, bad
+
+
+def test_a_header_given_twice_is_read_as_its_list(guarded: TestClient) -> None:
+    """Two lines of a header mean their comma-separated list (RFC 9110, 5.3), which these
+    headers refuse as they refuse it on one line: the first line alone was obeyed, so an
+    ``X-Priority`` or ``X-Request-Timeout`` a proxy added after the client's was ignored
+    without a word, and a binary body was framed by one of two disagreeing lengths."""
+    tensor = {"name": "input", "datatype": "FP32", "shape": [1, 4], "data": [1, 1, 1, 1]}
+    v1_body, v2_body = b'{"inputs": [[1, 2, 3, 4]]}', orjson.dumps({"inputs": [tensor]})
+    cases = (
+        ("X-Priority", ("high", "normal"), 400, "BadRequest"),
+        ("X-Priority", ("high", "high"), 400, "BadRequest"),
+        ("X-Request-Timeout", ("2", "3"), 400, "BadRequest"),
+        ("Content-Encoding", ("identity", "identity"), 415, "UnsupportedMediaType"),
+    )
+    for name, values, status, kind in cases:
+        headers = [*AUTH.items(), *((name, value) for value in values)]
+        v1 = guarded.post("/v1/models/doubler/predict", content=v1_body, headers=headers)
+        assert (v1.status_code, v1.json()["error"]["type"]) == (status, kind), (name, values)
+        v2 = guarded.post("/v2/models/doubler/infer", content=v2_body, headers=headers)
+        assert (v2.status_code, v2.json()["type"]) == (status, kind), (name, values)
+    length = str(len(v2_body))
+    framed = [*AUTH.items(), ("Inference-Header-Content-Length", length)] * 2
+    v2 = guarded.post("/v2/models/doubler/infer", content=v2_body, headers=framed[1:])
+    assert (v2.status_code, v2.json()["type"]) == (400, "BadRequest")
+    assert "Inference-Header-Content-Length" in v2.json()["error"]
 
 
 def test_results_health_readiness_and_metrics(live: TestClient) -> None:
