@@ -14,7 +14,7 @@ one that does not fit the model) and never touches the network.
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -374,13 +374,25 @@ def _output_tensors(outputs: list[Any], specs: Sequence[TensorSpec]) -> dict[str
     return {spec.name if spec else "output": _stack(outputs, spec)}
 
 
+def check_outputs(request: InferRequest, specs: Sequence[TensorSpec]) -> None:
+    """422 for a requested output the model does not declare, before its items are queued (a
+    model declaring no outputs has its names known only from its results: see ``_wanted``)."""
+    if request.outputs is not None and specs:
+        _check_known(request.outputs, [spec.name for spec in specs])
+
+
+def _check_known(requested: list[tuple[str, bool]], names: Iterable[str]) -> None:
+    known = set(names)
+    unknown = [name for name, _ in requested if name not in known]
+    if unknown:
+        raise invalid_input(f"unknown outputs {unknown}; the model gives {sorted(known)}")
+
+
 def _wanted(request: InferRequest, tensors: dict[str, np.ndarray]) -> list[tuple[str, bool]]:
     if request.outputs is None:
         binary_all = bool(request.parameters.get("binary_data_output", False))
         return [(name, binary_all) for name in tensors]
-    unknown = [name for name, _ in request.outputs if name not in tensors]
-    if unknown:
-        raise invalid_input(f"unknown outputs {unknown}; the model gives {sorted(tensors)}")
+    _check_known(request.outputs, tensors)
     return request.outputs
 
 

@@ -183,6 +183,7 @@ def parse_and_prepare(
     parsed = kserve.parse_request(body, header_length, max_containers)
     reading.check_items(parsed.batch_size, max_items)
     kserve.check_inputs(parsed, served.inputs, strict_datatypes=not served.has_preprocess)
+    kserve.check_outputs(parsed, served.outputs)
     return parsed, served.prepare(parsed.items())
 
 

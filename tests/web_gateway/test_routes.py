@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -232,6 +233,24 @@ def test_a_header_given_twice_is_read_as_its_list(guarded: TestClient) -> None:
     v2 = guarded.post("/v2/models/doubler/infer", content=v2_body, headers=framed[1:])
     assert (v2.status_code, v2.json()["type"]) == (400, "BadRequest")
     assert "Inference-Header-Content-Length" in v2.json()["error"]
+
+
+def test_an_unknown_requested_output_is_refused_before_anything_is_queued(
+    guarded: TestClient,
+) -> None:
+    """A v2 request naming an output the model does not declare is 422 at once: it was found
+    only once the workers had computed the items (here: no worker, so after the 10 s grace, a
+    503 ``NoWorkers`` in place of the 422)."""
+    tensor = {"name": "input", "datatype": "FP32", "shape": [1, 4], "data": [1, 1, 1, 1]}
+    body = {"inputs": [tensor], "outputs": [{"name": "output"}, {"name": "outptu"}]}
+    started = time.monotonic()
+    refused = guarded.post("/v2/models/doubler/infer", headers=AUTH, json=body)
+    assert time.monotonic() - started < 2
+    assert refused.status_code == 422
+    assert refused.json() == {
+        "error": "InvalidInput: unknown outputs ['outptu']; the model gives ['output']",
+        "type": "InvalidInput",
+    }
 
 
 def test_results_health_readiness_and_metrics(live: TestClient) -> None:
