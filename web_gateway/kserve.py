@@ -246,6 +246,11 @@ class _Binary:
         if not isinstance(size, int) or isinstance(size, bool) or size < 0:
             raise bad_request("binary_data_size must be a non-negative integer")
         if self.pos + size > len(self.data):
+            if not self.data:  # a body without Inference-Header-Content-Length is all JSON
+                raise bad_request(
+                    f"an input has binary_data_size {size}, but the body has no binary data: "
+                    "send Inference-Header-Content-Length (the size of its JSON in bytes)"
+                )
             raise bad_request("binary tensor data is shorter than binary_data_size says")
         blob = bytes(self.data[self.pos : self.pos + size])
         self.pos += size

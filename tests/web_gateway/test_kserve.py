@@ -151,9 +151,15 @@ def test_binary_tensors_follow_the_json_header() -> None:
             None,
             "binary_data_size must be a non-negative integer",
         ),
-        (
+        (  # the header forgotten: the body is all JSON, and no data is short of its size
             body(tensor(parameters={"binary_data_size": 8})),
             None,
+            "an input has binary_data_size 8, but the body has no binary data: send "
+            "Inference-Header-Content-Length",
+        ),
+        (
+            body(tensor(parameters={"binary_data_size": 8})) + bytes(4),
+            str(len(body(tensor(parameters={"binary_data_size": 8})))),
             "binary tensor data is shorter than binary_data_size says",
         ),
         (  # which of the two was used was nowhere said (the binary data)
