@@ -120,8 +120,48 @@ TENSOR = _object(
     },
 )
 REQUESTED_OUTPUT = _object(["name"], {"name": {"type": "string"}, "parameters": {"type": "object"}})
+BINARY = "application/octet-stream"
+HEADER_LENGTH_PARAMETER = {
+    "name": "Inference-Header-Content-Length",
+    "in": "header",
+    "required": False,
+    "description": "Triton's binary tensor data extension: the size in bytes of the JSON at the "
+    "start of the body; the binary data of the inputs whose parameters give binary_data_size "
+    "follow it, in order.",
+    "schema": {"type": "integer", "minimum": 1},
+}
+BINARY_BODY = {
+    "schema": {
+        "type": "string",
+        "format": "binary",
+        "description": "The JSON (its size in Inference-Header-Content-Length), then the "
+        "binary tensor data.",
+    }
+}
+OUTPUT_TENSOR = _object(
+    ["name", "datatype", "shape"],
+    {
+        "name": {"type": "string"},
+        "datatype": {"type": "string", "enum": sorted(DATATYPES)},
+        "shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "data": {**ANY_ARRAY, "description": "Absent when the output is sent in binary."},
+        "parameters": {
+            "type": "object",
+            "properties": {"binary_data_size": {"type": "integer", "minimum": 0}},
+        },
+    },
+)
+INFER_ANSWER = _object(
+    ["model_name", "model_version", "outputs"],
+    {
+        "model_name": {"type": "string"},
+        "model_version": {"type": "string"},
+        "id": {"type": "string", "description": "The request's id, when it gave one."},
+        "outputs": {"type": "array", "items": OUTPUT_TENSOR},
+    },
+)
 V2_INFER: dict[str, Any] = {
-    "parameters": [TIMEOUT_PARAMETER, PRIORITY_PARAMETER],
+    "parameters": [TIMEOUT_PARAMETER, PRIORITY_PARAMETER, HEADER_LENGTH_PARAMETER],
     "requestBody": {
         "required": True,
         "content": {
@@ -135,10 +175,19 @@ V2_INFER: dict[str, Any] = {
                         "outputs": {"type": "array", "items": REQUESTED_OUTPUT},
                     },
                 )
-            }
+            },
+            BINARY: BINARY_BODY,
         },
     },
-    "responses": {"200": {"description": "Output tensors"}, **_errors_as("V2Error")},
+    "responses": {
+        "200": {
+            "description": "Output tensors: JSON, or with binary outputs (asked for with "
+            "parameters.binary_data_output or an output's parameters.binary_data) the JSON, "
+            "its size in the Inference-Header-Content-Length header, then their data",
+            "content": {JSON: {"schema": INFER_ANSWER}, BINARY: BINARY_BODY},
+        },
+        **_errors_as("V2Error"),
+    },
 }
 
 

@@ -382,6 +382,21 @@ def test_the_schema_names_the_served_models(guarded: TestClient) -> None:
     assert "HTTPValidationError" not in schema["components"]["schemas"]
 
 
+def test_the_schema_describes_binary_tensors_and_the_infer_answer(guarded: TestClient) -> None:
+    """A client made from /openapi.json learns the binary tensor extension (its header and
+    octet-stream bodies) and the answer's fields, which the schema left out."""
+    schema = guarded.get("/openapi.json").json()
+    for path in ("/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer"):
+        infer = schema["paths"][path]["post"]
+        headers = {p["name"] for p in infer["parameters"] if p["in"] == "header"}
+        assert "Inference-Header-Content-Length" in headers, path
+        assert "application/octet-stream" in infer["requestBody"]["content"], path
+        answer = infer["responses"]["200"]["content"]
+        assert "application/octet-stream" in answer, path
+        fields = answer["application/json"]["schema"]["properties"]
+        assert {"model_name", "model_version", "id", "outputs"} <= set(fields), path
+
+
 def test_multipart_bodies_over_the_limits_say_so(redis_server: RedisServer, prefix: str) -> None:
     app = create_app(settings(redis_server.url, prefix, max_items=2))
     file_part = b'name="file"; filename="a"'
