@@ -110,7 +110,8 @@ def authorize(request: Request, tokens: Sequence[bytes]) -> None:
     """401 unless auth is off (no ``tokens``) or the request's bearer token is one of them."""
     if not tokens:
         return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    # two lines read as their list, which no token matches: a request has one (RFC 9110)
+    scheme, _, token = (single(request.headers, "authorization") or "").partition(" ")
     # the header's own bytes (headers are read as Latin-1): a token's UTF-8, as a client sends
     # it; only spaces and tabs are trimmed (0x85 and 0xa0 are bytes of UTF-8 characters)
     given = token.strip(" \t").encode("latin-1")

@@ -235,6 +235,18 @@ def test_a_header_given_twice_is_read_as_its_list(guarded: TestClient) -> None:
     assert "Inference-Header-Content-Length" in v2.json()["error"]
 
 
+def test_two_authorization_lines_are_refused_whichever_comes_first(guarded: TestClient) -> None:
+    """A request may carry one Authorization line (RFC 9110, 11.6.2): with a valid token on one
+    of two lines it is 401 whichever comes first (the first line alone was read, so a valid
+    token first let a request through that a proxy had marked with another)."""
+    body = b'{"inputs": [[1, 2, 3, 4]]}'
+    wrong = ("Authorization", "Bearer not-a-token")
+    for lines in ([*AUTH.items(), wrong], [wrong, *AUTH.items()]):
+        response = guarded.post("/v1/models/doubler/predict", content=body, headers=lines)
+        assert response.status_code == 401, lines
+        assert response.json()["error"]["type"] == "Unauthorized"
+
+
 def test_an_unknown_requested_output_is_refused_before_anything_is_queued(
     guarded: TestClient,
 ) -> None:
