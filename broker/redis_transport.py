@@ -144,6 +144,8 @@ class RedisTransport:
         self._reclaim_turn = 0  # the partition the last reclaim started from
         # per (stream, consumer): when this worker first saw its heartbeat lapsed (monotonic)
         self._lapsed: dict[tuple[str, str], float] = {}
+        # per (stream, consumer): dead consumers the library refused to retire (warned once)
+        self._unretired: set[tuple[str, str]] = set()
         self.cancellations_pending = True  # as of the last finish(); True until known
         self._enqueues = EnqueuePacker(multi_item.check_entry_items(entry_items))
         self._may_load: bool | None = None  # whether this user may load the library
@@ -1017,13 +1019,26 @@ class RedisTransport:
                         keys, consumer, holder, min_idle_ms, count - len(taken), own
                     )
                 if holder != consumer:
-                    heartbeat = _wire(keys.heartbeat(holder))
-                    await self._fcall(
-                        RETIRE, (keys.stream, heartbeat), (keys.group, _wire(holder)), False
-                    )
+                    await self._retire(keys, holder)
             return taken
         except UNAVAILABLE as exc:
             raise _unavailable(exc) from exc
+
+    async def _retire(self, keys: ModelKeys, holder: str) -> None:
+        """Remove the dead consumer ``holder`` from the group once it holds nothing
+        (mb_retire). This is housekeeping: a refusal (the empty name, which Redis takes but
+        whose heartbeat key the library refuses) is logged once and never stops the
+        takeover of what the consumer held."""
+        heartbeat = _wire(keys.heartbeat(holder))
+        try:
+            await self._fcall(RETIRE, (keys.stream, heartbeat), (keys.group, _wire(holder)), False)
+        except ResponseError as exc:
+            if (keys.stream, holder) not in self._unretired:
+                self._unretired.add((keys.stream, holder))
+                log.warning(
+                    "cannot retire dead consumer %r of %s (its entries are taken over; "
+                    "XGROUP DELCONSUMER removes it): %s", holder, keys.stream, exc,
+                )  # fmt: skip
 
     async def _dead_consumers(self, keys: ModelKeys, consumer: str) -> list[str]:
         """The other consumers of ``keys``' group that are dead: retired by their supervisor

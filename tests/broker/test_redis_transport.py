@@ -898,6 +898,42 @@ def test_a_consumer_whose_name_is_not_utf8_is_taken_over_and_counted_not_a_crash
         client.close()
 
 
+def test_a_consumer_with_an_empty_name_is_taken_over_without_killing_the_taker(
+    redis_server: RedisServer, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Redis takes an empty consumer name (a worker in another language whose name setting was
+    left empty): the library's mb_retire refuses its heartbeat key, which has nothing after
+    `heartbeat:`, and that refusal killed every Python worker of the model right after it
+    took the entries over, again after each restart. The entries are taken over; the consumer,
+    which the library cannot retire, is left in the group with one warning."""
+    keys = ModelKeys("m", prefix)
+    client = redis_server.client()
+
+    async def main() -> tuple[int, int, list[bytes]]:
+        transport = RedisTransport(redis_server.url)
+        try:
+            await transport.ensure_group(keys)
+            calls = [CallRequests(keys.inbox("c"), 60_000, ["r1"], [b"\x01"])]
+            await transport.enqueue(keys, calls, UNBOUNDED)
+            read = client.xreadgroup(keys.group, "", {keys.stream: ">"}, count=1)
+            assert len(read[0][1]) == 1  # held by the nameless consumer, which then died
+            await asyncio.sleep(0.3)  # past the takeover's minimum idle time
+            taken = len(await transport.reclaim(keys, "taker", 200, 10))
+            again = len(await transport.reclaim(keys, "taker", 200, 10))
+            left = [info["name"] for info in client.xinfo_consumers(keys.stream, keys.group)]
+            return taken, again, sorted(left)
+        finally:
+            await transport.close()
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="microbatch.redis"):
+            assert run(main()) == (1, 0, [b"", b"taker"])
+        said = [r.getMessage() for r in caplog.records if "cannot retire" in r.getMessage()]
+        assert len(said) == 1
+    finally:
+        client.close()
+
+
 def test_an_entry_another_consumer_claimed_first_under_a_name_not_utf8_is_left_to_it(
     redis_server: RedisServer, prefix: str
 ) -> None:
