@@ -34,6 +34,9 @@ from .settings import GatewaySettings
 from .state import Gateway
 
 log = logging.getLogger("microbatch.gateway")
+# python-multipart logs a warning for every multipart body it cannot parse: a client sending
+# such bodies would write a line a request. The gateway answers them 400, saying what is wrong.
+QUIETED_LOGGERS = ("python_multipart",)
 
 
 class GatewayApp(FastAPI):
@@ -107,6 +110,8 @@ async def _any_error(request: Request, exc: Exception) -> Response:
 def create_app(settings: GatewaySettings | None = None) -> GatewayApp:
     """Build the gateway app. Imports each model class (never calls init_model)."""
     settings = settings if settings is not None else GatewaySettings()
+    for name in QUIETED_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     gateway = Gateway(settings)
 
     @asynccontextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import logging
 import time
 import zlib
 from collections.abc import Iterator
@@ -432,6 +433,24 @@ def test_multipart_bodies_over_the_limits_say_so(redis_server: RedisServer, pref
         assert status == 400 and message == (
             "malformed multipart body: Too many fields. Maximum number of fields is 3."
         )
+
+
+def test_multipart_bodies_that_cannot_be_parsed_write_no_log_line_each(
+    guarded: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """python-multipart logged a warning for every body it could not parse: a client (any,
+    with auth off) sending such bodies wrote a line a request to the gateway's log. The 400
+    says what was wrong; the log stays quiet."""
+    caplog.set_level(logging.DEBUG)
+    for body in (b"{}", b"--b\r\nno headers end", b"--b\rX", b"--bX\r\n"):
+        response = guarded.post(
+            "/v1/models/doubler/predict",
+            content=body,
+            headers={**AUTH, "Content-Type": "multipart/form-data; boundary=b"},
+        )
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["message"].startswith("malformed multipart body")
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("python_multipart")] == []
 
 
 def test_json_bodies_over_the_container_budget_get_413(
