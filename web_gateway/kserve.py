@@ -295,8 +295,18 @@ def _requested_outputs(wanted: Any, all_binary: bool) -> list[tuple[str, bool]] 
             raise bad_request(f"output {out_name!r} is requested twice")
         named.add(out_name)
         out_params = _object(out.get("parameters") or {}, "output 'parameters'")
-        outputs.append((out_name, bool(out_params.get("binary_data", all_binary))))
+        binary = _flag(out_params, "binary_data", f"output {out_name!r}: ")
+        outputs.append((out_name, all_binary if binary is None else binary))
     return outputs
+
+
+def _flag(parameters: dict[str, Any], name: str, where: str = "") -> bool | None:
+    """A boolean parameter (``binary_data_output``, ``binary_data``); None where it is absent
+    or null; 400 for any other value (the string "false" was read as true)."""
+    value = parameters.get(name)
+    if value is None or isinstance(value, bool):
+        return value
+    raise bad_request(f"{where}{name!r} must be true or false, not {value!r:.40}")
 
 
 def parse_request(
@@ -312,7 +322,7 @@ def parse_request(
     parameters = _object(document.get("parameters") or {}, "'parameters'")
     request = InferRequest(request_id, parameters)
     _read_inputs(request, document.get("inputs"), _Binary(binary))
-    all_binary = bool(parameters.get("binary_data_output", False))
+    all_binary = bool(_flag(parameters, "binary_data_output"))
     request.outputs = _requested_outputs(document.get("outputs"), all_binary)
     return request
 
@@ -395,7 +405,7 @@ def _check_known(requested: list[tuple[str, bool]], names: Iterable[str]) -> Non
 
 def _wanted(request: InferRequest, tensors: dict[str, np.ndarray]) -> list[tuple[str, bool]]:
     if request.outputs is None:
-        binary_all = bool(request.parameters.get("binary_data_output", False))
+        binary_all = bool(_flag(request.parameters, "binary_data_output"))
         return [(name, binary_all) for name in tensors]
     _check_known(request.outputs, tensors)
     return request.outputs

@@ -383,3 +383,33 @@ def test_an_output_requested_twice_is_a_400() -> None:
     assert (status, said) == (400, "output 'y' is requested twice")
     once = kserve.parse_request(body(tensor(data=[0, 0]), outputs=twice[:1]), None)
     assert once.outputs == [("y", True)]
+
+
+def test_binary_output_flags_that_are_no_booleans_are_400() -> None:
+    """``"binary_data_output": "false"`` (or an output's ``"binary_data": "no"``) was read by
+    its truthiness: the string "false" asked for binary outputs. As Triton, a flag that is no
+    JSON boolean is a 400 (null is no flag given)."""
+    for value in ("false", "true", 0, 1, [], {}):
+        status, said = refused(body(tensor(data=[0, 0]), parameters={"binary_data_output": value}))
+        assert status == 400, value
+        assert said == f"'binary_data_output' must be true or false, not {value!r}"
+        wanted = [{"name": "y", "parameters": {"binary_data": value}}]
+        status, said = refused(body(tensor(data=[0, 0]), outputs=wanted))
+        assert status == 400, value
+        assert said == f"output 'y': 'binary_data' must be true or false, not {value!r}"
+    for flag in (True, False):
+        outputs = [
+            {"name": "y"},
+            {"name": "z", "parameters": {"binary_data": not flag}},
+            {"name": "w", "parameters": {"binary_data": None}},
+        ]
+        request = kserve.parse_request(
+            body(tensor(data=[0, 0]), parameters={"binary_data_output": flag}, outputs=outputs),
+            None,
+        )
+        assert request.outputs == [("y", flag), ("z", not flag), ("w", flag)]
+    unset = kserve.parse_request(
+        body(tensor(data=[0, 0]), parameters={"binary_data_output": None}, outputs=[{"name": "y"}]),
+        None,
+    )
+    assert unset.outputs == [("y", False)]
