@@ -16,6 +16,7 @@ import numpy as np
 from broker import codec
 from broker.errors import CodecError, DeadlineExceeded, InvalidInput
 from broker.keys import MAX_PARTITIONS, ModelKeys
+from broker.logs import ThrottledWarning
 from broker.partitions import untag
 from broker.protocol import MalformedEntry, Request, RequestReader, encode_error
 from broker.transport import Entry
@@ -28,6 +29,10 @@ log = logging.getLogger("microbatch.worker")
 
 # Why an entry with no readable request id or reply key is dead-lettered.
 NO_READER = "malformed entry: no readable request id or reply key"
+# Malformed and misdirected entries are logged the first time, then at most once this often,
+# counted: a line each let a caller writing them (a v2 entry of 512 items without their
+# fields is 512, in one XADD) flood the log. Each is answered to its caller or dead-lettered.
+ENTRY_LOG_EVERY_S = 10.0
 
 
 @dataclass(slots=True)
@@ -82,6 +87,20 @@ class Preparer:
             f"reply key outside this model's inboxes ({' or '.join(f'{n}*' for n in names)})"
             for names in parts
         ]
+        stream = keys.stream
+        self._malformed_log = ThrottledWarning(
+            log,
+            f"%d malformed entry(ies) of {stream} since the last such line (at most one every "
+            f"{ENTRY_LOG_EVERY_S:g} s); the latest: %s",
+            every_s=ENTRY_LOG_EVERY_S,
+        )
+        self._misdirected_log = ThrottledWarning(
+            log,
+            f"%d entry(ies) of {stream} dead-lettered since the last such line (at most one "
+            f"every {ENTRY_LOG_EVERY_S:g} s) for a reply key that is none of this model's "
+            "inboxes; the latest: %s",
+            every_s=ENTRY_LOG_EVERY_S,
+        )
 
     def prepare(self, entries: list[Entry], skip: set[str] | None = None) -> PreparedBatch:
         """Parse, decode and check a batch; the entries that cannot be computed get their
@@ -133,10 +152,9 @@ class Preparer:
     def _misdirected_entry(self, batch: PreparedBatch, entry: Entry, reply_key: str) -> None:
         """Dead-letter an entry whose reply key is none of this model's inboxes."""
         batch.dead.append((entry, self.misdirected(entry[0])))
-        log.warning(
-            "dead-lettered entry %s on %s: its reply key %r is not one of this "
-            "model's inboxes", entry[0], self.keys.stream, reply_key[:200],
-        )  # fmt: skip
+        self._misdirected_log.note(
+            f"{entry[0]}: reply key {reply_key[:200]!r} is none of this model's inboxes"
+        )
         self.observer.answered("malformed")
 
     def _decode(self, data: bytes) -> Any:
@@ -166,7 +184,7 @@ class Preparer:
             batch.replies.append((exc.reply_key, encode_error(exc.request_id, exc)))
         else:
             batch.dead.append((entry, self.misdirected(entry[0])))
-        log.warning("malformed entry %s on %s: %s", entry[0], self.keys.stream, exc)
+        self._malformed_log.note(f"{entry[0]}: {exc}")
         self.observer.answered("malformed")
 
     def _refused(self, request: Request, exc: Exception) -> tuple[str, bytes]:

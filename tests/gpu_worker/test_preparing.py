@@ -3,6 +3,8 @@ model-sized batches."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
@@ -63,6 +65,29 @@ def test_items_of_one_reply_key_are_checked_once_alike_and_others_on_their_own()
     batch = preparer().prepare(entries)
     assert [request.request_id for request in batch.live] == ["r0", "r2", "r3"]
     assert [dead[0][0] for dead in batch.dead] == ["1000-1"]
+
+
+def test_malformed_and_misdirected_entries_are_summed_up_in_the_log_not_a_line_each(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One line per malformed or misdirected entry: a caller writing them (a v2 entry of 512
+    items without their fields is 512 of them, in one XADD) flooded the worker's log. The
+    first of each kind is logged at once, then at most one line every 10 s saying how many."""
+    data = codec.encode(np.ones((2, 3), np.float32))
+    no_id = [(f"1000-{i}", {b"v": b"1", b"reply": KEYS.inbox("c").encode()}) for i in range(100)]
+    elsewhere = [entry(100 + i, data, "mb:{p:other}:inbox:c") for i in range(100)]
+    bad_version = [(i, f | {b"v": b"9"}) for i, f in (entry(200 + i, data) for i in range(100))]
+    prepare = preparer()
+    with caplog.at_level(logging.WARNING, logger="microbatch.worker"):
+        for _ in range(2):
+            batch = prepare.prepare(no_id + elsewhere + bad_version)
+            assert len(batch.dead) == 200 and len(batch.replies) == 100
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("1 malformed entry(ies) of mb:{p:m}:requests since the last")
+    assert "the latest: 1000-0: entry has no readable 'id' or 'reply' field" in lines[0]
+    assert lines[1].startswith("1 entry(ies) of mb:{p:m}:requests dead-lettered since the last")
+    assert "reply key 'mb:{p:other}:inbox:c' is none of this model's inboxes" in lines[1]
 
 
 def request(entry_id: str) -> Request:
