@@ -151,8 +151,8 @@ def _header(spec: dict[str, Any]) -> tuple[str, str, list[int], int]:
     if not isinstance(name, str) or not name:
         raise bad_request("every input needs a 'name'")
     datatype = spec.get("datatype")
-    if datatype not in DATATYPES:
-        raise bad_request(f"input {name!r}: unknown datatype {datatype!r}")
+    if not isinstance(datatype, str) or datatype not in DATATYPES:  # (a list is unhashable)
+        raise bad_request(f"input {name!r}: unknown datatype {datatype!r:.100}")
     shape = _shape(spec.get("shape"), name)
     count = 1
     for dim in shape:

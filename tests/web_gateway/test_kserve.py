@@ -413,3 +413,13 @@ def test_binary_output_flags_that_are_no_booleans_are_400() -> None:
         None,
     )
     assert unset.outputs == [("y", False)]
+
+
+def test_a_datatype_that_is_a_list_or_an_object_is_400_not_500() -> None:
+    """A datatype JSON cannot hash (a list, an object) raised TypeError in the look-up of the
+    known datatypes: the request was answered 500 InternalError, with an error line in the
+    gateway's log each."""
+    for datatype in ([], ["FP32"], {}, {"FP32": 1}):
+        status, said = refused(body(tensor(datatype=datatype, data=[0, 0])))
+        assert status == 400, datatype
+        assert said == f"input 'x': unknown datatype {datatype!r}"
