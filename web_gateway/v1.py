@@ -118,7 +118,7 @@ def parse_and_prepare(
         rows = as_rows(raw_items, served.inputs[0])
         if rows is not None:
             return rows
-        with contextlib.suppress(ValueError, OverflowError):
+        with contextlib.suppress(ValueError, OverflowError, TypeError):
             raw_items = [np.asarray(item, dtype=np.float64) for item in raw_items]
     return served.prepare(raw_items)
 
@@ -136,7 +136,7 @@ def as_rows(raw_items: list[Any], spec: TensorSpec) -> list[Any] | None:
         return None
     try:
         wide = np.asarray(raw_items, dtype=np.float64)
-    except (ValueError, OverflowError):  # ragged, or an integer past float range
+    except (ValueError, OverflowError, TypeError):  # ragged, an integer past float range, {}
         return None
     if wide.ndim < 2:
         return None  # scalar items, left to the model's checks
@@ -154,7 +154,8 @@ def as_rows(raw_items: list[Any], spec: TensorSpec) -> list[Any] | None:
 def only_numbers(body: bytes) -> bool:
     """True if a JSON object's only string is its one key, and it has no true, false or null.
 
-    (Elsewhere a JSON document has only numbers, brackets, commas and white space.)
+    (Elsewhere a JSON document has only numbers, brackets, commas and white space, or objects
+    without keys, ``{}``, which numpy refuses: the model's checks then say where.)
     """
     if body.count(b'"') != 2:
         return False
