@@ -372,7 +372,7 @@ SERVED_VERSIONS = frozenset(("1.1", "1.0"))  # as httptools names them
 _CALLBACK_FAILURES = Every(60.0)
 
 # the request headers on_header looks into (uvicorn's looked for Expect alone)
-_FRAMING_HEADERS = frozenset((b"host", b"expect", b"transfer-encoding"))
+_FRAMING_HEADERS = frozenset((b"host", b"expect", b"transfer-encoding", b"connection"))
 
 # Phases of a connection (see the module's docstring).
 IDLE, HEADERS, BODY, BUSY, QUEUED, REFUSED = range(6)
@@ -511,6 +511,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
     unparsed_header_bytes = 0  # and the bytes read while its headers were incomplete
     transfer_coding = b""  # of the request being read: its Transfer-Encoding (lower case)
     host_lines = 0  # and its Host headers
+    asks_close = False  # and whether its Connection header names "close"
     upgrade_body_left = 0  # body bytes still to come of a request served despite its upgrade
     stopping = False  # the server stops: the request being read is the connection's last
 
@@ -624,6 +625,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         self.header_bytes = self.unparsed_header_bytes = 0
         self.transfer_coding = b""
         self.host_lines = 0
+        self.asks_close = False
         if self.phase != HEADERS:  # a pipelined request, read while the last one is served
             self.phase = HEADERS
             self.deadline = self.loop.time() + self._limits.header_timeout
@@ -650,6 +652,9 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         elif name == b"expect":
             if value.lower() == b"100-continue":
                 self.expect_100_continue = True
+        elif name == b"connection":
+            if b"close" in (option.strip(b" \t").lower() for option in value.split(b",")):
+                self.asks_close = True
         elif self.transfer_coding in (b"", b"chunked"):  # the first coding that is not kept
             self.transfer_coding = value.strip(b" \t").lower()
 
@@ -785,8 +790,14 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             self.headers = []
         if self.cycle is not cycle:  # a new request's cycle: when_gone may watch it
             # an HTTP/1.0 request with a Transfer-Encoding is its connection's last, whatever
-            # it asks (RFC 9112, 6.1: its framing may be read otherwise along the way)
-            if self.cycle.keep_alive or not self.parser.should_keep_alive() or self.transfer_coding:
+            # it asks (RFC 9112, 6.1: its framing may be read otherwise along the way); so is
+            # one whose Connection names close beside keep-alive (the parser reads keep-alive)
+            if (
+                self.cycle.keep_alive
+                or not self.parser.should_keep_alive()
+                or self.transfer_coding
+                or self.asks_close
+            ):
                 self.cycle.__class__ = GatewayCycle
             else:  # HTTP/1.0 with Connection: keep-alive
                 self.cycle.__class__ = Http10KeepAliveCycle

@@ -645,6 +645,23 @@ def test_http10_clients_asking_for_keep_alive_are_kept_alive() -> None:
         assert b"connection: close" in written(transport)
 
 
+def test_an_http10_request_naming_close_with_keep_alive_is_its_connections_last() -> None:
+    """``Connection: keep-alive, close`` (or the two in separate lines) on HTTP/1.0 kept the
+    connection, as the parser reads keep-alive alone there: "close" says the connection ends
+    after this answer (RFC 9112, 9.3), whatever else the header says."""
+    post10 = b"POST /v1/models/m/predict HTTP/1.0\r\nContent-Length: 2\r\n\r\n{}"
+    for connection in (
+        b"Keep-Alive, close",
+        b"close,keep-alive",
+        b"keep-alive\r\nConnection: Close",
+    ):
+        asked = post10.replace(b"HTTP/1.0\r\n", b"HTTP/1.0\r\nConnection: %s\r\n" % connection)
+        for direct in (True, False):
+            _, transport = answer_twice(direct, asked + asked)
+            assert written(transport).count(b"HTTP/1.1 ") == 1 and transport.closed, connection
+            assert b"connection: keep-alive" not in written(transport)
+
+
 def test_answer_json_leaves_to_send_what_it_cannot_write_as_send_would() -> None:
     from web_gateway.http_protocol import GatewayCycle
 
