@@ -31,6 +31,7 @@ password.
 
 from __future__ import annotations
 
+import inspect
 import ipaddress
 import os
 from collections.abc import Callable, Mapping
@@ -39,7 +40,12 @@ from typing import Any
 from urllib.parse import parse_qs, unquote
 
 from redis.asyncio.connection import parse_url as redis_parse_url
-from redis.connection import URL_QUERY_ARGUMENT_PARSERS
+from redis.connection import (
+    URL_QUERY_ARGUMENT_PARSERS,
+    Connection,
+    SSLConnection,
+    UnixDomainSocketConnection,
+)
 
 # redis-py's converters of its URL options' values (e.g. socket_timeout: float)
 _OPTION_PARSERS: Mapping[str, Callable[[str], Any]] = URL_QUERY_ARGUMENT_PARSERS  # type: ignore[assignment]
@@ -253,7 +259,38 @@ def _credentials(userinfo: str) -> tuple[str | None, str | None]:
     return (unquote(user) or None), (unquote(password) if colon and password else None)
 
 
+def _connection_options(scheme: str) -> frozenset[str]:
+    """The keyword arguments redis-py's connection for ``scheme`` takes: the options its URL
+    parser passes on (any other makes each connect fail with a TypeError)."""
+    kinds = {"rediss": SSLConnection, "unix": UnixDomainSocketConnection}
+    names: set[str] = set()
+    for kind in kinds.get(scheme, Connection).__mro__:
+        init = kind.__dict__.get("__init__")
+        if init is not None:
+            names.update(inspect.signature(init).parameters)
+    return frozenset(names - {"self", "args", "kwargs"})
+
+
+def _check_direct_options(url: str, scheme: str) -> None:
+    """RedisURLError for an option a redis://, rediss:// or unix:// URL's connections would
+    refuse at each connect: a misspelt one, or a TLS option without TLS."""
+    known = _connection_options(scheme)
+    for name in parse_qs(url.partition("?")[2], keep_blank_values=True):
+        if not name.isidentifier():  # a stray '?' in a password: never quote it
+            raise RedisURLError(
+                "the Redis URL's options are malformed: use ?name=value&... (percent-encode "
+                "'?' in a user or password as %3F)"
+            )
+        if name.startswith("ssl_") and scheme != "rediss":
+            raise RedisURLError("the Redis URL has ssl_* options: use rediss:// for TLS")
+        if name not in known:
+            raise RedisURLError(
+                f"the Redis URL has an unknown option {name[:40]!r} (known: redis-py's URL options)"
+            )
+
+
 def _parse_direct(url: str, scheme: str) -> DirectURL:
+    _check_direct_options(url, scheme)
     try:
         options: dict[str, Any] = dict(redis_parse_url(url))
     except ValueError as exc:

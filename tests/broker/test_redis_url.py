@@ -108,6 +108,11 @@ def test_a_cluster_url_names_any_nodes_of_the_cluster(tmp_path: Path) -> None:
         ("redis://h:port/0", "port"),
         ("redis://h:99999/0", "port"),
         ("redis://h/0?socket_timeout=soon", "socket_timeout"),
+        ("redis://h/0?colour=blue", "unknown option 'colour'"),
+        ("rediss://h/0?ssl_ca_cert=/ca.pem", "unknown option 'ssl_ca_cert'"),
+        ("unix:///run/redis.sock?colour=blue", "unknown option 'colour'"),
+        ("redis://h/0?ssl_ca_certs=/ca.pem", "use rediss:// for TLS"),
+        ("unix:///run/redis.sock?ssl_cert_reqs=none", "use rediss:// for TLS"),
         ("unix://", "socket's path"),
         ("redis+sentinel:///m", "names no sentinel"),
         ("redis+sentinel://s1:26379", "names no service"),
@@ -164,7 +169,8 @@ def test_a_tls_url_naming_a_missing_file_fails_at_once(tmp_path: Path, option: s
         Streamer("m", redis_url=f"rediss://h:6380/0?{option}={missing}")
     present = tmp_path if option == "ssl_ca_path" else Path(__file__)
     assert parse(f"rediss://h:6380/0?{option}={present}").tls  # type: ignore[union-attr]
-    assert not parse(f"redis://h:6379/0?{option}={missing}").tls  # not TLS: never read
+    with pytest.raises(RedisURLError, match="use rediss:// for TLS"):
+        parse(f"redis://h:6379/0?{option}={missing}")  # not TLS: refused, never read
 
 
 @pytest.mark.parametrize(
@@ -194,3 +200,17 @@ def test_logs_show_sentinel_urls_without_their_passwords() -> None:
     shown = redact_url(url)
     assert SECRET not in shown
     assert shown == "redis+sentinel://app:***@s1,s2/m/0?sentinel_password=***&socket_timeout=1"
+
+
+def test_a_direct_url_keeps_every_option_redis_py_takes() -> None:
+    # The options redis-py's connections take, whatever their name, as redis-py reads them.
+    url = "redis://h/0?socket_timeout=2&client_name=app&health_check_interval=5&password=pw"
+    assert parse(url).password == "pw"  # type: ignore[union-attr]
+    assert parse("rediss://h/0?ssl_cert_reqs=none&ssl_check_hostname=false").tls
+    assert parse("unix:///run/redis.sock?db=2&socket_timeout=1").db == 2
+
+
+def test_a_streamer_refuses_an_unknown_option_when_made() -> None:
+    # It was taken, and every call then failed with redis-py's TypeError about a keyword.
+    with pytest.raises(RedisURLError, match="unknown option 'colour'"):
+        Streamer("m", redis_url=f"redis://:{SECRET}@h:6379/0?colour=blue")
