@@ -39,7 +39,7 @@ from .errors import (
     error_from_wire,
 )
 from .handoff import CallFuture, Mailbox, Relay, Waiter
-from .keys import MAX_PARTITIONS, NORMAL, ModelKeys
+from .keys import MAX_PARTITIONS, NORMAL, ModelKeys, check_name
 from .logs import Every, ThrottledWarning, redact_url
 from .loop_thread import LoopThread
 from .partitions import split_bound
@@ -881,7 +881,8 @@ class Streamer:
             priority=priority,
             entry_items=entry_items,
         )
-        self.keys = ModelKeys(name, config.prefix)
+        # a model's (or pipeline's) name: a later stage's keys are its previous stage's to fill
+        self.keys = ModelKeys(check_name(name), config.prefix)
         self.level = parse_priority(config.priority)  # the calls' default priority level
         self.bound = QueueBound(config.max_queue_items, config.max_queue_bytes)
         self.wait_for_workers = config.wait_for_workers

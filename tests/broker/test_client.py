@@ -236,6 +236,15 @@ def test_a_batch_that_is_no_list_or_tuple_is_a_type_error_naming_what_it_got() -
         streamer.close()
 
 
+def test_a_streamer_takes_only_a_model_s_name() -> None:
+    """A pipeline's later stage (``chain.head``) was taken, and calls went straight into that
+    stage's stream, skipping the stages before it; the README says a name is lower-case
+    letters, digits, '_' and '-'."""
+    for bad in ("chain.head", "Mlp", "a b", ""):
+        with pytest.raises(ValueError, match="invalid model name"):
+            Streamer(bad, redis_url="redis://127.0.0.1:1/0")
+
+
 @pytest.mark.slow  # waits out the 10 s reply timeout once
 def test_a_redis_that_never_answers_fails_a_call_after_one_reply_timeout() -> None:
     """The first call read the model's partition count, waited 10 s for it, then sent its
