@@ -808,6 +808,28 @@ async def _close_at_shutdown(core: ClientCore) -> AsyncGenerator[None, None]:
                 log.debug("closing the client as its event loop shut down failed", exc_info=True)
 
 
+def _caller_side_model(model: Any) -> Any:
+    """``model`` (a class is instantiated) if it can prepare items and postprocess outputs, as
+    a ManagedModel can; else TypeError, rather than an AttributeError at every call."""
+    if model is None:
+        return None
+    if not _is_model(model):
+        what = model.__name__ if isinstance(model, type) else type(model).__name__
+        raise TypeError(
+            f"model= takes a ManagedModel subclass or instance (or a Pipeline), not {what}: "
+            "import the class and pass it"
+        )
+    return model() if isinstance(model, type) else model
+
+
+def _is_model(model: Any) -> bool:
+    """Whether ``model`` (a class or an instance) has what the caller's side calls."""
+    prepares = callable(getattr(model, "prepare_items", None)) or callable(
+        getattr(model, "preprocess", None)
+    )
+    return prepares and callable(getattr(model, "postprocess", None))
+
+
 class Streamer:
     """Send items to a model's workers through Redis and get their results back.
 
@@ -889,7 +911,7 @@ class Streamer:
         self.workers_grace = config.workers_grace
         self.redis_url = config.redis_url
         self.timeout = config.timeout
-        self.model = model() if isinstance(model, type) else model
+        self.model = _caller_side_model(model)
         self._reset_for_process()
 
     def _reset_for_process(self) -> None:

@@ -245,6 +245,14 @@ def test_a_streamer_takes_only_a_model_s_name() -> None:
             Streamer(bad, redis_url="redis://127.0.0.1:1/0")
 
 
+def test_a_model_argument_that_is_no_model_is_a_type_error_at_once() -> None:
+    """An import path or another object was taken, and every call then failed with an
+    AttributeError about ``preprocess``."""
+    for wrong in ("tests.models:Toy", 42, object(), dict):
+        with pytest.raises(TypeError, match="model= takes a ManagedModel"):
+            Streamer("toy", redis_url="redis://127.0.0.1:1/0", model=wrong)
+
+
 @pytest.mark.slow  # waits out the 10 s reply timeout once
 def test_a_redis_that_never_answers_fails_a_call_after_one_reply_timeout() -> None:
     """The first call read the model's partition count, waited 10 s for it, then sent its
