@@ -35,8 +35,13 @@ ENV_PREFIX = "MICROBATCH_CLIENT_"
 class ClientSettings(BaseSettings):
     """Everything a Streamer is told, one field per keyword argument of the same name."""
 
+    # An empty variable is unset, as the commands' options take it (a blank line of an .env).
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, populate_by_name=True, extra="forbid", frozen=True
+        env_prefix=ENV_PREFIX,
+        env_ignore_empty=True,
+        populate_by_name=True,
+        extra="forbid",
+        frozen=True,
     )
 
     redis_url: str = Field(

@@ -84,6 +84,19 @@ def test_every_field_reads_its_environment_variable(clean_env: pytest.MonkeyPatc
     assert Streamer("m").redis_url == "redis://client-only:6379/1"
 
 
+def test_an_empty_variable_counts_as_unset_as_for_the_commands(
+    clean_env: pytest.MonkeyPatch,
+) -> None:
+    """``REDIS_URL=`` (a compose .env line left blank) made every Streamer fail with "the Redis
+    URL is empty", and ``MICROBATCH_CLIENT_TIMEOUT=`` with "unable to parse", while `worker
+    start` and `gateway start` took such variables as unset."""
+    clean_env.setenv("REDIS_URL", "")
+    clean_env.setenv(f"{ENV_PREFIX}REDIS_URL", "")
+    for field in ("TIMEOUT", "PREFIX", "PRIORITY", "WAIT_FOR_WORKERS", "ENTRY_ITEMS"):
+        clean_env.setenv(f"{ENV_PREFIX}{field}", "")
+    assert Streamer("m").client_settings == ClientSettings.from_values()
+
+
 def test_arguments_win_over_settings_and_the_environment(clean_env: pytest.MonkeyPatch) -> None:
     for name, value in ENVIRONMENT.items():
         clean_env.setenv(name, value)
