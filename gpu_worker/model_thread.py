@@ -2,16 +2,20 @@
 
 The batch loop hands a batch to it and stays free to read and decode the next batch and to
 send the last one's replies while the model computes (torch releases the GIL inside its
-operations). One thread, so calls never run concurrently and a model sees one thread.
+operations). One thread, so calls never run concurrently and a model sees one thread. A daemon
+thread: a model call that never returns cannot keep the process from exiting (its caller got
+its deadline already; nobody waits for the result), as service_streamer's worker thread
+could not.
 """
 
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -30,11 +34,29 @@ def _timed(fn: Callable[[Any], T], arg: Any, started: threading.Event | None) ->
     return result, time.perf_counter() - began
 
 
+# A call for the thread: its future, the function and its argument, and the event it sets
+# once begun (None: nobody waits for that); None asks the thread to end.
+_Call = tuple["Future[Any]", Callable[[Any], Any], Any, "threading.Event | None"]
+
+
+def _serve(calls: queue.SimpleQueue[_Call | None]) -> None:
+    """The model thread: run each call given, in order, until asked to end."""
+    while (call := calls.get()) is not None:
+        done, fn, arg, started = call
+        if not done.set_running_or_notify_cancel():
+            continue
+        try:
+            done.set_result(_timed(fn, arg, started))
+        except BaseException as exc:  # the model's, whatever it is: the caller's to see
+            done.set_exception(exc)
+        del call, done, fn, arg  # nothing of the batch outlives its call
+
+
 class ModelThread:
     """Run ``fn(arg)`` calls one at a time on a thread of their own."""
 
     def __init__(self) -> None:
-        self._executor: ThreadPoolExecutor | None = None
+        self._calls: queue.SimpleQueue[_Call | None] | None = None
 
     def submit(
         self, fn: Callable[[Any], T], arg: Any, wait_started: bool = False
@@ -46,16 +68,29 @@ class ModelThread:
         the caller does next would otherwise hold the GIL the thread needs to begin (for up
         to the interpreter's 5 ms switch interval).
         """
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME)
+        if self._calls is None:
+            self._calls = queue.SimpleQueue()
+            name = f"{THREAD_NAME}_0"  # as a one-thread pool named it
+            threading.Thread(target=_serve, args=(self._calls,), name=name, daemon=True).start()
         started = threading.Event() if wait_started else None
-        future = asyncio.wrap_future(self._executor.submit(_timed, fn, arg, started))
+        done: Future[tuple[T, float]] = Future()
+        self._calls.put((done, fn, arg, started))
+        future = asyncio.wrap_future(done)
         if started is not None:
             started.wait(START_WAIT_S)
         return future
 
     def close(self) -> None:
-        """Drop calls not started; one running finishes on its own (its result is ignored)."""
-        executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=False, cancel_futures=True)
+        """Drop calls not started; one running finishes on its own (its result is ignored),
+        then the thread ends."""
+        calls, self._calls = self._calls, None
+        if calls is None:
+            return
+        while True:
+            try:
+                call = calls.get_nowait()
+            except queue.Empty:
+                break
+            if call is not None:
+                call[0].cancel()
+        calls.put(None)
