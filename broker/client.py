@@ -1060,6 +1060,7 @@ class Streamer:
         Streamer's own thread, where ``predict()`` and waiting on a pending future raise
         RuntimeError."""
         timeout_s = self.timeout if timeout is None else check_timeout(timeout)
+        check_traceparent(traceparent)
         level = self._level(priority)
         post = None if self.model is None else self._postprocess
         return self._get_thread_core().start_call_threadsafe(
@@ -1082,13 +1083,15 @@ class Streamer:
         overrides the Streamer's.
 
         Raises TypeError for a batch that is no list or tuple (a string, an array, a
-        generator) or a timeout that is no number; ValueError for a timeout that is not
-        positive or over a year, or an unknown priority; else the typed error, a
+        generator), a timeout that is no number or a traceparent that is no str; ValueError
+        for a timeout that is not positive or over a year, or an unknown priority; else the
+        typed error, a
         :class:`MicrobatchError` (ModelError, DeadlineExceeded, QueueFull, NoWorkers,
         InvalidInput, ...), of the first failing item, whose ``index`` names it. RuntimeError
         on the Streamer's own thread (a callback of a :meth:`submit` future).
         """
         timeout_s = self.timeout if timeout is None else check_timeout(timeout)
+        check_traceparent(traceparent)
         level = self._level(priority)
         core = self._get_thread_core()
         outputs = core.call_blocking(self._encode(batch), timeout_s, traceparent, level)
@@ -1107,6 +1110,7 @@ class Streamer:
         naming its ``index``). Cancelling the task withdraws the call's items. RuntimeError
         without a running asyncio event loop."""
         timeout_s = self.timeout if timeout is None else check_timeout(timeout)
+        check_traceparent(traceparent)
         level = self._level(priority)
         payloads = self._encode(batch)
         if self.native_async:
@@ -1134,6 +1138,7 @@ class Streamer:
         :class:`CodecError` naming the item's ``index``); the first failing item's
         :class:`MicrobatchError` comes from the future."""
         timeout_s = self.timeout if timeout is None else check_timeout(timeout)
+        check_traceparent(traceparent)
         level = self._level(priority)
         payloads = self._encode(batch)
         post = None if self.model is None else self._postprocess
@@ -1261,6 +1266,17 @@ def _threads_left_to_join() -> bool:
         thread.is_alive() and not thread.daemon and thread not in (current, main)
         for thread in threading.enumerate()
     )
+
+
+def check_traceparent(traceparent: str | None) -> str | None:
+    """``traceparent`` if it is None or a str (one that is no W3C traceparent is dropped where
+    it is read), else TypeError."""
+    if traceparent is not None and not isinstance(traceparent, str):
+        raise TypeError(
+            "traceparent must be a str (a W3C traceparent header), not "
+            f"{type(traceparent).__name__}"
+        )
+    return traceparent
 
 
 def check_timeout(timeout: float) -> float:

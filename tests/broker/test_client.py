@@ -222,6 +222,21 @@ def test_a_call_s_timeout_is_checked_before_anything_is_sent() -> None:
         streamer.close()
 
 
+def test_a_traceparent_that_is_no_string_is_a_type_error_saying_so() -> None:
+    """123 raised "expected string or bytes-like object, got 'int'", and b"00" "cannot use a
+    string pattern on a bytes-like object": internals of a regular expression."""
+    streamer = Streamer("toy", redis_url="redis://127.0.0.1:1/0")  # never reached
+    try:
+        for wrong in (123, b"00-ab", ["00"]):
+            for call in (streamer.predict, streamer.submit):
+                with pytest.raises(TypeError, match="traceparent must be a str"):
+                    call([[1.0]], traceparent=wrong)  # type: ignore[operator]
+            with pytest.raises(TypeError, match="traceparent must be a str"):
+                asyncio.run(streamer.apredict([[1.0]], traceparent=wrong))  # type: ignore[arg-type]
+    finally:
+        streamer.close()
+
+
 def test_a_batch_that_is_no_list_or_tuple_is_a_type_error_naming_what_it_got() -> None:
     streamer = Streamer("toy", redis_url="redis://127.0.0.1:1/0")  # never reached
     bad: list[Any] = ["text", b"bytes", np.zeros(3), (item for item in [1]), {1: 2}, 5, None]
