@@ -934,6 +934,15 @@ class Streamer:
         """The model's name, as its workers serve it."""
         return self.keys.model
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """A Streamer holds this process's connections and threads: it crosses a fork, not
+        a pickle (a spawned process's arguments)."""
+        raise TypeError(
+            f"a {type(self).__name__} cannot be pickled (to a spawned process, say): make one in "
+            f"the process that uses it ({type(self).__name__}({self.name!r}, ...)), or share one "
+            "across fork"
+        )
+
     def __repr__(self) -> str:  # never the URL's password
         url, prefix = redact_url(self.redis_url), self.keys.prefix
         return f"{type(self).__name__}({self.name!r}, redis_url={url!r}, prefix={prefix!r})"

@@ -237,6 +237,18 @@ def test_a_traceparent_that_is_no_string_is_a_type_error_saying_so() -> None:
         streamer.close()
 
 
+def test_pickling_a_streamer_says_to_make_one_in_that_process() -> None:
+    """Handed to a spawned process (a spawn Pool's arguments, macOS' default start method), a
+    Streamer raised "cannot pickle '_thread.lock' object"."""
+    import pickle
+
+    with (
+        Streamer("toy", redis_url="redis://127.0.0.1:1/0") as streamer,
+        pytest.raises(TypeError, match="make one in the process that uses it"),
+    ):
+        pickle.dumps(streamer)
+
+
 def test_a_batch_that_is_no_list_or_tuple_is_a_type_error_naming_what_it_got() -> None:
     streamer = Streamer("toy", redis_url="redis://127.0.0.1:1/0")  # never reached
     bad: list[Any] = ["text", b"bytes", np.zeros(3), (item for item in [1]), {1: 2}, 5, None]
