@@ -285,7 +285,9 @@ def _check_direct_options(url: str, scheme: str) -> None:
             raise RedisURLError("the Redis URL has ssl_* options: use rediss:// for TLS")
         if name not in known:
             raise RedisURLError(
-                f"the Redis URL has an unknown option {name[:40]!r} (known: redis-py's URL options)"
+                f"the Redis URL has an unknown option {name[:40]!r} (known: what redis-py's "
+                "connections take, e.g. socket_timeout, socket_connect_timeout, "
+                "health_check_interval, client_name; not its pool's max_connections)"
             )
 
 

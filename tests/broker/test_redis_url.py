@@ -111,6 +111,8 @@ def test_a_cluster_url_names_any_nodes_of_the_cluster(tmp_path: Path) -> None:
         ("redis://h/0?colour=blue", "unknown option 'colour'"),
         ("rediss://h/0?ssl_ca_cert=/ca.pem", "unknown option 'ssl_ca_cert'"),
         ("unix:///run/redis.sock?colour=blue", "unknown option 'colour'"),
+        # redis-py's pool option: its connections refused it at each connect
+        ("redis://h/0?max_connections=10", "unknown option 'max_connections'"),
         ("redis://h/0?ssl_ca_certs=/ca.pem", "use rediss:// for TLS"),
         ("unix:///run/redis.sock?ssl_cert_reqs=none", "use rediss:// for TLS"),
         ("unix://", "socket's path"),
