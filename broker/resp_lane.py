@@ -628,8 +628,11 @@ class RespLane:
     async def _handshake(self, protocol: _RespProtocol) -> None:
         commands: list[tuple[Any, ...]] = []
         if self._password is not None:
-            user = (self._username,) if self._username else ()
-            commands.append(("AUTH", *user, self._password))
+            # Always name the user, as redis-py's HELLO does: a Redis whose default user needs no
+            # password accepts `AUTH default <any>` but refuses `AUTH <password>` (ERR ... called
+            # without any password configured), so a URL with a password it does not need
+            # would let the supervisor in through redis-py and shut the workers out.
+            commands.append(("AUTH", self._username or "default", self._password))
         if self._db:
             commands.append(("SELECT", self._db))
         if not commands:

@@ -231,6 +231,26 @@ def test_user_password_and_database_come_from_the_url(redis_server: RedisServer)
         admin.close()
 
 
+def test_a_password_for_a_redis_without_one_is_let_in_as_redis_py_lets_it(
+    redis_server: RedisServer,
+) -> None:
+    """``redis://:pw@...`` to a Redis whose default user needs no password: redis-py logs in
+    (its HELLO sends ``AUTH default pw``, which Redis accepts), so the supervisor, the gateway's
+    readiness and `broker status` all work; the lane must too, or a worker looks ready yet
+    reads nothing and every call fails with ``ERR AUTH <password> called without any
+    password configured``."""
+    url = f"redis://:not-needed@127.0.0.1:{redis_server.port}/0"
+    assert redis_server.client(password="not-needed").ping()
+
+    async def main() -> None:
+        lane = RespLane(url)
+        assert await lane.execute("PING") == b"PONG"
+        assert await lane.execute("ACL", "WHOAMI") == b"default"
+        lane.close()
+
+    asyncio.run(main())
+
+
 def test_unix_socket_urls_connect_over_the_socket() -> None:
     path = os.path.join(tempfile.mkdtemp(prefix="microbatch-lane-"), "redis.sock")
     with RedisServer({"unixsocket": path, "unixsocketperm": "700"}):
