@@ -34,9 +34,9 @@ from .settings import ENV_PREFIX, GatewaySettings
 
 FIELDS = GatewaySettings.model_fields
 EXIT_STATUS = (
-    "Exit status: 0 after a graceful stop (SIGTERM, Ctrl-C); 2 for a bad option or a --model "
-    "that cannot be imported; gunicorn's 3 when a worker process cannot boot, or 4 when one "
-    "cannot load the app."
+    "Exit status: 0 after a graceful stop (SIGTERM, Ctrl-C); 2 for a bad option, an address "
+    "it cannot listen on (--port in use, say) or a --model that cannot be imported; "
+    "gunicorn's 3 when a worker process cannot boot, or 4 when one cannot load the app."
 )
 
 app = new_app("The microbatch HTTP gateway: FastAPI under gunicorn with uvicorn workers.")
@@ -159,6 +159,9 @@ def _checked(options: dict[str, Any]) -> GatewaySettings:
             raise ValueError(
                 f"--auth-tokens-file {settings.auth_tokens_file}: not UTF-8 text"
             ) from None
+        from .server import check_address
+
+        check_address(settings.host, settings.port)
         names = [load_model_class(path).name for path in settings.model]
         if len(set(names)) != len(names):
             raise ValueError(f"two models have the same name: {names}")

@@ -12,10 +12,12 @@ if it is set, stale files in it are removed at start. ``child_exit`` marks a dea
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import math
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -79,6 +81,24 @@ def _log_config(level: str, fmt: str) -> dict[str, Any]:
 def bind_host(host: str) -> str:
     """``host`` as gunicorn's bind takes it: an IPv6 address in brackets."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def check_address(host: str, port: int) -> None:
+    """Raise ValueError, in one line naming the option, where gunicorn could not listen on
+    ``host:port`` (gunicorn would retry for 5 s, log each try and exit 1)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as gunicorn chooses it
+    address = host.strip("[]")
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gunicorn binds
+            probe.bind((address, port))
+    except socket.gaierror as exc:
+        raise ValueError(f"--host {host}: {exc.strerror or exc}") from None
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ValueError(f"--host {host}: {reason}") from None
+        raise ValueError(f"--port {port}: {reason} ({bind_host(host)}:{port})") from None
 
 
 def gunicorn_options(settings: GatewaySettings) -> dict[str, Any]:

@@ -188,6 +188,27 @@ def test_an_infinite_duration_or_an_env_only_setting_gives_one_line_naming_it(
     assert "tok-1" not in line
 
 
+def test_a_port_in_use_or_an_address_not_of_this_host_gives_one_line_at_once() -> None:
+    """gunicorn retried for 5 s, logged each try at ERROR and exited 1, a status the help
+    does not list; `worker start --metrics-port` says it in one line with exit status 2."""
+    import socket
+
+    env = {"REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        refused = gateway("start", "--model", DOUBLER, "--port", str(port), env=env)
+    assert refused.returncode == 2, refused.stderr
+    (line,) = refused.stderr.strip().splitlines()
+    assert line == f"Error: --port {port}: Address already in use (127.0.0.1:{port})"
+    args = ["--host", "nosuch.invalid", "--port", str(free_port())]
+    refused = gateway("start", "--model", DOUBLER, *args, env=env)
+    assert refused.returncode == 2, refused.stderr
+    (line,) = refused.stderr.strip().splitlines()
+    assert line.startswith("Error: --host nosuch.invalid: "), line
+
+
 def test_a_tokens_file_that_is_not_utf8_is_named_without_its_bytes(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_bytes(b"s\xe9cret-latin1-token\n")
