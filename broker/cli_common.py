@@ -7,11 +7,13 @@ Plain help (no boxes, nothing cut), ``-h`` as ``--help``, ``--version``, ``--log
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from importlib import metadata
 from typing import Any, NoReturn
 
 import typer
+from typer.core import TyperGroup
 
 from .environment import drop_service_links, unknown_variables
 from .keys import check_prefix
@@ -32,10 +34,51 @@ REDIS_HELP = (
 )
 
 
+class _Group(TyperGroup):
+    """A command group that refuses a bad option value as the commands' own checks do: one
+    ``Error: ...`` line, naming the variable a value read from the environment came from
+    (click prints its usage lines first, and names the option even where nobody gave it)."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except typer.BadParameter as exc:
+            # (typer may bring click's classes or its own copy of them: matched by name)
+            if type(exc).__name__ == "MissingParameter":  # the usage lines help there
+                raise
+            fail(_bad_value(exc))
+
+
+def _bad_value(exc: typer.BadParameter) -> str:
+    """Click's message for ``exc``, its option followed by the variable its value came from."""
+    param, ctx = exc.param, exc.ctx
+    if param is not None and ctx is not None and param.name and exc.param_hint is None:
+        source = ctx.get_parameter_source(param.name)
+        if source is not None and source.name == "ENVIRONMENT":
+            variable = _variable_of(param, ctx)
+            if variable:
+                option = " / ".join(f"'{name}'" for name in param.opts)  # as click names it
+                exc.param_hint = f"{option} (from {variable})"
+    return str(exc.format_message())
+
+
+def _variable_of(param: Any, ctx: Any) -> str | None:
+    """The environment variable ``param`` read its value from."""
+    names = param.envvar
+    if not names and ctx.auto_envvar_prefix and param.name:
+        names = f"{ctx.auto_envvar_prefix}_{param.name.upper()}"
+    for name in [names] if isinstance(names, str) else names or []:
+        if os.environ.get(name):
+            return name
+    return None
+
+
 def new_app(help: str, **options: Any) -> typer.Typer:
-    """A Typer app with the shared conventions (plain click help, ``-h``, no completion)."""
+    """A Typer app with the shared conventions (plain click help, ``-h``, no completion, a
+    bad value refused in one line)."""
     options.setdefault("no_args_is_help", True)
     return typer.Typer(
+        cls=_Group,
         help=help,
         add_completion=False,
         pretty_exceptions_enable=False,

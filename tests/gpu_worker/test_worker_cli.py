@@ -81,6 +81,24 @@ def test_options_read_their_environment_variables(redis_server: RedisServer, pre
     assert result.returncode == 2 and "batch-size" in result.stderr.lower()
 
 
+def test_a_bad_value_from_a_variable_is_one_line_naming_the_variable() -> None:
+    """MICROBATCH_WORKER_BATCH_SIZE=abc (from an environment file, say) was refused with
+    click's usage lines and "Invalid value for '--batch-size'", an option nobody gave."""
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    env = {"MICROBATCH_WORKER_BATCH_SIZE": "abc", "MICROBATCH_WORKER_REDIS_WAIT": "0"}
+    result = run_worker_cli("--model", "tests.models:Toy", "--redis", url, env=env)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        "Error: Invalid value for '--batch-size' (from MICROBATCH_WORKER_BATCH_SIZE): "
+        "Input should be a valid integer, unable to parse string as an integer"
+    )
+    result = run_worker_cli("--model", "tests.models:Toy", "--redis", url, "--workers", "0")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (
+        "Error: Invalid value for '--workers': Input should be greater than or equal to 1"
+    )
+
+
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
 def test_sigterm_drains_and_exits_zero(
     redis_server: RedisServer, prefix: str, stop: signal.Signals
