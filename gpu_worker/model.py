@@ -9,6 +9,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -402,7 +403,11 @@ def import_object(path: str, what: str, example: str = "ClassName") -> Any:
     """The object at ``module:attribute`` (``what`` names the option, for the errors)."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ModelLoadError(f"{what} {path!r} must look like 'package.module:{example}'")
+        module, dot, name = path.rpartition(".")
+        guess = f" (did you mean '{module}:{name}'?)" if not sep and module and dot and name else ""
+        raise ModelLoadError(f"{what} {path!r} must look like 'package.module:{example}'{guess}")
+    if "/" in module_name or module_name.endswith(".py"):
+        raise ModelLoadError(f"{what} {path!r} names a file: {_module_of_file(module_name, attr)}")
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as exc:
@@ -433,9 +438,28 @@ def import_object(path: str, what: str, example: str = "ClassName") -> Any:
     return obj
 
 
+def _module_of_file(file: str, attr: str) -> str:
+    """How to name the module of ``file`` (a path, as a newcomer may give) instead."""
+    stem = PurePosixPath(file.removesuffix(".py"))
+    if stem.is_absolute():
+        return (
+            f"give its module, as Python imports it: '{stem.name}:{attr}' with --app-dir "
+            f"{stem.parent}"
+        )
+    module = ".".join(part for part in stem.parts if part != ".")
+    return (
+        f"give its module, as Python imports it: '{module}:{attr}' (from the directory that "
+        "holds it, or name that directory with --app-dir)"
+    )
+
+
 def load_model_class(path: str) -> type[ManagedModel]:
     """Import ``module:Class`` and check that it is a ManagedModel subclass."""
     obj = import_object(path, "--model")
     if not (isinstance(obj, type) and issubclass(obj, ManagedModel)):
         raise ModelLoadError(f"{path!r} is not a ManagedModel subclass")
+    # the bases themselves (Pipeline's module is loaded where obj is Pipeline: no import here)
+    pipeline = sys.modules.get(f"{__package__}.pipeline")
+    if obj in (ManagedModel, getattr(pipeline, "Pipeline", None)):
+        raise ModelLoadError(f"{path!r} is {obj.__name__} itself: name a subclass of it")
     return obj

@@ -105,3 +105,34 @@ def test_worker_start_serves_a_model_of_its_app_dir(
             assert streamer.predict([1, "two"]) == [1, "two"]
     finally:
         stop_process(process)
+
+
+@pytest.mark.parametrize(
+    "path, said",
+    [
+        # a file where a module belongs (uvicorn's users write module:app, newcomers a path)
+        (
+            "examples/mlp.py:MLP",
+            "names a file: give its module, as Python imports it: 'examples.mlp:MLP'",
+        ),
+        (
+            "./examples/mlp.py:MLP",
+            "names a file: give its module, as Python imports it: 'examples.mlp:MLP'",
+        ),
+        # the class joined by a dot, as a Python name is written
+        (
+            "examples.mlp.MLP",
+            "must look like 'package.module:ClassName' (did you mean 'examples.mlp:MLP'?)",
+        ),
+        # the base class itself: its empty name was refused as an invalid model name
+        ("gpu_worker:ManagedModel", "is ManagedModel itself: name a subclass of it"),
+        # a traceback (AttributeError: ... '_graph') in `worker start`
+        ("gpu_worker.pipeline:Pipeline", "is Pipeline itself: name a subclass of it"),
+    ],
+)
+def test_a_model_path_written_another_way_says_how_to_write_it(path: str, said: str) -> None:
+    """'examples/mlp.py:MLP' was 'No module named examples/mlp', './examples/mlp.py:MLP'
+    a TypeError about relative imports."""
+    with pytest.raises(ModelLoadError) as refused:
+        load_model_class(path)
+    assert said in str(refused.value), str(refused.value)
