@@ -52,6 +52,14 @@ def _split_list(value: Any, separators: str = ",") -> Any:
     return value
 
 
+def _no_token_in(given: Any, tokens: Any) -> bool:
+    """Whether ``given`` (not empty) left no token once split, or an empty one."""
+    blank = not given.strip() if isinstance(given, str) else not given
+    if blank or not isinstance(tokens, list):
+        return False
+    return not tokens or any(isinstance(token, str) and not token.strip() for token in tokens)
+
+
 class GatewaySettings(BaseSettings):
     """Everything a gateway process needs; one instance per process, read at app creation."""
 
@@ -236,13 +244,20 @@ class GatewaySettings(BaseSettings):
     @classmethod
     def _split(cls, value: Any, info: ValidationInfo) -> Any:
         try:  # a model path holds no space; a token may
-            return _split_list(value, r",\s" if info.field_name == "model" else ",")
+            split = _split_list(value, r",\s" if info.field_name == "model" else ",")
         except json.JSONDecodeError:  # its text is not quoted: it may hold tokens
             name = "--model" if info.field_name == "model" else f"{ENV_PREFIX}AUTH_TOKENS"
             raise ValueError(
                 f"{name}: a value starting with '[' is read as a JSON list of strings, and "
                 "this one is not JSON"
             ) from None
+        if info.field_name == "auth_tokens" and _no_token_in(value, split):
+            # ("${A},${B}" with both unset): as for an emptied tokens file, never auth off
+            raise ValueError(
+                f"{ENV_PREFIX}AUTH_TOKENS holds no token, or an empty one: give tokens, or "
+                "leave it empty to serve without auth"
+            )
+        return split
 
     @field_validator("prefix")
     @classmethod

@@ -171,6 +171,10 @@ def test_settings_are_checked_once_with_one_line_naming_the_option() -> None:
         (["--auth-tokens-file", "/nonexistent/tokens"], {}, "--auth-tokens-file /nonexistent/"),
         # a list that is not JSON: named, never quoted (it holds tokens)
         ([], {"MICROBATCH_GATEWAY_AUTH_TOKENS": "[tok-1, tok-2"}, "MICROBATCH_GATEWAY_AUTH_TOK"),
+        # set, yet no token ("${A},${B}" with both unset): auth was off, as for an empty one
+        ([], {"MICROBATCH_GATEWAY_AUTH_TOKENS": " , "}, "MICROBATCH_GATEWAY_AUTH_TOKENS holds"),
+        # an empty token: one no request can send (a typo, not a token)
+        ([], {"MICROBATCH_GATEWAY_AUTH_TOKENS": '["tok-1", ""]'}, "MICROBATCH_GATEWAY_AUTH_TO"),
     ],
 )
 def test_an_infinite_duration_or_an_env_only_setting_gives_one_line_naming_it(
