@@ -1014,9 +1014,11 @@ class Streamer:
         if type(batch) is not list and (
             isinstance(batch, (str, bytes)) or not isinstance(batch, Sequence)
         ):
+            # (a numpy array or a tensor: a batch as the model's own predict would take it)
+            rows = " (pass list(array): one item per row)" if hasattr(batch, "shape") else ""
             raise TypeError(
                 "predict, submit, apredict and astart take a list (or tuple) of items, not "
-                f"{type(batch).__name__}"
+                f"{type(batch).__name__}{rows}"
             )
         if self.model is None:
             try:

@@ -259,6 +259,9 @@ def test_a_batch_that_is_no_list_or_tuple_is_a_type_error_naming_what_it_got() -
                 with pytest.raises(TypeError, match=re.escape(said)):
                     call(batch)
         assert streamer.predict([]) == [] and streamer.predict(()) == []
+        # a batch in one array, as a model's own predict takes it: say how to send it
+        with pytest.raises(TypeError, match=re.escape("pass list(array): one item per row")):
+            streamer.predict(np.zeros((2, 3)))
     finally:
         streamer.close()
 
