@@ -85,7 +85,10 @@ def bind_host(host: str) -> str:
 
 def check_address(host: str, port: int) -> None:
     """Raise ValueError, in one line naming the option, where gunicorn could not listen on
-    ``host:port`` (gunicorn would retry for 5 s, log each try and exit 1)."""
+    ``host:port`` (gunicorn would retry for 5 s, log each try and exit 1). Not where gunicorn
+    is handed its sockets already bound (a USR2 upgrade's new master, systemd's sockets)."""
+    if os.environ.get("GUNICORN_FD") or os.environ.get("LISTEN_FDS"):
+        return
     family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as gunicorn chooses it
     address = host.strip("[]")
     try:

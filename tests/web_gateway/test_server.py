@@ -104,3 +104,22 @@ def test_gunicorn_gives_in_flight_requests_at_least_the_graceful_timeout(seconds
 
     given = gunicorn_options(GatewaySettings(graceful_timeout=seconds))["graceful_timeout"]
     assert isinstance(given, int) and seconds <= given < seconds + 1
+
+
+def test_the_address_check_lets_sockets_handed_down_be(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A USR2 upgrade's new master (GUNICORN_FD) or systemd's sockets (LISTEN_FDS) listen on
+    a port that is in use by design: the check that refuses a port in use must let them be."""
+    import socket
+
+    from web_gateway.server import check_address
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"--port {port}: "):
+            check_address("127.0.0.1", port)
+        for variable in ("GUNICORN_FD", "LISTEN_FDS"):
+            with monkeypatch.context() as env:
+                env.setenv(variable, "3")
+                check_address("127.0.0.1", port)
