@@ -32,7 +32,7 @@ from .cli_common import (
 from .client import DEFAULT_REDIS_URL
 from .keys import DEFAULT_PREFIX, ModelKeys, check_keys_name
 from .logs import configure_logging
-from .redis_url import RedisURLError
+from .redis_url import RedisURLError, credentials_refused
 
 ENV = "MICROBATCH_BROKER_"
 MAX_COUNT = 2**63 - 1  # the most Redis' XRANGE ... COUNT takes
@@ -101,7 +101,7 @@ def _connect(url: str) -> redis.Redis:
     try:
         client.ping()
     except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
-        fail(f"Redis refused the credentials: {exc}", 1)
+        fail(f"Redis {credentials_refused(url, exc)}", 1)
     except redis.RedisError as exc:
         fail(f"cannot reach Redis: {exc}", 1)
     misuse = connections.cluster_node_misuse(client, url)

@@ -52,6 +52,7 @@ from .redis_url import (
     ClusterURL,
     RedisURL,
     cluster_node_error,
+    credentials_refused,
     describe,
 )
 from .redis_url import parse as parse_url
@@ -1330,8 +1331,11 @@ async def startup_warnings(client: aioredis.Redis, url: str | RedisURL) -> list[
     try:
         warnings = [await cluster_node_misuse(client, url)]
     except AuthenticationError as exc:  # a ConnectionError to redis-py, yet Redis did answer
+        reason = f"refused the credentials ({exc})"
+        if parse_url(url).password is None:
+            reason = credentials_refused(url, exc)  # one it needs, not redis-py's HELLO
         return [
-            f"Redis at {describe(url)} refused the credentials ({exc}): requests get 503 "
+            f"Redis at {describe(url)} {reason}: requests get 503 "
             "BrokerUnavailable until the URL's user and password are ones it accepts"
         ]
     except UNAVAILABLE as exc:

@@ -215,6 +215,14 @@ def _check_tls_files(query: str) -> None:
             raise RedisURLError(f"the Redis URL's {name} names no readable {kind}: {path[:200]}")
 
 
+def credentials_refused(url: str | RedisURL, exc: BaseException) -> str:
+    """Why Redis refused to let ``url`` in, after "Redis" or "Redis at <where>": where the URL
+    holds no password, that one is needed (redis-py's own reason speaks of HELLO, or NOAUTH)."""
+    if parse(url).password is None:
+        return "requires a password, and the URL gives none: redis://[user:]password@host:port/db"
+    return f"refused the credentials: {exc}"
+
+
 def describe(url: str | RedisURL) -> str:
     """What a log may say of where ``url`` leads (no user, password or options)."""
     parsed = parse(url)

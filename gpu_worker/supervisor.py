@@ -29,6 +29,7 @@ from broker import multiproc_metrics
 from broker.connections import cluster_node_misuse
 from broker.keys import ModelKeys
 from broker.logs import redact_url
+from broker.redis_url import credentials_refused
 from broker.transport import counter_value
 
 from .batch_state import STATE_FILE_ENV, BatchState
@@ -384,7 +385,8 @@ class Supervisor:
             try:
                 self.heartbeats.client.ping()
             except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
-                raise RedisUnreachable(f"Redis at {where} refused the credentials: {exc}") from None
+                refused = credentials_refused(self.config.redis_url, exc)
+                raise RedisUnreachable(f"Redis at {where} {refused}") from None
             except (redis.RedisError, OSError) as exc:
                 if certificate_refused(exc):
                     raise RedisUnreachable(

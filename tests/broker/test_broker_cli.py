@@ -215,6 +215,19 @@ def test_unreachable_redis_is_one_clear_line() -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_a_url_without_the_password_redis_requires_says_so() -> None:
+    """It said "Redis refused the credentials: HELLO must be called with the client already
+    authenticated, otherwise the HELLO AUTH <user> <pass> option can be used ...": redis-py's
+    reason, about a command nobody typed, for a URL without credentials."""
+    with RedisServer({"requirepass": "s3cret"}) as server:
+        result = broker_cli("status", "--redis", f"redis://127.0.0.1:{server.port}/0")
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "Error: Redis requires a password, and the URL gives none: "
+        "redis://[user:]password@host:port/db"
+    )
+
+
 def test_credentials_redis_refuses_are_one_line_saying_so(redis_server: RedisServer) -> None:
     url = redis_server.url.replace("redis://", "redis://nobody:s3cret@")
     result = broker_cli("status", "--redis", url)
