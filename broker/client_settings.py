@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import pydantic
@@ -157,7 +158,10 @@ class ClientSettings(BaseSettings):
         given = {key: value for key, value in given.items() if value is not None}
         try:
             if base is None:
-                return cls(**given)
+                try:
+                    return cls(**given)
+                except ValidationError as exc:
+                    raise _naming_variable(first_error(exc), exc, given) from None
             return cls.from_values(**{**base.model_dump(), **given})
         except ValidationError as exc:
             raise first_error(exc) from None
@@ -189,6 +193,32 @@ def _callers_level() -> int:
     while frame.f_back is not None and frame.f_code.co_filename.startswith(ours):
         level, frame = level + 1, frame.f_back
     return level
+
+
+def _naming_variable(
+    error: ValueError, exc: ValidationError, given: Mapping[str, Any]
+) -> ValueError:
+    """``error``, saying which environment variable held the bad value when its setting was
+    not given (read from the environment), as the commands' errors name theirs."""
+    loc = exc.errors()[0]["loc"]
+    where = str(loc[0]) if loc else ""
+    for field in ClientSettings.model_fields:
+        variables = _variables(field)
+        if field in given or (where != field and where not in variables):
+            continue
+        # the first one set is the one read (REDIS_URL only without MICROBATCH_CLIENT_REDIS_URL)
+        variable = next((name for name in variables if os.environ.get(name)), None)
+        if variable is not None:
+            return type(error)(f"{error} (from {variable})")
+    return error
+
+
+def _variables(field: str) -> list[str]:
+    """The environment variables a setting is read from, in the order they are tried."""
+    alias = ClientSettings.model_fields[field].validation_alias
+    if isinstance(alias, AliasChoices):
+        return [str(choice) for choice in alias.choices]
+    return [f"{ENV_PREFIX}{field.upper()}"]
 
 
 def first_error(exc: ValidationError) -> ValueError:

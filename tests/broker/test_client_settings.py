@@ -97,6 +97,28 @@ def test_an_empty_variable_counts_as_unset_as_for_the_commands(
     assert Streamer("m").client_settings == ClientSettings.from_values()
 
 
+def test_a_bad_value_from_a_variable_names_the_variable(clean_env: pytest.MonkeyPatch) -> None:
+    """A bad value read from the environment says which variable held it, as the commands'
+    errors do (it said ``timeout: Input should be a valid number``, naming no variable); a
+    value given as an argument is not said to come from one."""
+    cases = (
+        (f"{ENV_PREFIX}TIMEOUT", "abc", ValueError),
+        (f"{ENV_PREFIX}ENTRY_ITEMS", "0", ValueError),
+        (f"{ENV_PREFIX}PRIORITY", "urgent", ValueError),
+        ("REDIS_URL", "http://h:1/0", RedisURLError),
+        (f"{ENV_PREFIX}REDIS_URL", "http://h:1/0", RedisURLError),
+    )
+    for variable, value, kind in cases:
+        clean_env.setenv(variable, value)
+        with pytest.raises(kind, match=rf"\(from {variable}\)$"):
+            Streamer("m")
+        clean_env.delenv(variable)
+    clean_env.setenv(f"{ENV_PREFIX}TIMEOUT", "abc")
+    with pytest.raises(ValueError) as raised:
+        Streamer("m", timeout=-1)
+    assert "from" not in str(raised.value), raised.value
+
+
 def test_arguments_win_over_settings_and_the_environment(clean_env: pytest.MonkeyPatch) -> None:
     for name, value in ENVIRONMENT.items():
         clean_env.setenv(name, value)
