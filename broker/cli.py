@@ -93,17 +93,29 @@ PrefixOption = Annotated[str, prefix_option("The deployment's key prefix.", f"{E
 JsonOption = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 
 
-def _connect(url: str) -> redis.Redis:
+def _connect(url: str, wait: bool = False) -> redis.Redis:
+    """A client of ``url`` that Redis answered; else one line and exit status 1 (2 for a bad
+    URL). ``wait``: while Redis cannot be reached, say so once and try again every second."""
     try:
         client = connections.sync_client(url, socket_connect_timeout=2, socket_timeout=5)
     except RedisURLError as exc:
         fail(f"--redis: {exc}", 2)
-    try:
-        client.ping()
-    except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
-        fail(f"Redis {credentials_refused(url, exc)}", 1)
-    except redis.RedisError as exc:
-        fail(f"cannot reach Redis: {exc}", 1)
+    said = False
+    while True:
+        try:
+            client.ping()
+            break
+        except (redis.AuthenticationError, redis.exceptions.AuthorizationError) as exc:
+            fail(f"Redis {credentials_refused(url, exc)}", 1)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            if not wait:
+                fail(f"cannot reach Redis: {exc}", 1)
+            if not said:
+                typer.echo(f"Redis cannot be reached ({exc}); trying again every second", err=True)
+                said = True
+            time.sleep(1.0)
+        except redis.RedisError as exc:
+            fail(f"cannot reach Redis: {exc}", 1)
     misuse = connections.cluster_node_misuse(client, url)
     if misuse:
         fail(f"--redis: {misuse}", 2)
@@ -255,14 +267,17 @@ def status(
         bool,
         typer.Option(
             "--watch",
-            help="Refresh every second, through Redis outages (a line says Redis cannot be "
-            "reached until it answers again); Ctrl-C stops.",
+            help="Refresh every second, through Redis outages, also one at the start (a "
+            "line says Redis cannot be reached until it answers); Ctrl-C stops.",
         ),
     ] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Each model's queue (stream length, pending, dead letters) and its workers."""
-    client = _connect(redis_url)
+    try:
+        client = _connect(redis_url, wait=watch and not as_json)
+    except KeyboardInterrupt:  # a watch stopped before Redis answered
+        return
     with _redis_errors(prefix):
         if as_json:
             typer.echo(json.dumps([m.as_dict() for m in admin.status(client, prefix)], indent=2))

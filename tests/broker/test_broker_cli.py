@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ import pytest
 import redis
 
 from broker import Streamer, acl, admin, functions
-from broker.devserver import RedisServer
+from broker.devserver import RedisServer, free_port
 from broker.keys import ModelKeys
 from broker.protocol import decode_reply, request_fields
 from tests.conftest import ROOT, wait_until, worker_process
@@ -720,6 +721,36 @@ def test_purge_older_than_keeps_the_recent_dead_letters_for_a_periodic_clean_up(
     left = [fields[b"id"] for lane in (keys, keys.at(1)) for _, fields in
             client.xrange(lane.dead_letters)]  # fmt: skip
     assert left == [b"new", b"new"]
+
+
+def test_a_status_watch_waits_for_a_redis_not_answering_yet(prefix: str) -> None:
+    """`status --watch` started before Redis answers (a pane opened while Redis restarts)
+    exited at once with 'cannot reach Redis' (status 1), though its help promises to ride out
+    outages; it now says so once, waits, and shows the status once Redis answers."""
+    port = free_port()
+    command = [sys.executable, "-m", "broker.cli", "status", "--watch", "--prefix", prefix]
+    watch = subprocess.Popen(
+        [*command, "--redis", f"redis://127.0.0.1:{port}/0"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "80"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(3)
+        assert watch.poll() is None, watch.communicate()
+        with RedisServer(port=port):
+            time.sleep(3)
+            assert watch.poll() is None
+            watch.send_signal(signal.SIGINT)
+            out, err = watch.communicate(timeout=10)
+    finally:
+        watch.kill()
+        watch.wait()
+    assert watch.returncode == 0, err
+    assert err.count("Redis cannot be reached") == 1, err
+    assert "microbatch models" in out, out  # the status tables, once Redis answered
 
 
 def test_a_status_watch_rides_out_redis_being_away(redis_server: RedisServer) -> None:
