@@ -280,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
             process = subprocess.Popen(full)
             stack.callback(_stop, process)
             processes.append(process)
-        ready = f"http://127.0.0.1:{args.port}/v2/models/{Embedder.name}/ready"
+        base = f"http://{_reachable(args.host)}:{args.port}"
+        ready = f"{base}/v2/models/{Embedder.name}/ready"
         while True:
             if any(process.poll() is not None for process in processes):
                 print("the worker or the gateway exited; see above", file=sys.stderr)
@@ -292,7 +293,6 @@ def main(argv: list[str] | None = None) -> int:
             except OSError:
                 pass
             time.sleep(0.2)
-        base = f"http://{args.host}:{args.port}"
         from broker.client import DEFAULT_REDIS_URL
         from broker.logs import redact_url
 
@@ -339,6 +339,13 @@ def _redis_or_private(stack: Any) -> str:
         server = stack.enter_context(RedisServer())
     print(f"Started a private redis-server at {server.url}", flush=True)
     return server.url
+
+
+def _reachable(host: str) -> str:
+    """Where this machine reaches a gateway listening on ``host``, as a URL's host part: the
+    loopback address for an all-addresses one, an IPv6 address in brackets."""
+    host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"[{host}]" if ":" in host else host
 
 
 def _stop(process: Any) -> None:

@@ -305,3 +305,13 @@ def test_broken_images_are_refused_with_422(http: Any) -> None:
     check_error(http.post(CLASSIFY, json={"inputs": [[1, 2, 3]]}), 422, "InvalidInput")
     # and the gateway goes on serving
     assert http.post(CLASSIFY, files=[("file", ("ok.png", good))]).status_code == 200
+
+
+def test_the_embedder_demo_reaches_its_gateway_on_any_address_it_listens_on() -> None:
+    """`python -m examples.embedder --host ::1` (or `::`) waited for ever: it polled readiness
+    at 127.0.0.1 whatever --host said, and printed http://::1:8000 (no brackets) to curl."""
+    from examples.embedder import _reachable
+
+    assert _reachable("127.0.0.1") == "127.0.0.1" and _reachable("0.0.0.0") == "127.0.0.1"
+    assert _reachable("::1") == _reachable("::") == "[::1]"
+    assert _reachable("fd00::5") == "[fd00::5]" and _reachable("localhost") == "localhost"
