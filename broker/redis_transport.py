@@ -295,7 +295,7 @@ class RedisTransport:
                     outcomes[i] = error
             else:
                 for i, outcome in zip(group, result, strict=True):
-                    outcomes[i] = _enqueue_outcome(outcome)
+                    outcomes[i] = _enqueue_outcome(outcome, keys.partitions)
         self._library_answered()
         if self._loading_warned:
             self._loading_warned = False
@@ -1368,20 +1368,35 @@ def _wire(text: str) -> bytes:
     return text.encode(errors="surrogateescape")
 
 
-def _enqueue_outcome(result: Any) -> list[str] | MicrobatchError:
+def _enqueue_outcome(result: Any, partitions: int = 1) -> list[str] | MicrobatchError:
     code = int(result[0])
     if code == 0:
         return [entry_id.decode() for entry_id in result[1:]]
     bound = int(result[1])
     if code == 3:
+        return _never_fits(bound, partitions)
+    unit = "items" if code == 1 else "bytes"
+    return QueueFull(f"queue is at its bound of {bound} {unit}")
+
+
+def _never_fits(bound: int, partitions: int) -> QueueFull:
+    """QueueFull for a call with more items than its partition's item bound: a call is queued
+    whole on one partition, whose bound is the model's divided by the partition count."""
+    if partitions == 1:
         return QueueFull(
             f"the call has more items than the queue bound of {bound} items and can never be "
             "queued whole: split it, or raise the bound (the model's: worker start "
             "--max-queue-items, times its live workers; or the caller's own max_queue_items, "
             "whichever is tighter)"
         )
-    unit = "items" if code == 1 else "bytes"
-    return QueueFull(f"queue is at its bound of {bound} {unit}")
+    return QueueFull(
+        f"the call has more items than the queue bound of {bound} items of the partition it "
+        f"went to (a call is queued whole on one of the model's {partitions} partitions, each "
+        "bounded by its share of the model's bound) and can never be queued whole: split it, "
+        "or raise the bound (the model's: worker start --max-queue-items, times its live "
+        f"workers, divided by its {partitions} partitions; or the caller's own "
+        "max_queue_items, likewise divided, whichever is tighter)"
+    )
 
 
 def _too_large(call: CallRequests) -> MicrobatchError | None:

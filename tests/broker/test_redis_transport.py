@@ -582,6 +582,28 @@ def test_a_call_larger_than_the_whole_bound_says_it_can_never_fit(
     assert "split it" in str(outcome) and redis_server.client().xlen(keys.stream) == 0
 
 
+def test_a_call_larger_than_a_partition_s_share_of_the_bound_names_the_partitions(
+    redis_server: RedisServer,
+) -> None:
+    """With partitions, a call is queued whole on one partition, whose bound is the model's
+    split over them: the refusal says so, rather than quoting a bound the model never set."""
+    keys = ModelKeys("m", f"t{uuid.uuid4().hex[:8]}", partition=2, partitions=6)
+    redis_server.client().hset(keys.queue_bound, mapping={"items": 22, "bytes": 0})
+    call = CallRequests(keys.inbox("a"), 1000, [f"a.{i}" for i in range(30)], [b"x"] * 30)
+
+    async def main() -> object:
+        transport = RedisTransport(redis_server.url)
+        try:
+            (outcome,) = await transport.enqueue(keys, [call], UNBOUNDED)
+            return outcome
+        finally:
+            await transport.close()
+
+    message = str(run(main()))
+    assert "queue bound of 22 items" in message
+    assert "6 partitions" in message and "split it" in message
+
+
 @pytest.mark.slow
 def test_redis_loading_its_data_is_broker_unavailable_with_one_warning_line(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
