@@ -133,6 +133,7 @@ class PartitionStatus:
     queue_bound_bytes: int = 0
     priority: str = "normal"  # the level (broker.keys.LEVELS)
     queued_items: int = 0  # items in the stream: its entries and their packed items
+    node: str = ""  # on a Redis Cluster, the primary serving its slot ("host:port"); else ""
 
 
 @dataclass
@@ -185,8 +186,17 @@ def _partition_status(client: redis.Redis, keys: ModelKeys) -> tuple[PartitionSt
         queue_bound_bytes=counter_value(bound[1]),
         priority=keys.priority,
         queued_items=int(length) + counter_value(packed),
+        node=_node_of(client, keys.stream),
     )
     return status, infos
+
+
+def _node_of(client: redis.Redis, key: str) -> str:
+    """The primary serving ``key``'s slot on a Redis Cluster ("host:port"), else ""."""
+    if not isinstance(client, redis.cluster.RedisCluster):
+        return ""
+    node = client.get_node_from_key(key)
+    return f"{node.host}:{node.port}" if node is not None else ""
 
 
 def model_status(client: redis.Redis, keys: ModelKeys) -> ModelStatus:

@@ -205,8 +205,9 @@ def _status_tables(models: list[admin.ModelStatus]) -> Group:
     )
     gone = 0
     shares = ("queued", "pending", "queued bytes", "dead letters", "bound items", "bound bytes")
-    lanes = ["prefix", "model", "partition", "priority", *shares]
-    partitions = _table("partitions", lanes, right=shares)
+    on_nodes = any(part.node for model in models for part in model.partitions)
+    lanes = ["prefix", "model", "partition", *(["node"] if on_nodes else []), "priority"]
+    partitions = _table("partitions", [*lanes, *shares], right=shares)
     for model in models:
         summary.add_row(
             model.prefix,
@@ -222,6 +223,7 @@ def _status_tables(models: list[admin.ModelStatus]) -> Group:
                 model.prefix,
                 model.model,
                 str(part.partition),
+                *([part.node] if on_nodes else []),
                 part.priority,
                 str(part.queued_items),
                 str(part.pending),

@@ -588,6 +588,27 @@ def test_a_partitioned_queue_spread_over_the_primaries(cluster: LocalCluster, pr
     assert letter["partition"] == 2 and letter["dead_id"].endswith("@2")
 
 
+def test_broker_status_names_the_node_of_each_partition(cluster: LocalCluster, prefix: str) -> None:
+    """On a cluster, which primary holds each partition depends on its hash slot (two may share
+    one): `broker status` says, in a node column and in the JSON, so an operator can see
+    whether a partitioned model is spread over the primaries."""
+    keys = ModelKeys("toy", prefix, partitions=3)
+    for part in keys.each():
+        with cluster.client(cluster.owner(part.stream)) as client:
+            client.xgroup_create(part.stream, keys.group, id="0", mkstream=True)
+    with cluster.client(cluster.owner(keys.partitions_key)) as client:
+        client.set(keys.partitions_key, "3")
+    url, cli = cluster.url(), CliRunner()
+    shown = cli.invoke(app, ["status", "--redis", url, "--prefix", prefix, "--json"])
+    assert shown.exit_code == 0, shown.output
+    [row] = json.loads(shown.output)
+    expected = [f"127.0.0.1:{cluster.owner(part.stream)}" for part in keys.each()]
+    assert [p["node"] for p in row["partitions"]] == expected
+    table = cli.invoke(app, ["status", "--redis", url, "--prefix", prefix])
+    assert table.exit_code == 0, table.output
+    assert "node" in table.output and all(node in table.output for node in expected)
+
+
 def test_a_partitioned_model_s_clocks_are_read_on_each_partition_s_node(
     cluster: LocalCluster, prefix: str
 ) -> None:
