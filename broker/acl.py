@@ -175,7 +175,7 @@ delete or expire anything, nor touch workers' keys.""",
         f"{TENANT_KEYS} resetchannels -@all {CONNECT} +time +info +fcall +xgroup|create "
         "+xgroup|delconsumer +xreadgroup +xack +xdel +xclaim +xpending +xinfo|consumers +xadd "
         "+xlen +decrby +incrby +zmscore +zcard +zadd +zrem +zrangebyscore +zremrangebyscore "
-        f"+hset (~{_keys('heartbeat:*')} +set +del +exists) (~{_keys('partitions')} +set) "
+        f"+hset (~{_keys('heartbeat:*')} +set +del +exists) (~{_keys('partitions')} +set +get) "
         f"({_any('packed-items', 'queued-bytes')} +get) (~{_keys('queue-bound')} +hmget) "
         f"(~{_keys('inbox:*')} +type +pttl +rpush +expire) "
         f"(~{_keys('join:*')} +hgetall +pexpireat +del) +multi +exec",
@@ -194,7 +194,8 @@ delete or expire anything, nor touch workers' keys.""",
     GET of its queued-bytes and packed-items counters (read only)
   heartbeats: TIME, ZADD, ZREMRANGEBYSCORE, ZREM; SET, DEL, EXISTS on heartbeat keys only;
     ZREMRANGEBYSCORE of the expired marks of the cancelled, answered and withdrawn sets
-  the queue bound: HSET; the partition count: SET on its key only
+  the queue bound: HSET; the partition count: SET, and GET at start (a lowered count is
+    warned of), on its key only
   metrics (--metrics-port): XLEN, XPENDING, TIME, ZRANGEBYSCORE; GET of the packed-items
     counters (queued items)
   liveness of the connection: PING; the eviction-policy check at start: INFO""",

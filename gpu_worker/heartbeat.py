@@ -36,7 +36,7 @@ import redis
 from redis.exceptions import NoPermissionError
 
 from broker.connections import REDIS_ERRORS, sync_client
-from broker.keys import ModelKeys
+from broker.keys import ModelKeys, parse_partitions
 from broker.liveness import server_times_ms
 from broker.logs import Every
 from broker.partitions import split_bound
@@ -199,5 +199,42 @@ class Heartbeats:
         except REDIS_ERRORS as exc:
             log.warning("cannot retire consumer %s: %s", consumer, exc)
 
+    def warn_if_partitions_lowered(self) -> None:
+        """Warn (once, at start) where this worker reads fewer partitions than the model's
+        stored count while a live worker still reads the others or they hold entries: calls
+        queued there meanwhile are answered only while a worker with the higher count lives."""
+        try:
+            stored = parse_partitions(self.client.get(self.keys.partitions_key))
+            count = self.keys.partitions
+            if stored <= count:
+                return
+            dropped = [
+                ModelKeys(self.keys.model, self.keys.prefix, k, stored)
+                for k in range(count, stored)
+            ]
+            streams = [lane.stream for part in dropped for lane in part.lanes()]
+            queued = sum(int(self.client.xlen(stream)) for stream in streams)
+            (now_ms,) = server_times_ms(self.client, [dropped[0].consumers])
+            live = len(self.client.zrangebyscore(dropped[0].consumers, f"({now_ms}", "+inf"))
+        except REDIS_ERRORS as exc:
+            log.debug("cannot compare the partition counts: %s", exc)
+            return
+        if not live and not queued:
+            return
+        why = "a live worker reads them" if live else f"they hold {queued} entries"
+        log.warning(
+            "this worker serves %s with --partitions %d, but the model has %d partitions and "
+            "%s: calls queued to partition(s) %s are answered only while a worker started with "
+            "--partitions %d lives. Start every worker of a model with the same count; to lower "
+            "it, drain the queue first (stop the callers, wait for `broker status` to show those "
+            "partitions empty): docs/deployment.md, Partitioned queues",
+            self.keys.model, count, stored, why, _span(count, stored - 1), stored,
+        )  # fmt: skip
+
     def close(self) -> None:
         self.client.close()
+
+
+def _span(first: int, last: int) -> str:
+    """Partition numbers ``first`` to ``last`` as a log line says them."""
+    return str(first) if first == last else f"{first}-{last}"

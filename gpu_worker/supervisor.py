@@ -412,6 +412,7 @@ class Supervisor:
             if waited_before:
                 log.info("Redis at %s answers", where)
             self._check_not_a_cluster_node()
+            self.heartbeats.warn_if_partitions_lowered()
             return True
         return False
 

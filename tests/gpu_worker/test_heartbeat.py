@@ -79,3 +79,37 @@ def test_heartbeats_refused_to_the_user_say_so_not_that_redis_is_unreachable(
         beats.close()
         admin.execute_command("ACL", "DELUSER", user)
         admin.close()
+
+
+def test_a_worker_started_with_fewer_partitions_than_in_use_warns(
+    redis_server: RedisServer, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Lowering --partitions by a rolling restart, under load, lost every call queued to the
+    dropped partitions once the last worker reading them stopped (DeadlineExceeded), and the
+    new worker said nothing. It now warns at start while a live worker still reads more
+    partitions, or while the dropped ones hold entries, and says to drain first."""
+    url = redis_server.url
+    old = Heartbeats(url, ModelKeys("m", prefix, partitions=2), queue_bound=(8, 0))
+    same = Heartbeats(url, ModelKeys("m", prefix, partitions=2), queue_bound=(8, 0))
+    new = Heartbeats(url, ModelKeys("m", prefix, partitions=1), queue_bound=(8, 0))
+    try:
+        assert old.renew({"old-worker": {}})
+        with caplog.at_level(logging.WARNING, logger="microbatch.heartbeat"):
+            same.warn_if_partitions_lowered()
+            assert not caplog.records
+            new.warn_if_partitions_lowered()
+        [record] = caplog.records
+        message = record.getMessage()
+        assert "--partitions 1" in message and "2 partitions" in message
+        assert "a live worker reads them" in message and "drain" in message
+
+        old.retire("old-worker")  # the old worker stopped, leaving entries in partition 1
+        sync_client(url).xadd(ModelKeys("m", prefix, partition=1, partitions=2).stream, {"a": 1})
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="microbatch.heartbeat"):
+            new.warn_if_partitions_lowered()
+        [record] = caplog.records
+        assert "hold 1 entries" in record.getMessage()
+    finally:
+        for heartbeats in (old, same, new):
+            heartbeats.close()
