@@ -416,7 +416,7 @@ class _LazyCluster(redis.cluster.RedisCluster):
             super().__init__(**kwargs)
         except redis.exceptions.RedisClusterException as exc:
             self.__dict__["_lazy_kwargs"] = kwargs
-            raise redis.ConnectionError(str(exc)) from None
+            raise _cluster_failure(exc) from None
         return getattr(self, name)
 
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
@@ -444,10 +444,23 @@ def _waiting_out(execute: Callable[..., Any], args: Any, kwargs: Any) -> Any:
         try:
             return execute(*args, **kwargs)
         except redis.exceptions.RedisClusterException as exc:
-            raise redis.ConnectionError(str(exc)) from None
+            raise _cluster_failure(exc) from None
         except redis.exceptions.ClusterError as exc:
             pause = _pause_before_again(exc, settling)
         time.sleep(pause)
+
+
+_REFUSALS = (redis.AuthenticationError, redis.exceptions.AuthorizationError)
+
+
+def _cluster_failure(exc: redis.exceptions.RedisClusterException) -> redis.RedisError:
+    """What a single Redis would have raised for a cluster that cannot be used: the nodes'
+    refusal of the credentials as such (waiting will not help), anything else as a
+    ConnectionError (the cluster cannot be reached, or is down)."""
+    cause = exc.__cause__
+    if isinstance(cause, _REFUSALS):
+        return type(cause)(str(cause))
+    return redis.ConnectionError(str(exc))
 
 
 def sync_client(url: str | RedisURL, **options: Any) -> redis.Redis:

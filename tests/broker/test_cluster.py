@@ -544,6 +544,31 @@ def test_a_worker_started_before_the_cluster_answers_waits_for_it() -> None:
     assert "Traceback" not in done.stderr and "s3cret" not in done.stderr
 
 
+def test_a_cluster_refusing_the_credentials_says_so_at_once(cluster: LocalCluster) -> None:
+    """As with one Redis or Sentinel: wrong credentials are not an unreachable cluster, so
+    `worker start` fails at once (not after --redis-wait seconds of waiting) and `broker`
+    says the credentials were refused; the password never shows."""
+    import sys
+
+    from tests.conftest import ROOT
+
+    url = cluster.url(credentials="worker:s3cret@")
+    with pytest.raises(redis.AuthenticationError):
+        connections.sync_client(url).ping()
+    shown = CliRunner().invoke(app, ["status", "--redis", url])
+    assert shown.exit_code == 1 and "Redis refused the credentials" in shown.output, shown.output
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "gpu_worker.cli", "start", "--model", "tests.models:Toy",
+         "--redis", url, "--redis-wait", "30"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert done.returncode == 2 and time.monotonic() - started < 20, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "refused the credentials" in last and "s3cret" not in done.stderr, last
+
+
 def prefix_spreading_partitions(cluster: LocalCluster, prefix: str, partitions: int) -> str:
     """A prefix under which model toy's partitions are each served by another primary."""
     for number in range(1000):
