@@ -104,6 +104,8 @@ def _unavailable(exc: BaseException) -> BrokerUnavailable:
         return BrokerUnavailable("Redis is loading its data (after a restart); try again shortly")
     if is_script_busy(str(exc)):  # it answers nothing else until the script ends or is killed
         return BrokerUnavailable(f"Redis is busy running a script or function: {exc}")
+    if isinstance(exc, AuthenticationError):  # (a ConnectionError to redis-py) Redis did answer
+        return BrokerUnavailable(f"Redis refused the credentials: {exc}")
     return BrokerUnavailable(f"cannot reach Redis: {exc}")
 
 

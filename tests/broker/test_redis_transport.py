@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import redis
 
-from broker import functions, liveness, redis_transport
+from broker import Streamer, functions, liveness, redis_transport
 from broker.devserver import RedisServer
 from broker.errors import BrokerUnavailable, InvalidInput, QueueFull
 from broker.keys import ModelKeys
@@ -881,6 +881,17 @@ def test_the_start_up_warning_of_credentials_redis_refuses_says_so(
         "username-password pair or user is disabled.): requests get 503 BrokerUnavailable "
         "until the URL's user and password are ones it accepts"
     ]
+
+
+def test_a_caller_s_refused_credentials_are_not_called_unreachable(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A call given a password Redis refuses failed with 'cannot reach Redis: WRONGPASS ...',
+    which sends a user looking for a network fault: it says Redis refused the credentials."""
+    url = f"redis://nobody:s3cret@127.0.0.1:{redis_server.port}/0"
+    refused = pytest.raises(BrokerUnavailable, match="Redis refused the credentials: WRONGPASS")
+    with Streamer("m", redis_url=url, prefix=prefix) as streamer, refused:
+        streamer.predict([1], timeout=5)
 
 
 def test_a_consumer_whose_name_is_not_utf8_is_taken_over_and_counted_not_a_crash(
