@@ -343,7 +343,13 @@ async def uploaded_files(request: Request, max_items: int) -> list[bytes]:
     except Exception as exc:  # python-multipart's own parse errors
         raise bad_request(f"malformed multipart body: {type(exc).__name__}") from None
     try:
-        uploads = [value for value in form.getlist("file") if isinstance(value, UploadFile)]
+        fields = form.getlist("file")
+        uploads = [value for value in fields if isinstance(value, UploadFile)]
+        if len(uploads) < len(fields):
+            raise bad_request(
+                "a 'file' field of the multipart body has no filename, so it is text, not a "
+                "file upload: send each item as a file (curl -F file=@path)"
+            )
         if not uploads:
             raise bad_request("multipart body needs one or more 'file' fields")
         return [await upload.read() for upload in uploads]

@@ -433,6 +433,9 @@ def test_multipart_bodies_over_the_limits_say_so(redis_server: RedisServer, pref
         assert status == 400 and message == (
             "malformed multipart body: Too many fields. Maximum number of fields is 3."
         )
+        # a 'file' field that is no upload (no filename: curl -F file=text, a form's text input)
+        status, message = post([b'name="file"'])
+        assert status == 400 and "no filename" in message and "@" in message, message
 
 
 def test_multipart_bodies_that_cannot_be_parsed_write_no_log_line_each(
