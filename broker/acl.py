@@ -79,8 +79,12 @@ SERVER_USERS = (
     User(
         "default",
         None,
-        "off",
-        "No anonymous access: every client logs in as one of the users below.",
+        "off ~* +@all",
+        """No anonymous access: every client logs in as one of the users below (off: nobody can
+log in as default). Its rules are only for Redis itself: at start it replays the AOF's
+MULTI/EXEC blocks (every function call's writes among them) as this user, and Redis 7.0 (and
+later releases until it was fixed) re-checks their commands against its rules, dropping the
+transactions it may not run: every request queued before a restart.""",
     ),
     User(
         "operator",
