@@ -209,14 +209,14 @@ delete or expire anything, nor touch workers' keys.""",
         "ADMIN",
         f"{TENANT_KEYS} resetchannels -@all {CONNECT} +time +info +scan +xlen +get +mget "
         "+hgetall +hmget +zrange +xpending +xinfo|consumers +xinfo|groups +xinfo|stream +xrange "
-        f"+multi +exec +discard +acl|whoami ({_any('requests')} +xadd) "
+        f"+xrevrange +multi +exec +discard +acl|whoami ({_any('requests')} +xadd) "
         f"({_any('queued-bytes')} +incrby) ({_any('dead')} +xdel +xtrim +del)",
         """The prefix's operators: `broker status --prefix` and `broker dead-letters`
 (broker/admin.py).
   status: SCAN, TIME, XLEN, GET, MGET, HMGET, ZRANGE, XPENDING, XINFO CONSUMERS
-  dead letters: XRANGE, MULTI, XADD and INCRBY on request streams and their byte counters
-    (replay), XDEL, XTRIM (purge --older-than) and DEL on dead-letter streams only (the
-    selectors), EXEC
+  dead letters: XRANGE, XREVRANGE (where replaying them all stops), MULTI, XADD and INCRBY
+    on request streams and their byte counters (replay), XDEL, XTRIM (purge --older-than)
+    and DEL on dead-letter streams only (the selectors), EXEC
 SCAN is not limited by key patterns: it lists the names (never the contents) of every key.""",
     ),
     User(

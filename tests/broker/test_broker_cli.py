@@ -331,6 +331,32 @@ def test_the_admin_user_replays_and_purges_dead_letters_and_writes_nothing_else(
         client.execute_command("ACL", "DELUSER", f"{prefix}-admin")
 
 
+def test_the_admin_user_replays_all_dead_letters_without_naming_them(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """`replay` without --id reads the last dead letter first (XREVRANGE), which the admin
+    user was not granted: Redis refused it, and only --id replays worked for it."""
+    client = redis_server.client()
+    keys = ModelKeys("toy", prefix)
+    for i in range(2):
+        fields = request_fields(f"r{i}", keys.inbox("c"), 5000, b"\x90")
+        client.xadd(keys.dead_letters, {**fields, "dead_reason": "test"})
+    lines, _ = acl.render([prefix], environ={"MICROBATCH_REDIS_ADMIN_PASSWORD": "pw"})
+    (admin_line,) = [line for line in lines if line.startswith(f"user {prefix}-admin ")]
+    client.execute_command("ACL", "SETUSER", *setuser_rules(admin_line))
+    client.acl_log_reset()
+    url = redis_server.url.replace("redis://", f"redis://{prefix}-admin:pw@")
+    try:
+        replay = broker_cli("dead-letters", "replay", "--name", "toy", "--prefix", prefix,
+                            "--redis", url)  # fmt: skip
+        assert replay.returncode == 0, replay.stderr
+        assert "replayed 2" in replay.stdout
+        assert client.acl_log() == []
+        assert client.xlen(keys.stream) == 2 and not client.xlen(keys.dead_letters)
+    finally:
+        client.execute_command("ACL", "DELUSER", f"{prefix}-admin")
+
+
 def test_a_bad_name_or_prefix_is_a_bad_option() -> None:
     for args in (("status", "--prefix", "a:b"), ("dead-letters", "list", "--name", "MLP")):
         result = broker_cli(*args, "--redis", "redis://127.0.0.1:1/0")
