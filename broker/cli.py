@@ -269,15 +269,18 @@ def status(
         bool,
         typer.Option(
             "--watch",
-            help="Refresh every second, through Redis outages, also one at the start (a "
-            "line says Redis cannot be reached until it answers); Ctrl-C stops.",
+            help="Refresh the tables every second, through Redis outages, also one at the "
+            "start (a line says Redis cannot be reached until it answers); Ctrl-C stops. Not "
+            "with --json.",
         ),
     ] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Each model's queue (stream length, pending, dead letters) and its workers."""
+    if watch and as_json:
+        fail("--watch refreshes the tables: it takes no --json")
     try:
-        client = _connect(redis_url, wait=watch and not as_json)
+        client = _connect(redis_url, wait=watch)
     except KeyboardInterrupt:  # a watch stopped before Redis answered
         return
     with _redis_errors(prefix):

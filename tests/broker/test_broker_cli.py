@@ -791,3 +791,12 @@ def test_a_status_watch_rides_out_redis_being_away(redis_server: RedisServer) ->
     shown = _watched_status(away, None)
     assert isinstance(shown, Text) and "Redis cannot be reached" in shown.plain
     assert not isinstance(_watched_status(redis_server.client(), None), Text)
+
+
+def test_status_refuses_watch_with_json() -> None:
+    """--json printed one snapshot and exited 0, silently dropping --watch: a script that
+    meant to follow the queue stopped after one read."""
+    result = broker_cli("status", "--watch", "--json", "--redis", "redis://127.0.0.1:1/0")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr == "Error: --watch refreshes the tables: it takes no --json\n"
+    assert result.stdout == ""
