@@ -445,6 +445,11 @@ def _age_ms(value: str) -> int | None:
     return int(age_ms) if age_ms < 2**63 else None
 
 
+def _age_text(value: str) -> str:
+    """An --older-than age as said back: a bare number of seconds gets its unit (60s)."""
+    return value + "s" if value[-1:].isdigit() or value.endswith(".") else value
+
+
 def _check_age(value: str | None) -> str | None:
     if value is not None and _age_ms(value) is None:
         fail(f"--older-than: {value!r} is not an age: give e.g. 3600, 90m, 12h or 7d")
@@ -472,7 +477,7 @@ def purge(
     """Delete dead letters for good."""
     if ids and older_than is not None:
         fail("give --id or --older-than, not both")
-    which = f" dead-lettered over {older_than} ago" if older_than is not None else ""
+    which = f" dead-lettered over {_age_text(older_than)} ago" if older_than is not None else ""
     if not yes:
         _confirm(f"Delete dead letters of {name} (prefix {prefix}){which}?")
     client = _connect(redis_url)
