@@ -129,10 +129,19 @@ def _redis_errors(prefix: str | None) -> Iterator[None]:
     try:
         yield
     except redis.exceptions.NoPermissionError as exc:
-        hint = "" if prefix else " (a tenant's user reads only its own prefix: give --prefix)"
-        fail(f"Redis refused a command to this user: {exc}{hint}", 1)
+        fail(f"Redis refused a command to this user: {exc}{_refusal_hint(prefix)}", 1)
     except redis.RedisError as exc:
         fail(f"Redis failed: {exc}", 1)
+
+
+def _refusal_hint(prefix: str | None) -> str:
+    """Which users may read the queues: a service user's NOPERM is no typo in the command."""
+    if prefix:
+        return " (the queues are read by the tenant's admin user, or by the operator)"
+    return (
+        " (every prefix is read by the operator; a tenant's admin user reads its own: "
+        "give --prefix)"
+    )
 
 
 def _served_keys(client: redis.Redis, name: str, prefix: str) -> ModelKeys:

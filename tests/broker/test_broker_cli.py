@@ -801,3 +801,22 @@ def test_status_refuses_watch_with_json() -> None:
     assert result.returncode == 2, result.stderr
     assert result.stderr == "Error: --watch refreshes the tables: it takes no --json\n"
     assert result.stdout == ""
+
+
+def test_a_service_user_refused_by_status_is_told_which_user_may(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """The NOPERM of a gateway's user said "give --prefix", which fails the same way with it:
+    only the tenant's admin user (or the operator) may read the queues."""
+    client = redis_server.client()
+    lines, _ = acl.render([prefix], environ={"MICROBATCH_REDIS_GATEWAY_PASSWORD": "pw"})
+    (gateway_line,) = [line for line in lines if line.startswith(f"user {prefix}-gateway ")]
+    client.execute_command("ACL", "SETUSER", *setuser_rules(gateway_line))
+    url = redis_server.url.replace("redis://", f"redis://{prefix}-gateway:pw@")
+    try:
+        for extra in ((), ("--prefix", prefix)):
+            result = broker_cli("status", "--redis", url, *extra)
+            assert result.returncode == 1, result.stderr
+            assert "by the operator" in result.stderr and "admin user" in result.stderr
+    finally:
+        client.execute_command("ACL", "DELUSER", f"{prefix}-gateway")
