@@ -76,6 +76,12 @@ def _object(value: Any, what: str) -> dict[str, Any]:
     return value
 
 
+def _parameters(holder: dict[str, Any], what: str) -> dict[str, Any]:
+    """``holder``'s ``parameters``: an object, or none (absent or null: no parameters)."""
+    value = holder.get("parameters")
+    return {} if value is None else _object(value, what)
+
+
 def _shape(value: Any, name: str) -> list[int]:
     if not isinstance(value, list) or not all(
         isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0 for dim in value
@@ -266,7 +272,7 @@ def _read_inputs(request: InferRequest, inputs: Any, binary: _Binary) -> None:
         raise bad_request("'inputs' must be a non-empty list of tensors")
     for raw in inputs:
         spec = _object(raw, "each input")
-        params = _object(spec.get("parameters") or {}, "input 'parameters'")
+        params = _parameters(spec, "input 'parameters'")
         name, datatype, array = _tensor(spec, binary.take(params))
         if name in request.inputs:
             raise bad_request(f"input {name!r} appears twice")
@@ -294,7 +300,7 @@ def _requested_outputs(wanted: Any, all_binary: bool) -> list[tuple[str, bool]] 
         if out_name in named:  # each one named would be answered, its data with it
             raise bad_request(f"output {out_name!r} is requested twice")
         named.add(out_name)
-        out_params = _object(out.get("parameters") or {}, "output 'parameters'")
+        out_params = _parameters(out, "output 'parameters'")
         binary = _flag(out_params, "binary_data", f"output {out_name!r}: ")
         outputs.append((out_name, all_binary if binary is None else binary))
     return outputs
@@ -319,7 +325,7 @@ def parse_request(
     request_id = document.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise bad_request("'id' must be a string")
-    parameters = _object(document.get("parameters") or {}, "'parameters'")
+    parameters = _parameters(document, "'parameters'")
     request = InferRequest(request_id, parameters)
     _read_inputs(request, document.get("inputs"), _Binary(binary))
     all_binary = bool(_flag(parameters, "binary_data_output"))

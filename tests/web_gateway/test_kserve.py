@@ -106,6 +106,19 @@ def test_binary_tensors_follow_the_json_header() -> None:
         (orjson.dumps({"inputs": []}), None, "'inputs' must be a non-empty list of tensors"),
         (body(tensor(data=[1, 2]), id=3), None, "'id' must be a string"),
         (body(tensor(data=[1, 2]), parameters="p"), None, "'parameters' must be a JSON object"),
+        # falsy non-objects too (they were taken as no parameters)
+        (body(tensor(data=[1, 2]), parameters=False), None, "'parameters' must be a JSON object"),
+        (body(tensor(data=[1, 2]), parameters=""), None, "'parameters' must be a JSON object"),
+        (
+            body(tensor(data=[1, 2], parameters=0)),
+            None,
+            "input 'parameters' must be a JSON object",
+        ),
+        (
+            body(tensor(data=[1, 2]), outputs=[{"name": "y", "parameters": []}]),
+            None,
+            "output 'parameters' must be a JSON object",
+        ),
         (body(["x"]), None, "each input must be a JSON object"),
         (body({"datatype": "FP32", "shape": [1], "data": [1]}), None, "every input needs a 'name'"),
         (body(tensor(datatype="FP128", data=[1, 2])), None, "input 'x': unknown datatype 'FP128'"),
