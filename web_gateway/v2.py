@@ -163,6 +163,10 @@ def _timeout_parameter(parsed: kserve.InferRequest) -> float | None:
     where it is absent or 0 (Triton's "no timeout of the request's own"); 400 for anything
     else, as a bad ``X-Request-Timeout`` is."""
     micros = parsed.parameters.get("timeout")
+    if type(micros) is float and micros.is_integer():
+        # a whole number written 1e3 or 1000.0, or one past 64 bits (which JSON parsing gives
+        # as a float): capped as any other
+        micros = int(min(micros, MAX_TIMEOUT_MICROS)) if micros >= 0 else -1
     if micros is None or (type(micros) is int and micros == 0):
         return None
     if type(micros) is not int or micros < 0:

@@ -17,8 +17,10 @@ from starlette.testclient import TestClient
 
 from broker.devserver import RedisServer
 from tests.conftest import worker_process
+from web_gateway import kserve
 from web_gateway.app import create_app
 from web_gateway.settings import GatewaySettings
+from web_gateway.v2 import _timeout_parameter
 
 DOUBLER = "tests.gateway_models:Doubler"
 TOKEN = "route-test-token"
@@ -205,9 +207,19 @@ def test_limits_and_malformed_requests(guarded: TestClient) -> None:
 
     # Triton's timeout parameter is whole microseconds: anything else is refused, as a bad
     # X-Request-Timeout is, not silently replaced by the default
-    for bad in (-1, 1.5, "5000", True, [1], {"us": 1}):
+    for bad in (-1, 1.5, -1e3, "5000", True, [1], {"us": 1}):
         status, error = v2_timeout(bad)
         assert status == 400 and "'timeout' parameter" in error, bad
+
+    # a whole number however written (1e3, 1000.0), and one past 64 bits, which JSON parsing
+    # gives as a float (it was refused as 'not 1e+29' though the docs say it is capped)
+    def seconds(raw: bytes) -> float | None:
+        return _timeout_parameter(kserve.parse_request(raw, None))
+
+    tensor = b'"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}]'
+    for micros, expected in ((b"1e3", 0.001), (b"1000.0", 0.001), (b"10" + b"0" * 28, 1e9)):
+        raw = b'{"parameters": {"timeout": %s}, %s}' % (micros, tensor)
+        assert seconds(raw) == expected, micros
 
 
 def test_a_header_given_twice_is_read_as_its_list(guarded: TestClient) -> None:
