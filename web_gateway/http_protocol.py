@@ -725,7 +725,10 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             log.error("an HTTP parser callback failed; the request was answered 400",
                       exc_info=cause)  # fmt: skip
         message = f"the request is not valid HTTP: {exc}"
-        refusal = self._refusal("400 Bad Request", "BadRequest", message, v2=False)
+        # the URL of the request being parsed, when its request line was read (reset as each
+        # request begins): a /v2 route's client reads the protocol's error body
+        v2 = is_v2(getattr(self, "url", b"").decode("latin-1"))
+        refusal = self._refusal("400 Bad Request", "BadRequest", message, v2=v2)
         self._close_refused("invalid", refusal)
 
     def _refusal(self, status: str, error: str, message: str, v2: bool, extra: str = "") -> bytes:

@@ -488,6 +488,20 @@ def test_what_is_not_http_gets_a_json_400_and_upgrades_are_served_without_a_log_
     assert len(said) == 1 and "1 not valid HTTP" in said[0]  # the sweeper's summary alone
 
 
+def test_what_is_not_valid_http_on_a_v2_route_gets_the_protocol_s_error_body() -> None:
+    """A malformed request to a /v2 route (its Content-Length not a number) was answered in
+    microbatch's error format, where every other error of a /v2 route uses the Open Inference
+    Protocol's string ``error`` (which v2 clients such as the KServe SDK print)."""
+    bad_length = b"POST /v2/models/m/infer HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n"
+    _, raw = run_protocol(answer_app, [bad_length], expire=False)
+    assert written(raw).startswith(b"HTTP/1.1 400 Bad Request\r\n") and raw.closed
+    assert b'{"error":"BadRequest: the request is not valid HTTP: ' in written(raw)
+    v1 = bad_length.replace(b"/v2/models/m/infer", b"/v1/models/m/predict")
+    _, raw = run_protocol(answer_app, [v1], expire=False)
+    v1_body = b'{"error":{"type":"BadRequest","message":"the request is not valid HTTP: '
+    assert v1_body in written(raw)
+
+
 def test_a_parser_callback_s_own_failure_is_logged_with_its_traceback(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
