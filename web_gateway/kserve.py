@@ -30,6 +30,13 @@ from .reading import DEFAULT_MAX_JSON_CONTAINERS, json_document
 
 HEADER_LENGTH = "inference-header-content-length"
 VERSIONS = ("1",)  # a model's versions in the protocol's sense: each served model has one
+EXTENSIONS = ("binary_tensor_data",)  # the protocol extensions served (GET /v2 lists them)
+# Parameters that ask for an extension not served, and its name: answered 400, as ignoring
+# them would answer something else than what was asked (the whole tensor for the top classes)
+UNSERVED_EXTENSIONS = {
+    "classification": "classification",
+    "shared_memory_region": "shared-memory",
+}
 _U32 = struct.Struct("<I")
 
 NUMPY_TO_DATATYPE = {
@@ -80,6 +87,16 @@ def _parameters(holder: dict[str, Any], what: str) -> dict[str, Any]:
     """``holder``'s ``parameters``: an object, or none (absent or null: no parameters)."""
     value = holder.get("parameters")
     return {} if value is None else _object(value, what)
+
+
+def _check_served(params: dict[str, Any], where: str) -> None:
+    """400 for a tensor's parameter asking for an extension this server does not have."""
+    for parameter, extension in UNSERVED_EXTENSIONS.items():
+        if params.get(parameter) is not None:
+            raise bad_request(
+                f"{where}: Triton's {extension} extension ({parameter!r}) is not served; "
+                f"this server's extensions: {', '.join(EXTENSIONS)}"
+            )
 
 
 def _shape(value: Any, name: str) -> list[int]:
@@ -273,6 +290,7 @@ def _read_inputs(request: InferRequest, inputs: Any, binary: _Binary) -> None:
     for raw in inputs:
         spec = _object(raw, "each input")
         params = _parameters(spec, "input 'parameters'")
+        _check_served(params, f"input {spec.get('name')!r:.100}")
         name, datatype, array = _tensor(spec, binary.take(params))
         if name in request.inputs:
             raise bad_request(f"input {name!r} appears twice")
@@ -301,6 +319,7 @@ def _requested_outputs(wanted: Any, all_binary: bool) -> list[tuple[str, bool]] 
             raise bad_request(f"output {out_name!r} is requested twice")
         named.add(out_name)
         out_params = _parameters(out, "output 'parameters'")
+        _check_served(out_params, f"output {out_name!r}")
         binary = _flag(out_params, "binary_data", f"output {out_name!r}: ")
         outputs.append((out_name, all_binary if binary is None else binary))
     return outputs

@@ -38,7 +38,7 @@ def _gateway(request: Request) -> Gateway:
 async def server_metadata() -> Response:
     """Server metadata."""
     return json_response(
-        {"name": "microbatch", "version": package_version(), "extensions": ["binary_tensor_data"]}
+        {"name": "microbatch", "version": package_version(), "extensions": list(kserve.EXTENSIONS)}
     )
 
 

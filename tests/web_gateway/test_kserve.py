@@ -436,3 +436,24 @@ def test_a_datatype_that_is_a_list_or_an_object_is_400_not_500() -> None:
         status, said = refused(body(tensor(datatype=datatype, data=[0, 0])))
         assert status == 400, datatype
         assert said == f"input 'x': unknown datatype {datatype!r}"
+
+
+def test_extensions_the_gateway_does_not_serve_are_400_not_ignored() -> None:
+    """An output asking for Triton's classification extension (tritonclient's
+    ``class_count``) was answered with the whole tensor, not the top classes asked for, and an
+    output asking for a shared-memory region was answered inline: a client then read an answer
+    of another shape, or nothing, where a 400 says the extension is not served."""
+    top3 = [{"name": "y", "parameters": {"classification": 3}}]
+    status, said = refused(body(tensor(data=[0, 0]), outputs=top3))
+    assert status == 400 and said.startswith("output 'y': Triton's classification extension")
+    assert "binary_tensor_data" in said  # the extensions it has, as GET /v2 lists them
+    region = {"shared_memory_region": "r", "shared_memory_byte_size": 8}
+    status, said = refused(body(tensor(data=[0, 0]), outputs=[{"name": "y", "parameters": region}]))
+    assert status == 400 and said.startswith("output 'y': Triton's shared-memory extension")
+    status, said = refused(body(tensor(parameters=region)))
+    assert status == 400 and said.startswith("input 'x': Triton's shared-memory extension")
+    unset = {"classification": None, "shared_memory_region": None}
+    request = kserve.parse_request(
+        body(tensor(data=[0, 0]), outputs=[{"name": "y", "parameters": unset}]), None
+    )
+    assert request.outputs == [("y", False)]
