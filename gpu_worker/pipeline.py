@@ -45,7 +45,10 @@ class Stage:
     def model_class(self) -> type[ManagedModel]:
         """The stage's model class (imported if given by path)."""
         if isinstance(self.model, str):
-            return load_model_class(self.model)
+            try:
+                return load_model_class(self.model)
+            except ModelLoadError as exc:
+                raise ModelLoadError(f"stage {self.name!r}: {exc}") from exc
         if not (isinstance(self.model, type) and issubclass(self.model, ManagedModel)):
             raise ModelLoadError(f"stage {self.name!r}: model must be a ManagedModel subclass")
         return self.model
@@ -82,7 +85,10 @@ class Pipeline(ManagedModel):
         if not cls._graph:
             raise ValueError(f"pipeline {cls.name!r} declares no stages")
         # Stage models named by path are imported now (model classes are light): the pipeline's
-        # inputs and outputs are theirs, and a wrong path fails here, not in a worker.
+        # inputs and outputs are theirs, and a wrong path (any stage's) fails here, not in a
+        # worker.
+        for stage in cls._graph.values():
+            stage.model_class()
         if "inputs" not in cls.__dict__:
             cls.inputs = list(cls.stage(cls.first()).model_class().inputs)
         if "outputs" not in cls.__dict__:

@@ -104,6 +104,24 @@ def test_a_malformed_declaration_is_refused_when_the_class_is_defined() -> None:
             stages = [Stage("a", "no_such_module:Model")]
 
 
+def test_a_wrong_model_path_fails_at_definition_whatever_the_stage() -> None:
+    """Not only the first stage's and the leaves': a middle stage's path is imported too, so
+    that a typo fails where the Pipeline is defined, naming the stage, not in its worker."""
+    with pytest.raises(ModelLoadError, match=r"stage 'middle': .*has no attribute 'Nope'"):
+
+        class Middle(Pipeline):
+            stages = [
+                Stage("embed", Embed),
+                Stage("middle", "tests.pipeline_models:Nope"),
+                Stage("head", Polarity),
+            ]
+
+    with pytest.raises(ModelLoadError, match="stage 'middle': model must be a ManagedModel"):
+
+        class NotAModel(Pipeline):
+            stages = [Stage("embed", Embed), Stage("middle", int), Stage("head", Polarity)]  # type: ignore[arg-type]
+
+
 def test_a_worker_loads_the_model_of_its_stage() -> None:
     assert load_stage("tests.pipeline_models:Chain", "polarity") is Polarity
     assert load_stage("tests.pipeline_models:Embed", None) is Embed
