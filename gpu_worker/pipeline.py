@@ -40,7 +40,12 @@ class Stage:
     transform: Transform | str | None = None
 
     def __post_init__(self) -> None:
-        check_name(self.name)
+        try:
+            check_name(self.name)
+        except ValueError:
+            raise ValueError(
+                f"invalid stage name {self.name!r}: use lower-case letters, digits, '_' or '-'"
+            ) from None
 
     def model_class(self) -> type[ManagedModel]:
         """The stage's model class (imported if given by path)."""

@@ -104,6 +104,11 @@ def test_a_malformed_declaration_is_refused_when_the_class_is_defined() -> None:
             stages = [Stage("a", "no_such_module:Model")]
 
 
+def test_a_bad_stage_name_is_refused_as_a_stage_name() -> None:
+    with pytest.raises(ValueError, match=r"^invalid stage name 'Head\.1': use lower-case"):
+        Stage("Head.1", Polarity)
+
+
 def test_a_wrong_model_path_fails_at_definition_whatever_the_stage() -> None:
     """Not only the first stage's and the leaves': a middle stage's path is imported too, so
     that a typo fails where the Pipeline is defined, naming the stage, not in its worker."""
