@@ -62,7 +62,13 @@ class Stage:
         """The stage's transform (imported if given by path), or None."""
         fn: Any
         if isinstance(self.transform, str):
-            fn = import_object(self.transform, f"stage {self.name!r}: transform", "name")
+            what = f"stage {self.name!r}: transform"
+            try:
+                fn = import_object(self.transform, what, "name")
+            except ModelLoadError as exc:
+                if str(exc).startswith(what):
+                    raise
+                raise ModelLoadError(f"{what}: {exc}") from exc
         else:
             fn = self.transform
         if fn is not None and not callable(fn):
@@ -235,9 +241,11 @@ def load_stage(path: str, stage: str | None) -> type[ManagedModel]:
     if not issubclass(model, Pipeline):
         raise ModelLoadError(f"--stage {stage!r} needs a Pipeline for --model, not {path!r}")
     try:
-        return model.stage(stage).model_class()
+        declared = model.stage(stage)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
+    declared.transform_fn()  # a wrong transform path refuses the worker at start
+    return declared.model_class()
 
 
 def load_pipeline(path: str) -> type[Pipeline]:

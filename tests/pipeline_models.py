@@ -108,3 +108,13 @@ class Fan(Pipeline):
         Stage("polarity", Polarity, after="embed"),
         Stage("topic", Topic, after="embed", transform="tests.pipeline_models:double"),
     ]
+
+
+class MistypedTransform(Pipeline):
+    """A transform path with a typo: its worker must refuse to start, naming the stage."""
+
+    name = "mistyped"
+    stages = [
+        Stage("embed", Embed),
+        Stage("polarity", Polarity, transform="tests.pipeline_models:dubble"),
+    ]

@@ -138,6 +138,16 @@ def test_a_worker_loads_the_model_of_its_stage() -> None:
         load_stage("tests.pipeline_models:Embed", "embed")
 
 
+def test_a_worker_of_a_stage_with_a_wrong_transform_path_is_refused_at_start() -> None:
+    """Not a worker that reports ready, then crashes on every restart."""
+    with pytest.raises(
+        ModelLoadError,
+        match=r"^stage 'polarity': transform: module 'tests.pipeline_models' has no attribute",
+    ):
+        load_stage("tests.pipeline_models:MistypedTransform", "polarity")
+    assert load_stage("tests.pipeline_models:MistypedTransform", "embed") is Embed
+
+
 def test_routes_come_from_the_declaration() -> None:
     embed = StageRoute(Fan, "embed", "p")
     assert [k.stream for k in embed.next] == [
