@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from gpu_worker import ManagedModel, TensorSpec
@@ -27,7 +28,8 @@ class Toy(ManagedModel):
     """Returns each item with the order it was computed in and the size of its batch.
 
     ``{"fail": msg}`` makes predict raise ValueError(msg); ``{"sleep": s}`` sleeps s seconds
-    first; ``{"until": path}`` holds the batch until that file exists (60 s at most). With
+    first; ``{"until": path}`` holds the batch until that file exists (60 s at most; with
+    ``"started": path2`` beside it, the file path2 is made first). With
     MICROBATCH_TEST_RECORD_DIR set, every computed item is recorded per process; with
     MICROBATCH_TEST_INIT_UNTIL, init_model waits for that file (60 s at most).
     """
@@ -54,6 +56,8 @@ class Toy(ManagedModel):
             if isinstance(item, dict) and "sleep" in item:
                 time.sleep(item["sleep"])
             if isinstance(item, dict) and "until" in item:
+                if "started" in item:  # say that the batch is being computed
+                    Path(item["started"]).touch()
                 deadline = time.monotonic() + 60
                 while not os.path.exists(item["until"]) and time.monotonic() < deadline:
                     time.sleep(0.01)

@@ -325,9 +325,10 @@ def test_a_stopping_worker_answers_what_its_partition_reads_delivered(
         worker_process(redis_server.url, "tests.models:Toy", prefix, *args) as worker,
         Streamer("toy", redis_url=redis_server.url, prefix=prefix) as streamer,
     ):
-        blocker = streamer.submit([{"until": str(release)}])
+        started = tmp_path / "started"
+        blocker = streamer.submit([{"until": str(release), "started": str(started)}])
         deadline = time.monotonic() + 30
-        while not _pending(client, keys):
+        while not started.exists():  # computing alone: what comes next waits for it
             assert time.monotonic() < deadline
             time.sleep(0.01)
         futures = [streamer.submit([i]) for i in range(6)]
