@@ -4,6 +4,7 @@ that has served long enough or grown too big, without losing or failing a call."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import urllib.request
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from broker import Streamer
 from broker.devserver import RedisServer, free_port
 from gpu_worker.recycling import RecyclePolicy, call_when_due, resident_bytes
-from tests.conftest import worker_process
+from tests.conftest import wait_until, worker_process
 from tests.models import INIT_UNTIL_ENV
 
 
@@ -78,12 +79,19 @@ def test_a_worker_process_due_is_replaced_and_no_call_is_lost(
                 pids |= {out["pid"] for out in outputs}
             sent += len(futures)
         assert len(pids) >= 3, "no worker process was replaced twice"
-        # the replaced processes' counts stay in the sums (folded, not dropped)
+        # the replaced processes' counts stay in the sums (folded, not dropped); a batch's
+        # are written once its replies are sent, so the last may lag its results a little
         served = sent * 2
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
         line = 'microbatch_worker_items_total{model="toy",outcome="ok"} '
-        counted = [float(x.split()[-1]) for x in text.decode().splitlines() if x.startswith(line)]
-        assert counted == [served]
+
+        def counted() -> list[float]:
+            url = f"http://127.0.0.1:{port}/metrics"
+            text = urllib.request.urlopen(url, timeout=10).read().decode()
+            return [float(x.split()[-1]) for x in text.splitlines() if x.startswith(line)]
+
+        with contextlib.suppress(AssertionError):
+            wait_until(lambda: counted() == [served], 10, "every item served counted")
+        assert counted() == [served]
     text = log.read_text()
     assert "stopped to be replaced" in text and "restarting" not in text
 
