@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 import uuid
 from collections import Counter
@@ -35,7 +36,7 @@ from gpu_worker.batching import BatchLoop, BatchSettings
 from gpu_worker.heartbeat import Heartbeats
 from tests.broker.test_redis_transport import library_code
 from tests.cluster_local import LocalCluster
-from tests.conftest import worker_process
+from tests.conftest import ROOT, worker_process
 from tests.sentinel_local import wait_for
 
 
@@ -483,27 +484,29 @@ def test_a_redis_url_of_a_cluster_node_says_to_use_redis_cluster(
     asyncio.run(read())
 
 
+def _worker_start(url: str, *options: str) -> subprocess.CompletedProcess[str]:
+    """`worker start` of the Toy model at ``url``, with ``options``, run to its end."""
+    command = [sys.executable, "-m", "gpu_worker.cli", "start", "--model", "tests.models:Toy"]
+    return subprocess.run(
+        [*command, "--redis", url, *options],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+
+
 def test_the_commands_refuse_a_redis_url_of_a_cluster_node_at_start(
     cluster: LocalCluster, prefix: str
 ) -> None:
     """`broker` printed a MovedError traceback, and `worker start` served, died at its first
     MOVED and was restarted without end; the gateway started as if all was well."""
-    import sys
-
     from broker.devserver import free_port
     from broker.redis_transport import startup_warnings
-    from tests.conftest import ROOT
 
     url = f"redis://127.0.0.1:{cluster.nodes[0].port}/0"
     hint = "runs with cluster-enabled yes: it is a node of a Redis Cluster; give a redis+cluster://"
     status = CliRunner().invoke(app, ["status", "--redis", url, "--prefix", prefix])
     assert status.exit_code == 2 and hint in status.output and "Traceback" not in status.output
-    done = subprocess.run(
-        [sys.executable, "-m", "gpu_worker.cli", "start", "--model", "tests.models:Toy",
-         "--redis", url, "--prefix", prefix],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+    done = _worker_start(url, "--prefix", prefix)
     assert done.returncode == 2, done.stderr
     assert hint in done.stderr.strip().splitlines()[-1] and "restarting" not in done.stderr
 
@@ -524,19 +527,10 @@ def test_the_commands_refuse_a_redis_url_of_a_cluster_node_at_start(
 def test_a_worker_started_before_the_cluster_answers_waits_for_it() -> None:
     """As with one Redis: no node answering is `--redis-wait` seconds of waiting, then one
     error line (exit status 2), never a traceback; the password never shows."""
-    import subprocess
-    import sys
-
     from broker.devserver import free_port
-    from tests.conftest import ROOT
 
     url = f"redis+cluster://worker:s3cret@127.0.0.1:{free_port()},127.0.0.1:{free_port()}"
-    done = subprocess.run(
-        [sys.executable, "-m", "gpu_worker.cli", "start", "--model", "tests.models:Toy",
-         "--redis", url, "--redis-wait", "2"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+    done = _worker_start(url, "--redis-wait", "2")
     assert done.returncode == 2, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("Error: Redis at redis+cluster://worker:***@127.0.0.1:"), last
@@ -548,22 +542,13 @@ def test_a_cluster_refusing_the_credentials_says_so_at_once(cluster: LocalCluste
     """As with one Redis or Sentinel: wrong credentials are not an unreachable cluster, so
     `worker start` fails at once (not after --redis-wait seconds of waiting) and `broker`
     says the credentials were refused; the password never shows."""
-    import sys
-
-    from tests.conftest import ROOT
-
     url = cluster.url(credentials="worker:s3cret@")
     with pytest.raises(redis.AuthenticationError):
         connections.sync_client(url).ping()
     shown = CliRunner().invoke(app, ["status", "--redis", url])
     assert shown.exit_code == 1 and "Redis refused the credentials" in shown.output, shown.output
     started = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "gpu_worker.cli", "start", "--model", "tests.models:Toy",
-         "--redis", url, "--redis-wait", "30"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
+    done = _worker_start(url, "--redis-wait", "30")
     assert done.returncode == 2 and time.monotonic() - started < 20, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert "refused the credentials" in last and "s3cret" not in done.stderr, last

@@ -562,6 +562,20 @@ def test_replies_of_acknowledged_entries_wait_for_the_library_rather_than_being_
     assert any("late" in r.getMessage() for r in caplog.records)
 
 
+def _enqueued_alone(url: str, keys: ModelKeys, call: CallRequests) -> object:
+    """The outcome of enqueueing ``call`` alone, with no bound of the caller's."""
+
+    async def main() -> object:
+        transport = RedisTransport(url)
+        try:
+            (outcome,) = await transport.enqueue(keys, [call], UNBOUNDED)
+            return outcome
+        finally:
+            await transport.close()
+
+    return run(main())
+
+
 def test_a_call_larger_than_the_whole_bound_says_it_can_never_fit(
     redis_server: RedisServer,
 ) -> None:
@@ -569,15 +583,7 @@ def test_a_call_larger_than_the_whole_bound_says_it_can_never_fit(
     redis_server.client().hset(keys.queue_bound, mapping={"items": 4, "bytes": 0})
     call = CallRequests(keys.inbox("a"), 1000, [f"a.{i}" for i in range(5)], [b"x"] * 5)
 
-    async def main() -> object:
-        transport = RedisTransport(redis_server.url)
-        try:
-            (outcome,) = await transport.enqueue(keys, [call], UNBOUNDED)
-            return outcome
-        finally:
-            await transport.close()
-
-    outcome = run(main())
+    outcome = _enqueued_alone(redis_server.url, keys, call)
     assert "more items than the queue bound of 4 items" in str(outcome)
     assert "split it" in str(outcome) and redis_server.client().xlen(keys.stream) == 0
 
@@ -591,15 +597,7 @@ def test_a_call_larger_than_a_partition_s_share_of_the_bound_names_the_partition
     redis_server.client().hset(keys.queue_bound, mapping={"items": 22, "bytes": 0})
     call = CallRequests(keys.inbox("a"), 1000, [f"a.{i}" for i in range(30)], [b"x"] * 30)
 
-    async def main() -> object:
-        transport = RedisTransport(redis_server.url)
-        try:
-            (outcome,) = await transport.enqueue(keys, [call], UNBOUNDED)
-            return outcome
-        finally:
-            await transport.close()
-
-    message = str(run(main()))
+    message = str(_enqueued_alone(redis_server.url, keys, call))
     assert "queue bound of 22 items" in message
     assert "6 partitions" in message and "split it" in message
 
