@@ -31,6 +31,7 @@ password.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import ipaddress
 import os
@@ -267,6 +268,7 @@ def _credentials(userinfo: str) -> tuple[str | None, str | None]:
     return (unquote(user) or None), (unquote(password) if colon and password else None)
 
 
+@functools.cache  # read from the classes' signatures: the same for every URL of a scheme
 def _connection_options(scheme: str) -> frozenset[str]:
     """The keyword arguments redis-py's connection for ``scheme`` takes: the options its URL
     parser passes on (any other makes each connect fail with a TypeError)."""
