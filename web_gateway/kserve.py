@@ -53,6 +53,7 @@ class InferRequest:
     inputs: dict[str, np.ndarray] = field(default_factory=dict)
     datatypes: dict[str, str] = field(default_factory=dict)
     outputs: list[tuple[str, bool]] | None = None  # (name, binary) as requested
+    all_binary: bool = False  # binary_data_output: every output not named in binary
 
     @property
     def batch_size(self) -> int:
@@ -347,8 +348,8 @@ def parse_request(
     parameters = _parameters(document, "'parameters'")
     request = InferRequest(request_id, parameters)
     _read_inputs(request, document.get("inputs"), _Binary(binary))
-    all_binary = bool(_flag(parameters, "binary_data_output"))
-    request.outputs = _requested_outputs(document.get("outputs"), all_binary)
+    request.all_binary = bool(_flag(parameters, "binary_data_output"))
+    request.outputs = _requested_outputs(document.get("outputs"), request.all_binary)
     return request
 
 
@@ -430,8 +431,7 @@ def _check_known(requested: list[tuple[str, bool]], names: Iterable[str]) -> Non
 
 def _wanted(request: InferRequest, tensors: dict[str, np.ndarray]) -> list[tuple[str, bool]]:
     if request.outputs is None:
-        binary_all = bool(_flag(request.parameters, "binary_data_output"))
-        return [(name, binary_all) for name in tensors]
+        return [(name, request.all_binary) for name in tensors]
     _check_known(request.outputs, tensors)
     return request.outputs
 
