@@ -107,6 +107,8 @@ def start(
     send_timeout: float = _option("send_timeout"),
     max_connections: int = _option("max_connections"),
     graceful_timeout: float = _option("graceful_timeout"),
+    max_requests: int = _option("max_requests"),
+    max_requests_jitter: int = _option("max_requests_jitter"),
     log_level: Annotated[str, log_level_option(f"{ENV_PREFIX}LOG_LEVEL")] = _default("log_level"),
     log_format: Annotated[str, log_format_option(f"{ENV_PREFIX}LOG_FORMAT")] = _default(
         "log_format"

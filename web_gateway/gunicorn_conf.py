@@ -29,6 +29,8 @@ __all__ = [
     "keepalive",
     "logconfig_dict",
     "loglevel",
+    "max_requests",
+    "max_requests_jitter",
     "on_exit",
     "on_starting",
     "proc_name",
@@ -52,6 +54,8 @@ bind: list[str] = _options["bind"]
 workers: int = _options["workers"]
 graceful_timeout: int = _options["graceful_timeout"]
 timeout: int = _options["timeout"]
+max_requests: int = _options["max_requests"]
+max_requests_jitter: int = _options["max_requests_jitter"]
 keepalive: int = _options["keepalive"]
 backlog: int = _options["backlog"]
 loglevel: str = _options["loglevel"]

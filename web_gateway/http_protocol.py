@@ -107,6 +107,7 @@ NO_DEADLINE = math.inf
 READ_SLACK_BYTES = 256 * 1024  # the most one read of the event loop hands over
 MAX_PIPELINED = 64  # requests of one connection queued behind the one being answered
 SWEEP_PERIOD_S = 0.5
+FIRST_REQUEST_GRACE_S = 1.0  # a stopping server waits this long for a new connection's request
 REPORT_EVERY_S = 10.0
 
 
@@ -928,7 +929,10 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         """uvicorn's graceful stop: an idle connection is closed at once, and the one of a
         request in progress once it is answered; here a request that has begun to arrive (read
         in part, or waiting unread in the socket) is served too, as the connection's last
-        (closing would reset it)."""
+        (closing would reset it). So is the first request of a connection accepted just before
+        the stop, if it arrives within FIRST_REQUEST_GRACE_S: its client opened it to send one
+        (at a worker's `--max-requests` replacement, one such connection in a few was closed
+        unanswered)."""
         self.stopping = True
         cycle = self.cycle
         if (cycle is None or cycle.response_complete) and (
@@ -936,7 +940,19 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             or (self.phase in (IDLE, HEADERS) and _unread(self.transport))
         ):
             return
+        if cycle is None and self.phase == HEADERS:
+            self.deadline = min(self.deadline, self.loop.time() + FIRST_REQUEST_GRACE_S)
+            return
         super().shutdown()
+
+    def _never_spoke(self) -> bool:
+        """No byte of a request has arrived on this connection."""
+        return (
+            self.cycle is None
+            and self.phase == HEADERS
+            and self.unparsed_header_bytes == 0
+            and not _unread(self.transport)
+        )
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -983,6 +999,9 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
             # a pipelined request's headers, behind one still answering: that answer goes
             # first, then the 408 (as any refusal in order), then the close
             self._close_refused("headers", self._timeout_refusal("headers", v2=False))
+            return
+        if self.stopping and self._never_spoke():  # nothing to answer: close
+            self.transport.close()
             return
         if phase == HEADERS:  # a new request
             unanswered = True

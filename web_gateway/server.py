@@ -113,6 +113,8 @@ def gunicorn_options(settings: GatewaySettings) -> dict[str, Any]:
         # SIGTERM: stop accepting, let in-flight requests finish for up to this long, then exit
         # (gunicorn takes whole seconds: rounded up, never less than asked).
         "graceful_timeout": math.ceil(settings.graceful_timeout),
+        "max_requests": settings.max_requests,
+        "max_requests_jitter": settings.max_requests_jitter,
         "timeout": 60,  # a worker whose event loop stops answering gunicorn this long restarts
         # uvicorn's keep-alive timer is replaced by the idle deadline of
         # web_gateway.http_protocol, which enforces keepalive_timeout (and the read deadlines).

@@ -221,6 +221,19 @@ class GatewaySettings(BaseSettings):
         le=MAX_TIMEOUT_S,
         description="Seconds in-flight requests get to finish after SIGTERM.",
     )
+    max_requests: int = Field(
+        default=0,
+        ge=0,
+        description="Requests a gateway worker process serves before gunicorn replaces it "
+        "with a fresh one (its in-flight requests finish first, as after SIGTERM); 0: never. "
+        "A bound on what a slow leak in a model's preprocess code can grow to.",
+    )
+    max_requests_jitter: int = Field(
+        default=0,
+        ge=0,
+        description="A random 0 to this many requests added to --max-requests for each "
+        "worker process, so that several are not replaced at once.",
+    )
     log_level: str = Field(
         default="info", description="debug, info, warning, error or critical (any case)."
     )

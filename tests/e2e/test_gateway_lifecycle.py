@@ -201,3 +201,24 @@ def test_workers_of_a_killed_master_stop_and_free_the_port(
         )
         assert response.json() == {"outputs": [[2.0, 4.0, 6.0, 8.0]]}
         assert again.poll() is None
+
+
+def test_a_worker_at_max_requests_is_replaced_and_every_request_answered(
+    doubler: str, prefix: str
+) -> None:
+    """`--max-requests 4`: gunicorn replaces the worker process after its 4th request (as after
+    SIGTERM, its in-flight requests finish first); requests sent meanwhile wait in the listen
+    queue and are answered by the new one."""
+    with gateway_process(doubler, [DOUBLER], prefix, "--max-requests", "4", workers=1) as (
+        base,
+        process,
+    ):
+        seen: set[int] = set(workers_of(process))
+        for n in range(10):
+            response = httpx.post(
+                f"{base}/v1/models/doubler/predict", json={"inputs": [[float(n)] * 4]}, timeout=30
+            )
+            assert response.status_code == 200, response.text
+            assert response.json()["outputs"] == [[2.0 * n] * 4]
+            seen.update(workers_of(process))
+        assert len(seen) >= 3  # the first, then one after the 4th and the 8th requests

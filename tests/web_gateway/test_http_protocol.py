@@ -899,6 +899,55 @@ def test_a_request_waiting_unread_on_an_idle_connection_is_served_not_reset(act:
     assert (b"connection: close\r\n" in answer) == (act == "shutdown")
 
 
+def stop_a_fresh_connection(send_after: float | None) -> bytes:
+    """Accept a connection over a real socket pair, stop the server (uvicorn's graceful stop
+    calls ``shutdown``) before any byte of a request arrives, then send one ``send_after``
+    seconds later (None: never; the sweep's expiry is run by hand). Returns what the client
+    read until the connection ended."""
+    import socket
+
+    from uvicorn.config import Config
+    from uvicorn.server import ServerState
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        await receive()
+        await answer_ok(send)
+
+    async def main() -> bytes:
+        loop = asyncio.get_running_loop()
+        config = Config(app, lifespan="off", log_level="warning")
+        config.load()
+        protocol = Limited(config, ServerState(), {}, loop)
+        client, server = socket.socketpair()
+        client.setblocking(False)
+        await loop.connect_accepted_socket(lambda: protocol, server)
+        stopped = loop.time()
+        protocol.shutdown()
+        if send_after is None:
+            assert protocol.deadline <= stopped + 1.0 + 1e-3  # a short grace, not the 10 s
+            protocol.expire()
+        else:
+            await asyncio.sleep(send_after)
+            await loop.sock_sendall(client, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = b""
+        while data := await asyncio.wait_for(loop.sock_recv(client, 65536), 5):
+            answer += data
+        client.close()
+        return answer
+
+    return asyncio.run(main())
+
+
+def test_a_connection_accepted_just_before_a_stop_has_its_first_request_served() -> None:
+    """A stop (SIGTERM, a `--max-requests` replacement) closed at once a connection accepted
+    but whose request had not arrived yet: its client, which opened it to send one, saw it
+    closed unanswered. Its first request now gets a short grace and is served, as the
+    connection's last; one that never comes is not answered 408, the connection just closed."""
+    answer = stop_a_fresh_connection(0.2)
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n") and b"connection: close\r\n" in answer
+    assert stop_a_fresh_connection(None) == b""
+
+
 def test_a_transfer_coding_other_than_chunked_is_refused_with_501() -> None:
     """The parser reads the body of `Transfer-Encoding: gzip, chunked` as chunked alone: the
     app got the compressed bytes as the body. RFC 9112, 6.1: 501 for a coding not understood."""

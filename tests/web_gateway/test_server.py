@@ -123,3 +123,12 @@ def test_the_address_check_lets_sockets_handed_down_be(monkeypatch: pytest.Monke
             with monkeypatch.context() as env:
                 env.setenv(variable, "3")
                 check_address("127.0.0.1", port)
+
+
+def test_max_requests_and_its_jitter_reach_gunicorn() -> None:
+    from web_gateway.server import gunicorn_options
+    from web_gateway.settings import GatewaySettings
+
+    options = gunicorn_options(GatewaySettings(max_requests=1000, max_requests_jitter=50))
+    assert (options["max_requests"], options["max_requests_jitter"]) == (1000, 50)
+    assert gunicorn_options(GatewaySettings())["max_requests"] == 0  # never, by default
