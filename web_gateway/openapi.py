@@ -41,7 +41,7 @@ ERROR_CODES = (
     (401, UNAUTHORIZED),
     (404, "Unknown model"),
     (413, "Body or item count too large"),
-    (415, "Content-Encoding other than gzip, deflate or identity"),
+    (415, "Content-Encoding other than gzip (or x-gzip), deflate or identity"),
     (422, "Input does not fit the model's declared inputs"),
     (500, "The model raised (ModelError)"),
     (503, "Queue full, no live worker, or Redis unavailable (Retry-After)"),

@@ -31,6 +31,8 @@ TIMEOUT_HEADER = "x-request-timeout"
 # An X-Request-Timeout: decimal seconds, with an exponent if need be (`2.5`, `.5`, `1e3`).
 SECONDS = re.compile(r"[+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 UTF8_BOM = b"\xef\xbb\xbf"
+# Content codings read as another (RFC 9110, 8.4.1.3: a recipient should take x-gzip as gzip).
+_ALIASES = {"x-gzip": "gzip"}
 # The most arrays and objects one JSON body may hold (--max-json-containers). Each costs the
 # parse about 90 bytes (a Python list or dict, the pointer to it, orjson's own node) for as
 # little as 2 or 3 bytes of JSON ("[],"): without a bound, a 16 MiB body of empty lists grew a
@@ -191,6 +193,7 @@ async def body(request: Request, limit: int) -> bytes:
         data = whole
     request._stream_consumed = True
     encoding = (single(request.headers, "content-encoding") or "identity").strip().lower()
+    encoding = _ALIASES.get(encoding, encoding)
     if encoding in ("gzip", "deflate"):
         received = len(data)
         # off the event loop (zlib lets go of the GIL): a small body may inflate to the
@@ -207,7 +210,13 @@ async def body(request: Request, limit: int) -> bytes:
                 headers={"Retry-After": str(over.retry_after)},
             )
     elif encoding not in ("", "identity"):
-        raise HTTPError(415, "UnsupportedMediaType", f"Content-Encoding {encoding!r}")
+        raise HTTPError(
+            415,
+            "UnsupportedMediaType",
+            f"Content-Encoding {encoding!r}: use gzip, deflate or identity",
+            # RFC 9110, 15.5.16: the codings that would have been taken
+            headers={"Accept-Encoding": "gzip, deflate"},
+        )
     request._body = data  # so request.form() parses what was read here
     return data
 

@@ -119,3 +119,47 @@ def test_a_gzip_body_of_more_members_than_the_bound_is_400() -> None:
     with pytest.raises(HTTPError) as over:
         _decompress(gzip.compress(noise) + gzip.compress(noise), "gzip", 500_000)
     assert over.value.status == 413
+
+
+def _request(body: bytes, *headers: tuple[bytes, bytes]) -> GatewayRequest:
+    """A request with ``body`` (in one message) and ``headers``, outside any server."""
+    sent = False
+
+    async def receive() -> dict[str, object]:
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": list(headers)}
+    return GatewayRequest(scope, receive)
+
+
+def test_x_gzip_is_read_as_gzip() -> None:
+    """RFC 9110, 8.4.1.3: a recipient should take ``x-gzip`` as ``gzip`` (older clients and
+    proxies still send it); it was refused 415. Any case, as every coding name."""
+    import asyncio
+    import gzip
+
+    from web_gateway.reading import body
+
+    compressed = gzip.compress(b'{"inputs": [1]}')
+    for name in (b"x-gzip", b"X-GZIP", b"gzip"):
+        request = _request(compressed, (b"content-encoding", name))
+        assert asyncio.run(body(request, 1000)) == b'{"inputs": [1]}', name
+
+
+def test_a_coding_not_served_is_415_naming_it_and_those_served() -> None:
+    import asyncio
+
+    from web_gateway.errors import HTTPError
+    from web_gateway.reading import body
+
+    for name in (b"br", b"x-deflate", b"compress", b"x-compress"):
+        with pytest.raises(HTTPError) as refused:
+            asyncio.run(body(_request(b"{}", (b"content-encoding", name)), 1000))
+        assert refused.value.status == 415, name
+        assert name.decode() in refused.value.message
+        # RFC 9110, 15.5.16: the 415 says which codings would have been taken
+        assert refused.value.headers == {"Accept-Encoding": "gzip, deflate"}
