@@ -10,6 +10,7 @@ So a normal entry at the head of its level waits at most ``STARVE_AFTER`` batche
 from __future__ import annotations
 
 import reprlib
+from collections.abc import Callable
 from typing import Any
 
 from .keys import HIGH, LEVELS, NORMAL
@@ -35,10 +36,11 @@ def _show(value: Any) -> str:
         return "(a value too long to show)"
 
 
-def parse_priority(value: Any) -> int:
+def parse_priority(value: Any, show: Callable[[Any], str] = _show) -> int:
     """The level of a priority as callers name it: ``"high"`` or ``"normal"`` (any case,
     surrounding whitespace ignored), the level's number (1 or 0, an int or that one digit), or
-    None (normal). Raises ValueError naming what is accepted (and the value, shortened)."""
+    None (normal). Raises ValueError naming what is accepted and the value, as ``show`` writes
+    it (by default its Python repr, shortened)."""
     if value is None:
         return NORMAL
     if isinstance(value, str):
@@ -50,7 +52,7 @@ def parse_priority(value: Any) -> int:
     elif isinstance(value, int) and not isinstance(value, bool) and value in (NORMAL, HIGH):
         return value
     raise ValueError(
-        f"invalid priority {_show(value)}: use 'high' or 'normal' (the default), or 1 or 0"
+        f"invalid priority {show(value)}: use 'high' or 'normal' (the default), or 1 or 0"
     )
 
 

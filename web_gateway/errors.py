@@ -102,6 +102,34 @@ class HTTPError(Exception):
         self.detail = message if detail is None else detail  # for the gateway's log only
 
 
+SHOWN_CHARS = 40  # the most characters of a client's value an error message quotes
+
+
+def _shortened(text: str) -> str:
+    return text if len(text) <= SHOWN_CHARS else f"{text[: SHOWN_CHARS - 3]}..."
+
+
+def shown(value: Any) -> str:
+    """A value of a request's JSON as its client wrote it, for an error message: a string in
+    single quotes (as the messages quote names), anything else as JSON (``false``,
+    ``["a","b"]``, never Python's ``False`` or ``['a', 'b']``); shortened past
+    ``SHOWN_CHARS``."""
+    if isinstance(value, str):
+        return f"'{_shortened(value)}'"
+    try:
+        text = orjson.dumps(value).decode()
+    except TypeError:  # not from JSON (a caller's own object): named by its type
+        text = f"a {type(value).__name__}"
+    return _shortened(text)
+
+
+def shown_header(value: str) -> str:
+    """A header's value as its client sent it, for an error message: its bytes read as UTF-8
+    (starlette reads them as Latin-1), in single quotes, shortened past ``SHOWN_CHARS``."""
+    text = value.encode("latin-1").decode("utf-8", "backslashreplace")
+    return f"'{_shortened(text)}'"
+
+
 def bad_request(message: str) -> HTTPError:
     return HTTPError(400, "BadRequest", message)
 

@@ -25,7 +25,7 @@ from broker.priorities import HEADER as PRIORITY_HEADER
 from broker.priorities import parse_priority
 
 from .disconnects import gateway_cycle
-from .errors import ClientGone, HTTPError, bad_request, too_large
+from .errors import ClientGone, HTTPError, bad_request, shown, shown_header, too_large
 
 TIMEOUT_HEADER = "x-request-timeout"
 # An X-Request-Timeout: decimal seconds, with an exponent if need be (`2.5`, `.5`, `1e3`).
@@ -149,11 +149,12 @@ def priority(request: Request, parameter: Any = None) -> int:
     """The request's priority level: ``parameter`` (a v2 ``priority`` parameter) if given,
     else the X-Priority header, else normal; 400 if the one given is not a priority."""
     if parameter is not None:
-        where, value = "the 'priority' parameter", parameter
+        where, value, show = "the 'priority' parameter", parameter, shown
     else:
         where, value = PRIORITY_HEADER, single(request.headers, PRIORITY_HEADER)
+        show = shown_header
     try:
-        return parse_priority(value)
+        return parse_priority(value, show)
     except ValueError as exc:
         raise bad_request(f"{where}: {exc}") from None
 

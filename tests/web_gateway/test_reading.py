@@ -163,3 +163,39 @@ def test_a_coding_not_served_is_415_naming_it_and_those_served() -> None:
         assert name.decode() in refused.value.message
         # RFC 9110, 15.5.16: the 415 says which codings would have been taken
         assert refused.value.headers == {"Accept-Encoding": "gzip, deflate"}
+
+
+def _refused_priority(parameter: object = None, *headers: tuple[bytes, bytes]) -> str:
+    from web_gateway.errors import HTTPError
+    from web_gateway.reading import priority
+
+    with pytest.raises(HTTPError) as refused:
+        priority(_request(b"", *headers), parameter)
+    assert refused.value.status == 400
+    return refused.value.message
+
+
+def test_a_bad_priority_is_quoted_as_the_client_wrote_it() -> None:
+    """A v2 ``priority`` parameter is JSON: it was shown as Python's repr of what the body
+    parsed to (``False``, ``['a', 'b']``, ``{'x': 1}``), words the client never wrote."""
+    use = ": use 'high' or 'normal' (the default), or 1 or 0"
+    for value, shown in (
+        (False, "false"),
+        (True, "true"),
+        (["a", "b"], '["a","b"]'),
+        ({"x": 1}, '{"x":1}'),
+        (2, "2"),
+        (1.5, "1.5"),
+        ("urgent", "'urgent'"),
+        ("it's", "'it's'"),
+    ):
+        message = _refused_priority(value)
+        assert message == f"the 'priority' parameter: invalid priority {shown}{use}", value
+    # a long one is shortened, never echoed whole
+    message = _refused_priority(["high"] * 1000)
+    assert message.startswith('the \'priority\' parameter: invalid priority ["high","high",')
+    assert len(message) < 200
+    # a header is text: quoted as sent, its UTF-8 read as UTF-8 (headers arrive as bytes)
+    for raw, shown in ((b"urgent", "'urgent'"), ("tr\u00e8s".encode(), "'tr\u00e8s'")):
+        message = _refused_priority(None, (b"x-priority", raw))
+        assert message == f"X-Priority: invalid priority {shown}{use}", raw
