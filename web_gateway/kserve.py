@@ -25,7 +25,7 @@ import orjson
 from broker.codec import MAX_NDIM
 from gpu_worker.model import DATATYPES, TensorSpec, Unfit, to_datatype
 
-from .errors import HTTPError, bad_request, invalid_input
+from .errors import HTTPError, bad_request, invalid_input, shown
 from .reading import DEFAULT_MAX_JSON_CONTAINERS, json_document
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -176,7 +176,7 @@ def _header(spec: dict[str, Any]) -> tuple[str, str, list[int], int]:
         raise bad_request("every input needs a 'name'")
     datatype = spec.get("datatype")
     if not isinstance(datatype, str) or datatype not in DATATYPES:  # (a list is unhashable)
-        raise bad_request(f"input {name!r}: unknown datatype {datatype!r:.100}")
+        raise bad_request(f"input {name!r}: unknown datatype {shown(datatype)}")
     shape = _shape(spec.get("shape"), name)
     count = 1
     for dim in shape:
@@ -291,7 +291,7 @@ def _read_inputs(request: InferRequest, inputs: Any, binary: _Binary) -> None:
     for raw in inputs:
         spec = _object(raw, "each input")
         params = _parameters(spec, "input 'parameters'")
-        _check_served(params, f"input {spec.get('name')!r:.100}")
+        _check_served(params, f"input {shown(spec.get('name'))}")
         name, datatype, array = _tensor(spec, binary.take(params))
         if name in request.inputs:
             raise bad_request(f"input {name!r} appears twice")
@@ -332,7 +332,7 @@ def _flag(parameters: dict[str, Any], name: str, where: str = "") -> bool | None
     value = parameters.get(name)
     if value is None or isinstance(value, bool):
         return value
-    raise bad_request(f"{where}{name!r} must be true or false, not {value!r:.40}")
+    raise bad_request(f"{where}{name!r} must be true or false, not {shown(value)}")
 
 
 def parse_request(

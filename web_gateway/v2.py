@@ -14,7 +14,7 @@ from starlette.responses import Response
 from broker.liveness import alive_consumers
 
 from . import kserve, package_version, reading
-from .errors import bad_request
+from .errors import bad_request, shown
 from .openapi import METADATA, MODEL_READY, SERVER_READY, V2_INFER
 from .responses import JSONBody, json_response
 from .serving import ServedModel
@@ -162,7 +162,7 @@ def _timeout_parameter(parsed: kserve.InferRequest) -> float | None:
     """The request's ``timeout`` parameter (whole microseconds, as Triton's) in seconds; None
     where it is absent or 0 (Triton's "no timeout of the request's own"); 400 for anything
     else, as a bad ``X-Request-Timeout`` is."""
-    micros = parsed.parameters.get("timeout")
+    micros = given = parsed.parameters.get("timeout")
     if type(micros) is float and micros.is_integer():
         # a whole number written 1e3 or 1000.0, or one past 64 bits (which JSON parsing gives
         # as a float): capped as any other
@@ -171,7 +171,7 @@ def _timeout_parameter(parsed: kserve.InferRequest) -> float | None:
         return None
     if type(micros) is not int or micros < 0:
         raise bad_request(
-            f"the 'timeout' parameter must be a whole number of microseconds, not {micros!r:.40}"
+            f"the 'timeout' parameter must be a whole number of microseconds, not {shown(given)}"
         )
     return min(micros, MAX_TIMEOUT_MICROS) / 1e6
 

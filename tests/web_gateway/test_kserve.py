@@ -11,7 +11,7 @@ import pytest
 
 from gpu_worker.model import TensorSpec
 from web_gateway import kserve
-from web_gateway.errors import HTTPError
+from web_gateway.errors import HTTPError, shown
 
 
 def body(*inputs: dict[str, Any], **document: Any) -> bytes:
@@ -405,11 +405,11 @@ def test_binary_output_flags_that_are_no_booleans_are_400() -> None:
     for value in ("false", "true", 0, 1, [], {}):
         status, said = refused(body(tensor(data=[0, 0]), parameters={"binary_data_output": value}))
         assert status == 400, value
-        assert said == f"'binary_data_output' must be true or false, not {value!r}"
+        assert said == f"'binary_data_output' must be true or false, not {shown(value)}"
         wanted = [{"name": "y", "parameters": {"binary_data": value}}]
         status, said = refused(body(tensor(data=[0, 0]), outputs=wanted))
         assert status == 400, value
-        assert said == f"output 'y': 'binary_data' must be true or false, not {value!r}"
+        assert said == f"output 'y': 'binary_data' must be true or false, not {shown(value)}"
     for flag in (True, False):
         outputs = [
             {"name": "y"},
@@ -435,7 +435,7 @@ def test_a_datatype_that_is_a_list_or_an_object_is_400_not_500() -> None:
     for datatype in ([], ["FP32"], {}, {"FP32": 1}):
         status, said = refused(body(tensor(datatype=datatype, data=[0, 0])))
         assert status == 400, datatype
-        assert said == f"input 'x': unknown datatype {datatype!r}"
+        assert said == f"input 'x': unknown datatype {shown(datatype)}"
 
 
 def test_extensions_the_gateway_does_not_serve_are_400_not_ignored() -> None:
@@ -457,3 +457,26 @@ def test_extensions_the_gateway_does_not_serve_are_400_not_ignored() -> None:
         body(tensor(data=[0, 0]), outputs=[{"name": "y", "parameters": unset}]), None
     )
     assert request.outputs == [("y", False)]
+
+
+def test_refused_values_are_quoted_as_json_not_as_python() -> None:
+    """A refused value of the request's JSON was shown as Python's repr of what it parsed to
+    (``True``, ``['FP32']``, ``{'FP32': 1}``, ``None``): words the client never wrote."""
+    cases = (
+        (body(tensor(data=[0, 0]), parameters={"binary_data_output": [True]}),
+         "'binary_data_output' must be true or false, not [true]"),
+        (body(tensor(data=[0, 0]), outputs=[{"name": "y", "parameters": {"binary_data": {}}}]),
+         "output 'y': 'binary_data' must be true or false, not {}"),
+        (body(tensor(datatype=["FP32"], data=[0, 0])),
+         'input \'x\': unknown datatype ["FP32"]'),
+        (body(tensor(datatype={"FP32": True}, data=[0, 0])),
+         'input \'x\': unknown datatype {"FP32":true}'),
+        (body(tensor(datatype=None, data=[0, 0])), "input 'x': unknown datatype null"),
+        (body({"name": None, "parameters": {"shared_memory_region": "r"}}),
+         "input null: Triton's shared-memory extension"),
+        (body({"name": False, "parameters": {"shared_memory_region": "r"}}),
+         "input false: Triton's shared-memory extension"),
+    )  # fmt: skip
+    for raw, said in cases:
+        status, message = refused(raw)
+        assert status == 400 and message.startswith(said), (said, message)

@@ -494,3 +494,25 @@ def test_json_bodies_over_the_container_budget_get_413(
         within = b'{"inputs": [[1, 2, 3]], "x": "' + b"[]" * 40 + b'"}'
         response = http.post("/v1/models/doubler/predict", content=within)
         assert response.status_code == 422, response.text
+
+
+def test_a_bad_timeout_parameter_is_quoted_as_the_client_wrote_it() -> None:
+    """It was Python's repr of what the JSON parsed to (``True``, ``{'us': 1}``), and a
+    negative ``-1e3`` was shown as the ``-1`` it had been turned into."""
+    from web_gateway.errors import HTTPError
+
+    tensor = b'"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}]'
+    for micros, shown in (
+        (b"true", "true"),
+        (b'{"us": 1}', '{"us":1}'),
+        (b"[1]", "[1]"),
+        (b'"5000"', "'5000'"),
+        (b"-1e3", "-1000.0"),
+        (b"1.5", "1.5"),
+    ):
+        raw = b'{"parameters": {"timeout": %s}, %s}' % (micros, tensor)
+        with pytest.raises(HTTPError) as refused:
+            _timeout_parameter(kserve.parse_request(raw, None))
+        assert refused.value.message == (
+            f"the 'timeout' parameter must be a whole number of microseconds, not {shown}"
+        ), micros
