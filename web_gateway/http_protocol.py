@@ -38,6 +38,9 @@ etc.).
 chunked alone) is answered 501 and the connection closed; an HTTP/1.0 request with a
 Transfer-Encoding is its connection's last (RFC 9112, 6.1). A request with more than one Host
 header, or an HTTP/1.1 one with none, is answered 400 and the connection closed (RFC 9112, 3.2).
+A request line whose method the parser does not know (``FOO``, ``get``) is answered 501 and the
+connection closed (RFC 9110, 15.6.2), where it starts a read; elsewhere (the parser says not
+where it refused), and for what is no method at all, 400.
 
 **Expect: 100-continue.** A request answered before its body was asked for (a 413 from its
 Content-Length), none of its body come, is its connection's last (:class:`ExpectingCycle`):
@@ -75,6 +78,7 @@ import asyncio
 import fcntl
 import logging
 import math
+import re
 import sys
 import termios
 import time
@@ -490,6 +494,24 @@ def _tell_app_gone(cycle: RequestResponseCycle) -> None:
     gone(cycle)
 
 
+# A request line's method (a token, RFC 9110, 5.6.2) and the space after it, and its target.
+_METHOD = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) ([^ \r\n]*)")
+
+
+def _unknown_method(exc: Exception, start: bytes) -> bytes | None:
+    """The method of a request line the parser refused for it: a token it does not know,
+    where ``start`` (the request's first bytes) shows one; None for anything else."""
+    if not isinstance(exc, httptools.HttpParserInvalidMethodError):
+        return None
+    found = _METHOD.match(start)
+    return None if found is None else found.group(1)
+
+
+def _request_target(start: bytes) -> str:
+    found = _METHOD.match(start)
+    return "" if found is None else found.group(2).decode("latin-1")
+
+
 def report_closed_connections() -> None:
     """Log the connections closed or refused since the last periodic line (at a stop)."""
     for sweeper in list(_sweepers.values()):
@@ -515,6 +537,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
     asks_close = False  # and whether its Connection header names "close"
     upgrade_body_left = 0  # body bytes still to come of a request served despite its upgrade
     stopping = False  # the server stops: the request being read is the connection's last
+    messages_begun = messages_complete = 0  # requests the parser began and finished reading
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -564,11 +587,16 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         if self.phase == IDLE:  # the next request starts
             self.phase = HEADERS
             self.deadline = self.loop.time() + self._limits.header_timeout
+        between = self.messages_begun == self.messages_complete  # data starts a request
+        begun = self.messages_begun
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:  # and _StopParsing, raised in a callback
             if self.phase != REFUSED and not self.overflowed:  # (those answer for themselves)
-                self._refuse_invalid(exc)
+                # the refused request's first bytes, where the parser is known to have begun
+                # it at this read's start (it says no position)
+                start = data if between and self.messages_begun == begun + 1 else b""
+                self._refuse_invalid(exc, start)
             return
         except httptools.HttpParserUpgrade as exc:
             # served as plain HTTP/1.1 (the gateway has no WebSocket routes); uvicorn said so
@@ -623,6 +651,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.messages_begun += 1
         self.header_bytes = self.unparsed_header_bytes = 0
         self.transfer_coding = b""
         self.host_lines = 0
@@ -706,9 +735,24 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         """Stop the parser from one of its callbacks (the connection has been answered)."""
         raise _StopParsing
 
-    def _refuse_invalid(self, exc: Exception) -> None:
+    def _refuse_invalid(self, exc: Exception, start: bytes = b"") -> None:
         """Answer 400 to what is not HTTP/1.1 and close; counted, not logged one by one (as
-        uvicorn did: a line per connection sending garbage)."""
+        uvicorn did: a line per connection sending garbage). A request line whose method is a
+        token the parser does not know (``start``: the request's first bytes, when known) is
+        answered 501 instead (RFC 9110, 15.6.2)."""
+        method = _unknown_method(exc, start)
+        if method is not None:
+            shown = method.decode("ascii")
+            if len(shown) > 40:
+                shown = f"{shown[:37]}..."
+            refusal = self._refusal(
+                "501 Not Implemented",
+                "NotImplemented",
+                f"method '{shown}' is not implemented (the routes take GET, HEAD and POST)",
+                v2=is_v2(_request_target(start)),
+            )
+            self._close_refused("invalid", refusal)
+            return
         cause = exc.__context__
         if isinstance(exc, httptools.HttpParserCallbackError) and isinstance(
             cause, httptools.HttpParserError
@@ -881,6 +925,7 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
+        self.messages_complete += 1
         self.phase = BUSY
         self.deadline = NO_DEADLINE
 

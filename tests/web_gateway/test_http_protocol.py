@@ -1012,6 +1012,36 @@ def test_a_request_of_another_http_version_is_refused_with_505() -> None:
         assert b"HTTP/%s is not served" % version in written(raw) and raw.closed
 
 
+def test_an_unknown_method_is_refused_with_501() -> None:
+    """A request line whose method is a token the server does not know (``FOO``, ``get``:
+    methods are case-sensitive) was answered 400, as if it were not HTTP; RFC 9110, 9.1 and
+    15.6.2: 501 Not Implemented. What is no method at all (a TLS handshake) stays a 400."""
+    for method in (b"FOO", b"get", b"GETX", b"M-FOO"):
+        for path in (b"/v1/models", b"/v2/models/m/infer"):
+            request = b"%s %s HTTP/1.1\r\nHost: x\r\n\r\n" % (method, path)
+            _, raw = run_protocol(answer_app, [request], expire=False)
+            answer = written(raw)
+            assert answer.startswith(b"HTTP/1.1 501 Not Implemented\r\n"), (method, answer)
+            assert b"NotImplemented" in answer and raw.closed
+            assert b"method '%s' is not implemented" % method in answer
+            assert (b'{"error":"NotImplemented: ' in answer) == path.startswith(b"/v2")
+    # a request line split after its method: still the method's fault
+    _, raw = run_protocol(answer_app, [b"FOO ", b"/ HTTP/1.1\r\nHost: x\r\n\r\n"], False)
+    assert written(raw).startswith(b"HTTP/1.1 501 Not Implemented\r\n")
+    for garbage in (b"\x16\x03\x01\x02\x00\x01\x00", b"GARBAGE\x00\r\n\r\n", b"{}\r\n"):
+        _, raw = run_protocol(answer_app, [garbage], expire=False)
+        assert written(raw).startswith(b"HTTP/1.1 400 Bad Request\r\n"), garbage
+    # behind a request of the same read (where the parser does not say it starts): the first
+    # is answered, then the refusal (400), never a 501 judged from the first one's method
+    pipelined = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n\x16\x03\x01 / HTTP/1.1\r\n\r\n"
+    _, raw = run_protocol(answer_app, [pipelined], expire=False)
+    assert written(raw).startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"HTTP/1.1 400 Bad Request\r\n" in written(raw) and raw.closed
+    body = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 6\r\n\r\nab cd "
+    _, raw = run_protocol(answer_app, [body + b"\x16\x03\x01"], expire=False)
+    assert b"HTTP/1.1 400 Bad Request\r\n" in written(raw) and raw.closed
+
+
 async def answer_app(scope: Any, receive: Any, send: Any) -> None:
     await receive()
     await answer_ok(send)
