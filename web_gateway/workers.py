@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import ipaddress
 import logging
 import os
 import signal
@@ -11,6 +12,7 @@ import sys
 from typing import Any
 
 from gunicorn.arbiter import Arbiter
+from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 from uvicorn.server import Server
 from uvicorn_worker import UvicornWorker
 
@@ -21,6 +23,43 @@ def _have(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+_PEER = "microbatch.peer"  # a request scope's key: its peer's address, while proxies are read
+
+
+class ForwardedClient:
+    """uvicorn's ``ProxyHeadersMiddleware`` (a trusted proxy's ``X-Forwarded-For`` and
+    ``X-Forwarded-Proto`` read, gunicorn's ``forwarded_allow_ips`` naming the proxies
+    trusted), keeping the peer's address where the one it takes is no IP address: uvicorn took
+    any text (``not-an-ip``, ``unknown``), and the access log named a client that does not
+    exist, as the header's sender chose."""
+
+    def __init__(self, app: Any, trusted_hosts: list[str] | str) -> None:
+        self.app = app
+        self.proxied = ProxyHeadersMiddleware(self._checked, trusted_hosts)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        scope[_PEER] = scope.get("client")
+        await self.proxied(scope, receive, send)
+
+    async def _checked(self, scope: Any, receive: Any, send: Any) -> None:
+        peer = scope.pop(_PEER, None)
+        client = scope.get("client")
+        if client is not peer and not _is_ip_address(client[0]):
+            scope["client"] = peer
+        await self.app(scope, receive, send)
+
+
+def _is_ip_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 class GatewayWorker(UvicornWorker):  # type: ignore[misc]
     """A uvicorn worker with the fastest loop and parser available, lifespan on."""
 
@@ -29,6 +68,9 @@ class GatewayWorker(UvicornWorker):  # type: ignore[misc]
         # httptools with read deadlines, a connection cap and one system call per response
         "http": "web_gateway.http_protocol:GatewayHttpProtocol" if _have("httptools") else "h11",
         "lifespan": "on",
+        # X-Forwarded-For is read by ForwardedClient (uvicorn's reading, checked), applied in
+        # _serve, rather than by uvicorn's own middleware
+        "proxy_headers": False,
         # no "server: uvicorn" on every response: it tells a scanner what to try, a client
         # nothing
         "server_header": False,
@@ -74,7 +116,7 @@ class GatewayWorker(UvicornWorker):  # type: ignore[misc]
         # gunicorn's wrappers: uvloop closes the socket object it serves on (ignoring EBADF,
         # libuv having closed the descriptor already), and gunicorn's wrapper logged that
         # EBADF as "Error while closing socket [Errno 9]" at every shutdown.
-        self.config.app = self.wsgi
+        self.config.app = ForwardedClient(self.wsgi, self.cfg.forwarded_allow_ips)
         server = self._server = Server(config=self.config)
         asyncio.get_running_loop().add_signal_handler(signal.SIGQUIT, _quit, server)
         await server.serve(sockets=[getattr(sock, "sock", sock) for sock in self.sockets])

@@ -84,6 +84,10 @@ def run_and_log(redis_url: str, prefix: str, log: Path, *args: str, secret_query
         )
         assert bad.status_code == 422
         assert httpx.get(f"{base}/v2/models/doubler/versions/7").status_code == 404
+        # from 127.0.0.1, a proxy trusted by default (gunicorn's FORWARDED_ALLOW_IPS)
+        for forwarded in ("203.0.113.9", "not-an-ip", "1.2.3.4, <script>"):
+            headers = {"X-Forwarded-For": forwarded}
+            assert httpx.get(f"{base}/v2/health/live", headers=headers).status_code == 200
 
 
 def test_logs_name_models_prefix_and_redis_without_password_in_one_format(
@@ -105,6 +109,11 @@ def test_logs_name_models_prefix_and_redis_without_password_in_one_format(
     access = [line for line in lines if " microbatch.gateway.access " in line]
     assert any('"POST /v1/models/doubler/predict HTTP/1.1" 422 ' in line for line in access)
     assert any('"GET /v2/models/doubler/versions/7 HTTP/1.1" 404 ' in line for line in access)
+    # an X-Forwarded-For naming no IP address is no client's address: the peer's is logged
+    live = [line for line in access if '"GET /v2/health/live ' in line]
+    clients = [line.split("] ")[1].split(" ")[0] for line in live]
+    assert len(clients) == 3 and clients[0] == "203.0.113.9:0", clients
+    assert [client.rpartition(":")[0] for client in clients[1:]] == ["127.0.0.1"] * 2, clients
     for secret in ("hunter2-secret", "query-secret", "secret-payload"):
         assert secret not in text
     assert "Errno 9" not in text and "Error while closing socket" not in text
