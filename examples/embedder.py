@@ -159,10 +159,11 @@ class Embedder(ManagedModel):
     """all-MiniLM-L6-v2: text -> normalised 384-float sentence embedding.
 
     The declared input is what reaches the worker: the text's token ids. Clients send text
-    (JSON strings, uploaded files, or a v2 BYTES tensor named ``text``).
+    (JSON strings, uploaded files, or a v2 BYTES tensor named ``text``): its request input.
     """
 
     name = "embedder"
+    request_inputs = [TensorSpec("text", "BYTES", [])]
     inputs = [TensorSpec("text", "INT32", [-1])]
     outputs = [TensorSpec("embedding", "FP32", [DIM])]
     batch_size = 64

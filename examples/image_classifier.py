@@ -116,6 +116,7 @@ class ImageClassifier(ManagedModel):
     labels: ClassVar[list[str]] = LABELS
     top_k: ClassVar[int] = TOP_K
     weights: ClassVar[str | None] = None  # path of a state_dict for build_network
+    request_inputs = [TensorSpec("image", "BYTES", [])]  # the image file's bytes
     inputs = [TensorSpec("image", "UINT8", [SIZE, SIZE, 3])]
     outputs = [TensorSpec("classes", "INT32", [TOP_K]), TensorSpec("scores", "FP32", [TOP_K])]
     batch_size = 32

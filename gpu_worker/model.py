@@ -228,9 +228,14 @@ class ManagedModel:
     A model whose items differ in cost (texts padded to the longest of a batch) declares
     ``item_cost`` and a budget per batch, ``max_batch_cost``: workers then form batches whose
     items cost at most that together, of items of similar cost (docs/protocol.md, 10.3).
+
+    ``inputs`` are what ``predict`` gets, after ``preprocess``. A model whose ``preprocess``
+    takes something else (texts, image bytes) declares what a caller sends as
+    ``request_inputs``: the gateway's v2 metadata reports them (None: ``inputs``).
     """
 
     name: ClassVar[str] = ""
+    request_inputs: ClassVar[list[TensorSpec] | None] = None
     inputs: ClassVar[list[TensorSpec]] = []
     outputs: ClassVar[list[TensorSpec]] = []
     batch_size: ClassVar[int] = 32
@@ -352,8 +357,10 @@ def _check_attributes(cls: type[ManagedModel]) -> None:
     # numpy's scalars (np.int64(32), np.float32(0.005)) are taken, as the plain numbers they are
     cls.batch_size, cls.max_latency = int(size), float(latency)
     cls.max_batch_cost = None if budget is None else int(budget)
-    for attribute in ("inputs", "outputs"):
+    for attribute in ("inputs", "outputs", "request_inputs"):
         specs = getattr(cls, attribute)
+        if specs is None and attribute == "request_inputs":
+            continue
         if not isinstance(specs, (list, tuple)) or not all(
             isinstance(spec, TensorSpec) for spec in specs
         ):
@@ -362,12 +369,13 @@ def _check_attributes(cls: type[ManagedModel]) -> None:
         twice = sorted({name for name in names if names.count(name) > 1})
         if twice:
             raise ValueError(f"{where}.{attribute} declares {twice[0]!r} more than once")
-    for spec in cls.inputs:
-        if spec.datatype == "BYTES" and spec.shape:
-            raise ValueError(
-                f"{where}.inputs: the BYTES input {spec.name!r} takes one string or bytes per "
-                f"item: declare it with shape [], not {spec.shape}"
-            )
+    for attribute in ("inputs", "request_inputs"):
+        for spec in getattr(cls, attribute) or ():
+            if spec.datatype == "BYTES" and spec.shape:
+                raise ValueError(
+                    f"{where}.{attribute}: the BYTES input {spec.name!r} takes one string or "
+                    f"bytes per item: declare it with shape [], not {spec.shape}"
+                )
 
 
 class ModelLoadError(ValueError):

@@ -80,7 +80,8 @@ class Stage:
 class Pipeline(ManagedModel):
     """Base class of a declared pipeline of models (a chain, or a tree that fans out).
 
-    Subclasses set ``name`` and ``stages``. ``inputs``, ``preprocess`` default to the first
+    Subclasses set ``name`` and ``stages``. ``inputs``, ``preprocess`` (and
+    ``request_inputs``, where the pipeline declares neither of those) default to the first
     stage's model's; ``outputs`` and ``postprocess`` to the single leaf's (several leaves: one
     output per leaf, named after it, where each declares one; ``postprocess`` applies each
     leaf's to its entry of the joined map). Override any of them.
@@ -100,8 +101,11 @@ class Pipeline(ManagedModel):
         # worker.
         for stage in cls._graph.values():
             stage.model_class()
+        first = cls.first_model()
+        if not {"request_inputs", "inputs", "preprocess"} & cls.__dict__.keys():
+            cls.request_inputs = first.request_inputs  # a request sends what the first takes
         if "inputs" not in cls.__dict__:
-            cls.inputs = list(cls.stage(cls.first()).model_class().inputs)
+            cls.inputs = list(first.inputs)
         if "outputs" not in cls.__dict__:
             cls.outputs = cls._leaf_outputs()
         # No stage model to delegate to: the base's own (callers then know there is nothing to

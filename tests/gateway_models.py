@@ -55,6 +55,7 @@ class ByteStats(ManagedModel):
     """
 
     name = "bytestats"
+    request_inputs = [TensorSpec("stats", "BYTES", [])]  # what a caller sends: the bytes
     inputs = [TensorSpec("stats", "FP64", [2])]
     outputs = [TensorSpec("stats", "FP64", [2])]
     batch_size = 8
@@ -103,3 +104,22 @@ class Labeller(ManagedModel):
 
     def postprocess(self, output: Any) -> Any:
         return self.LABELS[float(output[0])]
+
+
+class Codes(ManagedModel):
+    """A text -> its characters' code points, INT32[-1]: a request sends a BYTES tensor named
+    ``text``, the worker gets one named ``codes``."""
+
+    name = "codes"
+    request_inputs = [TensorSpec("text", "BYTES", [])]
+    inputs = [TensorSpec("codes", "INT32", [-1])]
+    outputs = [TensorSpec("count", "INT64", [1])]
+
+    def preprocess(self, item: Any) -> Any:
+        text = item.decode() if isinstance(item, bytes) else item
+        if not isinstance(text, str):
+            raise TypeError("codes takes a text")
+        return np.asarray([ord(char) for char in text], dtype=np.int32)
+
+    def predict(self, batch: list[Any]) -> list[Any]:
+        return [np.asarray([len(item)]) for item in batch]

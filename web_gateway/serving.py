@@ -45,6 +45,9 @@ class ServedModel:
         self.name = cls.name
         self.instance = cls()
         self.inputs: list[TensorSpec] = list(cls.inputs)
+        # what a request sends (v2 metadata, the names a v2 request's tensors take)
+        declared = cls.request_inputs
+        self.request_inputs = self.inputs if declared is None else list(declared)
         self.outputs: list[TensorSpec] = list(cls.outputs)
         self.has_preprocess = _overrides(cls, "preprocess")
         self.has_postprocess = _overrides(cls, "postprocess")
@@ -101,7 +104,7 @@ class ServedModel:
             "name": self.name,
             "versions": list(VERSIONS),
             "platform": "microbatch",
-            "inputs": tensor_metadata(self.inputs),
+            "inputs": tensor_metadata(self.request_inputs),
             "outputs": tensor_metadata(self.outputs),
         }
 

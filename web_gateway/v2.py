@@ -186,7 +186,7 @@ def parse_and_prepare(
     """A v2 body parsed, checked against ``served``'s inputs, and its items prepared."""
     parsed = kserve.parse_request(body, header_length, max_containers)
     reading.check_items(parsed.batch_size, max_items)
-    kserve.check_inputs(parsed, served.inputs, strict_datatypes=not served.has_preprocess)
+    kserve.check_inputs(parsed, served.request_inputs, strict_datatypes=not served.has_preprocess)
     kserve.check_outputs(parsed, served.outputs)
     return parsed, served.prepare(parsed.items())
 

@@ -120,6 +120,39 @@ def test_the_gateway_imports_both_examples_without_torch() -> None:
     assert done.stdout.strip() == "light"
 
 
+def test_v2_metadata_of_the_examples_declares_what_a_request_sends(
+    redis_server: RedisServer,
+) -> None:
+    """The embedder's metadata declared the worker's INT32 token ids, the classifier's the
+    decoded UINT8 pixels: a client building its request from the metadata (tritonclient,
+    perf_analyzer) sent those, which their preprocess refuses. A text pipeline takes what its
+    first stage takes."""
+    from starlette.testclient import TestClient
+
+    from web_gateway.app import create_app
+    from web_gateway.settings import GatewaySettings
+
+    models = [
+        EMBEDDER,
+        CLASSIFIER,
+        "examples.pipelines:Sentiment",
+        "examples.pipelines:SentimentTopic",
+    ]
+    settings = GatewaySettings(model=models, redis_url=redis_server.url, prefix="metadata")
+    with TestClient(create_app(settings)) as client:
+        metadata = {name: client.get(f"/v2/models/{name}").json() for name in (
+            "embedder", "classifier", "sentiment", "sentiment-topic")}  # fmt: skip
+    text = [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
+    assert metadata["embedder"]["inputs"] == text
+    assert metadata["sentiment"]["inputs"] == metadata["sentiment-topic"]["inputs"] == text
+    assert metadata["classifier"]["inputs"] == [
+        {"name": "image", "datatype": "BYTES", "shape": [-1]}
+    ]
+    assert metadata["embedder"]["outputs"] == [
+        {"name": "embedding", "datatype": "FP32", "shape": [-1, 384]}
+    ]
+
+
 # -- the embedder ------------------------------------------------------------------------------
 @pytest.mark.slow  # the examples' real models, loaded in workers and a gateway
 def test_embeddings_through_redis_are_sentence_transformers_own(stack: Any, http: Any) -> None:
@@ -154,6 +187,31 @@ def test_embeddings_through_redis_are_sentence_transformers_own(stack: Any, http
     response = http.post(EMBED, files=files)
     assert response.status_code == 200, response.text
     np.testing.assert_allclose(np.asarray(response.json()["outputs"]), want[[0, 5]], atol=1e-5)
+
+
+@pytest.mark.slow  # the examples' real models, loaded in workers and a gateway
+def test_tritonclient_builds_an_embedder_request_from_its_metadata_alone(stack: Any) -> None:
+    """As tools that know nothing of the model do (perf_analyzer, generic clients): one tensor
+    per input of the metadata, of its datatype and shape, the batch dimension filled in."""
+    import tritonclient.http as triton
+
+    client = triton.InferenceServerClient(url=stack.base.removeprefix("http://"))
+    try:
+        metadata = client.get_model_metadata("embedder")
+        tensors = []
+        for declared in metadata["inputs"]:
+            assert declared["datatype"] == "BYTES" and declared["shape"] == [-1]
+            data = np.array([text.encode() for text in SENTENCES[:3]], dtype=np.object_)
+            tensor = triton.InferInput(declared["name"], [len(data)], declared["datatype"])
+            tensor.set_data_from_numpy(data)
+            tensors.append(tensor)
+        (output,) = metadata["outputs"]
+        result = client.infer("embedder", tensors)
+        got = result.as_numpy(output["name"])
+    finally:
+        client.close()
+    assert got.dtype == np.float32 and list(got.shape) == [3, *output["shape"][1:]]
+    np.testing.assert_allclose(got, encode(stack, SENTENCES[:3]), atol=1e-5)
 
 
 @pytest.mark.slow  # the examples' real models, loaded in workers and a gateway

@@ -35,6 +35,26 @@ def test_a_chain_and_a_fan_out_declare_their_graph() -> None:
     ]
 
 
+def test_a_pipeline_takes_its_first_stage_s_request_inputs_unless_it_prepares_its_own() -> None:
+    """What a request sends (the v2 metadata's inputs): the first stage's, as its preprocess
+    is; a pipeline with inputs or a preprocess of its own has no others."""
+    from gpu_worker.model import TensorSpec
+
+    text = [TensorSpec("text", "BYTES", [])]
+    first = type("Texts", (Embed,), {"name": "texts", "request_inputs": text})
+    stages = [Stage("embed", first), Stage("polarity", Polarity)]
+    taken = type("Taken", (Pipeline,), {"name": "taken", "stages": stages})
+    assert taken.request_inputs == text
+    assert Chain.request_inputs is None  # its first stage declares none
+    own_preprocess = {"name": "own", "stages": stages, "preprocess": lambda self, item: item}
+    assert type("Own", (Pipeline,), own_preprocess).request_inputs is None
+    own_inputs = {"name": "own-inputs", "stages": stages, "inputs": list(Embed.inputs)}
+    assert type("OwnInputs", (Pipeline,), own_inputs).request_inputs is None
+    declared = [TensorSpec("words", "BYTES", [])]
+    own = {"name": "own-request", "stages": stages, "request_inputs": declared}
+    assert type("OwnRequest", (Pipeline,), own).request_inputs == declared
+
+
 def test_an_item_too_late_to_forward_is_answered_naming_its_stage() -> None:
     """As every error a stage answers: the stage before the message and in the error map."""
     import asyncio

@@ -145,6 +145,17 @@ def test_lists_nested_deeper_than_the_stack_are_refused_as_the_input_s_fault() -
             "Bad.inputs: the BYTES input 'text' takes one string or bytes per item: declare it "
             "with shape [], not [-1]",
         ),
+        ({"request_inputs": [("x", "BYTES", [])]}, "Bad.request_inputs must be a list of"),
+        ({"request_inputs": TensorSpec("x", "BYTES", [])}, "Bad.request_inputs must be a list"),
+        (
+            {"request_inputs": [TensorSpec("t", "BYTES", []), TensorSpec("t", "FP32", [1])]},
+            "Bad.request_inputs declares 't' more than once",
+        ),
+        (
+            {"request_inputs": [TensorSpec("text", "BYTES", [1])]},
+            "Bad.request_inputs: the BYTES input 'text' takes one string or bytes per item: "
+            "declare it with shape [], not [1]",
+        ),
     ],
 )
 def test_a_model_class_declared_wrong_fails_as_it_is_defined(
@@ -159,6 +170,9 @@ def test_a_model_class_declared_wrong_fails_as_it_is_defined(
 def test_a_model_class_declared_right_is_taken() -> None:
     attributes = {"batch_size": 4, "max_latency": 0, "inputs": (TensorSpec("x", "FP32", [2]),)}
     assert type("Good", (ManagedModel,), attributes).batch_size == 4
+    assert ManagedModel.request_inputs is None  # by default, a request sends the inputs
+    text = [TensorSpec("text", "BYTES", [])]
+    assert type("Text", (ManagedModel,), {"request_inputs": text}).request_inputs == text
 
 
 def test_numpy_scalars_are_taken_as_the_plain_numbers_they_are() -> None:

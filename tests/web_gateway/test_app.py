@@ -374,3 +374,30 @@ def test_options_asterisk_asks_the_server_and_other_methods_may_not_use_it(
     )
     status, _, body = asgi_request(app, "GET", "*")
     assert status == 400 and b"'*' is the target of OPTIONS alone" in body
+
+
+def test_v2_metadata_declares_what_a_request_sends_where_a_preprocess_takes_it(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """A model with its own preprocess (texts -> token ids) was described by the tensors its
+    worker gets (INT32 ids): tools that build requests from the metadata (tritonclient,
+    perf_analyzer) sent ids, which the preprocess refused. Its ``request_inputs`` are what a
+    request sends; a model without them keeps its ``inputs``."""
+    models = ["tests.gateway_models:ByteStats", "tests.gateway_models:Codes", DOUBLER]
+    settings = GatewaySettings(model=models, redis_url=redis_server.url, prefix=prefix)
+    with TestClient(create_app(settings), raise_server_exceptions=False) as http:
+        bytestats = http.get("/v2/models/bytestats").json()
+        codes = http.get("/v2/models/codes/versions/1").json()
+        doubler = http.get("/v2/models/doubler").json()
+        # a request's tensors are named as the request inputs are
+        wrong = http.post("/v2/models/codes/infer", json=v2_body("codes", "INT32", [1], [65]))
+        right = http.post("/v2/models/codes/infer", json=v2_body("text", "INT32", [1], [65]))
+    assert bytestats["inputs"] == [{"name": "stats", "datatype": "BYTES", "shape": [-1]}]
+    assert bytestats["outputs"] == [{"name": "stats", "datatype": "FP64", "shape": [-1, 2]}]
+    assert codes["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]
+    assert doubler["inputs"] == [{"name": "input", "datatype": "FP32", "shape": [-1, 4]}]
+    assert wrong.status_code == 422
+    assert wrong.json()["error"] == "InvalidInput: inputs are ['codes'], the model takes ['text']"
+    assert right.status_code == 422  # named right, refused by the preprocess (not a text)
+    assert "preprocess failed: TypeError: codes takes a text" in right.json()["error"]
+    assert not redis.Redis.from_url(redis_server.url).exists(ModelKeys("codes", prefix).stream)
