@@ -816,6 +816,7 @@ def test_a_primary_without_replica_killed_and_restarted_under_load(
     assert late and set(late) == {"ok"}, Counter(late)
 
 
+@pytest.mark.slow  # a cluster failover
 def test_a_command_in_flight_to_a_primary_gone_silent_fails_once_its_replica_takes_over() -> None:
     """A command sent to a primary that then went silent (stopped: its connection stays open,
     nothing answers) is not held until the 10 s reply timeout: once a failover promotes its
@@ -906,6 +907,7 @@ def stopped(node: Any) -> Iterator[None]:
         os.kill(node.process.pid, signal.SIGCONT)
 
 
+@pytest.mark.slow  # a cluster primary stopped (failover)
 def test_calls_avoid_a_partition_whose_primary_went_silent(
     lenient_cluster: LocalCluster, prefix: str
 ) -> None:
@@ -950,6 +952,7 @@ def test_calls_avoid_a_partition_whose_primary_went_silent(
     assert to_one < 10, to_one
 
 
+@pytest.mark.slow  # a cluster primary stopped (failover)
 def test_the_heartbeats_of_partitions_on_other_primaries_go_on_while_one_is_silent(
     lenient_cluster: LocalCluster, prefix: str
 ) -> None:

@@ -78,6 +78,7 @@ def test_a_lane_reaches_the_master_and_follows_a_failover(sentinel: LocalSentine
         assert client.get(k) == b"after"
 
 
+@pytest.mark.slow  # a Sentinel failover
 def test_a_lane_that_left_the_old_master_drains_it_for_a_while(sentinel: LocalSentinel) -> None:
     """Each connection learns of a failover on its own timer: a worker's read that left the
     old master first never saw the requests callers still wrote there (10-33 calls per
@@ -170,6 +171,7 @@ def test_redis_py_clients_of_a_sentinel_url_follow_a_failover(sentinel: LocalSen
     direct.close()
 
 
+@pytest.mark.slow  # a Sentinel failover
 def test_a_redis_py_command_in_flight_to_a_master_gone_silent_moves_to_the_new_one() -> None:
     """A command already sent to a master that then went silent (stopped: its connection
     stays open, nothing answers) is not held until the reply timeout: once the sentinels
@@ -197,6 +199,7 @@ def test_a_redis_py_command_in_flight_to_a_master_gone_silent_moves_to_the_new_o
         asyncio.run(main())
 
 
+@pytest.mark.slow  # a Sentinel failover
 def test_a_redis_py_command_retried_after_its_timeout_reconnects_to_the_new_master() -> None:
     """A sync command (a heartbeat, the broker CLI) that timed out on a master gone silent is
     retried once: redis-py reconnected the retry to the address it had (the stopped master,

@@ -617,6 +617,7 @@ def test_redis_conf_keeps_requests() -> None:
     assert settings["appendfsync"] == "everysec"
 
 
+@pytest.mark.slow  # restarts Redis
 def test_a_redis_restart_keeps_transactions_written_as_acl_users(tmp_path: Path) -> None:
     """Redis replays the AOF's MULTI/EXEC blocks (every function call's writes among them) as
     the default user, and Redis 7.0 (until a later fix) re-checks each command against

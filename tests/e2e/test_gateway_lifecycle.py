@@ -59,6 +59,7 @@ def workers_of(process: subprocess.Popen[bytes]) -> list[int]:
     return [int(pid) for pid in path.read_text().split()]
 
 
+@pytest.mark.slow  # a gunicorn master's stop, twice, with requests in flight
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGQUIT])
 def test_sigint_and_sigquit_to_the_master_stop_gracefully(
     doubler: str, prefix: str, tmp_path: Path, sig: signal.Signals
@@ -98,6 +99,7 @@ def heartbeat_age(worker: int) -> float:
     raise AssertionError("no heartbeat file")
 
 
+@pytest.mark.slow  # a gunicorn worker's event loop stalled on purpose
 def test_a_worker_stalled_for_less_than_the_timeout_is_not_killed(
     doubler: str, prefix: str, tmp_path: Path
 ) -> None:
@@ -157,6 +159,7 @@ def kill_master_during_a_slow_request(
     return results
 
 
+@pytest.mark.slow  # kill -9 of a gunicorn master, then its graceful timeout
 def test_a_killed_master_s_worker_drops_what_outlasts_the_graceful_timeout(
     doubler: str, prefix: str, tmp_path: Path
 ) -> None:
@@ -176,6 +179,7 @@ def test_a_killed_master_s_worker_drops_what_outlasts_the_graceful_timeout(
     assert "dropping the connections still open" in text and "ERROR" not in text, text
 
 
+@pytest.mark.slow  # kill -9 of a gunicorn master
 def test_workers_of_a_killed_master_stop_and_free_the_port(
     doubler: str, prefix: str, tmp_path: Path
 ) -> None:
@@ -203,6 +207,7 @@ def test_workers_of_a_killed_master_stop_and_free_the_port(
         assert again.poll() is None
 
 
+@pytest.mark.slow  # two worker process replacements
 def test_a_worker_at_max_requests_is_replaced_and_every_request_answered(
     doubler: str, prefix: str
 ) -> None:

@@ -166,6 +166,7 @@ def test_what_counts_as_no_live_worker() -> None:
         WorkerWatch(grace_s=0)
 
 
+@pytest.mark.slow  # Redis stalled past the grace period
 def test_a_redis_stall_longer_than_the_grace_period_is_not_no_workers(prefix: str) -> None:
     """A stalled Redis (stopped, swapping) lets the workers' heartbeats lapse, and answers a
     check sent before the stall only when it is over, before the supervisors renew them:

@@ -146,6 +146,7 @@ def test_the_worker_is_ready_while_a_worker_process_serves_the_model(
         streamer.close()
 
 
+@pytest.mark.slow  # Redis stopped and started
 def test_the_queue_gauges_say_unknown_while_redis_is_away(prefix: str) -> None:
     """The supervisor kept the gauges at their last sample through an outage: live workers 1
     and an empty queue while nothing could be known, and nothing said Redis was away."""

@@ -546,6 +546,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow  # kills a program and its worker processes
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_a_killed_program_leaves_no_private_redis_behind(tmp_path: Path, sig: int) -> None:
     """`kill <pid>` of a program with a Streamer: its workers stop, and its private

@@ -225,6 +225,7 @@ def test_auto_runs_more_workers_on_a_device_for_a_small_model(
     assert f"{expect} worker(s) on it" in log
 
 
+@pytest.mark.slow  # waits out a worker's start timeout
 def test_the_extra_workers_of_auto_have_their_own_start_timeout(
     redis_server: RedisServer, prefix: str, tmp_path: Path, extra_workers: int
 ) -> None:
@@ -237,6 +238,7 @@ def test_the_extra_workers_of_auto_have_their_own_start_timeout(
         wait_for_line(log_path, f"all {extra_workers} worker(s) ready", process, timeout=30)
 
 
+@pytest.mark.slow  # worker processes failing to start
 def test_an_extra_worker_of_auto_that_cannot_start_is_left_out(
     redis_server: RedisServer, prefix: str, tmp_path: Path, extra_workers: int
 ) -> None:
@@ -268,6 +270,7 @@ def test_a_model_whose_size_cannot_be_taken_fails_to_start_with_the_reason(
     assert "CUDA error: an illegal memory access" in result.stderr
 
 
+@pytest.mark.slow  # waits out a worker's start timeout
 def test_an_extra_worker_of_auto_not_ready_in_time_is_left_out(
     redis_server: RedisServer, prefix: str, tmp_path: Path, extra_workers: int
 ) -> None:

@@ -50,6 +50,7 @@ def test_the_watch_calls_once_due_and_only_then() -> None:
     assert called == ["computed 3 batches (--max-batches 3)"]
 
 
+@pytest.mark.slow  # worker processes replaced under load
 @pytest.mark.parametrize("option", [["--max-batches", "2"], ["--max-rss-mib", "1"]])
 def test_a_worker_process_due_is_replaced_and_no_call_is_lost(
     redis_server: RedisServer, prefix: str, option: list[str], tmp_path: Path
@@ -138,6 +139,7 @@ def test_workers_due_together_are_replaced_one_at_a_time() -> None:
         workers.heartbeats.close()
 
 
+@pytest.mark.slow  # waits out a worker's start timeout
 def test_a_fresh_process_stuck_loading_the_model_is_restarted_after_the_start_timeout(
     redis_server: RedisServer, prefix: str, tmp_path: Path
 ) -> None:
