@@ -8,8 +8,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import Future
 from pathlib import Path
@@ -39,19 +37,9 @@ from broker.protocol import CallRequests, decode_reply, request_fields
 from broker.redis_transport import RedisTransport
 from broker.transport import UNBOUNDED
 from gpu_worker.batching import BatchLoop, BatchSettings
-from tests.conftest import ROOT, wait_for_consumers, worker_process
+from tests.broker.test_broker_cli import broker_cli
+from tests.conftest import wait_for_consumers, worker_process
 from tests.models import DELAY_ENV
-
-
-def broker_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "broker.cli", *args],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "80"},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def slot_tag(key: str) -> str:
