@@ -29,6 +29,9 @@ LEVELS = ("debug", "info", "warning", "error", "critical")
 _UNSAFE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029]")
 _UNSAFE_IN_TRACEBACK = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029]")  # not \n
 _NAMED = {"\n": "\\n", "\r": "\\r"}
+# What JSON leaves raw but a reader of lines or a terminal does not: DEL, the C1 controls
+# (NEL breaks a line for str.splitlines; CSI starts a terminal sequence) and the separators
+_UNSAFE_IN_JSON = re.compile("[\x7f-\x9f\u2028\u2029]")
 
 
 def _escaped(match: re.Match[str]) -> str:
@@ -97,7 +100,10 @@ class JsonFormatter(logging.Formatter):
         }
         if record.exc_info:
             event["exception"] = self.formatException(record.exc_info)
-        return json.dumps(event, ensure_ascii=False)
+        line = json.dumps(event, ensure_ascii=False)
+        if not line.isprintable():  # the common line is: no search then
+            line = _UNSAFE_IN_JSON.sub(lambda match: f"\\u{ord(match.group()):04x}", line)
+        return line
 
 
 def parse_level(level: str, option: str = "--log-level") -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -175,3 +176,22 @@ def test_no_client_value_forges_a_line_of_a_text_log(capfd: pytest.CaptureFixtur
     assert traceback.splitlines()[1] == "Traceback (most recent call last):"
     assert "ValueError: bad input\\n2026-01-01 00:00:00,000 ERROR" in traceback
     assert "KeyError: 'cause\\n2026-01-01" in traceback
+
+
+def test_no_client_value_breaks_or_forges_a_line_of_a_json_log(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """JSON escapes the C0 controls, but wrote DEL, the C1 controls (CSI, 0x9b, starts a
+    terminal sequence as ESC [ does; NEL, 0x85, breaks a line for str.splitlines) and the line
+    and paragraph separators raw: a client's value split one event into lines a log reader
+    took for more. They are written as JSON escapes, and the line reads back the same."""
+    configure_logging("info", "json")
+    hostile = f"bad input{FORGED}\x7f\x85\x9b2J\u2029end"
+    try:
+        logging.getLogger("microbatch.test").warning("model said %s", hostile)
+        line = capfd.readouterr().err
+    finally:
+        logging.getLogger().handlers.clear()
+    assert not re.search("[\x00-\x09\x0b-\x1f\x7f-\x9f\u2028\u2029]", line), line
+    assert len(line.splitlines()) == 1
+    assert json.loads(line)["message"] == f"model said {hostile}"
