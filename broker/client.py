@@ -35,6 +35,7 @@ from .errors import (
     DeadlineExceeded,
     MicrobatchError,
     NoWorkers,
+    QueueFull,
     describe_error,
     error_from_wire,
 )
@@ -46,6 +47,7 @@ from .partitions import split_bound
 from .priorities import parse_priority
 from .protocol import CallRequests, Reply
 from .reply_elements import decode_any
+from .stage_check import StageCheck, stage_names
 from .transport import UNBOUNDED, QueueBound, RepliesRefused, Transport
 from .worker_watch import CHECK_EVERY_S, WorkerWatch
 
@@ -140,6 +142,7 @@ class ClientCore:
         loop: asyncio.AbstractEventLoop,
         bound: QueueBound = UNBOUNDED,
         watch: WorkerWatch | None = None,
+        stages: Sequence[str] = (),
     ) -> None:
         self.keys = keys
         self.transport = transport
@@ -183,6 +186,9 @@ class ClientCore:
         self._watch_timer: asyncio.TimerHandle | None = None
         self._watch_task: asyncio.Task[None] | None = None
         self._watch_log = Every(10.0)
+        # A pipeline's (its stage names given): what names a later stage without workers in
+        # the errors of calls that wait on it.
+        self._stages = StageCheck(keys, stages, transport, loop) if len(stages) > 1 else None
         # The model's partition count, read before the first send and again every
         # PARTITIONS_EVERY_S while calls go out; calls go to partitions in turn, from a
         # random one, so that many callers spread evenly.
@@ -463,7 +469,9 @@ class ClientCore:
             self._fail_calls(calls, BrokerUnavailable(f"{type(exc).__name__}: {exc}"))
             return
         for call, outcome in zip(calls, outcomes, strict=True):
-            if isinstance(outcome, MicrobatchError):
+            if isinstance(outcome, QueueFull):
+                self._give_up_naming_stage(call, outcome)
+            elif isinstance(outcome, MicrobatchError):
                 self._fail_calls([call], outcome)
             else:
                 call.entries, call.queue = outcome, queue
@@ -561,7 +569,9 @@ class ClientCore:
         if reply.ok:
             call.results[index] = reply.result
         else:
-            call.errors[index] = error_from_wire(reply.error_type, reply.error_message, index=index)
+            call.errors[index] = error_from_wire(
+                reply.error_type, reply.error_message, index=index, stage=reply.error_stage
+            )
         call.remaining -= 1
         if call.remaining == 0:
             self._settle(call)
@@ -621,8 +631,23 @@ class ClientCore:
         """The call's deadline passed: its unanswered items fail and are withdrawn (a worker
         would only skip them, and until then they count against the queue bound: with no
         worker reading, expired items alone could fill it)."""
-        message = f"no reply within {call.timeout_s:g} s"
-        self._give_up(call, lambda index: DeadlineExceeded(message, index=index))
+        self._give_up_naming_stage(call, DeadlineExceeded(f"no reply within {call.timeout_s:g} s"))
+
+    def _give_up_naming_stage(self, call: _Call, error: MicrobatchError) -> None:
+        """:meth:`_give_up` with ``error``; a pipeline's, once it names the later stages
+        that have no live worker (a round trip, shared by the calls failing meanwhile)."""
+        if self._stages is None:
+            self._give_up(call, error.with_index)
+            return
+        task = self.loop.create_task(self._name_stage_and_give_up(call, error, self._stages))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _name_stage_and_give_up(
+        self, call: _Call, error: MicrobatchError, stages: StageCheck
+    ) -> None:
+        named = await stages.name_stage(error)
+        self._give_up(call, named.with_index)
 
     def _give_up(self, call: _Call, make_error: Callable[[int], MicrobatchError]) -> None:
         """Fail ``call``'s unanswered items with ``make_error`` and withdraw them (a call still
@@ -644,13 +669,16 @@ class ClientCore:
     def _no_workers(self) -> NoWorkers:
         assert self._watch is not None
         keys = self.keys
+        first = "" if self._stages is None else f" (its first stage, {self._stages.first!r})"
         return NoWorkers(
-            f"no live worker has consumed model {keys.model!r} under prefix {keys.prefix!r} "
-            f"for over {self._watch.grace_s:g} s: check that a worker serves it (`worker start "
+            f"no live worker has consumed model {keys.model!r}{first} under prefix "
+            f"{keys.prefix!r} for over {self._watch.grace_s:g} s: check that a worker serves it "
+            "(`worker start "
             "--model ...`, or for a pipeline's first stage `worker start --model ... --stage "
             "...`) with the same --prefix and --redis as this caller (`broker status` lists the "
             "live workers); if one does, its workers may be exiting as they start or serve: see "
-            "its log"
+            "its log",
+            stage=None if self._stages is None else self._stages.first,
         )
 
     def _oldest_call_at(self) -> float:
@@ -861,10 +889,16 @@ class Streamer:
     items (docs/protocol.md, "Multi-item entries"). 1 sends one entry per item, for workers
     that read only wire v1.
 
-    Every keyword argument but ``model`` is a field of :class:`broker.client_settings.
-    ClientSettings` (``client_settings``): each one given wins over ``settings=``, which
-    defaults to the environment (``MICROBATCH_CLIENT_<FIELD>``; ``REDIS_URL`` too) and the
-    defaults.
+    For a pipeline (docs/pipelines.md), ``stages`` are its stage names in declaration order
+    (default: those of ``model``, when it is a Pipeline): a call that times out
+    (:class:`DeadlineExceeded`) or is refused (:class:`QueueFull`) while a later stage has no
+    live worker names that stage, in its message and its ``stage``; :class:`NoWorkers` names
+    the first stage.
+
+    Every keyword argument but ``model`` and ``stages`` is a field of
+    :class:`broker.client_settings.ClientSettings` (``client_settings``): each one given wins
+    over ``settings=``, which defaults to the environment (``MICROBATCH_CLIENT_<FIELD>``;
+    ``REDIS_URL`` too) and the defaults.
     """
 
     # Whether apredict may run on the caller's loop (False where the transport lives on the
@@ -886,6 +920,7 @@ class Streamer:
         priority: str | int | None = None,
         entry_items: int | None = None,
         settings: ClientSettings | None = None,
+        stages: Sequence[str] | None = None,
     ) -> None:
         from .client_settings import ClientSettings
 
@@ -912,6 +947,7 @@ class Streamer:
         self.redis_url = config.redis_url
         self.timeout = config.timeout
         self.model = _caller_side_model(model)
+        self.stages = [check_name(s) for s in stages] if stages else stage_names(self.model)
         self._reset_for_process()
 
     def _reset_for_process(self) -> None:
@@ -959,6 +995,10 @@ class Streamer:
     def _new_watch(self) -> WorkerWatch | None:
         return None if self.wait_for_workers else WorkerWatch(self.workers_grace)
 
+    def _new_core(self, loop: asyncio.AbstractEventLoop) -> ClientCore:
+        watch = self._new_watch()
+        return ClientCore(self.keys, self._make_transport(), loop, self.bound, watch, self.stages)
+
     def _check_process(self) -> None:
         if self._generation != _fork_generation:  # forked: the parent's loop thread is not here
             with _fork_lock:  # the child's first calls may come from many threads at once
@@ -980,7 +1020,7 @@ class Streamer:
         return core
 
     async def _start_core(self, loop: asyncio.AbstractEventLoop) -> ClientCore:
-        core = ClientCore(self.keys, self._make_transport(), loop, self.bound, self._new_watch())
+        core = self._new_core(loop)
         started = self._on_core_start(core)
         if asyncio.iscoroutine(started):
             await started
@@ -1004,9 +1044,7 @@ class Streamer:
                 return core
             for old in [old for old in cores if old.is_closed()]:
                 del cores[old]  # cores of loops that asyncio.run() already closed
-            core = cores[loop] = ClientCore(
-                self.keys, self._make_transport(), loop, self.bound, self._new_watch()
-            )
+            core = cores[loop] = self._new_core(loop)
         core.close_at_loop_shutdown()  # asyncio.run() closes its connections, not the GC
         return core
 

@@ -10,13 +10,18 @@ from __future__ import annotations
 class MicrobatchError(Exception):
     """Base class of every microbatch error.
 
-    ``index`` is the position of the failing item in the caller's batch, when one is known.
+    ``index`` is the position of the failing item in the caller's batch, when one is known;
+    ``stage`` the pipeline stage that failed it or held it (docs/pipelines.md), when one is
+    known.
     """
 
-    def __init__(self, message: str = "", *, index: int | None = None) -> None:
+    def __init__(
+        self, message: str = "", *, index: int | None = None, stage: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.index = index
+        self.stage = stage
 
     @property
     def type(self) -> str:
@@ -34,7 +39,7 @@ class MicrobatchError(Exception):
 
     def with_index(self, index: int) -> MicrobatchError:
         """A copy of this error naming the item at ``index``."""
-        return type(self)(self.message, index=index)
+        return type(self)(self.message, index=index, stage=self.stage)
 
 
 class ModelError(MicrobatchError):
@@ -95,12 +100,15 @@ WIRE_ERRORS: dict[str, type[MicrobatchError]] = {
 }
 
 
-def error_from_wire(type_name: str, message: str, *, index: int | None = None) -> MicrobatchError:
-    """Rebuild a typed error from a reply's ``{type, message}``; unknown types stay generic."""
+def error_from_wire(
+    type_name: str, message: str, *, index: int | None = None, stage: str | None = None
+) -> MicrobatchError:
+    """Rebuild a typed error from a reply's ``{type, message, stage}``; unknown types stay
+    generic."""
     cls = WIRE_ERRORS.get(type_name, MicrobatchError)
     if cls is MicrobatchError:
         message = f"{type_name}: {message}"
-    return cls(message, index=index)
+    return cls(message, index=index, stage=stage)
 
 
 def describe_error(exc: BaseException) -> str:

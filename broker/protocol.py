@@ -325,6 +325,7 @@ class Reply:
     result: Any = None
     error_type: str = ""
     error_message: str = ""
+    error_stage: str | None = None  # the pipeline stage that answered the error, if named
 
 
 def result_id_span(data: bytes, at: int = 0) -> tuple[int, int] | None:
@@ -408,7 +409,10 @@ def reply_from_message(message: Any) -> Reply:
         error = _with_text_keys(error)
         type_name, text = _reply_text(error.get("type")), _reply_text(error.get("message", ""))
         if type_name is not None and text is not None:
-            return Reply(request_id, False, error_type=type_name, error_message=text)
+            stage = _reply_text(error.get("stage"))
+            return Reply(
+                request_id, False, error_type=type_name, error_message=text, error_stage=stage
+            )
         problem = "'error.type' or 'error.message' is not a string"
     return Reply(
         request_id,

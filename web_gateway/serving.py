@@ -17,6 +17,7 @@ import numpy as np
 from broker import Streamer
 from broker.errors import InvalidInput, ModelError
 from broker.keys import ModelKeys
+from broker.stage_check import stage_names
 from gpu_worker.model import ManagedModel, TensorSpec, load_model_class
 from gpu_worker.pipeline import Pipeline
 
@@ -69,6 +70,7 @@ class ServedModel:
             wait_for_workers=settings.wait_for_workers,
             workers_grace=settings.workers_grace,
             entry_items=settings.entry_items,
+            stages=stage_names(cls),  # a pipeline's errors name a later stage without workers
         )
         # whose workers model readiness counts: the model's; a pipeline's, every stage's
         self.stage_keys = _stage_keys(cls, self.streamer.keys)

@@ -20,7 +20,8 @@ from gpu_worker import LocalStreamer
 from tests.conftest import wait_until
 from tests.models import Toy
 
-NOT_SETTINGS = {"self", "name", "model", "settings"}  # Streamer's arguments that are no setting
+# Streamer's arguments that are no setting (a pipeline's stages come with its class, as model)
+NOT_SETTINGS = {"self", "name", "model", "settings", "stages"}
 ENVIRONMENT = {
     "REDIS_URL": "redis://shared:6379/0",
     f"{ENV_PREFIX}PREFIX": "from-env",

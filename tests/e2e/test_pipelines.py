@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import redis
 
-from broker import DeadlineExceeded, ModelError, Streamer, acl, admin, functions
+from broker import DeadlineExceeded, MicrobatchError, ModelError, Streamer, acl, admin, functions
 from broker.devserver import RedisServer
 from broker.keys import HIGH, ModelKeys
 from broker.protocol import decode_reply, entry_time_ms, request_fields
@@ -31,7 +31,7 @@ from tests.cluster_local import LocalCluster
 from tests.conftest import ROOT, wait_for_consumers, wait_until, worker_process
 from tests.e2e.test_gateway import gateway_process
 from tests.models import DELAY_ENV, RECORD_ENV
-from tests.pipeline_models import Chain, Embed, Polarity, Topic, double
+from tests.pipeline_models import Chain, Embed, Half, Polarity, Topic, double
 
 MODULE = "tests.pipeline_models"
 FIRST = "embed"  # the first stage of every test pipeline
@@ -163,6 +163,7 @@ def test_an_error_in_stage_two_names_stage_two(redis_server: RedisServer, served
     assert (
         caught.value.message == "stage 'polarity': ValueError: head got an embedding out of range"
     )
+    assert caught.value.stage == "polarity"  # the reply's error map names it too
 
 
 def test_a_fan_out_error_names_the_failing_branch(redis_server: RedisServer, served: str) -> None:
@@ -199,6 +200,11 @@ def test_one_http_route_serves_the_pipeline(redis_server: RedisServer, served: s
         fan = httpx.post(f"{base}/v2/models/fan/infer", json=body)  # the join: one per leaf
         # a pipeline is ready when every stage has a live worker
         ready = {name: httpx.get(f"{base}/v2/models/{name}/ready") for name in ("fan", "half")}
+        stuck = httpx.post(  # its topic stage has no worker: the answer names it
+            f"{base}/v1/models/half/predict",
+            json={"inputs": [items[0].tolist()]},
+            headers={"X-Request-Timeout": "1"},
+        )
     assert v1.status_code == 200, v1.text
     np.testing.assert_allclose(np.array(v1.json()["outputs"]), expected, rtol=1e-5)
     assert v2.status_code == 200, v2.text
@@ -213,6 +219,61 @@ def test_one_http_route_serves_the_pipeline(redis_server: RedisServer, served: s
     assert ready["half"].status_code == 503 and ready["half"].json()["ready"] is False
     assert failed.status_code == 500
     assert failed.json()["error"]["message"].startswith("item 0: stage 'polarity': ValueError")
+    assert stuck.status_code == 504
+    assert "stage 'topic' ('half.topic' in broker status) has no live worker" in stuck.text
+
+
+def test_a_call_waiting_on_a_stage_without_workers_names_that_stage(
+    redis_server: RedisServer, served: str
+) -> None:
+    """The half pipeline's topic stage has no worker: the call times out there, and its error
+    says so (with the model class, or with the stage names alone)."""
+    url = redis_server.url
+    with (
+        Streamer("half", redis_url=url, prefix=served, model=Half) as streamer,
+        Streamer("half", redis_url=url, prefix=served, stages=["embed", "topic"]) as named,
+        Streamer("half", redis_url=url, prefix=served) as plain,
+    ):
+        for caller in (streamer, named):
+            with pytest.raises(DeadlineExceeded) as raised:
+                caller.predict(inputs(2), timeout=1)
+            error = raised.value
+            assert error.stage == "topic" and error.index == 0
+            assert str(error) == (
+                "item 0: no reply within 1 s; stage 'topic' ('half.topic' in broker status) "
+                "has no live worker: start one (worker start --model <the pipeline> --stage "
+                "topic)"
+            )
+        with pytest.raises(DeadlineExceeded) as raised:  # not told the stages: as before
+            plain.predict(inputs(1), timeout=0.5)
+    assert str(raised.value) == "item 0: no reply within 0.5 s" and raised.value.stage is None
+
+
+def test_queue_full_and_no_workers_of_a_pipeline_name_their_stage(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Backed up behind its topic stage, which has no worker, the half pipeline refuses new
+    calls with QueueFull naming that stage; with no worker at all, NoWorkers names the first."""
+    from broker import NoWorkers, QueueFull
+
+    url = redis_server.url
+    with Streamer("half", redis_url=url, prefix=prefix, model=Half, workers_grace=1) as streamer:
+        with stages(url, prefix, "half", ["embed"], "--max-queue-items", "2"):
+            futures = [streamer.submit(inputs(1), timeout=3) for _ in range(40)]
+            errors = []
+            for future in futures:
+                with pytest.raises(MicrobatchError) as raised:
+                    future.result(timeout=30)
+                errors.append(raised.value)
+        with pytest.raises(NoWorkers) as raised:
+            streamer.predict(inputs(1), timeout=30)
+    full = [error for error in errors if isinstance(error, QueueFull)]
+    assert full, errors
+    assert {type(error) for error in errors} == {QueueFull, DeadlineExceeded}
+    assert all(error.stage == "topic" for error in errors)
+    assert "; stage 'topic' ('half.topic' in broker status) has no live worker" in str(full[0])
+    assert raised.value.stage == "embed"
+    assert "model 'half' (its first stage, 'embed') under prefix" in str(raised.value)
 
 
 @pytest.mark.slow
