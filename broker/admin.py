@@ -430,6 +430,22 @@ def purge_dead_letters(client: redis.Redis, keys: ModelKeys, ids: list[str] | No
     return purged
 
 
+def has_dead_letters(
+    client: redis.Redis, keys: ModelKeys, older_than_ms: int | None = None
+) -> bool:
+    """Whether the model holds a dead letter (one dead-lettered over ``older_than_ms`` ago, by
+    the clock of the node holding it, when given)."""
+    for part in keys.lanes():
+        if older_than_ms is None:
+            if int(client.xlen(part.dead_letters)):
+                return True
+            continue
+        newest_gone = _now_ms(client, part) - older_than_ms - 1  # what XTRIM MINID would take
+        if newest_gone >= 0 and client.xrange(part.dead_letters, "-", newest_gone, count=1):
+            return True
+    return False
+
+
 def purge_old_dead_letters(client: redis.Redis, keys: ModelKeys, older_than_ms: int) -> int:
     """Delete the dead letters dead-lettered over ``older_than_ms`` ago (by the clock of the
     node holding each, which stamped their ids); return how many."""

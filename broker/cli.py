@@ -483,17 +483,23 @@ def purge(
     ] = None,
     yes: Annotated[bool, typer.Option("--yes", help="Do not ask for confirmation.")] = False,
 ) -> None:
-    """Delete dead letters for good."""
+    """Delete dead letters for good (asked first unless --yes; with none to delete, says so and
+    asks nothing)."""
     if ids and older_than is not None:
         fail("give --id or --older-than, not both")
     which = f" dead-lettered over {_age_text(older_than)} ago" if older_than is not None else ""
-    if not yes:
-        _confirm(f"Delete dead letters of {name} (prefix {prefix}){which}?")
+    age_ms = None if older_than is None else _age_ms(older_than) or 0
     client = _connect(redis_url)
     with _redis_errors(prefix):
         keys = _dead_targets(client, name, prefix, ids)
-        if older_than is not None:
-            count = admin.purge_old_dead_letters(client, keys, _age_ms(older_than) or 0)
+        if not ids and not admin.has_dead_letters(client, keys, age_ms):
+            typer.echo(f"no dead letters of {name} (prefix {prefix}){which}: nothing to purge")
+            return
+    if not yes:
+        _confirm(f"Delete dead letters of {name} (prefix {prefix}){which}?")
+    with _redis_errors(prefix):
+        if age_ms is not None:
+            count = admin.purge_old_dead_letters(client, keys, age_ms)
         else:
             count = admin.purge_dead_letters(client, keys, ids)
     typer.echo(f"purged {count} dead letter(s) of {name}{which}")

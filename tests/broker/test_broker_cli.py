@@ -302,6 +302,39 @@ def test_dead_letters_of_a_model_redis_has_never_seen_is_an_error_naming_those_i
     assert served.returncode == 0 and json.loads(served.stdout) == [], served.stderr
 
 
+def test_dead_letters_purge_with_nothing_to_purge_says_so_without_asking(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """No dead letter (or none old enough): nothing to confirm, exit status 0."""
+    client = redis_server.client()
+    keys = ModelKeys("toy", prefix)
+    client.xgroup_create(keys.stream, "workers", mkstream=True)
+    base = ("--name", "toy", "--prefix", prefix, "--redis", redis_server.url)
+
+    def purge(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(  # no one to answer a question: stdin at its end
+            [sys.executable, "-m", "broker.cli", "dead-letters", "purge", *base, *args],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    none = purge()
+    assert none.returncode == 0, none.stderr
+    assert none.stdout == f"no dead letters of toy (prefix {prefix}): nothing to purge\n"
+    assert none.stderr == ""
+    client.xadd(keys.dead_letters, {"id": "x", "dead_reason": "test", "data": b"1"})
+    recent = purge("--older-than", "1d")
+    assert recent.returncode == 0, recent.stderr
+    assert recent.stdout == (
+        f"no dead letters of toy (prefix {prefix}) dead-lettered over 1d ago: nothing to purge\n"
+    )
+    asked = purge()  # one to purge: asked, and no one answers
+    assert asked.returncode == 1 and client.xlen(keys.dead_letters) == 1
+
+
 def setuser_rules(line: str) -> list[str]:
     """``ACL SETUSER`` arguments of an ACL file line (a selector in parentheses is one)."""
     return re.findall(r"\([^)]*\)|\S+", line)[1:]
