@@ -40,7 +40,7 @@ EXIT_STATUS = (
     "Exit status: 0 on success; 1 when Redis cannot be reached or refuses a command (an ACL "
     "user's NOPERM, say), or (dead-letters, forget) holds nothing of the named model, or "
     "(dead-letters) no dead letter of an --id given, or (forget) the model is in use; 2 for a "
-    "bad option."
+    "bad option; 130 for a Ctrl-C while the command is still being loaded."
 )
 
 app = new_app(

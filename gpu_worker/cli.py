@@ -47,7 +47,7 @@ EXIT_STATUS = (
     "--start-timeout) or one did not stop in time; 2 for a bad option, a --model that cannot "
     "be imported or is not a ManagedModel, or when Redis did not answer within --redis-wait "
     "when starting, refused the credentials, or refused a command to the worker's ACL user "
-    "(NOPERM)."
+    "(NOPERM); 130 for a Ctrl-C while the command is still being loaded."
 )
 
 

@@ -36,7 +36,8 @@ FIELDS = GatewaySettings.model_fields
 EXIT_STATUS = (
     "Exit status: 0 after a graceful stop (SIGTERM, Ctrl-C); 2 for a bad option, an address "
     "it cannot listen on (--port in use, say) or a --model that cannot be imported; "
-    "gunicorn's 3 when a worker process cannot boot, or 4 when one cannot load the app."
+    "gunicorn's 3 when a worker process cannot boot, or 4 when one cannot load the app; 130 "
+    "for a Ctrl-C while the command is still being loaded."
 )
 
 app = new_app("The microbatch HTTP gateway: FastAPI under gunicorn with uvicorn workers.")
