@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -280,7 +282,8 @@ def status(
             "--watch",
             help="Refresh the tables every second, through Redis outages, also one at the "
             "start (a line says Redis cannot be reached until it answers); Ctrl-C stops. Not "
-            "with --json.",
+            "with --json. Into a pipe or a file, each second's tables follow the last, under a "
+            "line with the time (== HH:MM:SS ==).",
         ),
     ] = False,
     as_json: JsonOption = False,
@@ -303,13 +306,40 @@ def status(
                 _say_where_models_are(client, prefix)
             _say_if_library_is_old(client)
             return
-        with Live(_status_tables(admin.status(client, prefix)), console=Console()) as live:
-            try:
-                while True:
-                    time.sleep(1.0)
-                    live.update(_watched_status(client, prefix))
-            except KeyboardInterrupt:
-                pass
+        try:
+            if Console().is_terminal:
+                _watch_live(client, prefix)
+            else:
+                _watch_frames(client, prefix)
+        except KeyboardInterrupt:
+            pass
+
+
+def _watch_live(client: redis.Redis, prefix: str | None) -> None:
+    """Refresh the status tables in place, every second, until Ctrl-C."""
+    with Live(_status_tables(admin.status(client, prefix)), console=Console()) as live:
+        while True:
+            time.sleep(1.0)
+            live.update(_watched_status(client, prefix))
+
+
+def _watch_frames(client: redis.Redis, prefix: str | None) -> None:
+    """Into a pipe or a file (`status --watch | tee log`), where a refresh in place would
+    leave only the last frame: write each second's tables after the last, under a line with
+    the time (``== HH:MM:SS ==``) and followed by an empty line, each written out at once.
+    A reader that goes away (`| head`) ends it."""
+    shown: RenderableType = _status_tables(admin.status(client, prefix))
+    try:
+        while True:
+            typer.echo(f"== {time.strftime('%H:%M:%S')} ==")
+            _print(shown)
+            typer.echo("")
+            sys.stdout.flush()
+            time.sleep(1.0)
+            shown = _watched_status(client, prefix)
+    except BrokenPipeError:
+        # (Python's own flush at exit would fail again, with a warning)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _watched_status(client: redis.Redis, prefix: str | None) -> RenderableType:

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -821,6 +822,40 @@ def test_a_status_watch_waits_for_a_redis_not_answering_yet(prefix: str) -> None
     assert watch.returncode == 0, err
     assert err.count("Redis cannot be reached") == 1, err
     assert "microbatch models" in out, out  # the status tables, once Redis answered
+
+
+def test_a_status_watch_into_a_pipe_writes_every_frame(
+    redis_server: RedisServer, prefix: str
+) -> None:
+    """Into a pipe (`status --watch | tee log`) a watch wrote nothing until it stopped, and
+    then only its last frame: each refresh now follows the last, under a line with its time."""
+    client = redis_server.client()
+    client.xgroup_create(ModelKeys("toy", prefix).stream, "workers", mkstream=True)
+    command = [sys.executable, "-m", "broker.cli", "status", "--watch", "--prefix", prefix]
+    watch = subprocess.Popen(
+        [*command, "--redis", redis_server.url],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "80"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # each frame is written as it is shown (not held in a buffer)
+        shown, _, _ = select.select([watch.stdout], [], [], 10)
+        time.sleep(2.5)
+        watch.send_signal(signal.SIGINT)
+        out, err = watch.communicate(timeout=10)
+    finally:
+        watch.kill()
+        watch.wait()
+    assert watch.returncode == 0, err
+    assert shown, out
+    assert re.match(r"== \d\d:\d\d:\d\d ==\n", out), out
+    frames = re.findall(r"^== \d\d:\d\d:\d\d ==$", out, re.MULTILINE)
+    assert len(frames) >= 3, out
+    assert out.count("toy") == len(frames), out  # each frame whole
+    assert out.endswith("\n\n") or out.endswith("\n"), out
 
 
 def test_a_status_watch_rides_out_redis_being_away(redis_server: RedisServer) -> None:
