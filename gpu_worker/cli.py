@@ -166,7 +166,8 @@ def start(
         typer.Option(
             help="Serve Prometheus metrics of all this command's worker processes on this port "
             "(/metrics), with its probes: /ready (a worker process serves the model) and /live "
-            "(the supervisor's loop goes round; a Redis outage does not fail it).",
+            "(the supervisor's loop goes round; a Redis outage does not fail it). Any other "
+            "path is 404.",
         ),
     ] = None,
     start_timeout: Annotated[

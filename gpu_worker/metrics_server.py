@@ -1,5 +1,6 @@
 """The worker's ``/metrics`` endpoint (and ``/ready`` and ``/live``, its probes):
 prometheus_client's WSGI app on a threaded server whose connections time out and are capped.
+Any other path is 404 (prometheus_client's app serves the metrics on every path).
 
 prometheus_client's ``start_http_server`` gives each connection a thread that waits for its
 request without a timeout: 1,000 connections that sent nothing held 1,000 threads of a
@@ -89,23 +90,36 @@ class MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
         log.debug("metrics connection from %s failed", client_address, exc_info=True)
 
 
+METRICS_PATH = "/metrics"
+NOT_FOUND = f"not found: the metrics are at {METRICS_PATH}\n"
+
+
 def with_probes(app: Any, probes: dict[str, tuple[Callable[[], bool], str, str]]) -> Any:
-    """``app`` (WSGI), with each probe's path answered 200 and its first word while its check
-    is true, else 503 and its second: ``{"/ready": (ready, "ready", "not ready")}``."""
+    """``app`` (WSGI, the metrics) on ``/metrics`` alone, with each probe's path answered 200
+    and its first word while its check is true, else 503 and its second:
+    ``{"/ready": (ready, "ready", "not ready")}``; any other path 404."""
 
     def serve(environ: dict[str, Any], start_response: Any) -> Iterable[bytes]:
-        probe = probes.get(environ.get("PATH_INFO", ""))
-        if probe is None:
+        path = environ.get("PATH_INFO", "")
+        if path == METRICS_PATH:
             result: Iterable[bytes] = app(environ, start_response)
             return result
+        probe = probes.get(path)
+        if probe is None:
+            return _text(start_response, "404 Not Found", NOT_FOUND)
         check, yes, no = probe
-        ok = check()
-        body = f"{yes if ok else no}\n".encode()
-        status = "200 OK" if ok else "503 Service Unavailable"
-        start_response(status, [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
-        return [body]
+        if check():
+            return _text(start_response, "200 OK", yes)
+        return _text(start_response, "503 Service Unavailable", no)
 
     return serve
+
+
+def _text(start_response: Any, status: str, text: str) -> list[bytes]:
+    """A plain-text answer: ``text`` on a line of its own."""
+    body = text.encode() if text.endswith("\n") else f"{text}\n".encode()
+    start_response(status, [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
+    return [body]
 
 
 def start_metrics_server(
@@ -118,7 +132,8 @@ def start_metrics_server(
     alive: Callable[[], bool] | None = None,
 ) -> tuple[MetricsServer, threading.Thread]:
     """Serve ``registry`` on ``http://host:port/metrics`` from a daemon thread, and, given
-    ``ready`` and ``alive``, ``/ready`` and ``/live``: 200 while each returns true, else 503."""
+    ``ready`` and ``alive``, ``/ready`` and ``/live``: 200 while each returns true, else 503.
+    Any other path is 404."""
     handler = type("Handler", (_QuietHandler,), {"timeout": timeout})
     app = make_wsgi_app(registry)
     probes = {}
@@ -126,8 +141,7 @@ def start_metrics_server(
         probes["/ready"] = (ready, "ready", "not ready")
     if alive is not None:
         probes["/live"] = (alive, "alive", "stalled")
-    if probes:
-        app = with_probes(app, probes)
+    app = with_probes(app, probes)
     server: Any = make_server(host, port, app, server_class=MetricsServer, handler_class=handler)
     server.deadline = deadline
     thread = threading.Thread(target=server.serve_forever, name="metrics-server", daemon=True)

@@ -92,3 +92,32 @@ def test_clients_trickling_their_requests_are_cut_off_at_the_deadline() -> None:
             sock.close()
         server.shutdown()
         server.server_close()
+
+
+def test_only_the_metrics_and_probe_paths_answer() -> None:
+    """prometheus_client's app served the metrics on any path (`/`, `/anything`, a typo of a
+    probe's): a wrong path looked like a scrape target, and a wrong probe path like a probe
+    that passed. Only /metrics, /ready and /live answer; any other path is 404."""
+    registry = CollectorRegistry()
+    Counter("microbatch_test", "a counter", registry=registry).inc()
+    port = free_port()
+    server, _ = start_metrics_server(
+        port, registry, host="127.0.0.1", ready=lambda: False, alive=lambda: True
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        scraped = httpx.get(f"{base}/metrics", timeout=5)
+        probes = [httpx.get(f"{base}{path}", timeout=5) for path in ("/ready", "/live")]
+        others = {
+            path: httpx.get(f"{base}{path}", timeout=5)
+            for path in ("/", "/metrics/", "/metricsx", "/favicon.ico", "/readyz", "/x/metrics")
+        }
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert scraped.status_code == 200 and "microbatch_test_total 1.0" in scraped.text
+    assert [(p.status_code, p.text) for p in probes] == [(503, "not ready\n"), (200, "alive\n")]
+    for path, response in others.items():
+        assert response.status_code == 404, path
+        assert response.text == "not found: the metrics are at /metrics\n", path
+        assert "microbatch_test" not in response.text
