@@ -170,6 +170,14 @@ def start(
             "path is 404.",
         ),
     ] = None,
+    metrics_host: Annotated[
+        str,
+        typer.Option(
+            help="The address --metrics-port listens on: 0.0.0.0 (default) every IPv4 "
+            "interface; 127.0.0.1 (or ::1) this machine only, for a scraper or probe on the "
+            "same host; or one interface's address.",
+        ),
+    ] = "0.0.0.0",
     start_timeout: Annotated[
         float,
         typer.Option(

@@ -93,6 +93,7 @@ class WorkerConfig:
     max_latency: float | None = None
     max_batch_cost: int | None = None
     metrics_port: int | None = None
+    metrics_host: str = "0.0.0.0"  # the address the metrics port listens on (every interface)
     start_timeout: float = 600.0
     graceful_timeout: float = 30.0
     max_start_failures: int = 3
@@ -175,6 +176,7 @@ class WorkerConfig:
                 self.metrics_port is not None and not 1 <= self.metrics_port <= 65535,
                 "--metrics-port must be between 1 and 65535",
             ),
+            (not self.metrics_host.strip(), "--metrics-host cannot be empty"),
             (self.max_deliveries < 1, "--max-deliveries must be at least 1"),
             (self.max_batches < 0, "--max-batches must be 0 (never) or a positive number"),
             (self.max_rss_mib < 0, "--max-rss-mib must be 0 (never) or a positive number"),

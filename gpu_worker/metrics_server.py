@@ -94,6 +94,12 @@ METRICS_PATH = "/metrics"
 NOT_FOUND = f"not found: the metrics are at {METRICS_PATH}\n"
 
 
+class MetricsServer6(MetricsServer):
+    """:class:`MetricsServer` on an IPv6 address (``::1``, ``::``)."""
+
+    address_family = socket.AF_INET6
+
+
 def with_probes(app: Any, probes: dict[str, tuple[Callable[[], bool], str, str]]) -> Any:
     """``app`` (WSGI, the metrics) on ``/metrics`` alone, with each probe's path answered 200
     and its first word while its check is true, else 503 and its second:
@@ -142,7 +148,8 @@ def start_metrics_server(
     if alive is not None:
         probes["/live"] = (alive, "alive", "stalled")
     app = with_probes(app, probes)
-    server: Any = make_server(host, port, app, server_class=MetricsServer, handler_class=handler)
+    server_class = MetricsServer6 if ":" in host else MetricsServer
+    server: Any = make_server(host, port, app, server_class=server_class, handler_class=handler)
     server.deadline = deadline
     thread = threading.Thread(target=server.serve_forever, name="metrics-server", daemon=True)
     thread.start()

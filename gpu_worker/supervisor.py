@@ -156,7 +156,12 @@ class Supervisor:
         self.metrics: SupervisorMetrics | None = None
         if config.metrics_port is not None:
             self.metrics = SupervisorMetrics(
-                config.metrics_port, self.keys, self.heartbeats, self.ready, self.alive
+                config.metrics_port,
+                self.keys,
+                self.heartbeats,
+                self.ready,
+                self.alive,
+                host=config.metrics_host,
             )
         self.all_ready_once = False
 
@@ -606,6 +611,7 @@ class SupervisorMetrics:
         heartbeats: Heartbeats,
         ready: Callable[[], bool] | None = None,
         alive: Callable[[], bool] | None = None,
+        host: str = "0.0.0.0",
     ) -> None:
         self.directory = multiproc_metrics.fresh_directory("microbatch-metrics-")
         from . import metrics
@@ -614,16 +620,18 @@ class SupervisorMetrics:
         self._metrics = metrics
         try:
             self.server, self.thread = start_metrics_server(
-                port, multiproc_metrics.registry(), ready=ready, alive=alive
+                port, multiproc_metrics.registry(), host=host, ready=ready, alive=alive
             )
         except OSError as exc:  # the port is taken, say: a bad option, not a traceback
             shutil.rmtree(self.directory, ignore_errors=True)
-            raise ValueError(f"--metrics-port {port}: {exc.strerror or exc}") from None
+            where = "" if host == "0.0.0.0" else f" on --metrics-host {host}"
+            raise ValueError(f"--metrics-port {port}{where}: {exc.strerror or exc}") from None
         self.keys = keys
         self.client = heartbeats.client
         self._next_sample = 0.0
         metrics.RESTARTS.labels(keys.model)  # exported as 0 from the start
-        log.info("metrics on http://0.0.0.0:%d/metrics", port)
+        shown = f"[{host}]" if ":" in host else host  # an IPv6 address, as a URL holds it
+        log.info("metrics on http://%s:%d/metrics", shown, port)
 
     def restarted(self) -> None:
         self._metrics.RESTARTS.labels(self.keys.model).inc()

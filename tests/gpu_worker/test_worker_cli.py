@@ -439,6 +439,36 @@ def test_a_metrics_port_in_use_gives_one_line(redis_server: RedisServer, prefix:
     assert "Traceback" not in result.stderr
 
 
+def listening_address(port: int) -> str:
+    """The IPv4 address a socket of this machine listens on ``port`` at (from /proc)."""
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, hex_port = local.split(":")
+        if state == "0A" and int(hex_port, 16) == port:  # LISTEN
+            return ".".join(str(b) for b in reversed(bytes.fromhex(address)))
+    raise AssertionError(f"nothing listens on port {port}")
+
+
+@pytest.mark.parametrize("host", [None, "127.0.0.1"])
+def test_the_metrics_port_listens_on_metrics_host(
+    redis_server: RedisServer, prefix: str, tmp_path: Path, host: str | None
+) -> None:
+    """The metrics port listened on every interface, with no way to keep it to loopback (a
+    host-network pod, a machine shared with others): --metrics-host chooses."""
+    port = free_port()
+    given = ("--metrics-host", host) if host else ()
+    log = tmp_path / "worker.log"
+    with worker_process(
+        redis_server.url, "tests.models:Toy", prefix, "--metrics-port", str(port), *given,
+        log_path=log,
+    ) as worker:  # fmt: skip
+        wait_for_line(log, "metrics on http://", worker)
+        bound = listening_address(port)
+    expected = host or "0.0.0.0"
+    assert bound == expected
+    assert f"metrics on http://{expected}:{port}/metrics" in log.read_text()
+
+
 @pytest.mark.parametrize(
     "variable, hint",
     [
