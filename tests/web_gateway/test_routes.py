@@ -169,7 +169,9 @@ def test_a_compressed_body_is_inflated_off_the_event_loop(
     monkeypatch.setattr(reading, "_decompress", recording)
     body = gzip.compress(b'{"inputs": [[1, 2, 3, 4]]}')
     response = guarded.post(
-        "/v1/models/doubler/predict", content=body, headers={**AUTH, "Content-Encoding": "gzip"}
+        "/v1/models/doubler/predict",
+        content=body,
+        headers={**AUTH, "Content-Encoding": "gzip", "X-Request-Timeout": "0.5"},
     )
     assert response.status_code != 400, response.text  # read whole, whatever came after
     assert inflated_on_loop == [False]
