@@ -191,11 +191,15 @@ class _BaseStreamer:
 
 def _items(batch: Any) -> Any:
     """The batch's items ready to send. Like service_streamer, any sized iterable is a batch
-    (a numpy array or a tensor gives its rows), but a string, bytes or a mapping is not."""
+    (a numpy array or a tensor gives its rows), but a string, bytes or a mapping is not
+    (TypeError, in the terms of this API: microbatch's Streamer names its own methods)."""
     if isinstance(batch, (str, bytes, bytearray, Mapping)) or not (
         isinstance(batch, Sized) and isinstance(batch, Iterable)
     ):
-        return batch  # the Streamer refuses it with its own message
+        raise TypeError(
+            "predict and submit take a batch (a list, tuple or other sized iterable; a numpy "
+            f"array or a tensor gives its rows) of items, not {type(batch).__name__}"
+        )
     return [to_wire(item) for item in batch]
 
 

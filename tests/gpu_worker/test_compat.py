@@ -352,6 +352,23 @@ def test_values_travel_as_msgpack_never_pickle() -> None:
         streamer.destroy_workers()
 
 
+def test_a_string_bytes_or_mapping_batch_is_refused_in_the_compat_api_terms() -> None:
+    """The TypeError names what the compat streamers take (any sized iterable), not the
+    microbatch Streamer's list-or-tuple and its async methods, which they do not have."""
+    streamer = compat.ThreadedStreamer(picky.predict, batch_size=8, max_latency=0)
+    try:
+        assert streamer.predict(range(2)) == ["0", "1"]  # any sized iterable is a batch
+        for batch in ("abc", b"abc", {"a": 1}, 3):
+            for call in (streamer.predict, streamer.submit):
+                with pytest.raises(TypeError) as raised:
+                    call(batch)
+                message = str(raised.value)
+                assert "sized iterable" in message and type(batch).__name__ in message
+                assert "apredict" not in message and "astart" not in message
+    finally:
+        streamer.destroy_workers()
+
+
 def test_timeouts_are_timeout_errors_and_destroyed_streamers_refuse() -> None:
     streamer = compat.ThreadedStreamer(picky.predict, batch_size=8, max_latency=0)
     started = time.monotonic()
