@@ -41,8 +41,9 @@ MAX_COUNT = 2**63 - 1  # the most Redis' XRANGE ... COUNT takes
 EXIT_STATUS = (
     "Exit status: 0 on success; 1 when Redis cannot be reached or refuses a command (an ACL "
     "user's NOPERM, say), or (dead-letters, forget) holds nothing of the named model, or "
-    "(dead-letters) no dead letter of an --id given, or (forget) the model is in use; 2 for a "
-    "bad option; 130 for a Ctrl-C while the command is still being loaded."
+    "(dead-letters) no dead letter of an --id given, or (forget) the model is in use, or "
+    "(purge, forget) the confirmation was declined; 2 for a bad option; 130 for a "
+    "Ctrl-C while the command is still being loaded."
 )
 
 app = new_app(
