@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 from typing import Any
 
 import pytest
@@ -837,14 +838,9 @@ def test_a_body_over_the_request_limit_is_answered_413_when_it_also_trips_the_bu
     assert budget[0].startswith(b"HTTP/1.1 503 ") and b'"TooManyBodyBytes"' in budget[0]
 
 
-def serve_on_a_socket(act: str) -> list[bytes]:
-    """Serve a keep-alive connection over a real socket pair: one request answered, then a
-    second sent and, before the event loop has read it, the idle connection's deadline
-    passes (``act`` "expire", as the sweep finds it) or the server stops (``act``
-    "shutdown", as uvicorn's graceful stop calls it). Returns what the client then reads,
-    read by read, until the connection ends (b"RESET" for a reset)."""
-    import socket
-
+async def serving_a_socket_pair() -> tuple[Limited, socket.socket]:
+    """The protocol serving one connection of a real socket pair, to an app that answers
+    200 OK; the protocol, and the client's end (non-blocking)."""
     from uvicorn.config import Config
     from uvicorn.server import ServerState
 
@@ -852,16 +848,27 @@ def serve_on_a_socket(act: str) -> list[bytes]:
         await receive()
         await answer_ok(send)
 
+    config = Config(app, lifespan="off", log_level="warning")
+    config.load()
+    loop = asyncio.get_running_loop()
+    protocol = Limited(config, ServerState(), {}, loop)
+    client, server = socket.socketpair()
+    client.setblocking(False)
+    await loop.connect_accepted_socket(lambda: protocol, server)
+    return protocol, client
+
+
+def serve_on_a_socket(act: str) -> list[bytes]:
+    """Serve a keep-alive connection over a real socket pair: one request answered, then a
+    second sent and, before the event loop has read it, the idle connection's deadline
+    passes (``act`` "expire", as the sweep finds it) or the server stops (``act``
+    "shutdown", as uvicorn's graceful stop calls it). Returns what the client then reads,
+    read by read, until the connection ends (b"RESET" for a reset)."""
     request = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
 
     async def main() -> list[bytes]:
         loop = asyncio.get_running_loop()
-        config = Config(app, lifespan="off", log_level="warning")
-        config.load()
-        protocol = Limited(config, ServerState(), {}, loop)
-        client, server = socket.socketpair()
-        client.setblocking(False)
-        await loop.connect_accepted_socket(lambda: protocol, server)
+        protocol, client = await serving_a_socket_pair()
         await loop.sock_sendall(client, request)
         assert (await loop.sock_recv(client, 65536)).startswith(b"HTTP/1.1 200 OK\r\n")
         assert protocol.phase == IDLE
@@ -904,23 +911,10 @@ def stop_a_fresh_connection(send_after: float | None) -> bytes:
     calls ``shutdown``) before any byte of a request arrives, then send one ``send_after``
     seconds later (None: never; the sweep's expiry is run by hand). Returns what the client
     read until the connection ended."""
-    import socket
-
-    from uvicorn.config import Config
-    from uvicorn.server import ServerState
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        await receive()
-        await answer_ok(send)
 
     async def main() -> bytes:
         loop = asyncio.get_running_loop()
-        config = Config(app, lifespan="off", log_level="warning")
-        config.load()
-        protocol = Limited(config, ServerState(), {}, loop)
-        client, server = socket.socketpair()
-        client.setblocking(False)
-        await loop.connect_accepted_socket(lambda: protocol, server)
+        protocol, client = await serving_a_socket_pair()
         stopped = loop.time()
         protocol.shutdown()
         if send_after is None:
