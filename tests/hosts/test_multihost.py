@@ -15,6 +15,8 @@ last item the faulty host held; *dup_replies*: replies the client's inbox got tw
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -140,6 +142,23 @@ def hold_then(stack: Stack, prefix: str, victim: Host, want: int = 4) -> list[st
     return consumers
 
 
+def frozen_holding(stack: Stack, prefix: str, victim: Host) -> tuple[list[str], list[int]]:
+    """Wait until ``victim`` holds items (:func:`hold_then`), then stop (SIGSTOP) its processes
+    while it still does, so that the fault that follows finds them held: a 0.1 s batch could
+    end between the check and a kill or a cut (seen: "holding nothing"). Returns its consumers
+    and the pids stopped (SIGCONT them, or kill them)."""
+    for _ in range(5):
+        consumers = hold_then(stack, prefix, victim)
+        pids = victim.pids()
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        if held_inputs(stack.redis, prefix, consumers):
+            return consumers, pids
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    raise AssertionError(f"{victim} never held items when stopped")
+
+
 def test_a_worker_host_killed_under_load_loses_nothing(network: Network, prefix: str) -> None:
     stack = build_stack(network, prefix, batch_delay=0.1, batch_size=16)
     victim = stack.workers[0]
@@ -148,7 +167,7 @@ def test_a_worker_host_killed_under_load_loses_nothing(network: Network, prefix:
     )
     started = load.wait_started()
     time.sleep(max(0.0, started + 3.0 - time.monotonic()))
-    consumers = hold_then(stack, prefix, victim)
+    consumers, _ = frozen_holding(stack, prefix, victim)
     killed = victim.kill_all()
     fault = time.monotonic()
     held = held_inputs(stack.redis, prefix, consumers)  # nobody else can claim them for 2 s
@@ -182,10 +201,12 @@ def test_a_worker_host_cut_off_and_healed_is_taken_over_without_a_wrong_answer(
     )
     started = load.wait_started()
     time.sleep(max(0.0, started + 3.0 - time.monotonic()))
-    consumers = hold_then(stack, prefix, victim)
-    pids = sorted(victim.pids())
+    consumers, frozen = frozen_holding(stack, prefix, victim)
+    pids = sorted(frozen)
     victim.link_down()
     cut = time.monotonic()
+    for pid in frozen:
+        os.kill(pid, signal.SIGCONT)
     time.sleep(0.3)  # what was in flight when the cable was pulled is lost or stuck
     entries = held_entries(stack.redis, prefix, consumers)
     held = sorted(entries.values())
