@@ -100,7 +100,7 @@ from uvicorn.protocols.http.httptools_impl import (
 from broker.logs import Every
 
 from .disconnects import ON_GONE, gone
-from .errors import error_body, is_v2, v2_error_body
+from .errors import error_body, is_v2, shown, v2_error_body
 
 if TYPE_CHECKING:
     from .settings import GatewaySettings
@@ -498,18 +498,16 @@ def _tell_app_gone(cycle: RequestResponseCycle) -> None:
 _METHOD = re.compile(rb"([!#$%&'*+\-.^_`|~0-9A-Za-z]+) ([^ \r\n]*)")
 
 
-def _unknown_method(exc: Exception, start: bytes) -> bytes | None:
-    """The method of a request line the parser refused for it: a token it does not know,
-    where ``start`` (the request's first bytes) shows one; None for anything else."""
+def _unknown_method(exc: Exception, start: bytes) -> tuple[str, str] | None:
+    """The method and target of a request line the parser refused for its method: a token it
+    does not know, where ``start`` (the request's first bytes) shows one; None for anything
+    else."""
     if not isinstance(exc, httptools.HttpParserInvalidMethodError):
         return None
     found = _METHOD.match(start)
-    return None if found is None else found.group(1)
-
-
-def _request_target(start: bytes) -> str:
-    found = _METHOD.match(start)
-    return "" if found is None else found.group(2).decode("latin-1")
+    if found is None:
+        return None
+    return found.group(1).decode("ascii"), found.group(2).decode("latin-1")
 
 
 def report_closed_connections() -> None:
@@ -740,16 +738,14 @@ class GatewayHttpProtocol(CoalescingHttpToolsProtocol):
         uvicorn did: a line per connection sending garbage). A request line whose method is a
         token the parser does not know (``start``: the request's first bytes, when known) is
         answered 501 instead (RFC 9110, 15.6.2)."""
-        method = _unknown_method(exc, start)
-        if method is not None:
-            shown = method.decode("ascii")
-            if len(shown) > 40:
-                shown = f"{shown[:37]}..."
+        unknown = _unknown_method(exc, start)
+        if unknown is not None:
+            method, target = unknown
             refusal = self._refusal(
                 "501 Not Implemented",
                 "NotImplemented",
-                f"method '{shown}' is not implemented (the routes take GET, HEAD and POST)",
-                v2=is_v2(_request_target(start)),
+                f"method {shown(method)} is not implemented (the routes take GET, HEAD and POST)",
+                v2=is_v2(target),
             )
             self._close_refused("invalid", refusal)
             return
