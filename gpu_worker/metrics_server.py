@@ -91,7 +91,7 @@ class MetricsServer(socketserver.ThreadingMixIn, WSGIServer):
 
 
 METRICS_PATH = "/metrics"
-NOT_FOUND = f"not found: the metrics are at {METRICS_PATH}\n"
+NOT_FOUND = f"not found: the metrics are at {METRICS_PATH}"
 
 
 class MetricsServer6(MetricsServer):
@@ -123,7 +123,7 @@ def with_probes(app: Any, probes: dict[str, tuple[Callable[[], bool], str, str]]
 
 def _text(start_response: Any, status: str, text: str) -> list[bytes]:
     """A plain-text answer: ``text`` on a line of its own."""
-    body = text.encode() if text.endswith("\n") else f"{text}\n".encode()
+    body = f"{text}\n".encode()
     start_response(status, [("Content-Type", "text/plain"), ("Content-Length", str(len(body)))])
     return [body]
 
