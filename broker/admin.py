@@ -430,6 +430,12 @@ def purge_dead_letters(client: redis.Redis, keys: ModelKeys, ids: list[str] | No
     return purged
 
 
+def _oldest_kept_ms(client: redis.Redis, part: ModelKeys, older_than_ms: int) -> int:
+    """The id time (ms) from which a partition's dead letters are newer than ``older_than_ms``,
+    by the clock of the node holding them (which stamped their ids): XTRIM MINID's bound."""
+    return _now_ms(client, part) - older_than_ms
+
+
 def has_dead_letters(
     client: redis.Redis, keys: ModelKeys, older_than_ms: int | None = None
 ) -> bool:
@@ -440,8 +446,8 @@ def has_dead_letters(
             if int(client.xlen(part.dead_letters)):
                 return True
             continue
-        newest_gone = _now_ms(client, part) - older_than_ms - 1  # what XTRIM MINID would take
-        if newest_gone >= 0 and client.xrange(part.dead_letters, "-", newest_gone, count=1):
+        oldest_kept = _oldest_kept_ms(client, part, older_than_ms)
+        if oldest_kept > 0 and client.xrange(part.dead_letters, "-", oldest_kept - 1, count=1):
             return True
     return False
 
@@ -451,7 +457,7 @@ def purge_old_dead_letters(client: redis.Redis, keys: ModelKeys, older_than_ms: 
     node holding each, which stamped their ids); return how many."""
     purged = 0
     for part in keys.lanes():
-        oldest_kept = _now_ms(client, part) - older_than_ms
+        oldest_kept = _oldest_kept_ms(client, part, older_than_ms)
         if oldest_kept > 0:
             purged += int(client.xtrim(part.dead_letters, minid=oldest_kept, approximate=False))
     return purged
