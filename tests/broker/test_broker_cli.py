@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgpack
@@ -794,11 +796,12 @@ def test_purge_older_than_keeps_the_recent_dead_letters_for_a_periodic_clean_up(
     assert left == [b"new", b"new"]
 
 
-def start_watch(prefix: str, redis_url: str) -> subprocess.Popen[str]:
+@contextmanager
+def watching(prefix: str, redis_url: str) -> Iterator[subprocess.Popen[str]]:
     """`broker status --watch` as a process of its own (it runs until a signal), its output
-    piped."""
+    piped; killed on the way out if it still runs."""
     command = [sys.executable, "-m", "broker.cli", "status", "--watch", "--prefix", prefix]
-    return subprocess.Popen(
+    watch = subprocess.Popen(
         [*command, "--redis", redis_url],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "80"},
@@ -806,6 +809,19 @@ def start_watch(prefix: str, redis_url: str) -> subprocess.Popen[str]:
         stderr=subprocess.PIPE,
         text=True,
     )
+    try:
+        yield watch
+    finally:
+        watch.kill()
+        watch.wait()
+
+
+def stopped_by_ctrl_c(watch: subprocess.Popen[str]) -> tuple[str, str]:
+    """Ctrl-C (SIGINT) to a watch: its stdout and stderr, once it has exited with status 0."""
+    watch.send_signal(signal.SIGINT)
+    out, err = watch.communicate(timeout=10)
+    assert watch.returncode == 0, err
+    return out, err
 
 
 def test_a_status_watch_waits_for_a_redis_not_answering_yet(prefix: str) -> None:
@@ -813,19 +829,13 @@ def test_a_status_watch_waits_for_a_redis_not_answering_yet(prefix: str) -> None
     exited at once with 'cannot reach Redis' (status 1), though its help promises to ride out
     outages; it now says so once, waits, and shows the status once Redis answers."""
     port = free_port()
-    watch = start_watch(prefix, f"redis://127.0.0.1:{port}/0")
-    try:
+    with watching(prefix, f"redis://127.0.0.1:{port}/0") as watch:
         time.sleep(3)
         assert watch.poll() is None, watch.communicate()
         with RedisServer(port=port):
             time.sleep(3)
             assert watch.poll() is None
-            watch.send_signal(signal.SIGINT)
-            out, err = watch.communicate(timeout=10)
-    finally:
-        watch.kill()
-        watch.wait()
-    assert watch.returncode == 0, err
+            out, err = stopped_by_ctrl_c(watch)
     assert err.count("Redis cannot be reached") == 1, err
     assert "microbatch models" in out, out  # the status tables, once Redis answered
 
@@ -837,17 +847,11 @@ def test_a_status_watch_into_a_pipe_writes_every_frame(
     then only its last frame: each refresh now follows the last, under a line with its time."""
     client = redis_server.client()
     client.xgroup_create(ModelKeys("toy", prefix).stream, "workers", mkstream=True)
-    watch = start_watch(prefix, redis_server.url)
-    try:
+    with watching(prefix, redis_server.url) as watch:
         # each frame is written as it is shown (not held in a buffer)
         shown, _, _ = select.select([watch.stdout], [], [], 10)
         time.sleep(2.5)
-        watch.send_signal(signal.SIGINT)
-        out, err = watch.communicate(timeout=10)
-    finally:
-        watch.kill()
-        watch.wait()
-    assert watch.returncode == 0, err
+        out, _ = stopped_by_ctrl_c(watch)
     assert shown, out
     assert re.match(r"== \d\d:\d\d:\d\d ==\n", out), out
     frames = re.findall(r"^== \d\d:\d\d:\d\d ==$", out, re.MULTILINE)
